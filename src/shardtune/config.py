@@ -1,0 +1,244 @@
+"""Every option of a fine-tune, in one typed dataclass per section.
+
+Each field carries its command-line flag and help text in its metadata, so the CLI, the YAML
+config file and the resolved ``config.yaml`` written to the output directory all come from here.
+A YAML file may use the flag names as flat keys (``lora-r: 16`` or ``lora_r: 16``) or nest them
+by section (``lora: {r: 16}``); flags given on the command line override the file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration problem the user must fix; the message says which option and why."""
+
+
+def opt(default: Any, flag: str, help: str, choices: tuple[str, ...] | None = None) -> Any:
+    return field(default=default, metadata={"flag": flag, "help": help, "choices": choices})
+
+
+@dataclass
+class ModelConfig:
+    path: str | None = opt(None, "model", "Hugging Face model directory (config.json + *.safetensors + tokenizer).")
+    dtype: str = opt("bf16", "dtype", "Dtype of the frozen base weights and of compute.", ("bf16", "fp32"))
+
+
+@dataclass
+class LoraConfig:
+    r: int = opt(8, "lora-r", "LoRA rank.")
+    alpha: float = opt(16.0, "lora-alpha", "LoRA scaling numerator (scale = alpha / r).")
+    dropout: float = opt(0.0, "lora-dropout", "Dropout on the LoRA input.")
+    targets: str = opt("all-linear", "lora-targets", "Comma-separated module names to adapt, or 'all-linear'.")
+    bias: str = opt("none", "lora-bias", "Which biases train: none, all, or lora_only.", ("none", "all", "lora_only"))
+    modules_to_save: str = opt(
+        "", "lora-modules-to-save", "Comma-separated modules trained in full (e.g. lm_head)."
+    )
+
+
+@dataclass
+class DataConfig:
+    train: str | None = opt(None, "data", "Training data: .jsonl or .json (instruction/messages/text records).")
+    val: str | None = opt(None, "val-data", "Validation data in the same formats.")
+    seq_len: int = opt(512, "seq-len", "Tokens per record; longer records are truncated (and counted).")
+
+
+@dataclass
+class TrainConfig:
+    steps: int | None = opt(None, "steps", "Optimizer steps (default: --epochs 1).")
+    epochs: float | None = opt(None, "epochs", "Passes over the training data (when --steps is not given).")
+    batch_size: int = opt(8, "batch-size", "Global batch: records per optimizer step over all ranks.")
+    micro_batch_size: int | None = opt(
+        None, "micro-batch-size", "Records per forward pass on one rank (default: batch-size / ranks)."
+    )
+    lr: float = opt(2e-4, "lr", "Peak learning rate (AdamW).")
+    weight_decay: float = opt(0.0, "weight-decay", "AdamW weight decay.")
+    warmup_steps: int | None = opt(
+        None, "warmup-steps", "Linear warmup steps before the cosine decay (default: 10% of steps, at most 100)."
+    )
+    min_lr_ratio: float = opt(0.1, "min-lr-ratio", "Final learning rate as a fraction of --lr.")
+    max_grad_norm: float = opt(1.0, "max-grad-norm", "Clip the global gradient norm to this (0 disables).")
+    seed: int = opt(0, "seed", "Seed for LoRA init, shuffling and dropout.")
+    eval_every: int = opt(0, "eval-every", "Validation every N steps (0: only at the end; needs --val-data).")
+
+
+@dataclass
+class ParallelConfig:
+    nproc: int = opt(1, "nproc", "Worker processes to start on this node (one per GPU on GPU machines).")
+    strategy: str = opt(
+        "auto", "strategy", "How to split the model over ranks.", ("auto", "fsdp2", "fsdp1", "ddp", "single")
+    )
+    activation_checkpointing: bool = opt(
+        False, "activation-checkpointing", "Recompute each decoder layer's activations in backward."
+    )
+    cpu_offload: bool = opt(False, "cpu-offload", "Keep sharded parameters on CPU (FSDP only).")
+    nnodes: int = opt(1, "nnodes", "Number of nodes (multi-node runs).")
+    node_rank: int = opt(0, "node-rank", "This node's index among --nnodes.")
+    rdzv_endpoint: str | None = opt(None, "rdzv-endpoint", "HOST:PORT of the rendezvous (node 0) for multi-node runs.")
+
+
+@dataclass
+class OutputConfig:
+    out: str | None = opt(
+        None, "out", "Output directory (config.yaml, metrics.jsonl, summary.json, adapter/, checkpoints/)."
+    )
+    save_every: int = opt(0, "save-every", "Write a resumable checkpoint every N steps (0: never).")
+    keep_last: int = opt(2, "keep-last", "Resumable checkpoints to keep.")
+    resume: bool = opt(False, "resume", "Continue from the newest complete checkpoint under --out.")
+    log_file: str | None = opt(None, "log-file", "Also write every rank's log lines to this file.")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+
+    def flat(self) -> dict[str, Any]:
+        """The options keyed by flag name: what ``config.yaml`` holds and ``--config`` reads back."""
+        return {f.metadata["flag"]: getattr(getattr(self, s), f.name) for s, f in _all_fields()}
+
+
+def _all_fields() -> list[tuple[str, dataclasses.Field]]:
+    out = []
+    for section in fields(Config):
+        for f in fields(section.type if not isinstance(section.type, str) else globals()[section.type]):
+            out.append((section.name, f))
+    return out
+
+
+FLAGS: dict[str, tuple[str, dataclasses.Field]] = {f.metadata["flag"]: (s, f) for s, f in _all_fields()}
+SECTIONS = {f.name for f in fields(Config)}
+
+
+def _field_type(f: dataclasses.Field) -> type:
+    text = str(f.type)
+    for name, typ in (("bool", bool), ("int", int), ("float", float)):
+        if text.startswith(name):
+            return typ
+    return str
+
+
+def _coerce(flag: str, value: Any) -> Any:
+    _, f = FLAGS[flag]
+    if value is None:
+        return None
+    typ = _field_type(f)
+    try:
+        if typ is bool and isinstance(value, str):
+            if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                raise ValueError(value)
+            value = value.lower() in ("true", "1", "yes")
+        elif typ is str and isinstance(value, (list, tuple)):
+            value = ",".join(str(v) for v in value)
+        elif typ is int and isinstance(value, float) and not value.is_integer():
+            raise ValueError(value)
+        value = typ(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"option '{flag}': expected {typ.__name__}, got {value!r}") from None
+    choices = f.metadata["choices"]
+    if choices and value not in choices:
+        raise ConfigError(f"option '{flag}': {value!r} is not one of {', '.join(choices)}")
+    return value
+
+
+def _unknown(key: str, where: str) -> ConfigError:
+    close = difflib.get_close_matches(key.replace("_", "-"), list(FLAGS) + sorted(SECTIONS), n=1)
+    hint = f" (did you mean '{close[0]}'?)" if close else ""
+    return ConfigError(f"{where}: unknown option '{key}'{hint}")
+
+
+def flatten(raw: dict[str, Any], where: str) -> dict[str, Any]:
+    """Turn a YAML/dict config (flat flag keys or nested sections) into {flag: value}."""
+    flat: dict[str, Any] = {}
+    for key, value in raw.items():
+        name = str(key).replace("_", "-")
+        if name in SECTIONS and isinstance(value, dict):
+            section_fields = {f.name.replace("_", "-"): f for s, f in _all_fields() if s == name}
+            for sub, sub_value in value.items():
+                sub_name = str(sub).replace("_", "-")
+                if sub_name not in section_fields:
+                    raise _unknown(f"{name}.{sub}", where)
+                flat[section_fields[sub_name].metadata["flag"]] = sub_value
+        elif name in FLAGS:
+            flat[name] = value
+        else:
+            raise _unknown(str(key), where)
+    return flat
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {err}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping of options, got {type(raw).__name__}")
+    return raw
+
+
+def build_config(
+    base: str | Path | dict[str, Any] | None = None, overrides: dict[str, Any] | None = None
+) -> Config:
+    """Config from a YAML path or dict, then ``overrides`` ({flag or field: value}) on top."""
+    flat: dict[str, Any] = {}
+    if isinstance(base, (str, Path)):
+        flat.update(flatten(read_yaml(base), str(base)))
+    elif base:
+        flat.update(flatten(dict(base), "config"))
+    if overrides:
+        flat.update(flatten({k: v for k, v in overrides.items() if v is not None}, "arguments"))
+    cfg = Config()
+    for flag, value in flat.items():
+        section, f = FLAGS[flag]
+        setattr(getattr(cfg, section), f.name, _coerce(flag, value))
+    return cfg
+
+
+def validate(cfg: Config, need_data: bool = True) -> None:
+    """All checks that need no files read, in one place; raise ConfigError naming the option."""
+    if not cfg.model.path:
+        raise ConfigError("option 'model' is required: a Hugging Face model directory")
+    if need_data and not cfg.data.train:
+        raise ConfigError("option 'data' is required: a .jsonl or .json training file")
+    if need_data and not cfg.output.out:
+        raise ConfigError("option 'out' is required: the output directory")
+    positive = {
+        "lora-r": cfg.lora.r, "seq-len": cfg.data.seq_len, "batch-size": cfg.train.batch_size,
+        "nproc": cfg.parallel.nproc, "nnodes": cfg.parallel.nnodes, "keep-last": cfg.output.keep_last,
+    }
+    for flag, value in positive.items():
+        if value < 1:
+            raise ConfigError(f"option '{flag}' must be at least 1, got {value}")
+    for flag, value in {"steps": cfg.train.steps, "micro-batch-size": cfg.train.micro_batch_size}.items():
+        if value is not None and value < 1:
+            raise ConfigError(f"option '{flag}' must be at least 1, got {value}")
+    if cfg.train.epochs is not None and cfg.train.epochs <= 0:
+        raise ConfigError(f"option 'epochs' must be positive, got {cfg.train.epochs}")
+    if cfg.train.lr <= 0:
+        raise ConfigError(f"option 'lr' must be positive, got {cfg.train.lr}")
+    if not 0 <= cfg.lora.dropout < 1:
+        raise ConfigError(f"option 'lora-dropout' must be in [0, 1), got {cfg.lora.dropout}")
+    if not 0 <= cfg.parallel.node_rank < cfg.parallel.nnodes:
+        raise ConfigError(f"option 'node-rank' must be in [0, {cfg.parallel.nnodes}), got {cfg.parallel.node_rank}")
+    if cfg.parallel.nnodes > 1 and not cfg.parallel.rdzv_endpoint:
+        raise ConfigError("option 'rdzv-endpoint' (HOST:PORT of node 0) is required with --nnodes > 1")
+    if cfg.parallel.cpu_offload and cfg.parallel.strategy in ("ddp", "single"):
+        raise ConfigError(f"option 'cpu-offload' needs an FSDP strategy, not '{cfg.parallel.strategy}'")
+
+
+def write_yaml(cfg: Config, path: Path) -> None:
+    path.write_text(yaml.safe_dump(cfg.flat(), sort_keys=False))

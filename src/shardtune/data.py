@@ -1,0 +1,265 @@
+"""Records → tokens → the micro-batches each rank feeds, in a seeded order.
+
+Three record forms (JSON Lines or one JSON array):
+  {"instruction", "input"?, "output"}   loss on the output only
+  {"messages": [{"role", "content"}, …]} loss on assistant turns only
+  {"text"}                              loss on every token
+The tokenizer's chat template renders the first two when it has one; otherwise a plain
+"### Instruction / ### Response" layout does.
+
+Every rank tokenizes the whole (small) file, so every rank knows every record's target-token
+count: the loss normaliser of a global batch is known without communication.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+IGNORE = -100
+
+
+class DataError(ValueError):
+    """Bad training or validation data; the message names the file and line."""
+
+
+@dataclass
+class Example:
+    input_ids: list[int]
+    labels: list[int]  # IGNORE where the token is not a target
+
+    @property
+    def targets(self) -> int:
+        # The model predicts token t+1 from t, so the first label never counts.
+        return sum(1 for x in self.labels[1:] if x != IGNORE)
+
+
+@dataclass
+class Dataset:
+    examples: list[Example]
+    truncated: int  # records cut to --seq-len
+    without_targets: int  # records with no target token left after truncation
+
+
+def read_records(path: str | Path) -> list[tuple[int, dict]]:
+    """(line number, record) pairs from a .jsonl file or a JSON array file."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"data file {path} does not exist")
+    text = path.read_text(encoding="utf-8")
+    if not text.strip():
+        raise DataError(f"{path}: the file is empty")
+    records: list[tuple[int, object]] = []
+    if text.lstrip().startswith("["):
+        try:
+            items = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise DataError(f"{path}:{err.lineno}: not valid JSON: {err.msg}") from None
+        records = [(i + 1, r) for i, r in enumerate(items)]  # record index stands in for the line
+    else:
+        for lineno, line in enumerate(text.splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                records.append((lineno, json.loads(line)))
+            except json.JSONDecodeError as err:
+                raise DataError(f"{path}:{lineno}: not valid JSON: {err.msg} (column {err.colno})") from None
+    if not records:
+        raise DataError(f"{path}: no records")
+    for lineno, record in records:
+        _check_record(record, path, lineno)
+    return records  # type: ignore[return-value]
+
+
+def _check_record(record: object, path: Path, lineno: int) -> None:
+    where = f"{path}:{lineno}"
+    if not isinstance(record, dict):
+        raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    if "messages" in record:
+        msgs = record["messages"]
+        if not isinstance(msgs, list) or not msgs:
+            raise DataError(f"{where}: 'messages' must be a non-empty list")
+        for i, m in enumerate(msgs):
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+                raise DataError(f"{where}: messages[{i}] must be an object with string 'role' and 'content'")
+        if not any(m["role"] == "assistant" for m in msgs):
+            raise DataError(f"{where}: no message has role 'assistant', so nothing would be learned")
+    elif "instruction" in record or "output" in record:
+        for key in ("instruction", "output"):
+            if not isinstance(record.get(key), str):
+                raise DataError(f"{where}: '{key}' must be a string (instruction records need instruction and output)")
+        if not isinstance(record.get("input", ""), str):
+            raise DataError(f"{where}: 'input' must be a string")
+    elif "text" in record:
+        if not isinstance(record["text"], str):
+            raise DataError(f"{where}: 'text' must be a string")
+    else:
+        keys = ", ".join(sorted(record)) or "none"
+        raise DataError(
+            f"{where}: no known fields (found: {keys}); expected 'instruction'+'output', 'messages' or 'text'"
+        )
+
+
+def as_messages(record: dict) -> list[dict] | None:
+    """Instruction and chat records as chat messages; None for plain text."""
+    if "messages" in record:
+        return record["messages"]
+    if "instruction" in record:
+        prompt = record["instruction"] + (f"\n\n{record['input']}" if record.get("input") else "")
+        return [{"role": "user", "content": prompt}, {"role": "assistant", "content": record["output"]}]
+    return None
+
+
+def render_prompt(tokenizer, messages: list[dict]) -> str:
+    """The text that asks the model for the next assistant turn (also used for generation)."""
+    if tokenizer.chat_template:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    text = "".join(_plain_turn(m) for m in messages)
+    return text + "### Response:\n"
+
+
+def _plain_turn(m: dict) -> str:
+    if m["role"] == "assistant":
+        return f"### Response:\n{m['content']}\n\n"
+    if m["role"] == "system":
+        return f"{m['content']}\n\n"
+    return f"### Instruction:\n{m['content']}\n\n"
+
+
+def _segments(tokenizer, messages: list[dict]) -> list[tuple[str, bool]]:
+    """The conversation as consecutive (text, is_target) pieces."""
+    pieces: list[tuple[str, bool]] = []
+    done = ""
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        prompt = render_prompt(tokenizer, messages[:i])
+        if tokenizer.chat_template:
+            full = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
+        else:
+            full = "".join(_plain_turn(x) for x in messages[: i + 1])
+        if not (prompt.startswith(done) and full.startswith(prompt)):
+            raise DataError("the chat template does not render conversations prefix by prefix")
+        pieces += [(prompt[len(done):], False), (full[len(prompt):], True)]
+        done = full
+    return pieces
+
+
+def tokenize(tokenizer, record: dict, seq_len: int) -> tuple[Example, bool]:
+    """One record as tokens and labels, cut to ``seq_len``; also whether it was cut."""
+    messages = as_messages(record)
+    if messages is None:
+        ids = tokenizer(record["text"], add_special_tokens=True)["input_ids"]
+        if tokenizer.eos_token_id is not None:
+            ids = ids + [tokenizer.eos_token_id]
+        labels = list(ids)
+    else:
+        ids, labels = [], []
+        if tokenizer.bos_token_id is not None and not tokenizer.chat_template:
+            ids, labels = [tokenizer.bos_token_id], [IGNORE]
+        for text, is_target in _segments(tokenizer, messages):
+            piece = tokenizer(text, add_special_tokens=False)["input_ids"]
+            ids += piece
+            labels += piece if is_target else [IGNORE] * len(piece)
+        if not tokenizer.chat_template and tokenizer.eos_token_id is not None:
+            ids.append(tokenizer.eos_token_id)
+            labels.append(tokenizer.eos_token_id)
+    cut = len(ids) > seq_len
+    return Example(ids[:seq_len], labels[:seq_len]), cut
+
+
+def load_dataset(path: str | Path, tokenizer, seq_len: int) -> Dataset:
+    examples, truncated, empty = [], 0, 0
+    for lineno, record in read_records(path):
+        try:
+            ex, cut = tokenize(tokenizer, record, seq_len)
+        except DataError as err:
+            raise DataError(f"{path}:{lineno}: {err}") from None
+        truncated += cut
+        if ex.targets == 0:
+            empty += 1
+            continue
+        examples.append(ex)
+    if not examples:
+        raise DataError(f"{path}: no record has a target token within --seq-len {seq_len}")
+    return Dataset(examples, truncated, empty)
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How one global batch of ``batch_size`` records splits over ranks and micro-steps."""
+
+    batch_size: int
+    micro_batch_size: int
+    world_size: int
+
+    @property
+    def accumulation(self) -> int:
+        return self.batch_size // (self.micro_batch_size * self.world_size)
+
+    @classmethod
+    def make(cls, batch_size: int, micro_batch_size: int | None, world_size: int) -> BatchPlan:
+        if batch_size % world_size:
+            raise DataError(
+                f"--batch-size {batch_size} is the global batch and must be a multiple of the {world_size} ranks"
+            )
+        micro = micro_batch_size or batch_size // world_size
+        if batch_size % (micro * world_size):
+            raise DataError(
+                f"--batch-size {batch_size} cannot be made of micro-batches of {micro} on {world_size} ranks: "
+                f"it must equal micro-batch-size × ranks × accumulation steps "
+                f"(e.g. --micro-batch-size {math.gcd(batch_size // world_size, micro)})"
+            )
+        return cls(batch_size, micro, world_size)
+
+
+class Sampler:
+    """An endless, seeded stream of global batches; each epoch is a fresh permutation.
+
+    Batch ``step`` depends only on (seed, step), which is what makes resuming exact.
+    """
+
+    def __init__(self, dataset_size: int, plan: BatchPlan, seed: int) -> None:
+        self.n, self.plan, self.seed = dataset_size, plan, seed
+        self._perms: dict[int, list[int]] = {}
+
+    def _perm(self, epoch: int) -> list[int]:
+        if epoch not in self._perms:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._perms = {epoch: torch.randperm(self.n, generator=g).tolist()}
+        return self._perms[epoch]
+
+    def global_batch(self, step: int) -> list[int]:
+        start = step * self.plan.batch_size
+        return [self._perm((start + i) // self.n)[(start + i) % self.n] for i in range(self.plan.batch_size)]
+
+    def micro_batches(self, step: int, rank: int) -> list[list[int]]:
+        """This rank's share of batch ``step``, as its accumulation micro-batches."""
+        per_rank = self.plan.batch_size // self.plan.world_size
+        mine = self.global_batch(step)[rank * per_rank:(rank + 1) * per_rank]
+        m = self.plan.micro_batch_size
+        return [mine[i:i + m] for i in range(0, per_rank, m)]
+
+
+def collate(examples: list[Example], pad_id: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """Right-pad to the longest example; padding is masked and never a target."""
+    width = max(len(e.input_ids) for e in examples)
+    ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(examples), width), IGNORE, dtype=torch.long)
+    mask = torch.zeros((len(examples), width), dtype=torch.long)
+    for i, e in enumerate(examples):
+        n = len(e.input_ids)
+        ids[i, :n] = torch.tensor(e.input_ids)
+        labels[i, :n] = torch.tensor(e.labels)
+        mask[i, :n] = 1
+    return {"input_ids": ids.to(device), "labels": labels.to(device), "attention_mask": mask.to(device)}
+
+
+def shard_indices(n: int, rank: int, world_size: int) -> Iterator[int]:
+    """Validation records for this rank: every world_size-th, so all are seen exactly once."""
+    return iter(range(rank, n, world_size))

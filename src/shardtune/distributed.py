@@ -1,0 +1,67 @@
+"""All process-group set-up in one place: backend, device per local rank, timeouts, teardown."""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+# A rank that dies must not leave the others waiting for the default 30 minutes: collectives give
+# up after this long and the launcher then names the rank that failed first.
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=int(os.environ.get("SHARDTUNE_COLLECTIVE_TIMEOUT", "300")))
+
+
+@dataclass(frozen=True)
+class Dist:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def setup() -> Dist:
+    """Join the process group started by our launcher or torchrun (or run alone without one)."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+    if "MASTER_ADDR" in os.environ and not dist.is_initialized():
+        dist.init_process_group(
+            backend=backend, timeout=COLLECTIVE_TIMEOUT, device_id=device if backend == "nccl" else None
+        )
+    elif not dist.is_initialized():
+        # One process without a launcher: a group of one keeps every code path the same.
+        dist.init_process_group(
+            backend="gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=COLLECTIVE_TIMEOUT
+        )
+    return Dist(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+
+
+def teardown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_reduce_sum(value: float | int, device: torch.device) -> float:
+    t = torch.tensor([float(value)], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t.item()
+
+
+def all_gather_object(obj: object) -> list:
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out

@@ -1,0 +1,187 @@
+"""Shard-only loading: allocate each rank's part of every parameter, then read just that part.
+
+The order matters and lives here alone:
+1. remember the real buffers and LoRA's initial values (they do not come from the checkpoint),
+2. ``to_empty``: allocate the local shards (a full tensor only where the strategy replicates),
+3. re-tie tied weights, put the buffers back,
+4. read the base weights with torch.distributed.checkpoint's ``HuggingFaceStorageReader``, which
+   reads from the safetensors files only the slices this rank's (possibly sharded) tensors cover,
+5. write LoRA's initial values into the local shards,
+6. fail loudly if anything is unmapped or still on meta.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from shardtune.model import ModelDir, ModelDirError
+
+log = logging.getLogger("shardtune")
+
+_WRAPPER_PARTS = (".base_layer", ".original_module", ".modules_to_save.default")
+_PEFT_PREFIX = "base_model.model."
+
+
+@dataclass
+class Snapshot:
+    """What ``to_empty`` would destroy and the checkpoint cannot give back."""
+
+    buffers: dict[str, torch.Tensor]
+    lora: dict[str, torch.Tensor]
+    tied: dict[str, str]
+
+
+def take_snapshot(model: nn.Module, lora_values: dict[str, torch.Tensor]) -> Snapshot:
+    buffers = {n: b.detach().clone() for n, b in model.named_buffers() if b.device.type != "meta"}
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    tied = dict(getattr(base, "all_tied_weights_keys", None) or {})
+    return Snapshot(buffers=buffers, lora=lora_values, tied=tied)
+
+
+def checkpoint_key(param_name: str) -> str:
+    """The name a base parameter has in the Hugging Face checkpoint, from its peft name."""
+    name = param_name.removeprefix(_PEFT_PREFIX)
+    for part in _WRAPPER_PARTS:
+        name = name.replace(part, "")
+    return name
+
+
+def _aliases(base: nn.Module) -> dict[str, list[str]]:
+    """Every name a parameter goes by (tied weights have several), keyed by its first name."""
+    by_id: dict[int, list[str]] = {}
+    for name, p in base.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(name)
+    return {names[0]: names for names in by_id.values()}
+
+
+def _find_in_checkpoint(names: list[str], stored: set[str], prefix: str) -> str | None:
+    for name in names:
+        key = checkpoint_key(name)
+        candidates = [key]
+        if prefix and key.startswith(prefix + "."):
+            candidates.append(key[len(prefix) + 1:])  # e.g. GPT-2 Hub files store "h.0…", not "transformer.h.0…"
+        for c in candidates:
+            if c in stored:
+                return c
+    return None
+
+
+def fill_from_full(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Write the full tensor ``full`` into ``param``, which may be a shard (DTensor)."""
+    with torch.no_grad():
+        if isinstance(param, DTensor):
+            # Every rank holds the same ``full``: slice locally, no communication.
+            local = distribute_tensor(full.to(param.dtype), param.device_mesh, param.placements, src_data_rank=None)
+            param.to_local().copy_(local.to_local())
+        else:
+            param.copy_(full.to(param.dtype))
+
+
+def retie(model: nn.Module, snapshot: Snapshot) -> None:
+    """``to_empty`` gives each module its own new tensor, so tied weights come apart: share again."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    for target, source in snapshot.tied.items():
+        shared = base.get_parameter(source)
+        if base.get_parameter(target) is not shared:
+            module_name, _, attr = target.rpartition(".")
+            setattr(base.get_submodule(module_name), attr, shared)
+
+
+def materialize(model: nn.Module, device: torch.device, snapshot: Snapshot) -> None:
+    """Allocate the (local shards of the) parameters and restore what is not in the checkpoint."""
+    model.to_empty(device=device)
+    retie(model, snapshot)
+    with torch.no_grad():
+        for name, value in snapshot.buffers.items():
+            model.get_buffer(name).copy_(value)
+
+
+def load_base_weights(
+    model: nn.Module,
+    model_dir: ModelDir,
+    targets: Callable[[nn.Module], dict[str, torch.Tensor]] | None = None,
+) -> list[str]:
+    """Read every non-LoRA parameter's local slice from the checkpoint; return unused checkpoint keys.
+
+    ``targets`` maps the model to {parameter name: tensor to fill} (the strategy's view, e.g. the
+    sharded state dict under FSDP1); by default the parameters themselves.
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    prefix = getattr(base, "base_model_prefix", "")
+    stored = model_dir.weight_names
+    tensors = targets(model) if targets else dict(model.named_parameters())
+    lora_free = {n: t for n, t in tensors.items() if "lora_" not in n}
+    aliases = _aliases(base)
+    plan: list[dict[str, torch.Tensor]] = []  # one dcp.load per round: a key may feed several parameters
+    missing: list[str] = []
+    used: set[str] = set()
+    for name, tensor in lora_free.items():
+        base_name = checkpoint_key(name)
+        key = _find_in_checkpoint(aliases.get(base_name, [base_name]), stored, prefix)
+        if key is None:
+            missing.append(base_name)
+            continue
+        for round_ in plan:
+            if key not in round_:
+                round_[key] = tensor.detach()
+                break
+        else:
+            plan.append({key: tensor.detach()})
+        # a tied weight stored under both of its names uses both
+        used.update(k for a in aliases.get(base_name, []) if (k := checkpoint_key(a)) in stored)
+        used.add(key)
+    if missing:
+        raise ModelDirError(
+            f"{model_dir.path}: the checkpoint has no tensor for {len(missing)} parameter(s) of the model "
+            f"built from config.json: {', '.join(missing[:8])}{' …' if len(missing) > 8 else ''}"
+        )
+    reader_cls = dcp.HuggingFaceStorageReader
+    for round_ in plan:
+        _check_shapes(round_, model_dir)
+        dcp.load(round_, storage_reader=reader_cls(str(model_dir.path)))
+    return sorted(stored - used)
+
+
+def _check_shapes(wanted: dict[str, torch.Tensor], model_dir: ModelDir) -> None:
+    from safetensors import safe_open
+
+    for file in model_dir.weight_files:
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                if key in wanted:
+                    shape = list(f.get_slice(key).get_shape())
+                    expected = list(wanted[key].shape)
+                    if shape != expected:
+                        raise ModelDirError(
+                            f"{file}: tensor {key} has shape {shape}, but config.json gives {expected}"
+                        )
+
+
+def init_lora(model: nn.Module, snapshot: Snapshot) -> None:
+    params = dict(model.named_parameters())
+    for name, value in snapshot.lora.items():
+        fill_from_full(params[name], value)
+
+
+def assert_nothing_on_meta(model: nn.Module) -> None:
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type == "meta"]
+    if left:
+        raise RuntimeError(f"still on the meta device after loading: {', '.join(left[:8])}")
+
+
+def load(model: nn.Module, model_dir: ModelDir, device: torch.device, snapshot: Snapshot, targets=None) -> list[str]:
+    """Steps 2–6 of the module docstring; returns checkpoint keys the model did not use."""
+    materialize(model, device, snapshot)
+    unused = load_base_weights(model, model_dir, targets)
+    init_lora(model, snapshot)
+    assert_nothing_on_meta(model)
+    if unused:
+        log.warning("checkpoint tensors not used by the model: %s", ", ".join(unused[:8]))
+    return unused

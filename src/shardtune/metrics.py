@@ -1,0 +1,61 @@
+"""What a run reports: rank 0's progress bar, metrics.jsonl (one line per step), summary.json."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+
+class Progress:
+    """One progress bar on rank 0; the other ranks stay quiet."""
+
+    def __init__(self, total: int, initial: int, enabled: bool) -> None:
+        self.bar = tqdm(total=total, initial=initial, desc="finetune", unit="step", dynamic_ncols=True,
+                        disable=not enabled)
+
+    def update(self, record: dict[str, Any]) -> None:
+        self.bar.set_postfix_str(
+            f"loss {record['loss']:.4f} | {record['tokens_per_second']:.0f} tok/s | {record['memory_mb']:.0f} MB",
+            refresh=False,
+        )
+        self.bar.update(1)
+
+    def write(self, text: str) -> None:
+        self.bar.write(text) if not self.bar.disable else None
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+class MetricsLog:
+    """Appends one JSON object per optimizer step to metrics.jsonl (rank 0 only)."""
+
+    def __init__(self, path: Path, enabled: bool, resume_from_step: int = 0) -> None:
+        self.path, self.enabled = path, enabled
+        if enabled:
+            kept = []
+            if resume_from_step and path.is_file():
+                # A resumed run replaces the lines of the steps it redoes.
+                kept = [ln for ln in path.read_text().splitlines() if ln and json.loads(ln)["step"] <= resume_from_step]
+            path.write_text("".join(line + "\n" for line in kept))
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self.enabled:
+            with self.path.open("a") as f:
+                f.write(json.dumps(_finite(record)) + "\n")
+
+
+def _finite(record: dict[str, Any]) -> dict[str, Any]:
+    # JSON has no NaN/inf; null says "not a number" without breaking readers.
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+
+
+def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(_finite(data), indent=2) + "\n")
+    os.replace(tmp, path)

@@ -1,0 +1,57 @@
+"""Every way of spreading the model over ranks, applied in one place: ``parallelize``.
+
+The training loop sees only the returned ``Strategy``; it never imports FSDP or DDP.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from shardtune.distributed import Dist
+from shardtune.parallel.base import Strategy
+from shardtune.parallel.choose import choose_strategy
+
+__all__ = ["Strategy", "choose_strategy", "make_strategy", "parallelize"]
+
+
+def make_strategy(name: str, dist: Dist, compute_dtype: torch.dtype, cpu_offload: bool) -> Strategy:
+    if name == "fsdp2":
+        from shardtune.parallel.fsdp2 import FSDP2
+
+        return FSDP2(dist, compute_dtype, cpu_offload)
+    if name == "fsdp1":
+        from shardtune.parallel.fsdp1 import FSDP1
+
+        return FSDP1(dist, compute_dtype, cpu_offload)
+    if name == "ddp":
+        from shardtune.parallel.ddp import DDPStrategy
+
+        return DDPStrategy(dist)
+    if name == "single":
+        if dist.world_size > 1:
+            raise ValueError(f"strategy 'single' runs one process, but {dist.world_size} were started")
+        return Strategy(dist)
+    raise ValueError(f"unknown strategy {name!r}")
+
+
+def parallelize(
+    model: nn.Module,
+    strategy: Strategy,
+    load: Callable[[nn.Module, Callable | None], object],
+    activation_checkpointing: bool,
+) -> nn.Module:
+    """Apply, in this order: activation checkpointing → sharding (on meta) → loading → wrapping.
+
+    Checkpointing goes first so that sharding wraps the checkpointed blocks; sharding happens on the
+    meta device, so that ``load`` allocates and reads only each rank's shard; wrappers that need real
+    weights (DDP broadcasts them) come last.
+    """
+    if activation_checkpointing:
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = strategy.shard(model)
+    load(model, strategy.load_targets)
+    return strategy.wrap(model)

@@ -1,0 +1,56 @@
+"""The strategy interface, and the single-process strategy it is by default."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import nn
+
+from shardtune.distributed import Dist
+
+
+class Strategy:
+    """One process holds the whole model. Subclasses shard or replicate it over ranks."""
+
+    name = "single"
+    #: a callable giving {parameter name: tensor to load into}, when that differs from the parameters
+    load_targets: Callable[[nn.Module], dict[str, torch.Tensor]] | None = None
+
+    def __init__(self, dist: Dist) -> None:
+        self.dist = dist
+
+    def shard(self, model: nn.Module) -> nn.Module:
+        """Called on the meta model, before any weight exists."""
+        return model
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        """Called once the weights are loaded."""
+        return model
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """The peft model inside whatever ``wrap`` returned."""
+        return model
+
+    def trainable(self, model: nn.Module) -> dict[str, nn.Parameter]:
+        """Trainable parameters by their peft name (what the adapter and optimizer hold)."""
+        return {n: p for n, p in self.unwrap(model).named_parameters() if p.requires_grad}
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> float:
+        """Global gradient norm over all ranks, before clipping; clips when ``max_norm`` > 0."""
+        grads = [p.grad for p in self.trainable(model).values() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads)
+        if max_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(list(self.trainable(model).values()), max_norm, norm)
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+    def full_tensors(self, model: nn.Module, names: list[str]) -> dict[str, torch.Tensor]:
+        """Full (unsharded) copies of the named parameters, on CPU; a collective: every rank calls it."""
+        params = dict(self.unwrap(model).named_parameters())
+        return {n: params[n].detach().to("cpu", copy=True) for n in names}
+
+    @contextlib.contextmanager
+    def summon_full_params(self, model: nn.Module) -> Iterator[None]:
+        """The whole model usable in one process (generation after training); no-op when unsharded."""
+        yield

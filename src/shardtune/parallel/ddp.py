@@ -1,0 +1,19 @@
+"""DDP: the whole model on every rank, gradients of the trainable parameters all-reduced."""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from shardtune.parallel.base import Strategy
+
+
+class DDPStrategy(Strategy):
+    name = "ddp"
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        device_ids = [self.dist.device.index] if self.dist.device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=device_ids)
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model.module if isinstance(model, DistributedDataParallel) else model

@@ -1,0 +1,27 @@
+"""Checks run once, in the launching process, before any worker starts.
+
+Bad input must stop the run in seconds with one clear message, not after N processes have loaded
+a model; these checks read only config, headers, tokenizer and data, and build the model on meta.
+"""
+
+from __future__ import annotations
+
+from shardtune.config import Config, validate
+from shardtune.data import BatchPlan, load_dataset
+from shardtune.model import DTYPES, build_meta_model, check_model_dir, inject_lora
+
+
+def preflight(cfg: Config) -> None:
+    from transformers import AutoTokenizer
+
+    from shardtune.logs import quiet_libraries
+
+    quiet_libraries()
+    validate(cfg)
+    model_dir = check_model_dir(cfg.model.path)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir.path)
+    load_dataset(cfg.data.train, tokenizer, cfg.data.seq_len)
+    if cfg.data.val:
+        load_dataset(cfg.data.val, tokenizer, cfg.data.seq_len)
+    BatchPlan.make(cfg.train.batch_size, cfg.train.micro_batch_size, cfg.parallel.nproc * cfg.parallel.nnodes)
+    inject_lora(build_meta_model(model_dir, DTYPES[cfg.model.dtype]), cfg.lora, cfg.train.seed)

@@ -1,0 +1,241 @@
+"""The fine-tuning recipe, run by every rank: set up → load → train → save. Read top to bottom.
+
+Started by the launcher (``python -m shardtune.train CONFIG.yaml``) or by torchrun with the same
+arguments. The loss rule, used everywhere: a global batch's loss is the sum of the cross-entropy of
+all its target tokens divided by their number, however the batch is split over ranks and
+micro-batches. Each micro-batch therefore contributes sum(token losses) / global_target_count.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardtune import distributed
+from shardtune.checkpoint import save_adapter
+from shardtune.config import Config, build_config, validate
+from shardtune.data import IGNORE, BatchPlan, Dataset, Sampler, collate, load_dataset
+from shardtune.distributed import Dist
+from shardtune.loading import load, take_snapshot
+from shardtune.logs import setup_logging
+from shardtune.memory import MemoryMonitor
+from shardtune.metrics import MetricsLog, Progress, write_json_atomic
+from shardtune.model import DTYPES, build_meta_model, check_model_dir, count_params, inject_lora, trainable_names
+from shardtune.parallel import Strategy, choose_strategy, make_strategy, parallelize
+
+log = logging.getLogger("shardtune")
+
+
+@dataclass
+class Setup:
+    """Everything the training loop needs, built once."""
+
+    cfg: Config
+    dist: Dist
+    model: nn.Module
+    strategy: Strategy
+    train: Dataset
+    val: Dataset | None
+    sampler: Sampler
+    steps: int
+    pad_id: int
+    adapter_names: list[str]
+    total_params: int
+    trainable_params: int
+    strategy_reason: str
+
+
+def total_steps(cfg: Config, n_records: int) -> int:
+    if cfg.train.steps:
+        return cfg.train.steps
+    return max(1, math.ceil((cfg.train.epochs or 1.0) * n_records / cfg.train.batch_size))
+
+
+def lr_factor(step: int, steps: int, warmup: int, min_ratio: float) -> float:
+    """Linear warmup to the peak, then cosine down to ``min_ratio`` × peak at the last step."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup - 1)
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum (not mean) of next-token cross-entropy over target tokens, computed in fp32."""
+    shifted = labels[:, 1:].reshape(-1)
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)).float(), shifted,
+                           ignore_index=IGNORE, reduction="sum")
+
+
+def train_step(s: Setup, step: int) -> tuple[float, int]:
+    """Forward/backward of this rank's micro-batches of global batch ``step``; returns (loss, tokens)."""
+    batch = s.sampler.global_batch(step)
+    global_targets = sum(s.train.examples[i].targets for i in batch)
+    tokens = sum(len(s.train.examples[i].input_ids) for i in batch)
+    local_sum = 0.0
+    for micro in s.sampler.micro_batches(step, s.dist.rank):
+        inputs = collate([s.train.examples[i] for i in micro], s.pad_id, s.dist.device)
+        logits = s.model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits
+        loss_sum = token_loss_sum(logits, inputs["labels"])
+        # Gradient sync averages over ranks; multiplying by world_size turns that average back into
+        # the sum over ranks, so the gradient is d(global mean loss) whatever the split.
+        (loss_sum * (s.dist.world_size / global_targets)).backward()
+        local_sum += loss_sum.item()
+    return distributed.all_reduce_sum(local_sum, s.dist.device) / global_targets, tokens
+
+
+@torch.no_grad()
+def evaluate(s: Setup) -> float:
+    """Mean loss over every target token of the validation data."""
+    assert s.val is not None
+    s.model.eval()
+    examples = s.val.examples
+    micro = s.sampler.plan.micro_batch_size
+    per_rank = math.ceil(len(examples) / s.dist.world_size)
+    mine = examples[s.dist.rank * per_rank:(s.dist.rank + 1) * per_rank]
+    loss_sum, count = 0.0, 0
+    # Sharded models need every rank in every forward: ranks with fewer records run padding batches.
+    for start in range(0, per_rank, micro):
+        chunk = mine[start:start + micro] or examples[:1]
+        inputs = collate(chunk, s.pad_id, s.dist.device)
+        logits = s.model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits
+        if mine[start:start + micro]:
+            loss_sum += token_loss_sum(logits, inputs["labels"]).item()
+            count += sum(e.targets for e in chunk)
+    s.model.train()
+    return distributed.all_reduce_sum(loss_sum, s.dist.device) / distributed.all_reduce_sum(count, s.dist.device)
+
+
+def setup(cfg: Config, dist: Dist, memory: MemoryMonitor) -> Setup:
+    from transformers import AutoTokenizer
+
+    model_dir = check_model_dir(cfg.model.path)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir.path)
+    train_data = load_dataset(cfg.data.train, tokenizer, cfg.data.seq_len)
+    val_data = load_dataset(cfg.data.val, tokenizer, cfg.data.seq_len) if cfg.data.val else None
+    if train_data.truncated:
+        log.warning("%d of %d training records were cut to --seq-len %d", train_data.truncated,
+                    len(train_data.examples) + train_data.without_targets, cfg.data.seq_len)
+    if train_data.without_targets:
+        log.warning("%d training records have no target token within --seq-len and are skipped",
+                    train_data.without_targets)
+    plan = BatchPlan.make(cfg.train.batch_size, cfg.train.micro_batch_size, dist.world_size)
+
+    dtype = DTYPES[cfg.model.dtype]
+    with memory.phase("load"):
+        model = build_meta_model(model_dir, dtype)
+        model, lora_init = inject_lora(model, cfg.lora, cfg.train.seed)
+        adapter_names = trainable_names(model)
+        for p in model.parameters():
+            if p.requires_grad:
+                p.data = p.data.float()  # trainable weights and their optimizer state stay fp32
+        total, trainable = count_params(model)
+        local_world = max(1, dist.world_size // cfg.parallel.nnodes)
+        name, why = choose_strategy(cfg.parallel.strategy, dist, total * dtype.itemsize, local_world,
+                                    cfg.parallel.cpu_offload)
+        log.info("strategy %s: %s", name, why)
+        strategy = make_strategy(name, dist, dtype, cfg.parallel.cpu_offload)
+        snapshot = take_snapshot(model, lora_init)
+        model = parallelize(
+            model, strategy, lambda m, targets: load(m, model_dir, dist.device, snapshot, targets),
+            cfg.parallel.activation_checkpointing,
+        )
+    model.train()
+    torch.manual_seed(cfg.train.seed + dist.rank)  # LoRA dropout differs per rank, reproducibly
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    return Setup(cfg, dist, model, strategy, train_data, val_data,
+                 Sampler(len(train_data.examples), plan, cfg.train.seed), total_steps(cfg, len(train_data.examples)),
+                 pad_id, adapter_names, total, trainable, why)
+
+
+def train(s: Setup, memory: MemoryMonitor, out: Path) -> dict:
+    cfg = s.cfg
+    params = list(s.strategy.trainable(s.model).values())
+    optimizer = torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+    warmup = cfg.train.warmup_steps if cfg.train.warmup_steps is not None else min(100, s.steps // 10)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(step, s.steps, warmup, cfg.train.min_lr_ratio))
+    metrics = MetricsLog(out / "metrics.jsonl", s.dist.is_main)
+    progress = Progress(s.steps, 0, s.dist.is_main)
+    losses, val_loss, tokens_total, train_seconds = [], None, 0, 0.0
+    with memory.phase("train"):
+        for step in range(s.steps):
+            started = time.perf_counter()
+            loss, tokens = train_step(s, step)
+            grad_norm = s.strategy.clip_grad_norm(s.model, cfg.train.max_grad_norm)
+            lr = scheduler.get_last_lr()[0]
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            seconds = time.perf_counter() - started
+            losses.append(loss)
+            tokens_total += tokens
+            train_seconds += seconds
+            record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
+                      "tokens_per_second": tokens / seconds, "seconds": seconds, "memory_mb": memory.now_mb()}
+            if s.val and ((cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0) or step + 1 == s.steps):
+                val_loss = record["val_loss"] = evaluate(s)
+                progress.write(f"step {step + 1}: val_loss {val_loss:.4f}")
+            metrics.write(record)
+            progress.update(record)
+    progress.close()
+    return {"losses": losses, "val_loss": val_loss, "tokens": tokens_total, "train_seconds": train_seconds}
+
+
+def run(cfg: Config) -> dict:
+    started = time.perf_counter()
+    dist = distributed.setup()
+    out = Path(cfg.output.out)
+    setup_logging(dist.rank, cfg.output.log_file)
+    memory = MemoryMonitor(dist.device)
+    try:
+        load_started = time.perf_counter()
+        s = setup(cfg, dist, memory)
+        load_seconds = time.perf_counter() - load_started
+        result = train(s, memory, out)
+        with memory.phase("save"):
+            adapter = save_adapter(s.model, s.strategy, s.adapter_names, out / "adapter", cfg.model.path)
+        peaks = distributed.all_gather_object({k: memory.peak_mb(k) for k in ("load", "train", "save")})
+        summary = {
+            "world_size": dist.world_size, "strategy": s.strategy.name,
+            "strategy_reason": s.strategy_reason,
+            "steps": s.steps, "tokens": result["tokens"],
+            "train_loss_first": result["losses"][0], "train_loss_last": result["losses"][-1],
+            "val_loss": result["val_loss"],
+            "tokens_per_second": result["tokens"] / result["train_seconds"],
+            "load_seconds": round(load_seconds, 3),
+            "load_peak_mb": [p["load"] for p in peaks], "train_peak_mb": [p["train"] for p in peaks],
+            "save_peak_mb": [p["save"] for p in peaks],
+            "total_params": s.total_params, "trainable_params": s.trainable_params,
+            "truncated_records": s.train.truncated,
+            "adapter": str(adapter.resolve()),
+            "wall_seconds": round(time.perf_counter() - started, 3),
+        }
+        if dist.is_main:
+            write_json_atomic(out / "summary.json", summary)
+        return summary
+    finally:
+        memory.close()
+        distributed.teardown()
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        sys.exit("usage: python -m shardtune.train CONFIG.yaml  (normally started by `shardtune finetune`)")
+    cfg = build_config(argv[0])
+    validate(cfg)
+    run(cfg)
+
+
+if __name__ == "__main__":
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    record(main)()

@@ -1,0 +1,82 @@
+"""Tiny random checkpoints and data made on the spot: the tests need no model hub."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+VOCAB = 320
+
+
+def make_tokenizer(chat_template: bool = True):
+    """A byte-level tokenizer with no merges: every byte is a token, plus a few specials."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    for special in ("<s>", "</s>", "<pad>"):
+        vocab[special] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    if chat_template:
+        fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def tiny_config(arch: str, tied: bool):
+    from transformers import FalconConfig, GPT2Config, LlamaConfig, Qwen2Config
+
+    common = dict(vocab_size=VOCAB, tie_word_embeddings=tied, bos_token_id=256, eos_token_id=257, pad_token_id=258)
+    if arch == "llama":
+        return LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, max_position_embeddings=256, **common)
+    if arch == "qwen2":
+        return Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, max_position_embeddings=256, **common)
+    if arch == "gpt2":
+        return GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=256, resid_pdrop=0.0, embd_pdrop=0.0,
+                          attn_pdrop=0.0, **common)
+    if arch == "falcon":
+        return FalconConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, hidden_dropout=0.0,
+                            attention_dropout=0.0, **common)
+    raise ValueError(arch)
+
+
+def make_model(path: Path, arch: str = "llama", tied: bool = False, sharded: bool = False, seed: int = 0,
+               chat_template: bool = True) -> Path:
+    """Write a random tiny causal LM in Hugging Face layout (single file or sharded + index)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch, tied))
+    # Larger random weights than the default init make logits differ clearly between models.
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    model.save_pretrained(path, max_shard_size="20KB" if sharded else "10GB")
+    make_tokenizer(chat_template).save_pretrained(path)
+    return path
+
+
+def write_jsonl(path: Path, records: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def instruction_records(n: int = 24, seed: int = 0) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    words = ["red", "blue", "cat", "dog", "sun", "moon", "tree", "sea", "rock", "bird"]
+    out = []
+    for i in range(n):
+        k = int(torch.randint(1, 6, (1,), generator=g))
+        picked = [words[int(j)] for j in torch.randint(0, len(words), (k,), generator=g)]
+        out.append({"instruction": f"Repeat {i}: " + " ".join(picked), "output": " ".join(reversed(picked))})
+    return out
