@@ -20,16 +20,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardtune import distributed
+from shardtune.build import Built, build_model
 from shardtune.checkpoint import save_adapter
 from shardtune.config import Config, build_config, validate
 from shardtune.data import IGNORE, BatchPlan, Dataset, Sampler, collate, load_dataset
 from shardtune.distributed import Dist
-from shardtune.loading import load, take_snapshot
 from shardtune.logs import setup_logging
 from shardtune.memory import MemoryMonitor
 from shardtune.metrics import MetricsLog, Progress, write_json_atomic
-from shardtune.model import DTYPES, build_meta_model, check_model_dir, count_params, inject_lora, trainable_names
-from shardtune.parallel import Strategy, choose_strategy, make_strategy, parallelize
+from shardtune.model import check_model_dir
+from shardtune.parallel import Strategy
 
 log = logging.getLogger("shardtune")
 
@@ -40,17 +40,20 @@ class Setup:
 
     cfg: Config
     dist: Dist
-    model: nn.Module
-    strategy: Strategy
+    built: Built
     train: Dataset
     val: Dataset | None
     sampler: Sampler
     steps: int
     pad_id: int
-    adapter_names: list[str]
-    total_params: int
-    trainable_params: int
-    strategy_reason: str
+
+    @property
+    def model(self) -> nn.Module:
+        return self.built.model
+
+    @property
+    def strategy(self) -> Strategy:
+        return self.built.strategy
 
 
 def total_steps(cfg: Config, n_records: int) -> int:
@@ -128,31 +131,13 @@ def setup(cfg: Config, dist: Dist, memory: MemoryMonitor) -> Setup:
                     train_data.without_targets)
     plan = BatchPlan.make(cfg.train.batch_size, cfg.train.micro_batch_size, dist.world_size)
 
-    dtype = DTYPES[cfg.model.dtype]
     with memory.phase("load"):
-        model = build_meta_model(model_dir, dtype)
-        model, lora_init = inject_lora(model, cfg.lora, cfg.train.seed)
-        adapter_names = trainable_names(model)
-        for p in model.parameters():
-            if p.requires_grad:
-                p.data = p.data.float()  # trainable weights and their optimizer state stay fp32
-        total, trainable = count_params(model)
-        local_world = max(1, dist.world_size // cfg.parallel.nnodes)
-        name, why = choose_strategy(cfg.parallel.strategy, dist, total * dtype.itemsize, local_world,
-                                    cfg.parallel.cpu_offload)
-        log.info("strategy %s: %s", name, why)
-        strategy = make_strategy(name, dist, dtype, cfg.parallel.cpu_offload)
-        snapshot = take_snapshot(model, lora_init)
-        model = parallelize(
-            model, strategy, lambda m, targets: load(m, model_dir, dist.device, snapshot, targets),
-            cfg.parallel.activation_checkpointing,
-        )
-    model.train()
+        built = build_model(cfg, dist)
+    built.model.train()
     torch.manual_seed(cfg.train.seed + dist.rank)  # LoRA dropout differs per rank, reproducibly
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-    return Setup(cfg, dist, model, strategy, train_data, val_data,
-                 Sampler(len(train_data.examples), plan, cfg.train.seed), total_steps(cfg, len(train_data.examples)),
-                 pad_id, adapter_names, total, trainable, why)
+    return Setup(cfg, dist, built, train_data, val_data, Sampler(len(train_data.examples), plan, cfg.train.seed),
+                 total_steps(cfg, len(train_data.examples)), pad_id)
 
 
 def train(s: Setup, memory: MemoryMonitor, out: Path) -> dict:
@@ -201,11 +186,11 @@ def run(cfg: Config) -> dict:
         load_seconds = time.perf_counter() - load_started
         result = train(s, memory, out)
         with memory.phase("save"):
-            adapter = save_adapter(s.model, s.strategy, s.adapter_names, out / "adapter", cfg.model.path)
+            adapter = save_adapter(s.model, s.strategy, s.built.adapter_names, out / "adapter", cfg.model.path)
         peaks = distributed.all_gather_object({k: memory.peak_mb(k) for k in ("load", "train", "save")})
         summary = {
             "world_size": dist.world_size, "strategy": s.strategy.name,
-            "strategy_reason": s.strategy_reason,
+            "strategy_reason": s.built.strategy_reason,
             "steps": s.steps, "tokens": result["tokens"],
             "train_loss_first": result["losses"][0], "train_loss_last": result["losses"][-1],
             "val_loss": result["val_loss"],
@@ -213,7 +198,7 @@ def run(cfg: Config) -> dict:
             "load_seconds": round(load_seconds, 3),
             "load_peak_mb": [p["load"] for p in peaks], "train_peak_mb": [p["train"] for p in peaks],
             "save_peak_mb": [p["save"] for p in peaks],
-            "total_params": s.total_params, "trainable_params": s.trainable_params,
+            "total_params": s.built.total_params, "trainable_params": s.built.trainable_params,
             "truncated_records": s.train.truncated,
             "adapter": str(adapter.resolve()),
             "wall_seconds": round(time.perf_counter() - started, 3),

@@ -1,0 +1,52 @@
+"""The ready model for a rank: built on meta, LoRA injected, parallelized, its shard loaded.
+
+Used by the training recipe and by anything else that runs the model on N ranks (eval, tests).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from torch import nn
+
+from shardtune.config import Config
+from shardtune.distributed import Dist
+from shardtune.loading import load, take_snapshot
+from shardtune.model import DTYPES, build_meta_model, check_model_dir, count_params, inject_lora, trainable_names
+from shardtune.parallel import Strategy, choose_strategy, make_strategy, parallelize
+
+log = logging.getLogger("shardtune")
+
+
+@dataclass
+class Built:
+    model: nn.Module
+    strategy: Strategy
+    strategy_reason: str
+    adapter_names: list[str]  # peft names of the trainable parameters
+    total_params: int
+    trainable_params: int
+
+
+def build_model(cfg: Config, dist: Dist) -> Built:
+    model_dir = check_model_dir(cfg.model.path)
+    dtype = DTYPES[cfg.model.dtype]
+    model = build_meta_model(model_dir, dtype)
+    model, lora_init = inject_lora(model, cfg.lora, cfg.train.seed)
+    adapter_names = trainable_names(model)  # before sharding: FSDP1 renames what it flattens
+    for p in model.parameters():
+        if p.requires_grad:
+            p.data = p.data.float()  # trainable weights and their optimizer state stay fp32
+    total, trainable = count_params(model)
+    local_world = max(1, dist.world_size // cfg.parallel.nnodes)
+    name, why = choose_strategy(cfg.parallel.strategy, dist, total * dtype.itemsize, local_world,
+                                cfg.parallel.cpu_offload)
+    log.info("strategy %s: %s", name, why)
+    strategy = make_strategy(name, dist, dtype, cfg.parallel.cpu_offload)
+    snapshot = take_snapshot(model, lora_init)
+    model = parallelize(
+        model, strategy, lambda m, targets: load(m, model_dir, dist.device, snapshot, targets),
+        cfg.parallel.activation_checkpointing,
+    )
+    return Built(model, strategy, why, adapter_names, total, trainable)

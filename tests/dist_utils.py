@@ -1,0 +1,45 @@
+"""Run a function on N real processes (gloo, CPU) and collect what each rank returns."""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, fn: Callable, world_size: int, port: int, out_dir: str, args: tuple) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)  # 2-core machines: one thread per rank avoids oversubscription
+    result = fn(rank, world_size, *args)
+    torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+
+
+def run_ranks(fn: Callable, world_size: int, *args, timeout: float = 180) -> list:
+    """``fn(rank, world_size, *args)`` on ``world_size`` spawned processes; returns their results.
+
+    ``fn`` must be importable (module level); it sets up the process group itself (e.g. with
+    ``shardtune.distributed.setup()``), which reads the env this helper sets.
+    """
+    out_dir = tempfile.mkdtemp(prefix="ranks-")
+    ctx = mp.start_processes(_entry, args=(fn, world_size, free_port(), out_dir, args), nprocs=world_size,
+                             join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            raise TimeoutError(f"{fn.__name__} on {world_size} ranks did not finish within {timeout} s")
+    return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]

@@ -1,0 +1,123 @@
+"""N ranks must train exactly like 1 rank with the same global batch: gradients, losses, adapter."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from dist_utils import run_ranks
+from tiny import instruction_records, make_model, write_jsonl
+
+INPUT = torch.arange(1, 31).reshape(2, 15) * 11 % 250
+
+
+@pytest.fixture(scope="module")
+def setup_dir(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("equiv")
+    make_model(root / "model", "llama", tied=True)
+    write_jsonl(root / "train.jsonl", instruction_records(20))
+    return root
+
+
+def _options(root: Path, out: str, **extra) -> dict:
+    return {"model": str(root / "model"), "data": str(root / "train.jsonl"), "out": str(root / out),
+            "dtype": "fp32", "steps": 4, "batch-size": 8, "lr": 1e-2, "warmup-steps": 1, "seed": 1, **extra}
+
+
+def grads_and_training(rank: int, world_size: int, options: dict) -> dict:
+    """One step's full LoRA gradients, then a short training run, its adapter and logits."""
+    from torch.distributed.tensor import DTensor
+
+    from shardtune import distributed
+    from shardtune.checkpoint import save_adapter
+    from shardtune.config import build_config
+    from shardtune.memory import MemoryMonitor
+    from shardtune.train import setup, train, train_step
+
+    cfg = build_config(options)
+    dist = distributed.setup()
+    memory = MemoryMonitor(dist.device)
+    s = setup(cfg, dist, memory)
+    train_step(s, 0)
+    grads = {}
+    params = dict(s.strategy.unwrap(s.model).named_parameters())
+    for name in s.built.adapter_names:
+        g = params[name].grad
+        grads[name] = (g.full_tensor() if isinstance(g, DTensor) else g).clone()
+    s.model.zero_grad(set_to_none=True)
+    out = Path(cfg.output.out)
+    out.mkdir(parents=True, exist_ok=True)
+    result = train(s, memory, out)
+    save_adapter(s.model, s.strategy, s.built.adapter_names, out / "adapter", cfg.model.path)
+    s.model.eval()
+    with torch.no_grad():
+        logits = s.model(input_ids=INPUT).logits
+    memory.close()
+    distributed.teardown()
+    return {"grads": grads, "losses": result["losses"], "logits": logits}
+
+
+def test_two_ranks_fsdp2_equal_one_rank_gradients_losses_adapter(setup_dir):
+    one = run_ranks(grads_and_training, 1, _options(setup_dir, "one", strategy="single", **{"micro-batch-size": 8}))
+    # 2 ranks × micro-batch 1 × 4 accumulation steps: the same 8 records per step, split differently.
+    two = run_ranks(grads_and_training, 2, _options(setup_dir, "two", strategy="fsdp2", **{"micro-batch-size": 1}))
+    assert one[0]["grads"] and set(one[0]["grads"]) == set(two[0]["grads"])
+    for name, g in one[0]["grads"].items():
+        # A gradient summed instead of averaged over ranks (or over micro-batches) would be 2× or 4× off.
+        torch.testing.assert_close(two[0]["grads"][name], g, rtol=1e-4, atol=1e-6, msg=name)
+        assert g.abs().sum() > 0 or "lora_A" in name
+    torch.testing.assert_close(torch.tensor(two[0]["losses"]), torch.tensor(one[0]["losses"]), rtol=1e-5, atol=1e-6)
+    assert one[0]["losses"][-1] < one[0]["losses"][0]  # it learned something, so the adapter is not trivial
+    _assert_adapters_equal(setup_dir / "one" / "adapter", setup_dir / "two" / "adapter")
+
+    # The adapter round-trips through peft: base + adapter gives the trained sharded model's logits.
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(setup_dir / "model")
+    peft_model = PeftModel.from_pretrained(base, setup_dir / "two" / "adapter").eval()
+    with torch.no_grad():
+        expected = peft_model(input_ids=INPUT).logits
+    torch.testing.assert_close(two[0]["logits"], expected, rtol=1e-4, atol=1e-4)
+    with torch.no_grad():
+        untrained = AutoModelForCausalLM.from_pretrained(setup_dir / "model").eval()(input_ids=INPUT).logits
+    assert (expected - untrained).abs().max() > 1e-3
+
+
+def _assert_adapters_equal(a: Path, b: Path) -> None:
+    from safetensors.torch import load_file
+
+    ta, tb = load_file(a / "adapter_model.safetensors"), load_file(b / "adapter_model.safetensors")
+    assert set(ta) == set(tb) and ta
+    for k in ta:
+        torch.testing.assert_close(tb[k], ta[k], rtol=1e-4, atol=1e-6, msg=k)
+    assert json.loads((a / "adapter_config.json").read_text())["r"] == 8
+
+
+def test_launcher_runs_match_across_strategies_and_splits(setup_dir):
+    """Through the public API (fresh worker processes): metrics, summary and adapter agree."""
+    import shardtune
+
+    runs = {
+        "single": _options(setup_dir, "api-single", strategy="single", nproc=1),
+        "fsdp2": _options(setup_dir, "api-fsdp2", strategy="fsdp2", nproc=2, **{"micro-batch-size": 2}),
+        "ddp": _options(setup_dir, "api-ddp", strategy="ddp", nproc=2),
+    }
+    summaries = {name: shardtune.finetune(opts) for name, opts in runs.items()}
+    metrics = {name: [json.loads(line) for line in (Path(opts["out"]) / "metrics.jsonl").read_text().splitlines()]
+               for name, opts in runs.items()}
+    for name in ("fsdp2", "ddp"):
+        s = summaries[name]
+        assert s["strategy"] == name and s["world_size"] == 2 and s["steps"] == 4
+        assert len(s["load_peak_mb"]) == 2 and len(s["train_peak_mb"]) == 2
+        for key in ("loss", "grad_norm"):
+            torch.testing.assert_close(torch.tensor([m[key] for m in metrics[name]]),
+                                       torch.tensor([m[key] for m in metrics["single"]]), rtol=1e-5, atol=1e-6)
+        _assert_adapters_equal(Path(runs["single"]["out"]) / "adapter", Path(runs[name]["out"]) / "adapter")
+    expected_keys = {"world_size", "strategy", "steps", "tokens", "train_loss_first", "train_loss_last", "val_loss",
+                     "tokens_per_second", "load_seconds", "load_peak_mb", "train_peak_mb", "total_params",
+                     "trainable_params", "wall_seconds"}
+    assert expected_keys <= set(summaries["fsdp2"])
+    assert json.loads((Path(runs["fsdp2"]["out"]) / "summary.json").read_text())["steps"] == 4

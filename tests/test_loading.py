@@ -1,0 +1,99 @@
+"""Shard-only loading gives the model from_pretrained gives, on 2 ranks, for several layouts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from dist_utils import run_ranks
+from tiny import make_model
+
+INPUT = torch.arange(1, 25).reshape(2, 12) * 7 % 250
+
+LAYOUTS = [  # (architecture, tied embeddings, sharded checkpoint files)
+    ("llama", True, False),
+    ("llama", False, True),
+    ("qwen2", True, True),
+    ("qwen2", False, False),
+    ("gpt2", True, False),
+]
+
+
+def load_on_ranks(rank: int, world_size: int, model_dirs: list[str], strategy: str) -> dict:
+    from shardtune import distributed
+    from shardtune.build import build_model
+    from shardtune.config import build_config
+
+    dist = distributed.setup()
+    results = {}
+    for d in model_dirs:
+        cfg = build_config({"model": d, "dtype": "fp32", "strategy": strategy, "seed": 3})
+        built = build_model(cfg, dist)
+        built.model.eval()
+        with torch.no_grad():
+            logits = built.model(input_ids=INPUT).logits
+        local_numel = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+                          for p in built.model.parameters())
+        lora = built.strategy.full_tensors(built.model, [n for n in built.adapter_names if "lora_" in n])
+        results[d] = {"logits": logits, "local_numel": local_numel, "total": built.total_params, "lora": lora}
+    distributed.teardown()
+    return results
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory) -> list[str]:
+    root = tmp_path_factory.mktemp("models")
+    return [str(make_model(root / f"{a}-{'tied' if t else 'untied'}-{'sharded' if s else 'single'}", a, t, s))
+            for a, t, s in LAYOUTS]
+
+
+def _reference(d: str) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    with torch.no_grad():
+        return AutoModelForCausalLM.from_pretrained(d).eval()(input_ids=INPUT).logits
+
+
+def test_fsdp2_two_ranks_match_from_pretrained(model_dirs):
+    results = run_ranks(load_on_ranks, 2, model_dirs, "fsdp2")
+    for d in model_dirs:
+        if "sharded" in d:
+            assert (Path(d) / "model.safetensors.index.json").is_file()
+        expected = _reference(d)
+        for rank in range(2):
+            torch.testing.assert_close(results[rank][d]["logits"], expected, rtol=1e-5, atol=1e-5, msg=d)
+        # Each rank holds about half of the parameters: sharded, not replicated.
+        held = results[0][d]["local_numel"] + results[1][d]["local_numel"]
+        assert results[0][d]["local_numel"] < 0.6 * held, d
+
+
+def test_lora_init_equals_peft_for_same_seed(model_dirs):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    d = model_dirs[0]
+    results = run_ranks(load_on_ranks, 2, [d], "fsdp2")
+    torch.manual_seed(3)
+    ref = get_peft_model(AutoModelForCausalLM.from_pretrained(d),
+                         LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM"))
+    expected = {n: p.detach() for n, p in ref.named_parameters() if "lora_A" in n}
+    assert expected
+    for rank in range(2):
+        got = results[rank][d]["lora"]
+        for name, value in expected.items():
+            torch.testing.assert_close(got[name], value, rtol=0, atol=0, msg=name)
+
+
+def test_tied_weight_stored_under_lm_head_name(tmp_path):
+    """Some tools write a tied embedding only as lm_head.weight; loading must still find it."""
+    from safetensors.torch import load_file, save_file
+
+    d = make_model(tmp_path / "m", "llama", tied=True)
+    tensors = load_file(d / "model.safetensors")
+    tensors["lm_head.weight"] = tensors.pop("model.embed_tokens.weight")
+    save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+    assert json.loads((d / "config.json").read_text())["tie_word_embeddings"]
+    results = run_ranks(load_on_ranks, 2, [str(d)], "fsdp2")
+    torch.testing.assert_close(results[0][str(d)]["logits"], _reference(str(d)), rtol=1e-5, atol=1e-5)
