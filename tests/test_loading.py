@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from dist_utils import run_ranks
 from tiny import make_model
 
