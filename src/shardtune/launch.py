@@ -13,7 +13,7 @@ import sys
 import uuid
 from pathlib import Path
 
-from shardtune.config import Config, write_yaml
+from shardtune.config import Config, ParallelConfig, write_yaml
 
 
 class WorkerError(RuntimeError):
@@ -44,26 +44,18 @@ def _describe(err: Exception) -> str:
     return f"rank {rank} failed with exit code {failure.exitcode} ({failure.message})"
 
 
-def launch(cfg: Config) -> dict:
-    """Run the fine-tune described by ``cfg`` on ``cfg.parallel.nproc`` local workers; return the summary."""
-    out = Path(cfg.output.out)
-    out.mkdir(parents=True, exist_ok=True)
-    config_path = out / "config.yaml"
-    write_yaml(cfg, config_path)
-    summary_path = out / "summary.json"
-    if summary_path.exists() and not cfg.output.resume:
-        summary_path.unlink()  # never report an older run's result as this one's
-    if under_torchrun():
-        from shardtune.train import run
+def launch_workers(parallel: ParallelConfig, module: str, args: list[str]) -> None:
+    """Run ``python -m module *args`` on ``parallel.nproc`` local workers joined into one process group.
 
-        return run(cfg)
-
+    Raises WorkerError naming the first rank that failed; the elastic agent stops the others.
+    """
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    p = cfg.parallel
+    p = parallel
     if p.nnodes > 1:
         endpoint, backend, rdzv_configs = p.rdzv_endpoint, "static", {"rank": p.node_rank}
+        os.environ.setdefault("MASTER_ADDR", endpoint.rsplit(":", 1)[0])
     else:
         endpoint, backend, rdzv_configs = f"127.0.0.1:{_free_port()}", "c10d", {}
     launch_config = LaunchConfig(
@@ -71,14 +63,28 @@ def launch(cfg: Config) -> dict:
         rdzv_backend=backend, rdzv_endpoint=endpoint, rdzv_configs=rdzv_configs, max_restarts=0,
         monitor_interval=0.2, start_method="spawn",
     )
-    if p.nnodes > 1:
-        os.environ.setdefault("MASTER_ADDR", endpoint.rsplit(":", 1)[0])
     try:
-        elastic_launch(launch_config, sys.executable)("-m", "shardtune.train", str(config_path))
+        elastic_launch(launch_config, sys.executable)("-m", module, *args)
     except ChildFailedError as err:
         raise WorkerError(_describe(err)) from None
+
+
+def launch(cfg: Config) -> dict:
+    """Run the fine-tune described by ``cfg`` on ``cfg.parallel.nproc`` local workers; return the summary."""
+    out = Path(cfg.output.out)
+    out.mkdir(parents=True, exist_ok=True)
+    config_path = out / "config.yaml"
+    write_yaml(cfg, config_path)
+    summary_path = out / "summary.json"
+    if summary_path.exists():
+        summary_path.unlink()  # never report an older run's result as this one's
+    if under_torchrun():
+        from shardtune.train import run
+
+        return run(cfg)
+    launch_workers(cfg.parallel, "shardtune.train", [str(config_path)])
     if not summary_path.is_file():
-        if p.node_rank > 0:
-            return {}
+        if cfg.parallel.node_rank > 0:
+            return {}  # rank 0, on node 0, writes the summary
         raise WorkerError(f"the workers finished but wrote no {summary_path}")
     return json.loads(summary_path.read_text())
