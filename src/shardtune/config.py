@@ -143,6 +143,8 @@ def _coerce(flag: str, value: Any) -> Any:
             value = ",".join(str(v) for v in value)
         elif typ is int and isinstance(value, float) and not value.is_integer():
             raise ValueError(value)
+        elif typ in (int, float) and isinstance(value, bool):
+            raise ValueError(value)  # YAML reads yes/no/on/off as booleans: never a number
         value = typ(value)
     except (TypeError, ValueError):
         raise ConfigError(f"option '{flag}': expected {typ.__name__}, got {value!r}") from None
@@ -172,6 +174,8 @@ def flatten(raw: dict[str, Any], where: str) -> dict[str, Any]:
                 flat[section_fields[sub_name].metadata["flag"]] = sub_value
         elif name in FLAGS:
             flat[name] = value
+        elif name in SECTIONS:
+            raise ConfigError(f"{where}: '{key}' is a section: give it a mapping of its options, not {value!r}")
         else:
             raise _unknown(str(key), where)
     return flat

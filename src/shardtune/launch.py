@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import signal
 import socket
 import sys
+import tempfile
+import threading
 import uuid
 from pathlib import Path
 
@@ -18,6 +22,19 @@ from shardtune.config import Config, ParallelConfig, write_yaml
 
 class WorkerError(RuntimeError):
     """A worker process failed; the message names the rank and its error."""
+
+
+class Stopped(WorkerError):
+    """SIGTERM or SIGINT stopped the run (sent to this launcher or to the workers); ``exit_code`` is 128 + signal."""
+
+    def __init__(self, signum: int, message: str = "") -> None:
+        super().__init__(message or f"stopped by signal {signum}")
+        self.signum, self.exit_code = int(signum), 128 + int(signum)
+
+
+# On SIGTERM/SIGINT the elastic agent forwards the signal and waits this long before SIGKILL: time for
+# the workers to finish their step and write a checkpoint.
+STOP_TIMEOUT = int(os.environ.get("SHARDTUNE_STOP_TIMEOUT", "120"))
 
 
 def under_torchrun() -> bool:
@@ -30,7 +47,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _describe(err: Exception) -> str:
+def _describe(err: Exception, log_dir: Path) -> str:
+    """One message naming the first rank that failed, its error and the end of its traceback."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     if not isinstance(err, ChildFailedError):
@@ -41,48 +59,116 @@ def _describe(err: Exception) -> str:
         stack = data.get("extraInfo", {}).get("py_callstack", "")
         lines = [line for line in stack.strip().splitlines() if line.strip()]
         return f"rank {rank} failed: {data['message']}\n" + "\n".join(lines[-12:])
-    return f"rank {rank} failed with exit code {failure.exitcode} ({failure.message})"
+    # Without an error file (a worker that is not ours, or one killed by a signal) its stderr tells.
+    tail: list[str] = []
+    for path in log_dir.glob(f"**/attempt_*/{failure.local_rank}/stderr.log"):
+        tail = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()][-12:]
+    cause = f"exit code {failure.exitcode}" if failure.exitcode >= 0 else f"signal {-failure.exitcode}"
+    if failure.signal_name() != "<N/A>":
+        cause = f"killed by {failure.signal_name()}"
+    last = tail[-1].split("]: ", 1)[-1] if tail else ""
+    return f"rank {rank} failed ({cause}){': ' + last if last else ''}" + ("\n" + "\n".join(tail) if tail else "")
+
+
+class _Relay(threading.Thread):
+    """Copies the workers' output files to this process's sys.stdout/sys.stderr as they grow.
+
+    Workers write to files, not to our terminal, because in a notebook the kernel's file
+    descriptors are not the cell's output: only ``sys.stdout`` reaches the user there.
+    """
+
+    def __init__(self, log_dir: Path) -> None:
+        super().__init__(daemon=True, name="shardtune-relay")
+        self.log_dir, self.done = log_dir, threading.Event()
+        self.offsets: dict[Path, int] = {}
+
+    def pump(self) -> None:
+        for path in sorted(self.log_dir.glob("**/std*.log")):
+            size = path.stat().st_size
+            start = self.offsets.get(path, 0)
+            if size > start:
+                with path.open("rb") as f:
+                    f.seek(start)
+                    chunk = f.read(size - start)
+                self.offsets[path] = size
+                stream = sys.stderr if path.name == "stderr.log" else sys.stdout
+                stream.write(chunk.decode("utf-8", "replace"))
+                stream.flush()
+
+    def run(self) -> None:
+        while not self.done.wait(0.2):
+            self.pump()
+
+    def stop(self) -> None:
+        self.done.set()
+        self.join()
+        self.pump()
 
 
 def launch_workers(parallel: ParallelConfig, module: str, args: list[str]) -> None:
     """Run ``python -m module *args`` on ``parallel.nproc`` local workers joined into one process group.
 
-    Raises WorkerError naming the first rank that failed; the elastic agent stops the others.
+    Their output is relayed here; raises WorkerError naming the first rank that failed, after the
+    elastic agent has stopped the others.
     """
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     p = parallel
+    log_dir = Path(tempfile.mkdtemp(prefix="shardtune-logs-"))
     if p.nnodes > 1:
+        # torchrun's default for a fixed set of nodes: node 0 hosts the store at the endpoint.
         endpoint, backend, rdzv_configs = p.rdzv_endpoint, "static", {"rank": p.node_rank}
-        os.environ.setdefault("MASTER_ADDR", endpoint.rsplit(":", 1)[0])
+        run_id = f"shardtune-{endpoint}"  # every node must name the same run to meet in the store
     else:
         endpoint, backend, rdzv_configs = f"127.0.0.1:{_free_port()}", "c10d", {}
+        run_id = f"shardtune-{uuid.uuid4().hex[:8]}"
     launch_config = LaunchConfig(
-        min_nodes=p.nnodes, max_nodes=p.nnodes, nproc_per_node=p.nproc, run_id=f"shardtune-{uuid.uuid4().hex[:8]}",
+        min_nodes=p.nnodes, max_nodes=p.nnodes, nproc_per_node=p.nproc, run_id=run_id,
         rdzv_backend=backend, rdzv_endpoint=endpoint, rdzv_configs=rdzv_configs, max_restarts=0,
-        monitor_interval=0.2, start_method="spawn",
+        monitor_interval=0.2, start_method="spawn", shutdown_timeout=STOP_TIMEOUT,
+        logs_specs=DefaultLogsSpecs(log_dir=str(log_dir), redirects=Std.ALL),
     )
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")  # worker output is a file: flush it line by line
+    relay = _Relay(log_dir)
+    relay.start()
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         elastic_launch(launch_config, sys.executable)("-m", module, *args)
+    except SignalException as err:  # the agent has forwarded it and waited for the workers
+        raise Stopped(err.sigval) from None
     except ChildFailedError as err:
-        raise WorkerError(_describe(err)) from None
+        codes = {f.exitcode for f in err.failures.values()}
+        if codes <= {128 + signal.SIGTERM, 128 + signal.SIGINT}:  # workers signalled directly stop this way
+            raise Stopped(max(codes) - 128) from None
+        raise WorkerError(_describe(err, log_dir)) from None
+    finally:
+        if threading.current_thread() is threading.main_thread():
+            for sig, handler in handlers.items():  # the agent leaves its own handlers installed
+                signal.signal(sig, handler)
+        relay.stop()
+        shutil.rmtree(log_dir, ignore_errors=True)
 
 
 def launch(cfg: Config) -> dict:
     """Run the fine-tune described by ``cfg`` on ``cfg.parallel.nproc`` local workers; return the summary."""
     out = Path(cfg.output.out)
-    out.mkdir(parents=True, exist_ok=True)
-    config_path = out / "config.yaml"
-    write_yaml(cfg, config_path)
-    summary_path = out / "summary.json"
-    if summary_path.exists():
-        summary_path.unlink()  # never report an older run's result as this one's
+    config_path, summary_path = out / "config.yaml", out / "summary.json"
+    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every rank gets here
+        out.mkdir(parents=True, exist_ok=True)
+        write_yaml(cfg, config_path)
+        summary_path.unlink(missing_ok=True)  # never report an older run's result as this one's
     if under_torchrun():
         from shardtune.train import run
 
         return run(cfg)
-    launch_workers(cfg.parallel, "shardtune.train", [str(config_path)])
+    try:
+        launch_workers(cfg.parallel, "shardtune.train", [str(config_path)])
+    except Stopped as err:
+        from shardtune.checkpoint import stop_message
+
+        raise Stopped(err.signum, stop_message(err.signum, out)) from None
     if not summary_path.is_file():
         if cfg.parallel.node_rank > 0:
             return {}  # rank 0, on node 0, writes the summary

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from shardtune.config import Config, validate
 from shardtune.data import BatchPlan, load_dataset
-from shardtune.model import DTYPES, build_meta_model, check_model_dir, inject_lora
+from shardtune.model import DTYPES, ModelDirError, build_meta_model, check_model_dir, inject_lora
 
 
 def preflight(cfg: Config) -> None:
@@ -19,7 +19,14 @@ def preflight(cfg: Config) -> None:
     quiet_libraries()
     validate(cfg)
     model_dir = check_model_dir(cfg.model.path)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir.path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir.path)
+    except (OSError, ValueError) as err:
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0].rstrip(" :")
+        raise ModelDirError(
+            f"model directory {model_dir.path} has no usable tokenizer "
+            f"(tokenizer.json, tokenizer_config.json): {reason}"
+        ) from None
     load_dataset(cfg.data.train, tokenizer, cfg.data.seq_len)
     if cfg.data.val:
         load_dataset(cfg.data.val, tokenizer, cfg.data.seq_len)

@@ -1,0 +1,87 @@
+"""Launching: several nodes on loopback, a notebook kernel, and failures that end every rank."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dist_utils import free_port
+from tiny import instruction_records, make_model, write_jsonl
+
+TESTS = Path(__file__).parent
+REPO = TESTS.parent
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("launch")
+    make_model(root / "model", "llama", tied=True)
+    write_jsonl(root / "train.jsonl", instruction_records(16))
+    return root
+
+
+def _options(root: Path, out: str) -> dict[str, str]:
+    return {"model": str(root / "model"), "data": str(root / "train.jsonl"), "out": str(root / out),
+            "dtype": "fp32", "steps": "3", "batch-size": "4", "lr": "1e-2", "strategy": "fsdp2"}
+
+
+def _flags(root: Path, out: str) -> list[str]:
+    return [part for key, value in _options(root, out).items() for part in (f"--{key}", value)]
+
+
+def test_worker_exception_names_the_rank_and_stops_the_others(monkeypatch):
+    from shardtune.config import ParallelConfig
+    from shardtune.launch import WorkerError, launch_workers
+
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    started = time.monotonic()
+    with pytest.raises(WorkerError, match=r"rank 1 failed.*rank one broke on purpose"):
+        launch_workers(ParallelConfig(nproc=2), "failing_worker", [])
+    # Rank 0 sat in a barrier: the launcher, not the 5-minute collective timeout, ended it.
+    assert time.monotonic() - started < 60
+
+
+def test_two_nodes_on_loopback_give_the_single_node_adapter(tiny):
+    from safetensors.torch import load_file
+
+    import shardtune
+
+    endpoint = f"127.0.0.1:{free_port()}"
+    nodes = [
+        subprocess.Popen([sys.executable, "-m", "shardtune", "finetune", *_flags(tiny, f"node{i}"), "--nproc", "1",
+                          "--nnodes", "2", "--node-rank", str(i), "--rdzv-endpoint", endpoint],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for i in (0, 1)
+    ]
+    logs = [p.communicate(timeout=240)[0] for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], logs
+    summary = shardtune.finetune(_options(tiny, "one-node"), nproc=2)
+    assert summary["world_size"] == 2
+    one = load_file(tiny / "one-node" / "adapter" / "adapter_model.safetensors")
+    multi = load_file(tiny / "node0" / "adapter" / "adapter_model.safetensors")
+    assert set(one) == set(multi)
+    for key in one:
+        assert (one[key] - multi[key]).abs().max() < 1e-5, key
+
+
+def test_notebook_runs_a_two_process_finetune_and_streams_progress(tiny):
+    import nbformat
+    from nbclient import NotebookClient
+
+    nb = nbformat.read(REPO / "examples" / "finetune_notebook.ipynb", as_version=4)
+    nb.cells[1].source = (
+        f"MODEL = {str(tiny / 'model')!r}\nDATA = {str(tiny / 'train.jsonl')!r}\nVAL_DATA = DATA\n"
+        f"OUT = {str(tiny / 'notebook')!r}\nSTEPS = 2\nEXTRA = {{'dtype': 'fp32', 'seq-len': 64}}"
+    )
+    NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(REPO)}}).execute()
+    run_cell, print_cell = nb.cells[2], nb.cells[3]
+    streamed = "".join(o.get("text", "") for o in run_cell.outputs if o.output_type == "stream")
+    assert "finetune" in streamed and "2/2" in streamed  # the workers' progress bar reached the cell
+    printed = "".join(o.get("text", "") for o in print_cell.outputs if o.output_type == "stream")
+    assert "on 2 ranks (fsdp2)" in printed
+    assert (tiny / "notebook" / "adapter" / "adapter_model.safetensors").is_file()
