@@ -1,19 +1,56 @@
-"""Writing results to disk: the adapter in peft's format, atomically.
+"""Writing results to disk: the peft adapter, and resumable checkpoints of a run, atomically.
 
-Only LoRA (trainable) tensors are ever gathered to full size; the frozen base never is.
+Only LoRA (trainable) tensors are ever gathered or saved; the frozen base never is.
+
+A resumable checkpoint ``OUT/checkpoints/step-N/`` holds:
+  ``.metadata``, ``__*_*.distcp``   torch.distributed.checkpoint (DCP): the trainable parameters and
+                                  AdamW's state, each rank writing its own shard (FSDP2 DTensors)
+  ``rng/rank-K.pt``               every rank's torch RNG states (LoRA dropout)
+  ``adapter_config.json``         peft's config, so that ``adapter-from-checkpoint`` needs no model
+  ``checkpoint.json``             data position (``step``: the next step to run), world size, LR
+                                  scheduler state, running totals, the run's options, adapter key names
+  ``COMPLETE``                    written last: a directory without it is never resumed from
+It is written as ``.step-N.tmp`` and renamed by rank 0 once every rank has finished writing, so a
+crash mid-write leaves the previous checkpoints as they were.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
+import re
 import shutil
+import signal
+import threading
+import time
+import warnings
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from shardtune.config import Config
 from shardtune.parallel import Strategy
+
+log = logging.getLogger("shardtune")
+
+MARKER, META = "COMPLETE", "checkpoint.json"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+# Options that decide which tensors a checkpoint holds: resuming with other values cannot work.
+_STRUCTURAL = ("lora-r", "lora-targets", "lora-bias", "lora-modules-to-save")
+# Options that may change between the interrupted run and its continuation without a word.
+_FREE = ("out", "resume", "nproc", "strategy", "micro-batch-size", "save-every", "keep-last", "log-file",
+         "eval-every", "val-data", "activation-checkpointing", "cpu-offload", "nnodes", "node-rank",
+         "rdzv-endpoint")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used; the message names it and says why."""
 
 
 def replace_dir(tmp: Path, final: Path) -> None:
@@ -27,33 +64,294 @@ def replace_dir(tmp: Path, final: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def adapter_key_map(peft_model: nn.Module, names: list[str]) -> dict[str, str]:
+    """{key in adapter_model.safetensors: trainable parameter name}, exactly as peft renames them.
+
+    peft's renaming is asked rather than re-implemented: each name gets a tensor holding its own
+    index, and the indices come back under peft's keys.
+    """
+    from peft import get_peft_model_state_dict
+
+    tagged = {n: torch.tensor(i) for i, n in enumerate(names)}
+    renamed = get_peft_model_state_dict(peft_model, state_dict=tagged, save_embedding_layers=False)
+    if len(renamed) != len(names):
+        # peft finds adapter tensors by module names: wrappers inside the tree (FSDP1 units) hide them.
+        raise CheckpointError(f"peft recognised {len(renamed)} of the {len(names)} trainable tensors as adapter "
+                              f"tensors of {type(peft_model).__name__}; pass the model with its original module names")
+    return {key: names[int(index)] for key, index in renamed.items()}
+
+
+def write_adapter(tensors: dict[str, torch.Tensor], config: dict, out: Path) -> Path:
+    """Write a peft adapter directory (adapter_config.json + adapter_model.safetensors) atomically."""
+    from safetensors.torch import save_file
+
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "adapter_model.safetensors"),
+              metadata={"format": "pt"})
+    (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    replace_dir(tmp, out)
+    return out
+
+
+def peft_config_dict(model: nn.Module, strategy: Strategy, base_model_path: str) -> dict:
+    """What peft writes to adapter_config.json (its sets as sorted lists: the same file on every run)."""
+    config = strategy.unwrap(model).peft_config["default"]
+    config.base_model_name_or_path = str(Path(base_model_path).resolve())
+    return {k: sorted(v) if isinstance(v, set) else v for k, v in config.to_dict().items()}
+
+
 def save_adapter(
     model: nn.Module, strategy: Strategy, names: list[str], out: Path, base_model_path: str
 ) -> Path:
     """Write ``out`` (adapter_config.json + adapter_model.safetensors) on rank 0; a collective."""
-    from peft import get_peft_model_state_dict
-    from safetensors.torch import save_file
-
     full = strategy.full_tensors(model, names)
     if strategy.dist.is_main:
-        peft_model = strategy.unwrap(model)
-        state = get_peft_model_state_dict(peft_model, state_dict=full, save_embedding_layers=False)
-        tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "adapter_model.safetensors"),
-                  metadata={"format": "pt"})
-        config = peft_model.peft_config["default"]
-        config.base_model_name_or_path = str(Path(base_model_path).resolve())
-        config.save_pretrained(str(tmp))
-        replace_dir(tmp, out)
+        keys = adapter_key_map(strategy.unwrap(model), names)
+        write_adapter({k: full[n] for k, n in keys.items()}, peft_config_dict(model, strategy, base_model_path), out)
     dist.barrier()
     return out
 
 
 def adapter_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
 def to_cpu_fp32(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu", torch.float32) for k, v in tensors.items()}
+
+
+@dataclass
+class TrainState:
+    """The running totals of a run; ``step`` is the number of optimizer steps done (the next to run)."""
+
+    step: int = 0
+    tokens: int = 0
+    train_seconds: float = 0.0
+    first_loss: float | None = None
+    last_loss: float | None = None
+    val_loss: float | None = None
+
+    def add(self, loss: float, tokens: int, seconds: float) -> None:
+        self.step += 1
+        self.tokens += tokens
+        self.train_seconds += seconds
+        self.first_loss = loss if self.first_loss is None else self.first_loss
+        self.last_loss = loss
+
+
+def checkpoints_dir(out: Path) -> Path:
+    return Path(out) / "checkpoints"
+
+
+def resume_command(out: Path) -> str:
+    return f"shardtune finetune --config {Path(out) / 'config.yaml'} --resume"
+
+
+def find_latest(out: Path) -> Path | None:
+    """The newest complete checkpoint under ``out``; incomplete or unreadable ones are skipped, with a warning."""
+    root = checkpoints_dir(out)
+    if not root.is_dir():
+        return None
+    for tmp in sorted(root.glob(".step-*.tmp")):
+        log.warning("skipping %s: a checkpoint whose writing never finished", tmp)
+    found = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)))
+    for step, path in reversed(found):
+        problem = _problem(path, step)
+        if problem is None:
+            return path
+        log.warning("skipping checkpoint %s: %s", path, problem)
+    return None
+
+
+def _problem(path: Path, step: int | None) -> str | None:
+    """Why ``path`` cannot be resumed from, or None."""
+    if not (path / MARKER).is_file():
+        return f"no {MARKER} marker (its writing did not finish)"
+    try:
+        meta = json.loads((path / META).read_text())
+        if step is not None and meta["step"] != step:
+            return f"{META} says step {meta['step']}"
+        dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as err:  # any damage at all means: do not resume from it
+        return f"unreadable ({type(err).__name__}: {err})"
+    return None
+
+
+class Checkpointer:
+    """Saves and restores a run's resumable state: LoRA weights, optimizer, scheduler, RNG, data position."""
+
+    def __init__(self, cfg: Config, model: nn.Module, strategy: Strategy, names: list[str],
+                 optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
+        self.cfg, self.model, self.strategy, self.names = cfg, model, strategy, names
+        self.optimizer, self.scheduler = optimizer, scheduler
+        self.dist = strategy.dist
+        self.root = checkpoints_dir(Path(cfg.output.out))
+
+    def due(self, step: int) -> bool:
+        every = self.cfg.output.save_every
+        return bool(every) and step % every == 0
+
+    def _state_dict(self) -> dict:
+        """The trainable parameters and the optimizer state, as shards where the model is sharded."""
+        options = StateDictOptions(ignore_frozen_params=True)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=options)
+        model_sd = {k: v for k, v in model_sd.items() if k in self.names}  # no buffers either
+        if set(model_sd) != set(self.names):
+            missing = sorted(set(self.names) - set(model_sd))
+            raise CheckpointError(f"the model's state dict lacks trainable parameters: {missing[:5]}")
+        return {"model": model_sd, "optim": optim_sd}
+
+    def save(self, state: TrainState) -> Path:
+        """Write ``checkpoints/step-N`` (N = ``state.step``); a collective."""
+        started = time.perf_counter()
+        final, tmp = self.root / f"step-{state.step}", self.root / f".step-{state.step}.tmp"
+        if self.dist.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        dist.barrier()
+        (tmp / "rng").mkdir(parents=True, exist_ok=True)  # by every rank: multi-node needs --out on a shared filesystem
+        dcp.save(self._state_dict(), storage_writer=dcp.FileSystemWriter(str(tmp)))
+        rng = {"cpu": torch.get_rng_state()}
+        if self.dist.device.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state(self.dist.device)
+        torch.save(rng, tmp / "rng" / f"rank-{self.dist.rank}.pt")
+        dist.barrier()  # every rank's files are written
+        if self.dist.is_main:
+            peft_model = self.strategy.unwrap(self.model)
+            config = peft_config_dict(self.model, self.strategy, self.cfg.model.path)
+            (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+            meta = {"step": state.step, "world_size": self.dist.world_size, "state": asdict(state),
+                    "scheduler": self.scheduler.state_dict(), "options": self.cfg.flat(),
+                    "adapter_keys": adapter_key_map(peft_model, self.names), "saved_at": time.time()}
+            (tmp / META).write_text(json.dumps(meta, indent=1) + "\n")
+            with open(tmp / MARKER, "w") as f:
+                os.fsync(f.fileno())
+            replace_dir(tmp, final)
+            self._prune()
+            log.info("checkpoint %s written in %.2f s", final, time.perf_counter() - started)
+        dist.barrier()
+        return final
+
+    def _prune(self) -> None:
+        """Keep the newest ``keep_last`` complete checkpoints; drop leftovers of interrupted writes."""
+        complete = sorted((int(m.group(1)), p) for p in self.root.iterdir()
+                          if (m := _STEP_DIR.match(p.name)) and (p / MARKER).is_file())
+        for _, path in complete[:-self.cfg.output.keep_last]:
+            shutil.rmtree(path, ignore_errors=True)
+        for path in self.root.glob(".step-*.tmp"):
+            shutil.rmtree(path, ignore_errors=True)
+
+    def resume(self) -> TrainState:
+        """Load the newest complete checkpoint into model, optimizer, scheduler and RNG; a collective.
+
+        Returns the state to continue from (a fresh one, with a warning, when there is none).
+        """
+        out = self.root.parent
+        path = find_latest(out) if self.dist.is_main else None
+        path = _broadcast(path)  # one rank decides, so that all load the same one
+        if path is None:
+            log.warning("--resume: no complete checkpoint under %s; starting from step 0", out)
+            return TrainState()
+        meta = json.loads((path / META).read_text())
+        self._check_options(meta["options"], path)
+        sd = self._state_dict()  # allocates the optimizer state to load into
+        dcp.load(sd, storage_reader=dcp.FileSystemReader(str(path)))
+        set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"],
+                       options=StateDictOptions(strict=False, ignore_frozen_params=True))
+        self.scheduler.load_state_dict(meta["scheduler"])
+        rng_file = path / "rng" / f"rank-{self.dist.rank}.pt"
+        if meta["world_size"] == self.dist.world_size and rng_file.is_file():
+            rng = torch.load(rng_file, weights_only=True)
+            torch.set_rng_state(rng["cpu"])
+            if "cuda" in rng and self.dist.device.type == "cuda":
+                torch.cuda.set_rng_state(rng["cuda"], self.dist.device)
+        else:
+            log.info("checkpoint written by %d ranks, resumed on %d: the dropout RNG starts afresh",
+                     meta["world_size"], self.dist.world_size)
+        log.info("resumed from %s (step %d)", path, meta["step"])
+        return TrainState(**meta["state"])
+
+    def _check_options(self, saved: dict, path: Path) -> None:
+        now = self.cfg.flat()
+        changed = {k: (saved.get(k), v) for k, v in now.items() if k not in _FREE and saved.get(k) != v}
+        bad = {k: v for k, v in changed.items() if k in _STRUCTURAL}
+        if bad:
+            raise CheckpointError(f"cannot resume from {path}: " + "; ".join(
+                f"option '{k}' was {a!r}, now {b!r}" for k, (a, b) in bad.items()))
+        for k, (a, b) in changed.items() if self.dist.is_main else ():
+            log.warning("resuming from %s with option '%s' changed from %r to %r", path, k, a, b)
+
+
+def _broadcast(value: object) -> object:
+    holder = [value]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]
+
+
+def adapter_from_checkpoint(path: Path, out: Path, model: str | Path | None = None) -> Path:
+    """Write the peft adapter held by resumable checkpoint ``path``, in this one process.
+
+    Reads only the LoRA tensors (whole, whatever the number of ranks that wrote them); needs no base
+    weights. ``model`` replaces the base model path recorded in the adapter config.
+    """
+    path = Path(path)
+    match = _STEP_DIR.match(path.name)
+    problem = _problem(path, int(match.group(1)) if match else None) if path.is_dir() else "no such directory"
+    if problem:
+        raise CheckpointError(f"{path} is not a usable checkpoint: {problem}")
+    meta = json.loads((path / META).read_text())
+    reader = dcp.FileSystemReader(str(path))
+    stored = reader.read_metadata().state_dict_metadata
+    keys = {adapter_key: f"model.{name}" for adapter_key, name in meta["adapter_keys"].items()}
+    missing = [k for k in keys.values() if k not in stored]
+    if missing:
+        raise CheckpointError(f"{path}: the checkpoint lacks {', '.join(missing[:5])}")
+    tensors = {k: torch.empty(stored[k].size, dtype=stored[k].properties.dtype) for k in keys.values()}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(tensors, storage_reader=reader, no_dist=True)
+    config = json.loads((path / "adapter_config.json").read_text())
+    if model is not None:
+        config["base_model_name_or_path"] = str(Path(model).resolve())
+    return write_adapter({a: tensors[k] for a, k in keys.items()}, config, Path(out))
+
+
+def stop_message(signum: int, out: Path) -> str:
+    latest = find_latest(out)
+    where = f"the newest complete checkpoint is {latest}" if latest else "no complete checkpoint was written"
+    return f"stopped by {signal.Signals(signum).name}; {where}. To continue, run: {resume_command(out)}"
+
+
+class GracefulStop:
+    """While active, SIGTERM and SIGINT only set a flag: training stops after the step in progress.
+
+    ``agreed()`` is a collective, so every rank stops after the same step even when only one
+    received the signal, and none waits forever for a rank that left.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.signum = device, 0
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> GracefulStop:
+        if threading.current_thread() is threading.main_thread():  # Python only allows it there
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        # Only a flag: logging or collectives from a signal handler can deadlock.
+        self.signum = self.signum or signum
+
+    def agreed(self) -> int:
+        """The signal any rank received (0 when none did)."""
+        flag = torch.tensor([self.signum], dtype=torch.int64, device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item())

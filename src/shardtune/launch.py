@@ -16,8 +16,12 @@ import tempfile
 import threading
 import uuid
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from shardtune.config import Config, ParallelConfig, write_yaml
+
+if TYPE_CHECKING:
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 
 class WorkerError(RuntimeError):
@@ -47,13 +51,28 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# How a rank's error reads when it only lost a peer: a consequence, not the cause.
+_PEER_LOST = ("closed by peer", "reset by peer", "Broken pipe", "remote process exited", "communicator was aborted")
+
+
+def _cause_first(item: tuple[int, ProcessFailure]) -> tuple[bool, bool, int]:
+    """Sort key putting the failure that caused the others first.
+
+    Timestamps alone mislead: they have whole seconds, and a rank that lost a peer (the peer killed by
+    SIGKILL, say) fails in the same second; the agent's own SIGTERM to the survivors also counts as failing.
+    """
+    failure = item[1]
+    return (failure.exitcode == -signal.SIGTERM, any(p in str(failure.message) for p in _PEER_LOST),
+            failure.timestamp or 0)
+
+
 def _describe(err: Exception, log_dir: Path) -> str:
     """One message naming the first rank that failed, its error and the end of its traceback."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     if not isinstance(err, ChildFailedError):
         return str(err)
-    rank, failure = min(err.failures.items(), key=lambda kv: kv[1].timestamp or 0)
+    rank, failure = min(err.failures.items(), key=_cause_first)
     data = failure.error_file_data.get("message", {}) if isinstance(failure.error_file_data, dict) else {}
     if isinstance(data, dict) and data.get("message"):
         stack = data.get("extraInfo", {}).get("py_callstack", "")

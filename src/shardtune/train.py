@@ -16,17 +16,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from shardtune import distributed
 from shardtune.build import Built, build_model
-from shardtune.checkpoint import save_adapter
+from shardtune.checkpoint import Checkpointer, GracefulStop, TrainState, save_adapter, stop_message
 from shardtune.config import Config, build_config, validate
-from shardtune.data import IGNORE, BatchPlan, Dataset, Sampler, collate, load_dataset
+from shardtune.data import BatchPlan, Dataset, Sampler, collate, load_dataset
 from shardtune.distributed import Dist
 from shardtune.logs import setup_logging
-from shardtune.memory import MemoryMonitor
+from shardtune.loss import next_token_loss_sum
+from shardtune.memory import MemoryMonitor, tune_malloc
 from shardtune.metrics import MetricsLog, Progress, write_json_atomic
 from shardtune.model import check_model_dir
 from shardtune.parallel import Strategy
@@ -71,10 +71,11 @@ def lr_factor(step: int, steps: int, warmup: int, min_ratio: float) -> float:
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum (not mean) of next-token cross-entropy over target tokens, computed in fp32."""
-    shifted = labels[:, 1:].reshape(-1)
-    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)).float(), shifted,
-                           ignore_index=IGNORE, reduction="sum")
+    """Sum (not mean) of next-token cross-entropy over target tokens, computed in fp32.
+
+    Chunked over tokens (loss.py): the fp32 upcast of a whole micro-batch's logits is never made.
+    """
+    return next_token_loss_sum(logits, labels)
 
 
 def train_step(s: Setup, step: int) -> tuple[float, int]:
@@ -87,6 +88,9 @@ def train_step(s: Setup, step: int) -> tuple[float, int]:
         inputs = collate([s.train.examples[i] for i in micro], s.pad_id, s.dist.device)
         logits = s.model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits
         loss_sum = token_loss_sum(logits, inputs["labels"])
+        # The loss keeps the logits for its own backward only; a name holding them here would keep
+        # them through the whole backward and the next micro-batch's forward.
+        del logits
         # Gradient sync averages over ranks; multiplying by world_size turns that average back into
         # the sum over ranks, so the gradient is d(global mean loss) whatever the split.
         (loss_sum * (s.dist.world_size / global_targets)).backward()
@@ -147,11 +151,15 @@ def train(s: Setup, memory: MemoryMonitor, out: Path) -> dict:
     warmup = cfg.train.warmup_steps if cfg.train.warmup_steps is not None else min(100, s.steps // 10)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, s.steps, warmup, cfg.train.min_lr_ratio))
-    metrics = MetricsLog(out / "metrics.jsonl", s.dist.is_main)
-    progress = Progress(s.steps, 0, s.dist.is_main)
-    losses, val_loss, tokens_total, train_seconds = [], None, 0, 0.0
-    with memory.phase("train"):
-        for step in range(s.steps):
+    checkpoints = Checkpointer(cfg, s.model, s.strategy, s.built.adapter_names, optimizer, scheduler)
+    # Batch ``step`` depends only on (seed, step): starting the loop at the saved step is the data position.
+    state = checkpoints.resume() if cfg.output.resume else TrainState()
+    first_step = state.step
+    metrics = MetricsLog(out / "metrics.jsonl", s.dist.is_main, resume_from_step=state.step)
+    progress = Progress(s.steps, state.step, s.dist.is_main)
+    losses, stopped_by = [], 0
+    with memory.phase("train"), GracefulStop(s.dist.device) as stop:
+        for step in range(state.step, s.steps):
             started = time.perf_counter()
             loss, tokens = train_step(s, step)
             grad_norm = s.strategy.clip_grad_norm(s.model, cfg.train.max_grad_norm)
@@ -161,21 +169,26 @@ def train(s: Setup, memory: MemoryMonitor, out: Path) -> dict:
             optimizer.zero_grad(set_to_none=True)
             seconds = time.perf_counter() - started
             losses.append(loss)
-            tokens_total += tokens
-            train_seconds += seconds
+            state.add(loss, tokens, seconds)
             record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
                       "tokens_per_second": tokens / seconds, "seconds": seconds, "memory_mb": memory.now_mb()}
             if s.val and ((cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0) or step + 1 == s.steps):
-                val_loss = record["val_loss"] = evaluate(s)
-                progress.write(f"step {step + 1}: val_loss {val_loss:.4f}")
+                state.val_loss = record["val_loss"] = evaluate(s)
+                progress.write(f"step {step + 1}: val_loss {state.val_loss:.4f}")
             metrics.write(record)
             progress.update(record)
+            stopped_by = stop.agreed()  # SIGTERM/SIGINT on any rank: all save, then all stop
+            if stopped_by or checkpoints.due(state.step):
+                checkpoints.save(state)
+            if stopped_by:
+                break
     progress.close()
-    return {"losses": losses, "val_loss": val_loss, "tokens": tokens_total, "train_seconds": train_seconds}
+    return {"losses": losses, "state": state, "first_step": first_step, "stopped_by": stopped_by}
 
 
 def run(cfg: Config) -> dict:
     started = time.perf_counter()
+    tune_malloc()  # before anything large is allocated: see memory.py
     dist = distributed.setup()
     out = Path(cfg.output.out)
     setup_logging(dist.rank, cfg.output.log_file)
@@ -185,19 +198,25 @@ def run(cfg: Config) -> dict:
         s = setup(cfg, dist, memory)
         load_seconds = time.perf_counter() - load_started
         result = train(s, memory, out)
+        state: TrainState = result["state"]
+        if result["stopped_by"]:
+            if dist.is_main:
+                log.warning("%s", stop_message(result["stopped_by"], out))
+            raise SystemExit(128 + result["stopped_by"])
         with memory.phase("save"):
             adapter = save_adapter(s.model, s.strategy, s.built.adapter_names, out / "adapter", cfg.model.path)
         peaks = distributed.all_gather_object({k: memory.peak_mb(k) for k in ("load", "train", "save")})
         summary = {
             "world_size": dist.world_size, "strategy": s.strategy.name,
             "strategy_reason": s.built.strategy_reason,
-            "steps": s.steps, "tokens": result["tokens"],
-            "train_loss_first": result["losses"][0], "train_loss_last": result["losses"][-1],
-            "val_loss": result["val_loss"],
-            "tokens_per_second": result["tokens"] / result["train_seconds"],
+            "steps": s.steps, "tokens": state.tokens,
+            "train_loss_first": state.first_loss, "train_loss_last": state.last_loss,
+            "val_loss": state.val_loss,
+            "tokens_per_second": state.tokens / state.train_seconds if state.train_seconds else None,
             "load_seconds": round(load_seconds, 3),
             "load_peak_mb": [p["load"] for p in peaks], "train_peak_mb": [p["train"] for p in peaks],
             "save_peak_mb": [p["save"] for p in peaks],
+            "resumed_from_step": result["first_step"] if cfg.output.resume else None,
             "total_params": s.built.total_params, "trainable_params": s.built.trainable_params,
             "truncated_records": s.train.truncated,
             "adapter": str(adapter.resolve()),

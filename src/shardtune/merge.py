@@ -1,0 +1,250 @@
+"""Fold a LoRA adapter into the base weights, streaming: one base tensor in memory at a time.
+
+The output is a Hugging Face directory with the input's weight files under the same names and the
+same ``weight_map``; config.json, generation_config.json and the tokenizer files are copied. Each
+output file's safetensors header is known before any data is read (shapes and dtypes do not change),
+so it is written first and the tensors follow one by one: the merged model is never whole in memory.
+
+What peft's ``merge_and_unload`` would do, per adapter tensor:
+  LoRA pair on a linear layer     W += scale · B @ A      (transposed for GPT-2's Conv1D: fan_in_fan_out)
+  LoRA pair on an embedding       W += scale · (B @ A)ᵀ
+  ``lora_B.bias`` (lora_bias)     b += scale · lora_B.bias
+  anything else                   replaces the base tensor (modules_to_save, biases with bias="all"/"lora_only")
+with scale = alpha / r, or alpha / √r under rslora, and rank_pattern / alpha_pattern honoured.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from shardtune.checkpoint import replace_dir
+from shardtune.loading import checkpoint_key
+from shardtune.model import DTYPES, check_model_dir
+
+log = logging.getLogger("shardtune")
+
+_LORA = re.compile(r"^(?P<module>.+)\.(?P<kind>lora_(?:embedding_)?[AB])\.(?P<what>weight|bias)$")
+_PEFT_PREFIX = "base_model.model."
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}
+_TORCH_DTYPES = {v: k for k, v in _SAFETENSORS_DTYPES.items()}
+# Weights in other formats are not carried over: the output's weights are its safetensors files.
+_NOT_COPIED = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".h5", ".msgpack")
+
+
+class MergeError(ValueError):
+    """The adapter cannot be merged into this model; the message says which tensor and why."""
+
+
+@dataclass
+class Change:
+    """What the adapter does to one base tensor."""
+
+    replacement: torch.Tensor | None = None
+    # (A-side, B-side, scale): W += scale · left @ right
+    products: list[tuple[torch.Tensor, torch.Tensor, float]] = field(default_factory=list)
+    bias: torch.Tensor | None = None  # added as is (already scaled)
+
+
+def read_adapter(adapter: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    config_file, weights = adapter / "adapter_config.json", adapter / "adapter_model.safetensors"
+    for f in (config_file, weights):
+        if not f.is_file():
+            raise MergeError(f"adapter directory {adapter} has no {f.name}")
+    config = json.loads(config_file.read_text())
+    if config.get("peft_type", "LORA") != "LORA":
+        raise MergeError(f"{config_file}: peft_type {config['peft_type']!r}; only LoRA adapters can be merged")
+    if config.get("use_dora"):
+        raise MergeError(f"{config_file}: DoRA adapters (use_dora) are not supported by this merge")
+    return config, load_file(str(weights))
+
+
+def plan_changes(config: dict, tensors: dict[str, torch.Tensor]) -> dict[str, Change]:
+    """{base tensor name (as the model names it): Change} for every tensor of the adapter."""
+    from peft.utils.other import get_pattern_key
+
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    changes: dict[str, Change] = {}
+    for key, value in tensors.items():
+        name = key.removeprefix(_PEFT_PREFIX)
+        m = _LORA.match(name)
+        if m:
+            pairs.setdefault(m["module"], {})[f"{m['kind']}.{m['what']}"] = value.float()
+        elif "lora_" in name:
+            raise MergeError(f"adapter tensor {key}: a LoRA variant this merge does not know")
+        else:
+            changes.setdefault(checkpoint_key(name), Change()).replacement = value
+    for module, parts in pairs.items():
+        embedding = "lora_embedding_A.weight" in parts
+        a = parts.get("lora_embedding_A.weight" if embedding else "lora_A.weight")
+        b = parts.get("lora_embedding_B.weight" if embedding else "lora_B.weight")
+        if a is None or b is None:
+            raise MergeError(f"adapter module {module}: has only one of its two LoRA matrices")
+        r = a.shape[0]
+        alpha = config.get("alpha_pattern", {}).get(
+            get_pattern_key(config.get("alpha_pattern", {}).keys(), module), config["lora_alpha"])
+        scale = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
+        # W (out × in) += scale · B @ A; stored transposed (in × out) for Conv1D and embeddings.
+        transposed = embedding or config.get("fan_in_fan_out", False)
+        product = (a.T, b.T, scale) if transposed else (b, a, scale)
+        base = checkpoint_key(module)
+        changes.setdefault(f"{base}.weight", Change()).products.append(product)
+        if "lora_B.bias" in parts:
+            changes.setdefault(f"{base}.bias", Change()).bias = parts["lora_B.bias"] * scale
+    return changes
+
+
+def apply(name: str, weight: torch.Tensor, change: Change) -> torch.Tensor:
+    """The merged tensor, computed in fp32; in-place updates keep it to about one copy of ``weight``."""
+    if change.replacement is not None:
+        if change.replacement.shape != weight.shape:
+            raise MergeError(f"{name}: the adapter's tensor has shape {list(change.replacement.shape)}, "
+                             f"the model's {list(weight.shape)}")
+        weight = change.replacement
+    if not change.products and change.bias is None:
+        return weight
+    merged = weight.float() if weight.dtype != torch.float32 else weight.clone()
+    for left, right, scale in change.products:
+        if (left.shape[0], right.shape[1]) != tuple(merged.shape):
+            raise MergeError(f"{name}: LoRA update of shape {[left.shape[0], right.shape[1]]} "
+                             f"does not fit the weight of shape {list(merged.shape)}")
+        merged.addmm_(left, right, alpha=scale)  # no temporary of the weight's size
+    if change.bias is not None:
+        merged += change.bias
+    return merged
+
+
+def _resolve(changes: dict[str, Change], stored: dict[str, str], tied: dict[str, str]) -> dict[str, Change]:
+    """Changes keyed by the checkpoint's own names: GPT-2 hub files store "h.0…" for "transformer.h.0…"."""
+    out: dict[str, Change] = {}
+    for name, change in changes.items():
+        short = name.split(".", 1)[-1]
+        key = name if name in stored else short if short in stored else name if name in tied else None
+        if key is None:
+            raise MergeError(f"the adapter changes {name}, which the model's checkpoint does not have")
+        out[key] = change
+    return out
+
+
+def _tied_sources(model_dir: Path) -> dict[str, str]:
+    """{tied parameter: the parameter stored in its place}, from the model class (built on meta)."""
+    from shardtune.model import build_meta_model
+
+    model = build_meta_model(check_model_dir(model_dir), torch.float32)
+    return dict(getattr(model, "all_tied_weights_keys", None) or {})
+
+
+def _header(entries: list[tuple[str, torch.dtype, list[int]]], metadata: dict[str, str] | None) -> bytes:
+    header: dict = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for name, dtype, shape in entries:
+        size = math.prod(shape) * dtype.itemsize
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as the safetensors library writes it
+    return len(raw).to_bytes(8, "little") + raw
+
+
+def _out_dtype(dtype: torch.dtype, wanted: torch.dtype | None) -> torch.dtype:
+    return wanted if wanted is not None and dtype.is_floating_point else dtype
+
+
+def merge_file(src: Path, dst: Path, changes: dict[str, Change], extra: dict[str, str],
+               dtype: torch.dtype | None) -> tuple[int, int]:
+    """Write ``dst``: every tensor of ``src``, merged, plus ``extra`` ({new name: stored tensor it starts from}).
+
+    Returns (bytes written, the largest tensor's bytes).
+    """
+    from safetensors import safe_open
+
+    with safe_open(str(src), framework="pt") as f, open(dst, "wb") as out:
+        names = [(n, n) for n in f.keys()] + list(extra.items())
+        entries = []
+        for name, source in names:
+            piece = f.get_slice(source)  # the header only: no data is read here
+            stored = _TORCH_DTYPES[piece.get_dtype()]
+            entries.append((name, _out_dtype(stored, dtype), list(piece.get_shape())))
+        out.write(_header(entries, f.metadata()))
+        written, largest = 0, 0
+        for (name, source), (_, out_dtype, _) in zip(names, entries):
+            tensor = f.get_tensor(source)
+            if name in changes:
+                tensor = apply(name, tensor, changes[name])
+            tensor = tensor.to(out_dtype).contiguous()
+            out.write(tensor.reshape(-1).view(torch.uint8).numpy().data)
+            written += tensor.nbytes
+            largest = max(largest, tensor.nbytes)
+            del tensor
+    return written, largest
+
+
+
+def merge(model: str | Path, adapter: str | Path, out: str | Path, dtype: str = "auto") -> dict:
+    """Write ``out``: the model with the adapter folded in. Returns sizes: total and largest tensor bytes."""
+    model_dir = check_model_dir(model)
+    out = Path(out)
+    config, tensors = read_adapter(Path(adapter))
+    wanted = None if dtype == "auto" else DTYPES[dtype]
+    file_of = dict(model_dir.index["weight_map"]) if model_dir.index else {}
+    if not file_of:
+        from safetensors import safe_open
+
+        with safe_open(str(model_dir.weight_files[0]), framework="pt") as f:
+            file_of = {k: model_dir.weight_files[0].name for k in f.keys()}
+    changes = plan_changes(config, tensors)
+    unstored = [n for n in changes if n not in file_of and n.split(".", 1)[-1] not in file_of]
+    tied = _tied_sources(model_dir.path) if unstored else {}
+    changes = _resolve(changes, file_of, tied)
+    # A tied weight the adapter changes gets a tensor of its own, next to the one it was tied to.
+    extra = {name: tied[name] for name in changes if name not in file_of}
+    for name, source in extra.items():
+        file_of[name] = file_of[source]
+
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    total, largest = 0, 0
+    for src in model_dir.weight_files:
+        new = {n: s for n, s in extra.items() if file_of[s] == src.name}
+        written, big = merge_file(src, tmp / src.name, changes, new, wanted)
+        total, largest = total + written, max(largest, big)
+    _copy_other_files(model_dir.path, tmp, wanted, untie=bool(extra))
+    if model_dir.index:
+        index = {**model_dir.index, "weight_map": dict(sorted(file_of.items()))}
+        index["metadata"] = {**index.get("metadata", {}), "total_size": total}
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    replace_dir(tmp, out)
+    log.info("merged %s into %s: %d tensors changed, %.1f MB written", adapter, out, len(changes), total / 2**20)
+    return {"out": str(out), "bytes": total, "largest_tensor_bytes": largest, "changed": len(changes)}
+
+
+def _copy_other_files(src: Path, dst: Path, dtype: torch.dtype | None, untie: bool) -> None:
+    for f in src.iterdir():
+        if f.is_file() and not f.name.endswith(_NOT_COPIED) and f.name != "model.safetensors.index.json":
+            shutil.copy2(f, dst / f.name)
+    if dtype is None and not untie:
+        return
+    config_file = dst / "config.json"
+    config = json.loads(config_file.read_text())
+    if dtype is not None:
+        config["dtype"] = str(dtype).removeprefix("torch.")
+        if "torch_dtype" in config:  # the name before transformers 5
+            config["torch_dtype"] = config["dtype"]
+    if untie:
+        config["tie_word_embeddings"] = False
+    config_file.write_text(json.dumps(config, indent=2) + "\n")

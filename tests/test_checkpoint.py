@@ -1,0 +1,231 @@
+"""Resumable checkpoints: exact resume, resharded resume, signals, a lost rank, adapters from checkpoints.
+
+Every run goes through the public API or the CLI, so each is a fresh set of worker processes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tiny import instruction_records, make_model, write_jsonl
+
+STEPS = 6
+EXACT = ("step", "loss", "lr", "grad_norm", "tokens")
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("ckpt")
+    make_model(root / "model", "llama", tied=True)
+    write_jsonl(root / "train.jsonl", instruction_records(20))
+    return root
+
+
+def _options(root: Path, out: str, nproc: int, **extra) -> dict:
+    split = {"strategy": "fsdp2", "micro-batch-size": 1} if nproc == 2 else {"strategy": "single"}
+    return {"model": str(root / "model"), "data": str(root / "train.jsonl"), "out": str(root / out),
+            "dtype": "fp32", "steps": STEPS, "batch-size": 8, "lr": 1e-2, "warmup-steps": 1, "seed": 1,
+            "save-every": 2, "keep-last": 3, "log-file": str(root / f"{out}.log"), "nproc": nproc, **split, **extra}
+
+
+@pytest.fixture(scope="module")
+def reference(root) -> Path:
+    """An uninterrupted 2-rank FSDP2 run saving steps 2, 4 and 6; started with --resume and nothing to resume."""
+    import shardtune
+
+    summary = shardtune.finetune(_options(root, "ref", 2, resume=True))
+    assert summary["steps"] == STEPS and summary["resumed_from_step"] == 0
+    assert "no complete checkpoint under" in (root / "ref.log").read_text()
+    return root / "ref"
+
+
+def _metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _adapter(out: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(out / "adapter_model.safetensors")
+
+
+def _start_from(reference: Path, step: int, out: Path) -> None:
+    """``out`` as a run killed right after checkpoint ``step``: that checkpoint, the metrics until then."""
+    (out / "checkpoints").mkdir(parents=True)
+    shutil.copytree(reference / "checkpoints" / f"step-{step}", out / "checkpoints" / f"step-{step}")
+    lines = (reference / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (out / "metrics.jsonl").write_text("".join(lines[:step]) + '{"step": 99, "loss": 0.0}\n')  # + a lost step
+
+
+def _complete(out: Path) -> list[str]:
+    return sorted(p.name for p in (out / "checkpoints").iterdir() if (p / "COMPLETE").is_file())
+
+
+def test_resume_on_the_same_ranks_is_bit_exact_and_skips_broken_checkpoints(root, reference):
+    import shardtune
+
+    out = root / "same"
+    _start_from(reference, 4, out)
+    # Newer but unusable: a write that never finished, and a directory without its marker.
+    shutil.copytree(reference / "checkpoints" / "step-6", out / "checkpoints" / ".step-6.tmp")
+    shutil.copytree(reference / "checkpoints" / "step-6", out / "checkpoints" / "step-5")
+    (out / "checkpoints" / "step-5" / "COMPLETE").unlink()
+    summary = shardtune.finetune(_options(root, "same", 2, resume=True, **{"keep-last": 1}))
+    assert summary["resumed_from_step"] == 4
+    log = (root / "same.log").read_text()
+    assert ".step-6.tmp: a checkpoint whose writing never finished" in log
+    assert "step-5: no COMPLETE marker" in log
+    # Same world size on CPU fp32: the resumed run is the uninterrupted one, bit for bit.
+    ref_metrics, metrics = _metrics(reference), _metrics(out)
+    assert [{k: m[k] for k in EXACT} for m in metrics] == [{k: m[k] for k in EXACT} for m in ref_metrics]
+    ref_adapter, adapter = _adapter(reference / "adapter"), _adapter(out / "adapter")
+    assert set(adapter) == set(ref_adapter)
+    for key in adapter:
+        assert torch.equal(adapter[key], ref_adapter[key]), key
+    assert summary["train_loss_first"] == ref_metrics[0]["loss"]
+    assert _complete(out) == ["step-6"]  # --keep-last 1, and the leftover .tmp is gone
+    assert not list((out / "checkpoints").glob(".step-*"))
+
+
+def test_resume_on_other_world_sizes_matches(root, reference):
+    """2 ranks → 1 (from step 2), then that run's 1-rank checkpoint → 2 ranks (from step 4)."""
+    import shardtune
+
+    _start_from(reference, 2, root / "two-to-one")
+    shardtune.finetune(_options(root, "two-to-one", 1, resume=True))
+    _start_from(root / "two-to-one", 4, root / "one-to-two")
+    shardtune.finetune(_options(root, "one-to-two", 2, resume=True))
+    ref_metrics, ref_adapter = _metrics(reference), _adapter(reference / "adapter")
+    for name in ("two-to-one", "one-to-two"):
+        metrics, adapter = _metrics(root / name), _adapter(root / name / "adapter")
+        assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
+        for key in ("loss", "grad_norm"):
+            torch.testing.assert_close(torch.tensor([m[key] for m in metrics]),
+                                       torch.tensor([m[key] for m in ref_metrics]), rtol=1e-5, atol=1e-6)
+        for key in ref_adapter:
+            torch.testing.assert_close(adapter[key], ref_adapter[key], rtol=1e-4, atol=1e-5, msg=key)
+    assert "resumed on 2" in (root / "one-to-two.log").read_text()
+
+
+def test_checkpoint_holds_lora_state_only_and_gives_the_final_adapter(root, reference, capsys):
+    import torch.distributed.checkpoint as dcp
+
+    from shardtune.checkpoint import adapter_bytes
+    from shardtune.cli import main
+
+    ckpt = reference / "checkpoints" / "step-6"
+    meta = json.loads((ckpt / "checkpoint.json").read_text())
+    assert meta["step"] == 6 and meta["world_size"] == 2 and meta["options"]["lora-r"] == 8
+    keys = dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    weights = {k.removeprefix("model.") for k in keys if k.startswith("model.")}
+    assert weights == set(meta["adapter_keys"].values()) and all("lora_" in k for k in weights)
+    assert all(k.startswith(("model.", "optim.")) for k in keys)  # no frozen base weight, no buffer
+    assert sorted(p.name for p in (ckpt / "rng").iterdir()) == ["rank-0.pt", "rank-1.pt"]
+    print(f"\ncheckpoint {adapter_bytes(ckpt)} bytes, adapter {adapter_bytes(reference / 'adapter')} bytes")
+
+    assert main(["adapter-from-checkpoint", str(ckpt), str(root / "from-ckpt")]) == 0
+    got, final = _adapter(root / "from-ckpt"), _adapter(reference / "adapter")
+    assert set(got) == set(final) and all(torch.equal(got[k], final[k]) for k in final)
+    assert (root / "from-ckpt" / "adapter_config.json").read_text() == \
+        (reference / "adapter" / "adapter_config.json").read_text()
+    assert main(["adapter-from-checkpoint", str(reference / "checkpoints"), str(root / "nope")]) == 2
+    assert "not a usable checkpoint" in capsys.readouterr().err
+
+
+def test_incomplete_or_corrupt_checkpoints_are_skipped_with_a_warning(root, reference, caplog):
+    from shardtune.checkpoint import find_latest
+
+    out = root / "broken"
+    _start_from(reference, 2, out)
+    ckpts = out / "checkpoints"
+    for name in ("step-4", "step-6", ".step-8.tmp"):
+        shutil.copytree(reference / "checkpoints" / "step-6", ckpts / name)
+    (ckpts / "step-6" / ".metadata").write_bytes(b"not a pickle")
+    (ckpts / "step-4" / "checkpoint.json").write_text("{")
+    caplog.set_level(logging.WARNING, logger="shardtune")
+    assert find_latest(out) == ckpts / "step-2"
+    text = caplog.text
+    assert f"{ckpts / '.step-8.tmp'}: a checkpoint whose writing never finished" in text
+    assert f"{ckpts / 'step-6'}: unreadable" in text and f"{ckpts / 'step-4'}: unreadable" in text
+    assert find_latest(root / "no-such-run") is None
+
+
+def _cli(root: Path, out: str, *extra: str) -> subprocess.Popen:
+    options = _options(root, out, 2, steps=100_000, **{"save-every": 1000})
+    flags = [part for k, v in options.items() for part in (f"--{k}", str(v))]
+    return subprocess.Popen([sys.executable, "-m", "shardtune", "finetune", *flags, *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _wait_for_steps(out: Path, n: int, proc: subprocess.Popen, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    metrics = out / "metrics.jsonl"
+    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= n):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"the run ended or stalled before step {n}:\n{proc.communicate()[0][-3000:]}")
+        time.sleep(0.1)
+
+
+def test_sigterm_saves_a_checkpoint_and_says_how_to_resume(root):
+    from shardtune.checkpoint import find_latest
+
+    out = root / "sigterm"
+    proc = _cli(root, "sigterm")
+    _wait_for_steps(out, 1, proc)
+    proc.send_signal(signal.SIGTERM)  # to the launcher, as a scheduler or `kill` would
+    output = proc.communicate(timeout=150)[0]
+    assert proc.returncode == 128 + signal.SIGTERM, output[-3000:]
+    latest = find_latest(out)
+    assert latest is not None, output[-3000:]
+    step = int(latest.name.removeprefix("step-"))
+    hint = next(line for line in output.splitlines() if line.startswith("error: stopped by SIGTERM"))
+    assert f"newest complete checkpoint is {latest}" in hint
+    command = shlex.split(hint.split("To continue, run: ", 1)[1])
+    assert command[:2] == ["shardtune", "finetune"] and "--resume" in command
+
+    # The printed command continues the run (here only two more steps: flags override the config file).
+    done = subprocess.run([sys.executable, "-m", *command, "--steps", str(step + 2)], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [m["step"] for m in _metrics(out)] == list(range(1, step + 3))
+    assert json.loads((out / "summary.json").read_text())["resumed_from_step"] == step
+
+
+def test_a_rank_killed_with_sigkill_ends_the_run_naming_it(root):
+    import psutil
+
+    from shardtune.checkpoint import adapter_from_checkpoint, find_latest
+
+    out = root / "sigkill"
+    proc = _cli(root, "sigkill", "--save-every", "2")
+    _wait_for_steps(out, 3, proc)  # checkpoint step-2 is complete
+    workers = {}
+    for child in psutil.Process(proc.pid).children(recursive=True):
+        try:
+            if "shardtune.train" in " ".join(child.cmdline()):
+                workers[int(child.environ()["RANK"])] = child
+        except psutil.Error:
+            continue
+    assert sorted(workers) == [0, 1]
+    workers[1].kill()
+    killed = time.monotonic()
+    output = proc.communicate(timeout=120)[0]
+    assert time.monotonic() - killed < 60
+    assert proc.returncode != 0
+    assert "error: rank 1 failed (killed by SIGKILL)" in output, output[-3000:]
+    assert not workers[0].is_running() or workers[0].status() == psutil.STATUS_ZOMBIE
+    latest = find_latest(out)
+    assert latest is not None and int(latest.name.removeprefix("step-")) >= 2
+    assert adapter_from_checkpoint(latest, root / "sigkill-adapter").is_dir()
