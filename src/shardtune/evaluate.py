@@ -1,0 +1,229 @@
+"""How good a model (optionally with a LoRA adapter) is on a data file: `shardtune eval`.
+
+Two measures:
+  loss / perplexity  mean cross-entropy over every target token of the file, the training loss
+                     rule (train.token_loss_sum summed over records, divided by the target count);
+                     perplexity = exp(loss).
+  answer accuracy    for records with an expected answer (instruction records' output, chat
+                     records' last assistant turn), the greedy answer is compared after
+                     normalising both (strip, casefold, collapse whitespace, drop trailing
+                     punctuation): exact_match when equal, contains_match when the expected text
+                     occurs in the answer as whole words ("paris" in "it is paris." but "4" not in "14").
+
+On N processes evaluation is data-parallel: every rank loads the full model with
+``from_pretrained`` (+ the adapter) on its own device, takes every N-th record, and rank 0 adds up
+the loss sums and gathers the answers. Simple and exact; it needs one model copy per device,
+which is what generation needs anyway. Run by the launcher as ``python -m shardtune.evaluate SPEC.json``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shardtune.config import DataConfig
+
+_DEFAULT_SEQ_LEN = DataConfig().seq_len
+_TRAILING_PUNCT = ".,;:!?。"
+
+
+@dataclass
+class EvalSpec:
+    """Everything a rank needs; written as JSON for worker processes."""
+
+    model: str
+    data: str
+    adapter: str | None = None
+    seq_len: int = _DEFAULT_SEQ_LEN
+    batch_size: int = 8
+    max_new_tokens: int = 64  # 0: loss only, no generation
+    dtype: str = "auto"
+    answers: bool = False  # include every record's answer in the result
+    result: str | None = None  # where rank 0 writes the result (worker processes only)
+
+
+def normalize(text: str) -> str:
+    text = " ".join(text.casefold().split())
+    return text.rstrip(_TRAILING_PUNCT + " ").strip()
+
+
+def exact_match(answer: str, expected: str) -> bool:
+    return normalize(answer) == normalize(expected)
+
+
+def contains_match(answer: str, expected: str) -> bool:
+    """The normalised expected text occurs in the normalised answer, not inside a longer word."""
+    want = normalize(expected)
+    if not want:
+        return not normalize(answer)
+    return re.search(rf"(?<!\w){re.escape(want)}(?!\w)", normalize(answer)) is not None
+
+
+@dataclass
+class _Work:
+    """What every rank reads from the data file, identically."""
+
+    examples: list  # data.Example, for the loss
+    questions: list[tuple[list[dict], str]]  # (prompt messages, expected answer)
+    records: int
+    truncated: int
+    without_targets: int
+
+
+def _read(spec: EvalSpec, tokenizer) -> _Work:
+    from shardtune.data import load_dataset, read_records
+    from shardtune.generate import split_record
+
+    data = load_dataset(spec.data, tokenizer, spec.seq_len)
+    records = read_records(spec.data)
+    questions = [(p, e) for p, e in (split_record(r) for _, r in records) if e is not None]
+    return _Work(data.examples, questions, len(records), data.truncated, data.without_targets)
+
+
+@torch.no_grad()
+def _evaluate_share(model, tokenizer, spec: EvalSpec, work: _Work, rank: int, world_size: int) -> dict:
+    """This rank's loss sum, target count and answers (by question index)."""
+    from shardtune.data import collate, shard_indices
+    from shardtune.generate import generate_answers, pad_id
+    from shardtune.train import token_loss_sum
+
+    device = next(model.parameters()).device
+    mine = sorted((work.examples[i] for i in shard_indices(len(work.examples), rank, world_size)),
+                  key=lambda e: len(e.input_ids))  # similar lengths together: less padding
+    loss_sum, targets = 0.0, 0
+    for start in range(0, len(mine), spec.batch_size):
+        chunk = mine[start:start + spec.batch_size]
+        inputs = collate(chunk, pad_id(tokenizer), device)
+        logits = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits
+        loss_sum += token_loss_sum(logits, inputs["labels"]).item()
+        targets += sum(e.targets for e in chunk)
+    asked = list(shard_indices(len(work.questions), rank, world_size)) if spec.max_new_tokens else []
+    answers = generate_answers(model, tokenizer, [work.questions[i][0] for i in asked], spec.max_new_tokens,
+                               batch_size=spec.batch_size) if asked else []
+    return {"loss_sum": loss_sum, "targets": targets, "answers": dict(zip(asked, answers))}
+
+
+def _combine(spec: EvalSpec, work: _Work, shares: list[dict], world_size: int, seconds: float) -> dict[str, Any]:
+    from shardtune.generate import prompt_text
+
+    targets = sum(s["targets"] for s in shares)
+    loss = sum(s["loss_sum"] for s in shares) / targets
+    result: dict[str, Any] = {
+        "loss": loss, "perplexity": math.exp(loss) if loss < 700 else None, "records": work.records,
+        "target_tokens": targets, "truncated_records": work.truncated, "records_without_targets": work.without_targets,
+        "questions": len(work.questions), "exact_match": None, "contains_match": None,
+        "model": spec.model, "adapter": spec.adapter, "data": spec.data, "world_size": world_size,
+        "seconds": round(seconds, 3),
+    }
+    answers = {i: a for s in shares for i, a in s["answers"].items()}
+    if work.questions and spec.max_new_tokens:
+        rows = []
+        for i, (prompt, expected) in enumerate(work.questions):
+            answer = answers[i]
+            rows.append({"question": prompt_text(prompt), "expected": expected, "answer": answer,
+                         "exact": exact_match(answer, expected), "contains": contains_match(answer, expected)})
+        result["exact_match"] = sum(r["exact"] for r in rows) / len(rows)
+        result["contains_match"] = sum(r["contains"] for r in rows) / len(rows)
+        if spec.answers:
+            result["answers"] = rows
+    return result
+
+
+def evaluate(model_dir: str | Path, data: str | Path, adapter: str | Path | None = None, nproc: int = 1,
+             seq_len: int = _DEFAULT_SEQ_LEN, batch_size: int = 8, max_new_tokens: int = 64, dtype: str = "auto",
+             answers: bool = False) -> dict[str, Any]:
+    """Loss, perplexity and answer accuracy of ``model_dir`` (+ ``adapter``) on ``data``; see the module doc.
+
+    ``nproc`` > 1 starts that many worker processes (one per GPU on GPU machines); 1 runs here.
+    ``max_new_tokens=0`` measures the loss only. ``answers=True`` adds every question's answer.
+    """
+    from shardtune.config import ConfigError
+    from shardtune.generate import check_adapter_dir
+
+    for name, value in (("nproc", nproc), ("seq-len", seq_len), ("batch-size", batch_size)):
+        if value < 1:
+            raise ConfigError(f"option '{name}' must be at least 1, got {value}")
+    if max_new_tokens < 0:
+        raise ConfigError(f"option 'max-new-tokens' must be at least 0, got {max_new_tokens}")
+    check_adapter_dir(adapter)
+    spec = EvalSpec(str(model_dir), str(data), str(adapter) if adapter is not None else None, seq_len, batch_size,
+                    max_new_tokens, dtype, answers)
+    if nproc == 1:
+        return _run_here(spec)
+    return _run_workers(spec, nproc)
+
+
+def _run_here(spec: EvalSpec) -> dict[str, Any]:
+    from shardtune.generate import load_model
+    from shardtune.logs import quiet_libraries
+
+    quiet_libraries()  # as shardtune.finetune does in the calling process
+    started = time.perf_counter()
+    model, tokenizer = load_model(spec.model, spec.adapter, spec.dtype)
+    work = _read(spec, tokenizer)
+    share = _evaluate_share(model, tokenizer, spec, work, 0, 1)
+    return _combine(spec, work, [share], 1, time.perf_counter() - started)
+
+
+def _run_workers(spec: EvalSpec, nproc: int) -> dict[str, Any]:
+    from transformers import AutoTokenizer
+
+    from shardtune.config import ParallelConfig
+    from shardtune.launch import WorkerError, launch_workers
+    from shardtune.model import check_model_dir
+
+    # Bad paths or data fail here in a second, not in N workers after they have loaded the model.
+    tokenizer = AutoTokenizer.from_pretrained(check_model_dir(spec.model).path)
+    _read(spec, tokenizer)
+    with tempfile.TemporaryDirectory(prefix="shardtune-eval-") as tmp:
+        spec_path, result_path = Path(tmp) / "spec.json", Path(tmp) / "result.json"
+        spec_path.write_text(json.dumps(dataclasses.asdict(spec) | {"result": str(result_path)}))
+        launch_workers(ParallelConfig(nproc=nproc), "shardtune.evaluate", [str(spec_path)])
+        if not result_path.is_file():
+            raise WorkerError(f"the eval workers finished but wrote no {result_path}")
+        return json.loads(result_path.read_text())
+
+
+def worker(spec: EvalSpec) -> None:
+    """One rank of a multi-process evaluation; rank 0 writes the result to ``spec.result``."""
+    from shardtune import distributed
+    from shardtune.generate import load_model
+    from shardtune.logs import setup_logging
+    from shardtune.metrics import write_json_atomic
+
+    started = time.perf_counter()
+    dist = distributed.setup()
+    setup_logging(dist.rank)
+    try:
+        model, tokenizer = load_model(spec.model, spec.adapter, spec.dtype, dist.device)
+        work = _read(spec, tokenizer)
+        share = _evaluate_share(model, tokenizer, spec, work, dist.rank, dist.world_size)
+        shares = distributed.all_gather_object(share)
+        if dist.is_main:
+            result = _combine(spec, work, shares, dist.world_size, time.perf_counter() - started)
+            write_json_atomic(Path(spec.result), result)
+    finally:
+        distributed.teardown()
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        sys.exit("usage: python -m shardtune.evaluate SPEC.json  (normally started by `shardtune eval --nproc N`)")
+    worker(EvalSpec(**json.loads(Path(argv[0]).read_text())))
+
+
+if __name__ == "__main__":
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    record(main)()

@@ -1,0 +1,199 @@
+"""Answers from a base model, with or without a LoRA adapter: what `shardtune generate` and `eval` run.
+
+One process, one device. Prompts are rendered exactly as training renders the text before an
+answer (chat template, else the plain "### Instruction / ### Response" layout), so an adapter is
+asked its questions in the form it learned them. Greedy decoding (temperature 0, the default) is
+deterministic and runs in left-padded batches; sampling uses temperature and top-p (no top-k).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TextIO
+
+import torch
+from torch import nn
+
+from shardtune.config import ConfigError
+from shardtune.data import DataError, as_messages, render_prompt
+from shardtune.model import DTYPES, check_model_dir
+
+# A prompt is a user message's text, or a whole conversation whose next turn is the assistant's.
+Prompt = str | list[dict]
+
+
+def pick_device() -> torch.device:
+    return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``auto``: bf16 on GPU, fp32 on CPU (where bf16 matmuls are slower and less exact)."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise ConfigError(f"option 'dtype': {name!r} is not one of auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def load_model(model_dir: str | Path, adapter: str | Path | None = None, dtype: str = "auto",
+               device: torch.device | None = None) -> tuple[nn.Module, object]:
+    """The full model on one device (``from_pretrained``, then ``PeftModel.from_pretrained``), in eval mode."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = check_model_dir(model_dir).path
+    check_adapter_dir(adapter)
+    device = device or pick_device()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype, device))
+    if adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, str(adapter))
+    return model.to(device).eval(), tokenizer
+
+
+def check_adapter_dir(adapter: str | Path | None) -> None:
+    if adapter is not None and not (Path(adapter) / "adapter_config.json").is_file():
+        raise ConfigError(f"adapter directory {adapter} has no adapter_config.json (fine-tunes write OUT_DIR/adapter)")
+
+
+def pad_id(tokenizer) -> int:
+    """Padding is always masked, so any id works; pad, else eos, else 0 (as in training)."""
+    if tokenizer.pad_token_id is not None:
+        return tokenizer.pad_token_id
+    return tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+
+
+def split_record(record: dict) -> tuple[list[dict], str | None]:
+    """A data record as (prompt messages, expected answer or None).
+
+    Instruction records ask instruction (+ input) and expect output; chat records ask everything
+    before their last assistant turn and expect that turn; text records are a bare user prompt.
+    """
+    if "messages" in record or "instruction" in record:
+        messages = as_messages({"output": "", **record})
+        last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
+        if last is None:
+            return messages, None
+        expected = messages[last]["content"] if "messages" in record or "output" in record else None
+        return messages[:last], expected
+    return [{"role": "user", "content": record["text"]}], None
+
+
+def prompt_text(prompt: Prompt) -> str:
+    """What was asked: the text of the last user message."""
+    if isinstance(prompt, str):
+        return prompt
+    return next((m["content"] for m in reversed(prompt) if m["role"] == "user"), "")
+
+
+def read_prompts(path: str | Path) -> list[Prompt]:
+    """Prompts from a text file (one per line), or a .jsonl / .json (array) file of instruction,
+    messages or text records; data files with answers work too (the answers are not shown)."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"prompts file {path} does not exist")
+    text = path.read_text(encoding="utf-8")
+    lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+    if not lines:
+        raise DataError(f"{path}: no prompts (the file is empty)")
+    if path.suffix not in (".jsonl", ".json"):
+        return [line.strip() for _, line in lines]
+    # (where, text) pairs: each line of a .jsonl file, or the whole .json array at once.
+    chunks = [(1, text)] if path.suffix == ".json" else lines
+    records = []
+    for n, chunk in chunks:
+        try:
+            value = json.loads(chunk)
+        except json.JSONDecodeError as err:
+            raise DataError(f"{path}:{n + err.lineno - 1}: not valid JSON: {err.msg}") from None
+        # In a .json array the record's index stands in for its line.
+        records += list(enumerate(value, 1)) if path.suffix == ".json" and isinstance(value, list) else [(n, value)]
+    prompts: list[Prompt] = []
+    for n, record in records:
+        if not isinstance(record, dict) or not ({"instruction", "messages", "text"} & set(record)):
+            raise DataError(f"{path}:{n}: expected an object with 'instruction', 'messages' or 'text'")
+        try:
+            messages, _ = split_record(record)
+        except (KeyError, TypeError):
+            raise DataError(f"{path}:{n}: malformed record (messages need 'role' and 'content')") from None
+        prompts.append(messages)
+    return prompts
+
+
+def prompt_ids(tokenizer, prompt: Prompt) -> list[int]:
+    """Token ids of the rendered prompt, tokenized as data.tokenize does the text before an answer."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    ids = tokenizer(render_prompt(tokenizer, messages), add_special_tokens=False)["input_ids"]
+    if tokenizer.bos_token_id is not None and not tokenizer.chat_template:
+        ids = [tokenizer.bos_token_id] + ids
+    return ids
+
+
+def stop_ids(model: nn.Module, tokenizer) -> list[int]:
+    """End-of-answer tokens: the tokenizer's eos and whatever the model's generation config adds."""
+    ids = {tokenizer.eos_token_id}
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids.update(configured if isinstance(configured, list) else [configured])
+    return sorted(i for i in ids if i is not None)
+
+
+def _streamer(tokenizer, out: TextIO):
+    from transformers import TextStreamer
+
+    class _Streamer(TextStreamer):
+        def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
+            out.write(text + ("\n" if stream_end else ""))
+            out.flush()
+
+    return _Streamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+
+
+@torch.no_grad()
+def generate_answers(model: nn.Module, tokenizer, prompts: Sequence[Prompt], max_new_tokens: int = 128,
+                     temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, stream: TextIO | None = None,
+                     batch_size: int = 8) -> list[str]:
+    """One answer per prompt, in order; special tokens dropped, surrounding whitespace stripped.
+
+    ``stream`` (e.g. sys.stdout) receives each answer's text as it is generated, one prompt at a
+    time; otherwise prompts go in left-padded batches of ``batch_size``. Greedy answers do not
+    depend on the batching; sampled ones depend on ``seed`` and on the batching.
+    """
+    if temperature < 0 or not 0 < top_p <= 1 or max_new_tokens < 1:
+        raise ConfigError(f"need temperature >= 0, 0 < top-p <= 1 and max-new-tokens >= 1, "
+                          f"got {temperature}, {top_p} and {max_new_tokens}")
+    if not prompts:
+        return []
+    from transformers import GenerationConfig
+
+    stops, pad = stop_ids(model, tokenizer), pad_id(tokenizer)
+    sampling = temperature > 0
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens, do_sample=sampling, temperature=temperature if sampling else None,
+        top_p=top_p if sampling else None, top_k=0 if sampling else None, eos_token_id=stops, pad_token_id=pad,
+    )
+    device = next(model.parameters()).device
+    encoded = [prompt_ids(tokenizer, p) for p in prompts]
+    # Similar lengths share a batch, so little of each batch is padding.
+    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
+    step = 1 if stream is not None else max(1, batch_size)
+    torch.manual_seed(seed)
+    answers: dict[int, str] = {}
+    for start in range(0, len(order), step):
+        batch = order[start:start + step]
+        width = max(len(encoded[i]) for i in batch)
+        ids = torch.full((len(batch), width), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, i in enumerate(batch):
+            # Left padding: every prompt ends where generation starts; generate derives positions from the mask.
+            ids[row, width - len(encoded[i]):] = torch.tensor(encoded[i])
+            mask[row, width - len(encoded[i]):] = 1
+        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config,
+                             streamer=_streamer(tokenizer, stream) if stream is not None else None)
+        for row, i in enumerate(batch):
+            new = out[row, width:].tolist()
+            cut = next((k for k, t in enumerate(new) if t in stops), len(new))
+            answers[i] = tokenizer.decode(new[:cut], skip_special_tokens=True).strip()
+    return [answers[i] for i in range(len(encoded))]

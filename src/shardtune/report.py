@@ -1,0 +1,184 @@
+"""Plots and a one-page Markdown summary of a fine-tune's output directory: `shardtune report OUT_DIR`.
+
+Reads OUT_DIR/metrics.jsonl (required) and OUT_DIR/summary.json (optional: an interrupted run has
+none) and writes next to them:
+  loss.png        training loss by step, validation loss where it was measured
+  throughput.png  tokens per second by step
+  memory.png      peak memory per rank in each phase (load, train, save), grouped bars
+  report.md       the key summary fields as a table, and the plots
+Plots are drawn on matplotlib Figure objects (Agg canvas), never through pyplot: no display is
+needed and no global state is touched.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+PHASES = ("load", "train", "save")
+# Summary fields worth a line in report.md, in order, with how to show them.
+SUMMARY_ROWS = (
+    ("strategy", "strategy"), ("world_size", "ranks"), ("steps", "steps"), ("tokens", "tokens"),
+    ("train_loss_first", "train loss, first step"), ("train_loss_last", "train loss, last step"),
+    ("val_loss", "validation loss"), ("tokens_per_second", "tokens / s"), ("load_seconds", "load time (s)"),
+    ("wall_seconds", "wall time (s)"), ("load_peak_mb", "load peak MB per rank"),
+    ("train_peak_mb", "train peak MB per rank"), ("save_peak_mb", "save peak MB per rank"),
+    ("total_params", "parameters"), ("trainable_params", "trainable parameters"), ("adapter", "adapter"),
+)
+
+
+class ReportError(ValueError):
+    """The output directory cannot be reported on; the message names the file and why."""
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """One record per step, in step order; a step logged twice (a resumed run) keeps its last record."""
+    if not path.is_file():
+        raise ReportError(f"{path} does not exist: give the --out directory of a fine-tune that ran at least one step")
+    by_step: dict[int, dict] = {}
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            by_step[int(record["step"])] = record
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+            raise ReportError(f"{path}:{n}: not a metrics record (a JSON object with 'step')") from None
+    if not by_step:
+        raise ReportError(f"{path} is empty: the run has not finished a step yet")
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def read_summary(path: Path) -> dict[str, Any] | None:
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ReportError(f"{path}: not valid JSON: {err.msg}") from None
+
+
+def _series(metrics: list[dict], key: str) -> tuple[list[int], list[float]]:
+    """(steps, values) where ``key`` is a finite number; null marks NaN/inf in metrics.jsonl."""
+    points = [(m["step"], m[key]) for m in metrics
+              if isinstance(m.get(key), (int, float)) and math.isfinite(m[key])]
+    return [s for s, _ in points], [v for _, v in points]
+
+
+def _figure(title: str, ylabel: str):
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4), dpi=100, layout="constrained")
+    ax = fig.subplots()
+    ax.set_title(title)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, alpha=0.3)
+    return fig, ax
+
+
+def plot_loss(metrics: list[dict], path: Path) -> None:
+    fig, ax = _figure("Loss", "loss (mean over target tokens)")
+    steps, loss = _series(metrics, "loss")
+    ax.plot(steps, loss, label="train", marker="." if len(steps) < 50 else None)
+    val_steps, val = _series(metrics, "val_loss")
+    if val:
+        ax.plot(val_steps, val, label="validation", marker="o", linestyle="--")
+    ax.set_xlabel("step")
+    ax.legend()
+    fig.savefig(path)
+
+
+def plot_throughput(metrics: list[dict], path: Path) -> None:
+    fig, ax = _figure("Throughput", "tokens / s")
+    steps, rate = _series(metrics, "tokens_per_second")
+    ax.plot(steps, rate, marker="." if len(steps) < 50 else None)
+    ax.set_xlabel("step")
+    ax.set_ylim(bottom=0)
+    fig.savefig(path)
+
+
+def memory_by_phase(summary: dict) -> dict[str, list[float]]:
+    """{phase: [peak MB of rank 0, rank 1, …]} for the phases summary.json has."""
+    out = {}
+    for phase in PHASES:
+        values = summary.get(f"{phase}_peak_mb")
+        if isinstance(values, list) and values:
+            out[phase] = [v if isinstance(v, (int, float)) else 0.0 for v in values]
+    return out
+
+
+def plot_memory(phases: dict[str, list[float]], path: Path) -> None:
+    fig, ax = _figure("Peak memory per rank", "MB")
+    ranks = max(len(v) for v in phases.values())
+    width = 0.8 / len(phases)
+    for k, (phase, values) in enumerate(phases.items()):
+        xs = [r + (k - (len(phases) - 1) / 2) * width for r in range(len(values))]
+        bars = ax.bar(xs, values, width, label=phase)
+        ax.bar_label(bars, fmt="%.0f", fontsize=8)
+    ax.set_xticks(range(ranks), [f"rank {r}" for r in range(ranks)])
+    # Headroom above the tallest bar keeps the legend off the bars.
+    ax.set_ylim(0, 1.25 * max((v for values in phases.values() for v in values), default=1) or 1)
+    ax.legend(ncols=len(phases), loc="upper center")
+    fig.savefig(path)
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, float):
+        return f"{value:.4f}" if abs(value) < 100 else f"{value:,.1f}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    if isinstance(value, list):
+        return ", ".join(_cell(v) for v in value)
+    return str(value).replace("|", "\\|")
+
+
+def write_report(out_dir: str | Path) -> dict[str, Path]:
+    """Write the plots and report.md into ``out_dir``; return {name: path} of what was written."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ReportError("shardtune report needs matplotlib: pip install 'shardtune[report]'") from None
+    out = Path(out_dir)
+    if not out.is_dir():
+        raise ReportError(f"{out} is not a directory: give the --out directory of a fine-tune")
+    metrics = read_metrics(out / "metrics.jsonl")
+    summary = read_summary(out / "summary.json")
+    written = {"loss": out / "loss.png", "throughput": out / "throughput.png"}
+    plot_loss(metrics, written["loss"])
+    plot_throughput(metrics, written["throughput"])
+    phases = memory_by_phase(summary) if summary else {}
+    if phases:
+        written["memory"] = out / "memory.png"
+        plot_memory(phases, written["memory"])
+    written["report"] = out / "report.md"
+    written["report"].write_text(_markdown(out, metrics, summary, written))
+    return written
+
+
+def _markdown(out: Path, metrics: list[dict], summary: dict | None, plots: dict[str, Path]) -> str:
+    lines = [f"# Fine-tune report: `{out.resolve().name}`", ""]
+    if summary is None:
+        last = metrics[-1]
+        lines += ["No summary.json: the run did not finish. From metrics.jsonl:", "",
+                  "| field | value |", "|---|---|", f"| steps logged | {len(metrics)} |",
+                  f"| last step | {_cell(last.get('step'))} |", f"| last loss | {_cell(last.get('loss'))} |"]
+    else:
+        lines += ["| field | value |", "|---|---|"]
+        for key, label in SUMMARY_ROWS:
+            if key in summary:
+                value = summary[key]
+                if key == "strategy" and summary.get("strategy_reason"):
+                    value = f"{value} ({summary['strategy_reason']})"
+                lines.append(f"| {label} | {_cell(value)} |")
+    lines.append("")
+    titles = {"loss": "Loss by step", "throughput": "Tokens per second by step", "memory": "Peak memory per rank"}
+    for name, title in titles.items():
+        if name in plots:
+            lines += [f"## {title}", "", f"![{title}]({plots[name].name})", ""]
+    if "memory" not in plots:
+        lines += ["(No per-rank memory plot: summary.json is missing or has no peak memory fields.)", ""]
+    return "\n".join(lines)
