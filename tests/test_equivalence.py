@@ -44,14 +44,14 @@ def grads_and_training(rank: int, world_size: int, options: dict) -> dict:
     train_step(s, 0)
     grads = {}
     params = dict(s.strategy.unwrap(s.model).named_parameters())
-    for name in s.built.adapter_names:
+    for name in s.built.adapter_keys.values():
         g = params[name].grad
         grads[name] = (g.full_tensor() if isinstance(g, DTensor) else g).clone()
     s.model.zero_grad(set_to_none=True)
     out = Path(cfg.output.out)
     out.mkdir(parents=True, exist_ok=True)
     result = train(s, memory, out)
-    save_adapter(s.model, s.strategy, s.built.adapter_names, out / "adapter", cfg.model.path)
+    save_adapter(s.model, s.strategy, s.built.adapter_keys, out / "adapter", cfg.model.path)
     s.model.eval()
     with torch.no_grad():
         logits = s.model(input_ids=INPUT).logits

@@ -37,7 +37,7 @@ def load_on_ranks(rank: int, world_size: int, model_dirs: list[str], strategy: s
             logits = built.model(input_ids=INPUT).logits
         local_numel = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
                           for p in built.model.parameters())
-        lora = built.strategy.full_tensors(built.model, [n for n in built.adapter_names if "lora_" in n])
+        lora = built.strategy.full_tensors(built.model, [n for n in built.adapter_keys.values() if "lora_" in n])
         results[d] = {"logits": logits, "local_numel": local_numel, "total": built.total_params, "lora": lora}
     distributed.teardown()
     return results

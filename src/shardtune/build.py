@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from shardtune.checkpoint import adapter_key_map
 from shardtune.config import Config
 from shardtune.distributed import Dist
 from shardtune.loading import load, take_snapshot
@@ -24,7 +25,7 @@ class Built:
     model: nn.Module
     strategy: Strategy
     strategy_reason: str
-    adapter_names: list[str]  # peft names of the trainable parameters
+    adapter_keys: dict[str, str]  # {key in the peft adapter file: trainable parameter name}
     total_params: int
     trainable_params: int
 
@@ -34,7 +35,8 @@ def build_model(cfg: Config, dist: Dist) -> Built:
     dtype = DTYPES[cfg.model.dtype]
     model = build_meta_model(model_dir, dtype)
     model, lora_init = inject_lora(model, cfg.lora, cfg.train.seed)
-    adapter_names = trainable_names(model)  # before sharding: FSDP1 renames what it flattens
+    # Named before sharding: FSDP1's wrappers hide the module names peft needs to name adapter tensors.
+    adapter_keys = adapter_key_map(model, trainable_names(model))
     for p in model.parameters():
         if p.requires_grad:
             p.data = p.data.float()  # trainable weights and their optimizer state stay fp32
@@ -49,4 +51,4 @@ def build_model(cfg: Config, dist: Dist) -> Built:
         model, strategy, lambda m, targets: load(m, model_dir, dist.device, snapshot, targets),
         cfg.parallel.activation_checkpointing,
     )
-    return Built(model, strategy, why, adapter_names, total, trainable)
+    return Built(model, strategy, why, adapter_keys, total, trainable)

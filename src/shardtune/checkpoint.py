@@ -103,12 +103,14 @@ def peft_config_dict(model: nn.Module, strategy: Strategy, base_model_path: str)
 
 
 def save_adapter(
-    model: nn.Module, strategy: Strategy, names: list[str], out: Path, base_model_path: str
+    model: nn.Module, strategy: Strategy, keys: dict[str, str], out: Path, base_model_path: str
 ) -> Path:
-    """Write ``out`` (adapter_config.json + adapter_model.safetensors) on rank 0; a collective."""
-    full = strategy.full_tensors(model, names)
+    """Write ``out`` (adapter_config.json + adapter_model.safetensors) on rank 0; a collective.
+
+    ``keys``: {adapter file key: trainable parameter name}, from ``adapter_key_map`` before sharding.
+    """
+    full = strategy.full_tensors(model, list(keys.values()))
     if strategy.dist.is_main:
-        keys = adapter_key_map(strategy.unwrap(model), names)
         write_adapter({k: full[n] for k, n in keys.items()}, peft_config_dict(model, strategy, base_model_path), out)
     dist.barrier()
     return out
@@ -182,9 +184,10 @@ def _problem(path: Path, step: int | None) -> str | None:
 class Checkpointer:
     """Saves and restores a run's resumable state: LoRA weights, optimizer, scheduler, RNG, data position."""
 
-    def __init__(self, cfg: Config, model: nn.Module, strategy: Strategy, names: list[str],
+    def __init__(self, cfg: Config, model: nn.Module, strategy: Strategy, keys: dict[str, str],
                  optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
-        self.cfg, self.model, self.strategy, self.names = cfg, model, strategy, names
+        self.cfg, self.model, self.strategy = cfg, model, strategy
+        self.keys, self.names = keys, list(keys.values())
         self.optimizer, self.scheduler = optimizer, scheduler
         self.dist = strategy.dist
         self.root = checkpoints_dir(Path(cfg.output.out))
@@ -218,12 +221,11 @@ class Checkpointer:
         torch.save(rng, tmp / "rng" / f"rank-{self.dist.rank}.pt")
         dist.barrier()  # every rank's files are written
         if self.dist.is_main:
-            peft_model = self.strategy.unwrap(self.model)
             config = peft_config_dict(self.model, self.strategy, self.cfg.model.path)
             (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
             meta = {"step": state.step, "world_size": self.dist.world_size, "state": asdict(state),
                     "scheduler": self.scheduler.state_dict(), "options": self.cfg.flat(),
-                    "adapter_keys": adapter_key_map(peft_model, self.names), "saved_at": time.time()}
+                    "adapter_keys": self.keys, "saved_at": time.time()}
             (tmp / META).write_text(json.dumps(meta, indent=1) + "\n")
             with open(tmp / MARKER, "w") as f:
                 os.fsync(f.fileno())

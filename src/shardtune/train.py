@@ -151,7 +151,7 @@ def train(s: Setup, memory: MemoryMonitor, out: Path) -> dict:
     warmup = cfg.train.warmup_steps if cfg.train.warmup_steps is not None else min(100, s.steps // 10)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, s.steps, warmup, cfg.train.min_lr_ratio))
-    checkpoints = Checkpointer(cfg, s.model, s.strategy, s.built.adapter_names, optimizer, scheduler)
+    checkpoints = Checkpointer(cfg, s.model, s.strategy, s.built.adapter_keys, optimizer, scheduler)
     # Batch ``step`` depends only on (seed, step): starting the loop at the saved step is the data position.
     state = checkpoints.resume() if cfg.output.resume else TrainState()
     first_step = state.step
@@ -204,7 +204,7 @@ def run(cfg: Config) -> dict:
                 log.warning("%s", stop_message(result["stopped_by"], out))
             raise SystemExit(128 + result["stopped_by"])
         with memory.phase("save"):
-            adapter = save_adapter(s.model, s.strategy, s.built.adapter_names, out / "adapter", cfg.model.path)
+            adapter = save_adapter(s.model, s.strategy, s.built.adapter_keys, out / "adapter", cfg.model.path)
         peaks = distributed.all_gather_object({k: memory.peak_mb(k) for k in ("load", "train", "save")})
         summary = {
             "world_size": dist.world_size, "strategy": s.strategy.name,
