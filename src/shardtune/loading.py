@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from shardtune.model import ModelDir, ModelDirError
@@ -80,6 +81,12 @@ def fill_from_full(param: torch.Tensor, full: torch.Tensor) -> None:
             # Every rank holds the same ``full``: slice locally, no communication.
             local = distribute_tensor(full.to(param.dtype), param.device_mesh, param.placements, src_data_rank=None)
             param.to_local().copy_(local.to_local())
+        elif isinstance(param, ShardedTensor):
+            # A strategy's own view of its shard (FSDP1: rectangles of a flat parameter's slice).
+            for shard in param.local_shards():
+                md = shard.metadata
+                box = tuple(slice(o, o + n) for o, n in zip(md.shard_offsets, md.shard_sizes))
+                shard.tensor.copy_(full[box].to(shard.tensor.dtype))
         else:
             param.copy_(full.to(param.dtype))
 
@@ -96,6 +103,8 @@ def retie(model: nn.Module, snapshot: Snapshot) -> None:
 
 def materialize(model: nn.Module, device: torch.device, snapshot: Snapshot) -> None:
     """Allocate the (local shards of the) parameters and restore what is not in the checkpoint."""
+    if not any(p.is_meta for p in model.parameters()):
+        return  # the strategy allocated its shards while sharding (FSDP1's param_init_fn); buffers untouched
     model.to_empty(device=device)
     retie(model, snapshot)
     with torch.no_grad():
@@ -164,8 +173,8 @@ def _check_shapes(wanted: dict[str, torch.Tensor], model_dir: ModelDir) -> None:
                         )
 
 
-def init_lora(model: nn.Module, snapshot: Snapshot) -> None:
-    params = dict(model.named_parameters())
+def init_lora(model: nn.Module, snapshot: Snapshot, targets=None) -> None:
+    params = targets(model) if targets else dict(model.named_parameters())
     for name, value in snapshot.lora.items():
         fill_from_full(params[name], value)
 
@@ -180,7 +189,7 @@ def load(model: nn.Module, model_dir: ModelDir, device: torch.device, snapshot: 
     """Steps 2–6 of the module docstring; returns checkpoint keys the model did not use."""
     materialize(model, device, snapshot)
     unused = load_base_weights(model, model_dir, targets)
-    init_lora(model, snapshot)
+    init_lora(model, snapshot, targets)
     assert_nothing_on_meta(model)
     if unused:
         log.warning("checkpoint tensors not used by the model: %s", ", ".join(unused[:8]))
