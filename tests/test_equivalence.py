@@ -105,11 +105,12 @@ def test_launcher_runs_match_across_strategies_and_splits(setup_dir):
         "single": _options(setup_dir, "api-single", strategy="single", nproc=1),
         "fsdp2": _options(setup_dir, "api-fsdp2", strategy="fsdp2", nproc=2, **{"micro-batch-size": 2}),
         "ddp": _options(setup_dir, "api-ddp", strategy="ddp", nproc=2),
+        "fsdp1": _options(setup_dir, "api-fsdp1", strategy="fsdp1", nproc=2, **{"micro-batch-size": 1}),
     }
     summaries = {name: shardtune.finetune(opts) for name, opts in runs.items()}
     metrics = {name: [json.loads(line) for line in (Path(opts["out"]) / "metrics.jsonl").read_text().splitlines()]
                for name, opts in runs.items()}
-    for name in ("fsdp2", "ddp"):
+    for name in ("fsdp2", "ddp", "fsdp1"):
         s = summaries[name]
         assert s["strategy"] == name and s["world_size"] == 2 and s["steps"] == 4
         assert len(s["load_peak_mb"]) == 2 and len(s["train_peak_mb"]) == 2
