@@ -82,7 +82,10 @@ def cmd_adapter_from_checkpoint(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="shardtune", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="shardtune",
+        description="LoRA fine-tuning of Hugging Face causal LMs on N processes, each rank holding only its shard.",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("finetune", help="LoRA fine-tune on N processes, each rank holding only its shard.")
