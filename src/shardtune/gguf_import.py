@@ -199,7 +199,7 @@ def import_gguf(
     if out.exists() and not out.is_dir():
         raise GGUFImportError(f"output {out} exists and is not a directory")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise GGUFImportError(f"output directory {out} already exists and is not empty (choose another, or overwrite)")
+        raise GGUFImportError(f"output directory {out} already exists and is not empty: remove it or choose another")
     _check_gguf_package()
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
