@@ -35,6 +35,7 @@ RECIPES: dict[str, list[str]] = {
     "naive": ["naive"],
     "broadcast": ["broadcast"],
     "fsdp1-peft": ["fsdp1-peft"],
+    "fsdp1-orig-params": ["fsdp1-orig-params"],
 }
 DEFAULT_RECIPES = "shardtune-fsdp2,shardtune-fsdp1,shardtune-ddp,naive,broadcast,fsdp1-peft"
 # default: glibc as it comes, for every recipe; mmap: the threshold in the environment, for every recipe;

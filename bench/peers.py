@@ -9,6 +9,7 @@ Recipes (each as people write it, shortest faithful form):
   broadcast   accelerate's FSDP2 ``cpu_ram_efficient_loading``: rank 0 ``from_pretrained``, the others
               build on meta; the model goes to meta, ``fully_shard``, then every tensor of rank 0's
               state dict is broadcast and ``distribute_tensor``-ed (``fsdp2_load_full_state_dict``).
+  fsdp1-orig-params  FSDP1 with a plain decoder-layer policy and ``use_orig_params=True``.
   fsdp1-peft  accelerate's FSDP1: every rank ``from_pretrained`` → peft → FSDP1 with peft's
               ``fsdp_auto_wrap_policy`` and ``use_orig_params=True`` (its rank-0-only loading,
               ``sync_module_states=True``, refuses CPU parameters).
@@ -149,7 +150,26 @@ def load_fsdp1_peft(path: str, rank: int):
     )
 
 
-PEERS = {"naive": load_naive, "broadcast": load_broadcast, "fsdp1-peft": load_fsdp1_peft}
+def load_fsdp1_orig_params(path: str, rank: int):
+    from peft import get_peft_model
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import MixedPrecision
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    # The usual way around "Must flatten tensors with uniform requires_grad": a plain decoder-layer
+    # policy with use_orig_params=True, which keeps gradients for whole flat parameters, frozen included.
+    model = get_peft_model(full_model(path), lora_config())
+    names = set(model.get_base_model()._no_split_modules)
+    layers = {type(m) for m in model.modules() if type(m).__name__ in names}
+    return FSDP(
+        model, auto_wrap_policy=ModuleWrapPolicy(layers), use_orig_params=True,
+        device_id=torch.device("cpu"), limit_all_gathers=True,
+        mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+    )
+
+
+PEERS = {"naive": load_naive, "broadcast": load_broadcast, "fsdp1-peft": load_fsdp1_peft,
+         "fsdp1-orig-params": load_fsdp1_orig_params}
 
 
 def run_peer(recipe: str, args: argparse.Namespace, rank: int, world: int) -> dict:
@@ -177,7 +197,7 @@ def run_peer(recipe: str, args: argparse.Namespace, rank: int, world: int) -> di
             batch = collate([examples[(step * world + rank) % len(examples)]], tokenizer.pad_token_id, d.device)
             # accelerate runs FSDP1's bf16 mixed precision under autocast: peft casts LoRA's input to the
             # fp32 weight's dtype outside the LoRA unit, and FSDP1 computes the unit in bf16
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=recipe == "fsdp1-peft"):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=recipe.startswith("fsdp1")):
                 loss = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                              labels=batch["labels"]).loss
             loss.backward()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
@@ -33,7 +34,7 @@ def cmd_finetune(args: argparse.Namespace) -> int:
     from shardtune import finetune
 
     summary = finetune(args.config, **_overrides(args))
-    if summary:
+    if summary and os.environ.get("RANK", "0") == "0":  # under torchrun every rank returns here
         keys = ("strategy", "world_size", "steps", "train_loss_first", "train_loss_last", "val_loss",
                 "tokens_per_second", "load_peak_mb", "train_peak_mb", "adapter")
         width = max(len(k) for k in keys)
