@@ -203,6 +203,27 @@ def test_sigterm_saves_a_checkpoint_and_says_how_to_resume(root):
     assert json.loads((out / "summary.json").read_text())["resumed_from_step"] == step
 
 
+def test_sigint_to_the_launcher_stops_workers_cleanly(root):
+    """Interrupting a notebook kernel sends SIGINT to the launching process only: workers must not linger."""
+    import psutil
+
+    from shardtune.checkpoint import find_latest
+
+    out = root / "sigint"
+    proc = _cli(root, "sigint")
+    _wait_for_steps(out, 1, proc)
+    workers = [c for c in psutil.Process(proc.pid).children(recursive=True)
+               if "shardtune.train" in " ".join(c.cmdline())]
+    assert len(workers) == 2
+    proc.send_signal(signal.SIGINT)
+    output = proc.communicate(timeout=150)[0]
+    assert proc.returncode == 128 + signal.SIGINT, output[-3000:]
+    assert find_latest(out) is not None, output[-3000:]
+    assert "To continue, run:" in output
+    gone, alive = psutil.wait_procs(workers, timeout=10)
+    assert not alive
+
+
 def test_a_rank_killed_with_sigkill_ends_the_run_naming_it(root):
     import psutil
 
