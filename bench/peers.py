@@ -159,6 +159,8 @@ def load_fsdp1_orig_params(path: str, rank: int):
     # The usual way around "Must flatten tensors with uniform requires_grad": a plain decoder-layer
     # policy with use_orig_params=True, which keeps gradients for whole flat parameters, frozen included.
     model = get_peft_model(full_model(path), lora_config())
+    # One flat parameter must have one dtype: peft's fp32 LoRA weights go bf16 with the layer they sit in.
+    model.to(torch.bfloat16)
     names = set(model.get_base_model()._no_split_modules)
     layers = {type(m) for m in model.modules() if type(m).__name__ in names}
     return FSDP(
