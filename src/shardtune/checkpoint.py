@@ -120,10 +120,6 @@ def adapter_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def to_cpu_fp32(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {k: v.detach().to("cpu", torch.float32) for k, v in tensors.items()}
-
-
 @dataclass
 class TrainState:
     """The running totals of a run; ``step`` is the number of optimizer steps done (the next to run)."""

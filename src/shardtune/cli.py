@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from typing import Any
@@ -145,10 +144,6 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-
-
-def _json(obj: Any) -> str:
-    return json.dumps(obj, indent=2)
 
 
 if __name__ == "__main__":
