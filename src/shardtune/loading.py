@@ -22,7 +22,7 @@ from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from shardtune.model import ModelDir, ModelDirError
+from shardtune.model import ModelDir, ModelDirError, base_model
 
 log = logging.getLogger("shardtune")
 
@@ -41,7 +41,7 @@ class Snapshot:
 
 def take_snapshot(model: nn.Module, lora_values: dict[str, torch.Tensor]) -> Snapshot:
     buffers = {n: b.detach().clone() for n, b in model.named_buffers() if b.device.type != "meta"}
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     tied = dict(getattr(base, "all_tied_weights_keys", None) or {})
     return Snapshot(buffers=buffers, lora=lora_values, tied=tied)
 
@@ -93,7 +93,7 @@ def fill_from_full(param: torch.Tensor, full: torch.Tensor) -> None:
 
 def retie(model: nn.Module, snapshot: Snapshot) -> None:
     """``to_empty`` gives each module its own new tensor, so tied weights come apart: share again."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     for target, source in snapshot.tied.items():
         shared = base.get_parameter(source)
         if base.get_parameter(target) is not shared:
@@ -112,20 +112,14 @@ def materialize(model: nn.Module, device: torch.device, snapshot: Snapshot) -> N
             model.get_buffer(name).copy_(value)
 
 
-def load_base_weights(
-    model: nn.Module,
-    model_dir: ModelDir,
-    targets: Callable[[nn.Module], dict[str, torch.Tensor]] | None = None,
-) -> list[str]:
-    """Read every non-LoRA parameter's local slice from the checkpoint; return unused checkpoint keys.
+def load_base_weights(model: nn.Module, model_dir: ModelDir, tensors: dict[str, torch.Tensor]) -> list[str]:
+    """Read every non-LoRA tensor's local slice from the checkpoint; return unused checkpoint keys.
 
-    ``targets`` maps the model to {parameter name: tensor to fill} (the strategy's view, e.g. the
-    sharded state dict under FSDP1); by default the parameters themselves.
+    ``tensors``: {peft parameter name: tensor to fill}, the parameters or a strategy's view of them.
     """
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     prefix = getattr(base, "base_model_prefix", "")
     stored = model_dir.weight_names
-    tensors = targets(model) if targets else dict(model.named_parameters())
     lora_free = {n: t for n, t in tensors.items() if "lora_" not in n}
     aliases = _aliases(base)
     plan: list[dict[str, torch.Tensor]] = []  # one dcp.load per round: a key may feed several parameters
@@ -173,10 +167,9 @@ def _check_shapes(wanted: dict[str, torch.Tensor], model_dir: ModelDir) -> None:
                         )
 
 
-def init_lora(model: nn.Module, snapshot: Snapshot, targets=None) -> None:
-    params = targets(model) if targets else dict(model.named_parameters())
+def init_lora(tensors: dict[str, torch.Tensor], snapshot: Snapshot) -> None:
     for name, value in snapshot.lora.items():
-        fill_from_full(params[name], value)
+        fill_from_full(tensors[name], value)
 
 
 def assert_nothing_on_meta(model: nn.Module) -> None:
@@ -185,11 +178,22 @@ def assert_nothing_on_meta(model: nn.Module) -> None:
         raise RuntimeError(f"still on the meta device after loading: {', '.join(left[:8])}")
 
 
-def load(model: nn.Module, model_dir: ModelDir, device: torch.device, snapshot: Snapshot, targets=None) -> list[str]:
-    """Steps 2–6 of the module docstring; returns checkpoint keys the model did not use."""
+def load(
+    model: nn.Module,
+    model_dir: ModelDir,
+    device: torch.device,
+    snapshot: Snapshot,
+    targets: Callable[[nn.Module], dict[str, torch.Tensor]] | None = None,
+) -> list[str]:
+    """Steps 2–6 of the module docstring; returns checkpoint keys the model did not use.
+
+    ``targets`` maps the model to {parameter name: tensor to fill} when the strategy's view differs
+    from the parameters (FSDP1: views into each flat parameter's local slice).
+    """
     materialize(model, device, snapshot)
-    unused = load_base_weights(model, model_dir, targets)
-    init_lora(model, snapshot, targets)
+    tensors = targets(model) if targets else dict(model.named_parameters())
+    unused = load_base_weights(model, model_dir, tensors)
+    init_lora(tensors, snapshot)
     assert_nothing_on_meta(model)
     if unused:
         log.warning("checkpoint tensors not used by the model: %s", ", ".join(unused[:8]))

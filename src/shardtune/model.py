@@ -92,6 +92,11 @@ def build_meta_model(model_dir: ModelDir, dtype: torch.dtype) -> nn.Module:
     return model
 
 
+def base_model(model: nn.Module) -> nn.Module:
+    """The transformers model inside a peft wrapper (or the model itself)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def layer_classes(model: nn.Module) -> set[type]:
     """Classes of the repeated decoder blocks (transformers' ``_no_split_modules``)."""
     names = set(getattr(model, "_no_split_modules", None) or [])

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from shardtune.distributed import Dist
+from shardtune.model import base_model
 from shardtune.parallel.base import Strategy
 from shardtune.parallel.choose import choose_strategy
 
@@ -50,7 +51,7 @@ def parallelize(
     weights (DDP broadcasts them) come last.
     """
     if activation_checkpointing:
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        base = base_model(model)
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model = strategy.shard(model)
     load(model, strategy.load_targets)

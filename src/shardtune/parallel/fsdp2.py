@@ -12,7 +12,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor
 
 from shardtune.distributed import Dist
-from shardtune.model import decoder_layers
+from shardtune.model import base_model, decoder_layers
 from shardtune.parallel.base import Strategy
 
 
@@ -65,7 +65,7 @@ class FSDP2(Strategy):
 
 def _embeddings(model: nn.Module) -> tuple[nn.Module | None, nn.Module | None]:
     """The input and output embedding modules when they share no parameter (untied), else (None, None)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     embed, head = base.get_input_embeddings(), base.get_output_embeddings()
     if not isinstance(embed, nn.Module) or not isinstance(head, nn.Module):
         return None, None
