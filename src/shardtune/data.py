@@ -246,6 +246,13 @@ class Sampler:
         return [mine[i:i + m] for i in range(0, per_rank, m)]
 
 
+def pad_id(tokenizer) -> int:
+    """Padding is always masked, so any id works: pad, else eos, else 0."""
+    if tokenizer.pad_token_id is not None:
+        return tokenizer.pad_token_id
+    return tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+
+
 def collate(examples: list[Example], pad_id: int, device: torch.device) -> dict[str, torch.Tensor]:
     """Right-pad to the longest example; padding is masked and never a target."""
     width = max(len(e.input_ids) for e in examples)

@@ -93,8 +93,8 @@ def _read(spec: EvalSpec, tokenizer) -> _Work:
 @torch.no_grad()
 def _evaluate_share(model, tokenizer, spec: EvalSpec, work: _Work, rank: int, world_size: int) -> dict:
     """This rank's loss sum, target count and answers (by question index)."""
-    from shardtune.data import collate, shard_indices
-    from shardtune.generate import generate_answers, pad_id
+    from shardtune.data import collate, pad_id, shard_indices
+    from shardtune.generate import generate_answers
     from shardtune.train import token_loss_sum
 
     device = next(model.parameters()).device

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from shardtune.config import ConfigError
-from shardtune.data import DataError, as_messages, render_prompt
+from shardtune.data import DataError, as_messages, pad_id, render_prompt
 from shardtune.model import DTYPES, check_model_dir
 
 # A prompt is a user message's text, or a whole conversation whose next turn is the assistant's.
@@ -57,13 +57,6 @@ def load_model(model_dir: str | Path, adapter: str | Path | None = None, dtype: 
 def check_adapter_dir(adapter: str | Path | None) -> None:
     if adapter is not None and not (Path(adapter) / "adapter_config.json").is_file():
         raise ConfigError(f"adapter directory {adapter} has no adapter_config.json (fine-tunes write OUT_DIR/adapter)")
-
-
-def pad_id(tokenizer) -> int:
-    """Padding is always masked, so any id works; pad, else eos, else 0 (as in training)."""
-    if tokenizer.pad_token_id is not None:
-        return tokenizer.pad_token_id
-    return tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
 
 
 def split_record(record: dict) -> tuple[list[dict], str | None]:

@@ -22,7 +22,7 @@ from shardtune import distributed
 from shardtune.build import Built, build_model
 from shardtune.checkpoint import Checkpointer, GracefulStop, TrainState, save_adapter, stop_message
 from shardtune.config import Config, build_config, validate
-from shardtune.data import BatchPlan, Dataset, Sampler, collate, load_dataset
+from shardtune.data import BatchPlan, Dataset, Sampler, collate, load_dataset, pad_id
 from shardtune.distributed import Dist
 from shardtune.logs import setup_logging
 from shardtune.loss import next_token_loss_sum
@@ -139,9 +139,8 @@ def setup(cfg: Config, dist: Dist, memory: MemoryMonitor) -> Setup:
         built = build_model(cfg, dist)
     built.model.train()
     torch.manual_seed(cfg.train.seed + dist.rank)  # LoRA dropout differs per rank, reproducibly
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     return Setup(cfg, dist, built, train_data, val_data, Sampler(len(train_data.examples), plan, cfg.train.seed),
-                 total_steps(cfg, len(train_data.examples)), pad_id)
+                 total_steps(cfg, len(train_data.examples)), pad_id(tokenizer))
 
 
 def train(s: Setup, memory: MemoryMonitor, out: Path) -> dict:
