@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import datetime
+import logging
 import os
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -65,3 +68,35 @@ def all_gather_object(obj: object) -> list:
     out: list = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
+
+
+def worker_main(main: Callable[[], None]) -> None:
+    """Run a worker's ``main`` under the elastic error recorder, then exit without interpreter teardown.
+
+    Interpreter teardown after the process group is gone has been seen to abort a worker ("terminate
+    called without an active exception", SIGABRT from a library thread, at random in CI), which turns
+    a finished run into a failure and a clean stop into a crash. Everything is written by then, so
+    the exit status is decided here and the process leaves with ``os._exit``.
+    """
+    import traceback
+
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    try:
+        record(main)()
+        code = 0
+    except SystemExit as stop:
+        if stop.code is None or isinstance(stop.code, int):
+            code = stop.code or 0
+        else:  # sys.exit("message")
+            print(stop.code, file=sys.stderr)
+            code = 1
+    except KeyboardInterrupt:
+        code = 130
+    except BaseException:  # record() has written the error file for the launcher; show it here too
+        traceback.print_exc()
+        code = 1
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

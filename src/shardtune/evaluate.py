@@ -224,6 +224,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    from torch.distributed.elastic.multiprocessing.errors import record
+    from shardtune import distributed
 
-    record(main)()
+    distributed.worker_main(main)

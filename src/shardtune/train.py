@@ -239,15 +239,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    import os
-
-    from torch.distributed.elastic.multiprocessing.errors import record
-
-    record(main)()
-    # Success: everything is written and the process group is gone. Interpreter teardown has been
-    # seen to abort a worker (SIGABRT from a library thread) after such a run, which would turn a
-    # finished fine-tune into a failure, so skip it.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    logging.shutdown()
-    os._exit(0)
+    distributed.worker_main(main)
