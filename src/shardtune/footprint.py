@@ -19,6 +19,7 @@ from torch import nn
 
 from shardtune.config import Config
 from shardtune.model import DTYPES, ModelDir, build_meta_model, check_model_dir, decoder_layers, inject_lora
+from shardtune.parallel.fsdp2 import layer_parts, tables_by_rows
 
 
 @dataclass
@@ -31,7 +32,10 @@ class Facts:
     compute_itemsize: int
     layers: int
     block_bytes: int  # the largest decoder layer, in the compute dtype
-    head_bytes: int  # output embedding when untied (FSDP2 gives it its own unit); 0 when tied
+    embed_bytes: int  # input embedding, in the compute dtype
+    head_bytes: int  # output embedding when untied; 0 when tied
+    tables_by_rows: dict[str, bool]  # which tables FSDP2 uses from row shards instead of gathering them
+    units_bytes: list[int]  # FSDP2's units of the largest decoder layer, in the order backward meets them
     root_bytes: int  # all weights outside the decoder layers, in the compute dtype
     hidden: int
     checkpoint_bytes: int
@@ -104,6 +108,16 @@ def _saved_bytes(model: nn.Module, batch: int, seq: int, lora_dtype: torch.dtype
     return per_layer, other[0], int(logits.shape[-1])
 
 
+def _units_bytes(layer: nn.Module, dtype: torch.dtype) -> list[int]:
+    """FSDP2's units of one layer (parallel/fsdp2.py), each holding what its sub-units do not."""
+    units, seen, sizes = layer_parts(layer), set(), []
+    for unit in units:  # innermost first, so what a unit holds is what earlier ones did not take
+        own = [p for p in unit.parameters() if id(p) not in seen]
+        seen.update(id(p) for p in own)
+        sizes.append(sum(p.numel() for p in own) * dtype.itemsize)
+    return sizes[::-1]  # post-forward order is innermost first; backward runs it in reverse
+
+
 def model_facts(cfg: Config, micro_batches: set[int], lora_dtypes: set[torch.dtype], device: torch.device) -> Facts:
     model_dir = check_model_dir(cfg.model.path)
     dtype = DTYPES[cfg.model.dtype]
@@ -120,7 +134,10 @@ def model_facts(cfg: Config, micro_batches: set[int], lora_dtypes: set[torch.dty
         total_params=sum(p.numel() for p in params.values()), trainable_params=trainable,
         frozen_bytes=frozen, compute_itemsize=dtype.itemsize, layers=len(layers),
         block_bytes=max((sum(p.numel() for p in layer.parameters()) for layer in layers), default=0) * dtype.itemsize,
+        embed_bytes=sum(p.numel() for p in embed.parameters()) * dtype.itemsize,
         head_bytes=0 if tied else sum(p.numel() for p in head.parameters()) * dtype.itemsize,
+        tables_by_rows=tables_by_rows(model),
+        units_bytes=_units_bytes(max(layers, key=lambda m: sum(p.numel() for p in m.parameters())), dtype),
         root_bytes=sum(p.numel() for i, p in params.items() if i not in in_layers) * dtype.itemsize,
         hidden=int(base.config.hidden_size), checkpoint_bytes=checkpoint_bytes(model_dir),
     )

@@ -183,3 +183,14 @@ def count_params(model: nn.Module) -> tuple[int, int]:
     for p in model.parameters():
         seen[id(p)] = (math.prod(p.shape), p.requires_grad)
     return sum(n for n, _ in seen.values()), sum(n for n, t in seen.values() if t)
+
+
+def embedding_tables(model: nn.Module) -> tuple[nn.Module | None, nn.Module | None, bool]:
+    """The input and output embedding modules, and whether they share their weight."""
+    base = base_model(model)
+    embed, head = base.get_input_embeddings(), base.get_output_embeddings()
+    embed = embed if isinstance(embed, nn.Module) else None
+    head = head if isinstance(head, nn.Module) else None
+    if embed is None or head is None:
+        return embed, head, False
+    return embed, head, bool({id(p) for p in embed.parameters()} & {id(p) for p in head.parameters()})

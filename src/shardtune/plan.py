@@ -35,18 +35,20 @@ CUDA_CONTEXT_MB = 500
 #: gloo's all-gather receives into a buffer of its own first. Measured on CPU (bench/memory.py); the
 #: CUDA values follow from the code (NCCL gathers in place), not from a measurement.
 GATHER_COPIES = {("fsdp2", "cpu"): 2, ("fsdp1", "cpu"): 2, ("fsdp2", "cuda"): 2, ("fsdp1", "cuda"): 1}
-#: Decoder blocks' worth of memory unsharded at once in backward: the one computing and the one
-#: prefetched while gathered (CPU: measured; CUDA: FSDP2 also defers freeing a buffer for overlap).
-BACKWARD_BLOCKS = {("fsdp2", "cpu"): 2, ("fsdp1", "cpu"): 3, ("fsdp2", "cuda"): 3, ("fsdp1", "cuda"): 2}
+#: FSDP1's decoder blocks unsharded at once in backward: the one computing and the one prefetched
+#: while gathered (CPU: measured; CUDA: from the code). FSDP2's units: ``_fsdp2_moments``.
+BACKWARD_BLOCKS = {("fsdp1", "cpu"): 3, ("fsdp1", "cuda"): 2}
 
 TERMS: dict[str, str] = {
     "runtime": "the process before loading: torch, transformers, peft, process group, data "
                "(on GPU: the CUDA context)",
     "weights": "the frozen base weights this rank holds: 1/N of them under FSDP, all of them under DDP/single",
-    "blocks": "decoder blocks all-gathered (unsharded) at once, largest layer in the compute dtype",
-    "root": "non-layer weights kept unsharded: FSDP2 gathers the output embedding (its own unit) at the "
-            "end of forward (into a buffer, then copied out) and keeps it for backward; FSDP1 keeps its "
-            "root unit (embeddings, final norm, lm_head) unsharded from forward to the end of backward",
+    "blocks": "decoder-layer weights all-gathered (unsharded) at once, in the compute dtype: FSDP1 whole "
+              "layers; FSDP2 the unit computing plus the next one gathered (a layer's attention, MLP "
+              "projections and norms are units of their own)",
+    "root": "non-layer weights unsharded: FSDP2 uses frozen embeddings from row shards (one rank's rows "
+            "in a buffer at a time) and gathers others; FSDP1 keeps its root unit (embeddings, final "
+            "norm, lm_head) unsharded from forward to the end of backward",
     "lora": "the trainable LoRA weights, fp32 (1/N of them under FSDP)",
     "grads": "their fp32 gradients (1/N under FSDP; DDP also keeps a bucket copy for its all-reduce)",
     "optimizer": "AdamW state: 2 fp32 values per trainable weight (1/N under FSDP)",
@@ -83,18 +85,23 @@ class Prediction:
                 "block_mb": round(self.block_mb, 3), "note": self.note}
 
 
-def _moments(strategy: str, device: str, f: Facts, acts: float, workspace: float, logits_fwd: float,
+def _moments(strategy: str, device: str, f: Facts, n: int, acts: float, workspace: float, logits_fwd: float,
              logits_bwd: float) -> dict[str, dict[str, float]]:
     """The busiest moments of a step for ``strategy``: {moment: the terms it adds to the kept state}."""
     copies = GATHER_COPIES.get((strategy, device), 0)
+    if strategy == "fsdp2":
+        return _fsdp2_moments(device, f, n, copies, acts, workspace, logits_fwd, logits_bwd)
     blocks = BACKWARD_BLOCKS.get((strategy, device), 0) * f.block_bytes
-    if strategy == "fsdp2" and f.head_bytes:  # the output embedding is a unit of its own (parallel/fsdp2.py)
+    if strategy == "fsdp1" and f.head_bytes:  # untied tables are units of their own (parallel/fsdp1.py)
         return {
-            "end of forward (output embedding gathered)": {"root": copies * f.head_bytes, "activations": acts},
-            "start of backward (logits)": {"root": f.head_bytes, "activations": acts, "logits": logits_bwd},
+            "start of forward (input embedding gathered)": {"root": copies * f.embed_bytes},
+            "end of forward (output embedding gathered)": {"root": copies * f.head_bytes, "activations": acts,
+                                                           "logits": logits_fwd},
+            "start of backward (logits)": {"root": copies * f.head_bytes, "activations": acts,
+                                           "logits": logits_bwd},
             "backward through the layers": {"blocks": blocks, "activations": acts + workspace},
         }
-    # The whole root unsharded for the step: FSDP1's root, or FSDP2's root holding tied embeddings.
+    # The whole root unsharded for the step: FSDP1's root (tied embeddings, final norm).
     root = f.root_bytes if copies else 0
     moments = {
         "end of forward": {"root": root, "activations": acts, "logits": logits_fwd},
@@ -104,6 +111,36 @@ def _moments(strategy: str, device: str, f: Facts, acts: float, workspace: float
     if copies > 1:  # before any activation exists
         moments["start of forward (root gathered)"] = {"root": copies * root}
     return moments
+
+
+def _fsdp2_moments(device: str, f: Facts, n: int, copies: int, acts: float, workspace: float,
+                   logits_fwd: float, logits_bwd: float) -> dict[str, dict[str, float]]:
+    """FSDP2 as parallel/fsdp2.py applies it: units for the parts of each layer; frozen embeddings
+    used from row shards (one rank's rows in a buffer at a time), others gathered in units."""
+    units = f.units_bytes
+    # The unit computing while the next one is gathered into a buffer and copied out (CPU, measured);
+    # on CUDA FSDP2 also keeps one more gathered unit for stream overlap (from the code).
+    window = 2 if device == "cpu" else 3
+    gathered = max((sum(units[i:i + window - 1]) + copies * units[i + window - 1]
+                    for i in range(len(units) - window + 1)), default=copies * sum(units))
+    if f.tables_by_rows["embed"]:
+        embed = f.embed_bytes / n
+    else:  # tied tables stay in the root, gathered for the whole step
+        embed = copies * (f.embed_bytes if f.head_bytes else f.root_bytes)
+    if f.tables_by_rows["head"]:
+        head_fwd = head_bwd = (f.head_bytes or f.embed_bytes) / n
+        logits_fwd += logits_fwd / n  # one rank's slice of the logits before it is copied in
+    elif f.head_bytes:  # its own unit, kept from the end of forward into backward
+        head_fwd, head_bwd = copies * f.head_bytes, f.head_bytes
+    else:
+        head_fwd = head_bwd = f.root_bytes
+    root_kept = 0.0 if f.tables_by_rows["embed"] or f.head_bytes else f.root_bytes
+    return {
+        "start of forward (input embedding)": {"root": embed},
+        "end of forward (output embedding)": {"root": head_fwd, "activations": acts, "logits": logits_fwd},
+        "start of backward (logits)": {"root": head_bwd, "activations": acts, "logits": logits_bwd},
+        "backward through the layers": {"root": root_kept, "blocks": gathered, "activations": acts + workspace},
+    }
 
 
 def predict(f: Facts, strategy: str, ranks: int, micro_batch: int, seq_len: int, ac: bool, offload: bool,
@@ -134,7 +171,8 @@ def predict(f: Facts, strategy: str, ranks: int, micro_batch: int, seq_len: int,
     if offload and device.type == "cuda":  # the shards and their optimizer live in host RAM
         host = sum(kept[k] for k in ("weights", "lora", "grads", "optimizer"))
         kept.update(weights=0.0, lora=0.0, grads=0.0, optimizer=0.0)
-    moments = _moments(strategy, "cuda" if device.type == "cuda" else "cpu", f, acts, workspace, logits, logits_bwd)
+    moments = _moments(strategy, "cuda" if device.type == "cuda" else "cpu", f, n, acts, workspace, logits,
+                       logits_bwd)
     moment, extra = max(moments.items(), key=lambda kv: sum(kv[1].values()))
     terms = {k: kept.get(k, 0.0) + extra.get(k, 0.0) for k in TERMS}
     note = ""

@@ -26,6 +26,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 from shardtune.config import ConfigError
 from shardtune.distributed import Dist
+from shardtune.model import embedding_tables
 from shardtune.parallel.base import Strategy
 from shardtune.parallel.wrap_policy import NonUniformModuleError, uniform_requires_grad_policy
 
@@ -203,8 +204,12 @@ class FSDP1(Strategy):
         self.load_targets = local_pieces
 
     def shard(self, model: nn.Module) -> nn.Module:
+        embed, head, tied = embedding_tables(model)
+        # Own units, so that FSDP1 materialises (and later gathers) one table at a time, not the
+        # root with both tables while loading. Tied tables must stay in one unit: the root.
+        tables = [] if tied else [m for m in (embed, head) if m is not None]
         try:
-            policy = uniform_requires_grad_policy(model)
+            policy = uniform_requires_grad_policy(model, own_units=tables)
         except NonUniformModuleError as err:
             raise ConfigError(f"--strategy fsdp1: {err} Here: --lora-bias none, or --strategy fsdp2.") from None
         return FSDP(

@@ -1,4 +1,5 @@
-"""FSDP2 (``fully_shard``): one unit per decoder layer, the embeddings and the root, sharded on meta."""
+"""FSDP2 (``fully_shard``): units for the parts of each decoder layer and the root; frozen embeddings
+sharded by rows outside FSDP. All applied on the meta device."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor
 
 from shardtune.distributed import Dist
-from shardtune.model import base_model, decoder_layers
+from shardtune.model import decoder_layers, embedding_tables
+from shardtune.parallel import sharded_embeddings
 from shardtune.parallel.base import Strategy
 
 
@@ -32,27 +34,51 @@ class FSDP2(Strategy):
         layers = decoder_layers(model)
         if not layers:
             raise ValueError(f"{type(model).__name__}: found no decoder layers to shard (_no_split_modules)")
-        units: list[FSDPModule] = [self._unit(layer) for layer in layers]
-        embed, head = _embeddings(model)
-        if embed is not None and head is not None:
-            # Own units, so that neither stays unsharded while the layers run: the input embedding is
-            # freed right after the lookup (its backward never runs), the output one is gathered at the
-            # end of forward, kept for backward, which needs it first, and freed after its backward.
-            # In the root, both stayed unsharded from forward through all of backward (and were
-            # gathered into one buffer, then copied out: twice their size at the start of each step).
-            units += [self._unit(embed), self._unit(head, reshard_after_forward=False)]
-        # The root holds what is left (final norm; tied embeddings), needed again right at the start
+        units: list[FSDPModule] = [self._unit(part) for layer in layers for part in layer_parts(layer)]
+        ignored, own_units = self._shard_embeddings(model)
+        units += [self._unit(module, reshard_after_forward=reshard) for module, reshard in own_units]
+        # The root holds what is left (final norm; embeddings not sharded by rows), needed again at the start
         # of backward: keeping it unsharded after forward saves one all-gather per step.
-        units.append(self._unit(model, reshard_after_forward=False))
+        units.append(self._unit(model, reshard_after_forward=False, ignored_params=ignored))
         if self.mesh.get_group().name() == "gloo":
             gather = BroadcastAllGather()
             for unit in units:
                 unit.set_custom_all_gather(gather)
         return model
 
-    def _unit(self, module: nn.Module, reshard_after_forward: bool = True) -> FSDPModule:
+    def _shard_embeddings(self, model: nn.Module) -> tuple[set[nn.Parameter], list[tuple[nn.Module, bool]]]:
+        """Frozen embeddings are used from their row shards, outside FSDP (sharded_embeddings.py).
+
+        Returns the parameters FSDP must leave alone, and the untied tables that still need units of
+        their own, with their ``reshard_after_forward``: those that LoRA or modules_to_save train, or
+        whose lookup is not a plain one (Gemma scales it). Tied tables go together or stay in the root.
+        """
+        embed, head, tied = embedding_tables(model)
+        by_rows = tables_by_rows(model)
+        if tied and not all(by_rows.values()):
+            return set(), []
+        group, ignored, units = self.mesh.get_group(), set(), []
+        weight: nn.Parameter | None = None
+        if by_rows["embed"]:
+            weight = sharded_embeddings.shard_rows(embed.weight, self.mesh)
+            _replace(model, embed, sharded_embeddings.ShardedEmbedding(embed, weight, group))
+            ignored.add(weight)
+        elif embed is not None and not tied:
+            units.append((embed, True))  # freed right after the lookup: its backward never runs
+        if by_rows["head"]:
+            weight = weight if tied else sharded_embeddings.shard_rows(head.weight, self.mesh)
+            _replace(model, head, sharded_embeddings.ShardedHead(head, weight, group))
+            ignored.add(weight)
+        elif head is not None and not tied:
+            # Gathered at the end of forward and kept for backward, which needs it first; in the
+            # root it would stay unsharded for the whole step.
+            units.append((head, False))
+        return ignored, units
+
+    def _unit(self, module: nn.Module, reshard_after_forward: bool = True,
+              ignored_params: set[nn.Parameter] | None = None) -> FSDPModule:
         return fully_shard(module, mesh=self.mesh, mp_policy=self.mp, offload_policy=self.offload,
-                           reshard_after_forward=reshard_after_forward)
+                           reshard_after_forward=reshard_after_forward, ignored_params=ignored_params)
 
     def full_tensors(self, model: nn.Module, names: list[str]) -> dict[str, torch.Tensor]:
         params = dict(model.named_parameters())
@@ -63,15 +89,48 @@ class FSDP2(Strategy):
         return out
 
 
-def _embeddings(model: nn.Module) -> tuple[nn.Module | None, nn.Module | None]:
-    """The input and output embedding modules when they share no parameter (untied), else (None, None)."""
-    base = base_model(model)
-    embed, head = base.get_input_embeddings(), base.get_output_embeddings()
-    if not isinstance(embed, nn.Module) or not isinstance(head, nn.Module):
-        return None, None
-    if {id(p) for p in embed.parameters()} & {id(p) for p in head.parameters()}:
-        return None, None  # tied: one weight can live in one unit only, the root's
-    return embed, head
+def layer_parts(layer: nn.Module) -> list[nn.Module]:
+    """FSDP units for one decoder layer, innermost first, the layer itself (its norms) last.
+
+    Backward holds the unit computing and the one prefetched, and each gather briefly holds its unit
+    twice (buffer, then copy-out). So a container (attention, MLP) holding more than a quarter of the
+    layer is split into its children; a child holding under 1/16 of the layer (a norm) stays with its
+    parent instead of costing a collective of its own. Modules that own parameters directly, and
+    peft's LoRA layers (base layer plus adapters), are never split.
+    """
+    total = sum(p.numel() for p in layer.parameters())
+
+    def size(m: nn.Module) -> int:
+        return sum(p.numel() for p in m.parameters())
+
+    def split(module: nn.Module) -> list[nn.Module]:
+        children = [c for c in module.children() if size(c) * 16 >= total]
+        if (size(module) * 4 <= total and module is not layer) or len(children) < 2 \
+                or any(True for _ in module.parameters(recurse=False)) or hasattr(module, "base_layer"):
+            return [module]
+        units = [unit for child in children for unit in split(child)]
+        inside = {id(p) for unit in units for p in unit.parameters()}
+        left = any(id(p) not in inside for p in module.parameters())  # e.g. the layer's norms
+        return units + [module] if left or module is layer else units
+
+    return split(layer)
+
+
+def tables_by_rows(model: nn.Module) -> dict[str, bool]:
+    """Which embedding tables FSDP2 uses from row shards (sharded_embeddings.py): {"embed": …, "head": …}."""
+    embed, head, tied = embedding_tables(model)
+    by_rows = {"embed": sharded_embeddings.embedding_eligible(embed), "head": sharded_embeddings.head_eligible(head)}
+    return {k: v and (not tied or all(by_rows.values())) for k, v in by_rows.items()}
+
+
+def _replace(model: nn.Module, old: nn.Module, new: nn.Module) -> nn.Module:
+    """Put ``new`` where ``old`` sits in the module tree (same name, so parameter names stay)."""
+    for parent in model.modules():
+        for name, child in parent.named_children():
+            if child is old:
+                setattr(parent, name, new)
+                return new
+    raise ValueError(f"{type(old).__name__} is not part of the model")
 
 
 class BroadcastAllGather:

@@ -114,13 +114,18 @@ def find_layer_classes(model: nn.Module) -> set[type]:
     return classes
 
 
-def plan_units(model: nn.Module, layer_classes: Iterable[type] | None = None) -> dict[str, nn.Module]:
+def plan_units(model: nn.Module, layer_classes: Iterable[type] | None = None,
+               own_units: Iterable[nn.Module] = ()) -> dict[str, nn.Module]:
     """The modules to wrap, by name (``""``: the root), such that every unit's own parameters share one kind.
+
+    ``own_units``: modules that get a unit of their own besides the blocks (large embedding tables,
+    which in the root would be gathered whole at once with everything else the root holds).
 
     Raises ``NonUniformModuleError`` for modules whose own parameters differ in kind, and for tied
     parameters whose owners would land in different units (FSDP1 flattens a tensor only once).
     """
     classes = set(layer_classes) if layer_classes is not None else find_layer_classes(model)
+    extra = {id(m) for m in own_units}
     # Kinds in each module's whole subtree, to find the largest all-trainable subtrees.
     subtree: dict[nn.Module, set[Kind]] = {}
 
@@ -151,7 +156,7 @@ def plan_units(model: nn.Module, layer_classes: Iterable[type] | None = None) ->
             if whole is not None and whole[0] and unit_kind[0] != whole:
                 units[name] = module
                 unit, unit_kind = name, [whole]
-            elif type(module) in classes or (
+            elif type(module) in classes or id(module) in extra or (
                 own is not None and unit_kind[0] != own and (own[0] or unit_kind[0] is not None)
             ):
                 units[name] = module
@@ -190,13 +195,15 @@ def _check_tied(model: nn.Module, unit_of: dict[nn.Module, str]) -> None:
             )
 
 
-def uniform_requires_grad_policy(model: nn.Module, layer_classes: Iterable[type] | None = None) -> CustomPolicy:
+def uniform_requires_grad_policy(model: nn.Module, layer_classes: Iterable[type] | None = None,
+                                 own_units: Iterable[nn.Module] = ()) -> CustomPolicy:
     """An ``auto_wrap_policy`` for ``FullyShardedDataParallel(model, ...)`` whose units are each uniform.
 
     Built for this ``model`` (pass the same module to FSDP). ``layer_classes``: the blocks to gather one
     at a time; found from ``_no_split_modules`` or repeated ``ModuleList`` blocks when not given.
+    ``own_units``: further modules to wrap on their own (e.g. untied input and output embeddings).
     Raises ``NonUniformModuleError`` (a ``ValueError``) when no uniform split exists.
     """
     # Identity, not equality: the same class may occur in and out of a unit.
-    targets = {id(m) for m in plan_units(model, layer_classes).values()}
+    targets = {id(m) for m in plan_units(model, layer_classes, own_units).values()}
     return CustomPolicy(lambda module: id(module) in targets)

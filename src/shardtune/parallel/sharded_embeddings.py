@@ -1,0 +1,133 @@
+"""Frozen input and output embeddings used straight from row shards, one owner's rows at a time.
+
+Under FSDP the embeddings are all-gathered whole on every rank, into a buffer and then a copy:
+vocabulary × hidden × 2 (250 MB for a 32k × 2048 bf16 table, 2 GB for Llama-3-8B's 128k × 4096),
+the largest transients of a LoRA step: the input table at the start of forward, the output one
+from the end of forward into backward. Frozen tables need none of FSDP's gradient machinery, so
+here each rank keeps its rows (a DTensor sharded on dim 0, left out of FSDP) and every use goes
+through the ranks' rows in turn, each broadcast into one reused buffer: the lookup takes the ids
+that fall in those rows, the output projection computes that slice of the logits, and its backward
+(the hidden states' gradient) broadcasts the rows again. Held at once: one rank's rows; moved: the
+same bytes as FSDP's all-gather. Tied embeddings share one sharded weight.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+
+def head_eligible(head: nn.Module | None) -> bool:
+    """A plain frozen ``nn.Linear`` without bias: not adapted by LoRA, not in ``modules_to_save``."""
+    return type(head) is nn.Linear and head.bias is None and not head.weight.requires_grad
+
+
+def embedding_eligible(embed: nn.Module | None) -> bool:
+    """A plain frozen ``nn.Embedding`` (subclasses such as Gemma's scaled one change the lookup)."""
+    return (type(embed) is nn.Embedding and embed.max_norm is None and not embed.sparse
+            and not embed.weight.requires_grad)
+
+
+def row_counts(total: int, world: int) -> list[int]:
+    """Rows per rank under Shard(0): torch.chunk's split, empty shards at the end when rows run out."""
+    chunk = -(-total // world)
+    return [max(0, min(chunk, total - r * chunk)) for r in range(world)]
+
+
+def shard_rows(weight: torch.Tensor, mesh: DeviceMesh) -> nn.Parameter:
+    """This rank's rows of ``weight`` (on meta or not) as a frozen DTensor parameter, Shard(0)."""
+    group = mesh.get_group()
+    rows = row_counts(weight.size(0), group.size())
+    start = sum(rows[:group.rank()])
+    local = weight.detach()[start:start + rows[group.rank()]]
+    sharded = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=weight.shape,
+                                 stride=weight.stride())
+    return nn.Parameter(sharded, requires_grad=False)
+
+
+class ShardedEmbedding(nn.Module):
+    """Drop-in for a frozen ``nn.Embedding`` whose ``weight`` is row-sharded (``shard_rows``)."""
+
+    def __init__(self, embed: nn.Embedding, weight: nn.Parameter, group: dist.ProcessGroup) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = embed.num_embeddings, embed.embedding_dim
+        self.padding_idx = embed.padding_idx
+        self.weight, self.group = weight, group
+        self.rows = row_counts(self.num_embeddings, group.size())
+
+    @torch.no_grad()
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = self.weight.to_local()
+        out = local.new_zeros(*ids.shape, self.embedding_dim)
+        buffer = local.new_empty(max(self.rows), self.embedding_dim)
+        start = 0
+        for owner, n in enumerate(self.rows):
+            if n:
+                rows = _owner_rows(local, buffer, owner, self.rows, self.group)
+                mine = (ids >= start) & (ids < start + n)
+                out[mine] = rows[ids[mine] - start]
+            start += n
+        return out
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, rows per rank={self.rows}"
+
+
+class ShardedHead(nn.Module):
+    """Drop-in for a bias-free frozen ``nn.Linear`` whose ``weight`` is row-sharded (``shard_rows``)."""
+
+    def __init__(self, head: nn.Linear, weight: nn.Parameter, group: dist.ProcessGroup) -> None:
+        super().__init__()
+        self.in_features, self.out_features = head.in_features, head.out_features
+        self.weight, self.group = weight, group
+        self.rows = row_counts(self.out_features, group.size())
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return _ShardedLinear.apply(hidden, self.weight.to_local(), self.rows, self.group)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, rows per rank={self.rows}"
+
+
+def _owner_rows(local: torch.Tensor, buffer: torch.Tensor, owner: int, rows: list[int],
+                group: dist.ProcessGroup) -> torch.Tensor:
+    """Rank ``owner``'s rows on every rank (a view of ``buffer``); a collective."""
+    view = buffer[:rows[owner]]
+    if group.rank() == owner:
+        view.copy_(local)
+    dist.broadcast(view, src=dist.get_global_rank(group, owner), group=group)
+    return view
+
+
+class _ShardedLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, local: torch.Tensor, rows: list[int],  # type: ignore[override]
+                group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.save_for_backward(local)
+        ctx.rows, ctx.group, ctx.hidden_dtype = rows, group, hidden.dtype
+        x = hidden.to(local.dtype)
+        out = x.new_empty(*x.shape[:-1], sum(rows))
+        buffer = local.new_empty(max(rows), local.size(-1))
+        start = 0
+        for owner, n in enumerate(rows):
+            if n:
+                out[..., start:start + n] = x @ _owner_rows(local, buffer, owner, rows, group).T
+            start += n
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
+        (local,) = ctx.saved_tensors
+        rows, group = ctx.rows, ctx.group
+        grad_out = grad_out.to(local.dtype)
+        grad = grad_out.new_zeros(*grad_out.shape[:-1], local.size(-1))
+        buffer = local.new_empty(max(rows), local.size(-1))
+        start = 0
+        for owner, n in enumerate(rows):
+            if n:
+                grad += grad_out[..., start:start + n] @ _owner_rows(local, buffer, owner, rows, group)
+            start += n
+        return grad.to(ctx.hidden_dtype), None, None, None
