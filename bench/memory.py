@@ -104,6 +104,12 @@ def targets(jobs: list[dict], plans: dict[str, dict]) -> list[str]:
             best = min(same)
             lines.append(f"{'':<32} best peer ({j['malloc']}) {best:7.0f}: ratio {train / best:.2f} <= 0.75: "
                          f"{'yes' if train <= 0.75 * best else 'NO'}")
+        # shardtune sets the mmap threshold itself; peers run glibc's defaults unless told otherwise.
+        shipped = [max(q["train_peak_mb"]) for q in peers if q["malloc"] == "default"]
+        if j["malloc"] == "mmap" and shipped:
+            best = min(shipped)
+            lines.append(f"{'':<32} best peer as shipped (default) {best:7.0f}: ratio {train / best:.2f} "
+                         f"<= 0.75: {'yes' if train <= 0.75 * best else 'NO'}")
     return lines
 
 

@@ -59,14 +59,17 @@ def test_frozen_tables_are_used_from_row_shards_and_give_from_pretrained_logits(
         torch.testing.assert_close(r["logits"], expected, rtol=1e-5, atol=1e-5)
 
 
-def test_a_trained_head_stays_in_an_fsdp_unit(tmp_path):
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_trained_head_stays_in_an_fsdp_unit(tmp_path, tied):
+    """peft's modules_to_save copy of lm_head trains, so FSDP keeps it; a tied copy loads from the
+    embedding (the checkpoint has no lm_head.weight), and a tied input table stays with it."""
     from transformers import AutoModelForCausalLM
 
-    d = str(make_model(tmp_path / "model", "llama", tied=False))
+    d = str(make_model(tmp_path / "model", "llama", tied=tied))
     results = run_ranks(build_on_ranks, 2, d, "lm_head")
     reference = AutoModelForCausalLM.from_pretrained(d).eval()
     for rank, r in enumerate(results):
-        assert not r["head_by_rows"] and r["embed_by_rows"]
+        assert not r["head_by_rows"] and r["embed_by_rows"] == (not tied)
         with torch.no_grad():
             expected = reference(input_ids=rank_input(rank)).logits
         torch.testing.assert_close(r["logits"], expected, rtol=1e-5, atol=1e-5)

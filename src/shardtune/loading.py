@@ -96,9 +96,12 @@ def retie(model: nn.Module, snapshot: Snapshot) -> None:
     base = base_model(model)
     for target, source in snapshot.tied.items():
         shared = base.get_parameter(source)
-        if base.get_parameter(target) is not shared:
-            module_name, _, attr = target.rpartition(".")
-            setattr(base.get_submodule(module_name), attr, shared)
+        module_name, _, attr = target.rpartition(".")
+        holder = base.get_submodule(module_name)
+        # peft's modules_to_save wrapper: the tie is the frozen original's (the trained copy is free).
+        holder = getattr(holder, "original_module", holder)
+        if getattr(holder, attr) is not shared:
+            setattr(holder, attr, shared)
 
 
 def materialize(model: nn.Module, device: torch.device, snapshot: Snapshot) -> None:
@@ -122,6 +125,11 @@ def load_base_weights(model: nn.Module, model_dir: ModelDir, tensors: dict[str, 
     stored = model_dir.weight_names
     lora_free = {n: t for n, t in tensors.items() if "lora_" not in n}
     aliases = _aliases(base)
+    # A tied weight may be stored under its partner's name only. Its names are aliases already, except
+    # for copies that are no longer tied: peft's trainable copy of a tied lm_head (modules_to_save).
+    for target, source in (getattr(base, "all_tied_weights_keys", None) or {}).items():
+        aliases.setdefault(target, [target]).append(source)
+        aliases.setdefault(source, [source]).append(target)
     plan: list[dict[str, torch.Tensor]] = []  # one dcp.load per round: a key may feed several parameters
     missing: list[str] = []
     used: set[str] = set()
