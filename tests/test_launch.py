@@ -46,27 +46,32 @@ def test_worker_exception_names_the_rank_and_stops_the_others(monkeypatch):
     assert time.monotonic() - started < 60
 
 
-def test_two_nodes_on_loopback_give_the_single_node_adapter(tiny):
+def test_two_nodes_on_loopback_and_torchrun_give_the_single_node_adapter(tiny):
     from safetensors.torch import load_file
 
     import shardtune
 
     endpoint = f"127.0.0.1:{free_port()}"
-    nodes = [
-        subprocess.Popen([sys.executable, "-m", "shardtune", "finetune", *_flags(tiny, f"node{i}"), "--nproc", "1",
-                          "--nnodes", "2", "--node-rank", str(i), "--rdzv-endpoint", endpoint],
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    runs = [
+        [sys.executable, "-m", "shardtune", "finetune", *_flags(tiny, f"node{i}"), "--nproc", "1",
+         "--nnodes", "2", "--node-rank", str(i), "--rdzv-endpoint", endpoint]
         for i in (0, 1)
     ]
-    logs = [p.communicate(timeout=240)[0] for p in nodes]
-    assert [p.returncode for p in nodes] == [0, 0], logs
+    # Plain torchrun starting `shardtune finetune` on every rank: the command trains in place.
+    runs.append([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                 "-m", "shardtune", "finetune", *_flags(tiny, "torchrun")])
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for cmd in runs]
+    logs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], logs
+    assert logs[2].count("train_loss_last") == 1, logs[2]  # rank 0 alone prints the result
     summary = shardtune.finetune(_options(tiny, "one-node"), nproc=2)
     assert summary["world_size"] == 2
     one = load_file(tiny / "one-node" / "adapter" / "adapter_model.safetensors")
-    multi = load_file(tiny / "node0" / "adapter" / "adapter_model.safetensors")
-    assert set(one) == set(multi)
-    for key in one:
-        assert (one[key] - multi[key]).abs().max() < 1e-5, key
+    for out in ("node0", "torchrun"):
+        other = load_file(tiny / out / "adapter" / "adapter_model.safetensors")
+        assert set(one) == set(other)
+        for key in one:
+            assert (one[key] - other[key]).abs().max() < 1e-5, (out, key)
 
 
 def test_notebook_runs_a_two_process_finetune_and_streams_progress(tiny):

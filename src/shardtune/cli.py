@@ -129,6 +129,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from shardtune.launch import under_torchrun
+
+    code = _run(argv)
+    if under_torchrun():  # a worker of torchrun's: leave as our own launcher's workers do
+        from shardtune.distributed import exit_worker
+
+        exit_worker(code)
+    return code
+
+
+def _run(argv: list[str] | None) -> int:
     from shardtune.data import DataError
     from shardtune.launch import Stopped, WorkerError
 

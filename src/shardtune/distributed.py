@@ -71,13 +71,7 @@ def all_gather_object(obj: object) -> list:
 
 
 def worker_main(main: Callable[[], None]) -> None:
-    """Run a worker's ``main`` under the elastic error recorder, then exit without interpreter teardown.
-
-    Interpreter teardown after the process group is gone has been seen to abort a worker ("terminate
-    called without an active exception", SIGABRT from a library thread, at random in CI), which turns
-    a finished run into a failure and a clean stop into a crash. Everything is written by then, so
-    the exit status is decided here and the process leaves with ``os._exit``.
-    """
+    """Run a worker's ``main`` under the elastic error recorder, then ``exit_worker`` with its status."""
     import traceback
 
     from torch.distributed.elastic.multiprocessing.errors import record
@@ -96,6 +90,16 @@ def worker_main(main: Callable[[], None]) -> None:
     except BaseException:  # record() has written the error file for the launcher; show it here too
         traceback.print_exc()
         code = 1
+    exit_worker(code)
+
+
+def exit_worker(code: int) -> None:
+    """Leave a worker process with ``code``, skipping interpreter teardown.
+
+    Teardown after the process group is gone has been seen to abort a worker ("terminate called
+    without an active exception", SIGABRT from a library thread, at random in CI), which turns a
+    finished run into a failure and a clean stop into a crash. Everything is written by then.
+    """
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -1,9 +1,10 @@
 """FSDP1 (``FullyShardedDataParallel``, ``use_orig_params=False``), sharded on the meta device.
 
-Units come from ``uniform_requires_grad_policy``: one per decoder layer for the frozen weights, and
-one per all-trainable subtree (each ``lora_A`` / ``lora_B``, a ``modules_to_save`` copy), because a
-flat parameter has one ``requires_grad`` and one dtype. That also keeps LoRA's fp32 weights out of a
-bf16 base's flat parameters, and frozen flat parameters get no gradient at all.
+Units come from ``uniform_requires_grad_policy``: one per decoder layer for the frozen weights, one
+per untied embedding table, and one per all-trainable subtree (each ``lora_A`` / ``lora_B``, a
+``modules_to_save`` copy), because a flat parameter has one ``requires_grad`` and one dtype. That also
+keeps LoRA's fp32 weights out of a bf16 base's flat parameters, and frozen flat parameters get no
+gradient at all.
 
 Loading stays shard-only without FSDP1's state-dict machinery (its SHARDED_STATE_DICT all-gathers
 every unit to build and to load the state dict): ``local_pieces`` describes, per original

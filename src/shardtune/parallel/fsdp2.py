@@ -55,8 +55,6 @@ class FSDP2(Strategy):
         """
         embed, head, tied = embedding_tables(model)
         by_rows = tables_by_rows(model)
-        if tied and not all(by_rows.values()):
-            return set(), []
         group, ignored, units = self.mesh.get_group(), set(), []
         weight: nn.Parameter | None = None
         if by_rows["embed"]:
@@ -96,7 +94,9 @@ def layer_parts(layer: nn.Module) -> list[nn.Module]:
     twice (buffer, then copy-out). So a container (attention, MLP) holding more than a quarter of the
     layer is split into its children; a child holding under 1/16 of the layer (a norm) stays with its
     parent instead of costing a collective of its own. Modules that own parameters directly, and
-    peft's LoRA layers (base layer plus adapters), are never split.
+    peft's LoRA layers (base layer plus adapters), are never split. Containers (``ModuleList``,
+    ``ModuleDict``) are never units, because FSDP gathers a unit in its forward and theirs never runs:
+    what they hold stays with their parent.
     """
     total = sum(p.numel() for p in layer.parameters())
 
@@ -104,6 +104,8 @@ def layer_parts(layer: nn.Module) -> list[nn.Module]:
         return sum(p.numel() for p in m.parameters())
 
     def split(module: nn.Module) -> list[nn.Module]:
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+            return []
         children = [c for c in module.children() if size(c) * 16 >= total]
         if (size(module) * 4 <= total and module is not layer) or len(children) < 2 \
                 or any(True for _ in module.parameters(recurse=False)) or hasattr(module, "base_layer"):
