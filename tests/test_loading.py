@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dist_utils import run_ranks
-from tiny import make_model
+from tiny import instruction_records, make_model, write_jsonl
 
 INPUT = torch.arange(1, 25).reshape(2, 12) * 7 % 250
 
@@ -98,3 +98,28 @@ def test_tied_weight_stored_under_lm_head_name(tmp_path):
     assert json.loads((d / "config.json").read_text())["tie_word_embeddings"]
     results = run_ranks(load_on_ranks, 2, [str(d)], "fsdp2")
     torch.testing.assert_close(results[0][str(d)]["logits"], _reference(str(d)), rtol=1e-5, atol=1e-5)
+
+
+def test_tied_lm_head_in_modules_to_save_trains_alike_on_every_strategy(tmp_path):
+    """peft's trainable copy of a tied lm_head starts from the embedding (the checkpoint stores only
+    that name) and ends equal on every strategy."""
+    from safetensors.torch import load_file
+
+    import shardtune
+
+    model = make_model(tmp_path / "model", "llama", tied=True)
+    data = write_jsonl(tmp_path / "train.jsonl", instruction_records(8))
+    adapters = {}
+    for strategy, nproc in (("single", 1), ("ddp", 2), ("fsdp1", 2), ("fsdp2", 2)):
+        out = tmp_path / strategy
+        shardtune.finetune({"model": str(model), "data": str(data), "out": str(out), "dtype": "fp32", "steps": 2,
+                            "batch-size": 4, "lr": 1e-2, "lora-modules-to-save": "lm_head", "strategy": strategy},
+                           nproc=nproc)
+        adapters[strategy] = load_file(out / "adapter" / "adapter_model.safetensors")
+    head = "base_model.model.lm_head.weight"
+    embed = load_file(model / "model.safetensors")["model.embed_tokens.weight"]
+    assert (adapters["single"][head] - embed).abs().max() > 1e-4  # trained away from its start
+    for strategy, tensors in adapters.items():
+        assert set(tensors) == set(adapters["single"]), strategy
+        for key in tensors:
+            torch.testing.assert_close(tensors[key], adapters["single"][key], rtol=1e-5, atol=1e-6, msg=key)

@@ -125,7 +125,7 @@ def _fsdp2_moments(device: str, f: Facts, n: int, copies: int, acts: float, work
                     for i in range(len(units) - window + 1)), default=copies * sum(units))
     if f.tables_by_rows["embed"]:
         embed = f.embed_bytes / n
-    else:  # tied tables stay in the root, gathered for the whole step
+    else:  # gathered: in a unit of its own when untied, else in the root with the tied head
         embed = copies * (f.embed_bytes if f.head_bytes else f.root_bytes)
     if f.tables_by_rows["head"]:
         head_fwd = head_bwd = (f.head_bytes or f.embed_bytes) / n
