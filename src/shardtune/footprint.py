@@ -18,7 +18,15 @@ import torch
 from torch import nn
 
 from shardtune.config import Config
-from shardtune.model import DTYPES, ModelDir, build_meta_model, check_model_dir, decoder_layers, inject_lora
+from shardtune.model import (
+    DTYPES,
+    ModelDir,
+    build_meta_model,
+    check_model_dir,
+    decoder_layers,
+    embedding_tables,
+    inject_lora,
+)
 from shardtune.parallel.fsdp2 import layer_parts, tables_by_rows
 
 
@@ -128,16 +136,16 @@ def model_facts(cfg: Config, micro_batches: set[int], lora_dtypes: set[torch.dty
     frozen = sum(p.numel() * p.element_size() for p in params.values() if not p.requires_grad)
     layers = decoder_layers(model)
     in_layers = {i for layer in layers for i in _unique_params(layer)}
-    embed, head = base.get_input_embeddings(), base.get_output_embeddings()
-    tied = head is None or bool(set(_unique_params(embed)) & set(_unique_params(head)))
+    embed, head, tied = embedding_tables(model)
+    largest = max(layers, key=lambda layer: sum(p.numel() for p in layer.parameters()), default=None)
     facts = Facts(
         total_params=sum(p.numel() for p in params.values()), trainable_params=trainable,
         frozen_bytes=frozen, compute_itemsize=dtype.itemsize, layers=len(layers),
-        block_bytes=max((sum(p.numel() for p in layer.parameters()) for layer in layers), default=0) * dtype.itemsize,
-        embed_bytes=sum(p.numel() for p in embed.parameters()) * dtype.itemsize,
-        head_bytes=0 if tied else sum(p.numel() for p in head.parameters()) * dtype.itemsize,
-        tables_by_rows=tables_by_rows(model),
-        units_bytes=_units_bytes(max(layers, key=lambda m: sum(p.numel() for p in m.parameters())), dtype),
+        block_bytes=sum(p.numel() for p in largest.parameters()) * dtype.itemsize if largest else 0,
+        embed_bytes=sum(p.numel() for p in embed.parameters()) * dtype.itemsize if embed else 0,
+        head_bytes=0 if tied or head is None else sum(p.numel() for p in head.parameters()) * dtype.itemsize,
+        tables_by_rows=tables_by_rows(embed, head, tied),
+        units_bytes=_units_bytes(largest, dtype) if largest else [],
         root_bytes=sum(p.numel() for i, p in params.items() if i not in in_layers) * dtype.itemsize,
         hidden=int(base.config.hidden_size), checkpoint_bytes=checkpoint_bytes(model_dir),
     )

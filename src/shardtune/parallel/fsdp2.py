@@ -54,7 +54,7 @@ class FSDP2(Strategy):
         whose lookup is not a plain one (Gemma scales it). Tied tables go together or stay in the root.
         """
         embed, head, tied = embedding_tables(model)
-        by_rows = tables_by_rows(model)
+        by_rows = tables_by_rows(embed, head, tied)
         group, ignored, units = self.mesh.get_group(), set(), []
         weight: nn.Parameter | None = None
         if by_rows["embed"]:
@@ -118,9 +118,9 @@ def layer_parts(layer: nn.Module) -> list[nn.Module]:
     return split(layer)
 
 
-def tables_by_rows(model: nn.Module) -> dict[str, bool]:
-    """Which embedding tables FSDP2 uses from row shards (sharded_embeddings.py): {"embed": …, "head": …}."""
-    embed, head, tied = embedding_tables(model)
+def tables_by_rows(embed: nn.Module | None, head: nn.Module | None, tied: bool) -> dict[str, bool]:
+    """Which embedding tables (``model.embedding_tables``) FSDP2 uses from row shards
+    (sharded_embeddings.py): {"embed": …, "head": …}."""
     by_rows = {"embed": sharded_embeddings.embedding_eligible(embed), "head": sharded_embeddings.head_eligible(head)}
     return {k: v and (not tied or all(by_rows.values())) for k, v in by_rows.items()}
 

@@ -13,6 +13,8 @@ same bytes as FSDP's all-gather. Tied embeddings share one sharded weight.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -60,16 +62,15 @@ class ShardedEmbedding(nn.Module):
 
     @torch.no_grad()
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < self.num_embeddings:
+            # nn.Embedding fails here too; a lookup by owners' rows would give zeros for such ids
+            raise IndexError(f"token ids {int(ids.min())}..{int(ids.max())} are outside the embedding's "
+                             f"{self.num_embeddings} rows (does the tokenizer match the model?)")
         local = self.weight.to_local()
-        out = local.new_zeros(*ids.shape, self.embedding_dim)
-        buffer = local.new_empty(max(self.rows), self.embedding_dim)
-        start = 0
-        for owner, n in enumerate(self.rows):
-            if n:
-                rows = _owner_rows(local, buffer, owner, self.rows, self.group)
-                mine = (ids >= start) & (ids < start + n)
-                out[mine] = rows[ids[mine] - start]
-            start += n
+        out = local.new_empty(*ids.shape, self.embedding_dim)
+        for start, rows in _each_owners_rows(local, self.rows, self.group):
+            mine = (ids >= start) & (ids < start + len(rows))
+            out[mine] = rows[ids[mine] - start]
         return out
 
     def extra_repr(self) -> str:
@@ -92,14 +93,23 @@ class ShardedHead(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, rows per rank={self.rows}"
 
 
-def _owner_rows(local: torch.Tensor, buffer: torch.Tensor, owner: int, rows: list[int],
-                group: dist.ProcessGroup) -> torch.Tensor:
-    """Rank ``owner``'s rows on every rank (a view of ``buffer``); a collective."""
-    view = buffer[:rows[owner]]
-    if group.rank() == owner:
-        view.copy_(local)
-    dist.broadcast(view, src=dist.get_global_rank(group, owner), group=group)
-    return view
+def _each_owners_rows(local: torch.Tensor, rows: list[int],
+                      group: dist.ProcessGroup) -> Iterator[tuple[int, torch.Tensor]]:
+    """(first row index, that rank's rows) for each rank holding rows, in rank order, on every rank.
+
+    A collective: each rank's rows are broadcast into one buffer, reused for the next rank, so the
+    view yielded is valid only until the loop moves on.
+    """
+    buffer = local.new_empty(max(rows), local.size(-1))
+    start = 0
+    for owner, n in enumerate(rows):
+        if n:
+            view = buffer[:n]
+            if group.rank() == owner:
+                view.copy_(local)
+            dist.broadcast(view, src=dist.get_global_rank(group, owner), group=group)
+            yield start, view
+        start += n
 
 
 class _ShardedLinear(torch.autograd.Function):
@@ -110,12 +120,8 @@ class _ShardedLinear(torch.autograd.Function):
         ctx.rows, ctx.group, ctx.hidden_dtype = rows, group, hidden.dtype
         x = hidden.to(local.dtype)
         out = x.new_empty(*x.shape[:-1], sum(rows))
-        buffer = local.new_empty(max(rows), local.size(-1))
-        start = 0
-        for owner, n in enumerate(rows):
-            if n:
-                out[..., start:start + n] = x @ _owner_rows(local, buffer, owner, rows, group).T
-            start += n
+        for start, owned in _each_owners_rows(local, rows, group):
+            out[..., start:start + len(owned)] = x @ owned.T
         return out
 
     @staticmethod
@@ -124,10 +130,6 @@ class _ShardedLinear(torch.autograd.Function):
         rows, group = ctx.rows, ctx.group
         grad_out = grad_out.to(local.dtype)
         grad = grad_out.new_zeros(*grad_out.shape[:-1], local.size(-1))
-        buffer = local.new_empty(max(rows), local.size(-1))
-        start = 0
-        for owner, n in enumerate(rows):
-            if n:
-                grad += grad_out[..., start:start + n] @ _owner_rows(local, buffer, owner, rows, group)
-            start += n
+        for start, owned in _each_owners_rows(local, rows, group):
+            grad += grad_out[..., start:start + len(owned)] @ owned
         return grad.to(ctx.hidden_dtype), None, None, None
