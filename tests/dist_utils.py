@@ -12,6 +12,8 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
+from shardtune.distributed import exit_worker
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -25,6 +27,8 @@ def _entry(rank: int, fn: Callable, world_size: int, port: int, out_dir: str, ar
     torch.set_num_threads(1)  # 2-core machines: one thread per rank avoids oversubscription
     result = fn(rank, world_size, *args)
     torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+    # As shardtune's own workers do: interpreter teardown has aborted finished ranks (SIGABRT) at random.
+    exit_worker(0)
 
 
 def run_ranks(fn: Callable, world_size: int, *args, timeout: float = 180) -> list:

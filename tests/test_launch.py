@@ -46,6 +46,26 @@ def test_worker_exception_names_the_rank_and_stops_the_others(monkeypatch):
     assert time.monotonic() - started < 60
 
 
+def test_a_rank_that_only_lost_its_peer_is_not_named_the_cause(tmp_path):
+    """Both ranks fail in the same second without error files: stderr shows which one lost a peer."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from shardtune.launch import _describe
+
+    errors = {0: "RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:11162",
+              1: "RuntimeError: rank one broke on purpose"}
+    failures = {}
+    for rank, text in errors.items():
+        log = tmp_path / "run" / "attempt_0" / str(rank)
+        log.mkdir(parents=True)
+        (log / "stderr.log").write_text(f"Traceback (most recent call last):\n{text}\n")
+        failures[rank] = ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=1,
+                                        error_file=str(tmp_path / "none.json"))
+        failures[rank].timestamp = 1_700_000_000
+    message = _describe(ChildFailedError("worker", failures), tmp_path)
+    assert message.startswith("rank 1 failed (exit code 1): RuntimeError: rank one broke on purpose"), message
+
+
 def test_two_nodes_on_loopback_and_torchrun_give_the_single_node_adapter(tiny):
     from safetensors.torch import load_file
 

@@ -55,15 +55,23 @@ def _free_port() -> int:
 _PEER_LOST = ("closed by peer", "reset by peer", "Broken pipe", "remote process exited", "communicator was aborted")
 
 
-def _cause_first(item: tuple[int, ProcessFailure]) -> tuple[bool, bool, int]:
+def _stderr_tail(failure: ProcessFailure, log_dir: Path) -> list[str]:
+    """The last non-empty lines a worker wrote to stderr."""
+    tail: list[str] = []
+    for path in log_dir.glob(f"**/attempt_*/{failure.local_rank}/stderr.log"):
+        tail = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()][-12:]
+    return tail
+
+
+def _cause_first(failure: ProcessFailure, tail: list[str]) -> tuple[bool, bool, int]:
     """Sort key putting the failure that caused the others first.
 
     Timestamps alone mislead: they have whole seconds, and a rank that lost a peer (the peer killed by
     SIGKILL, say) fails in the same second; the agent's own SIGTERM to the survivors also counts as failing.
+    A worker without an error file (not ours, or killed) shows the lost peer in its stderr only.
     """
-    failure = item[1]
-    return (failure.exitcode == -signal.SIGTERM, any(p in str(failure.message) for p in _PEER_LOST),
-            failure.timestamp or 0)
+    text = str(failure.message) + "\n".join(tail[-3:])
+    return (failure.exitcode == -signal.SIGTERM, any(p in text for p in _PEER_LOST), failure.timestamp or 0)
 
 
 def _describe(err: Exception, log_dir: Path) -> str:
@@ -72,16 +80,15 @@ def _describe(err: Exception, log_dir: Path) -> str:
 
     if not isinstance(err, ChildFailedError):
         return str(err)
-    rank, failure = min(err.failures.items(), key=_cause_first)
+    tails = {rank: _stderr_tail(f, log_dir) for rank, f in err.failures.items()}
+    rank, failure = min(err.failures.items(), key=lambda item: _cause_first(item[1], tails[item[0]]))
     data = failure.error_file_data.get("message", {}) if isinstance(failure.error_file_data, dict) else {}
     if isinstance(data, dict) and data.get("message"):
         stack = data.get("extraInfo", {}).get("py_callstack", "")
         lines = [line for line in stack.strip().splitlines() if line.strip()]
         return f"rank {rank} failed: {data['message']}\n" + "\n".join(lines[-12:])
     # Without an error file (a worker that is not ours, or one killed by a signal) its stderr tells.
-    tail: list[str] = []
-    for path in log_dir.glob(f"**/attempt_*/{failure.local_rank}/stderr.log"):
-        tail = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()][-12:]
+    tail = tails[rank]
     cause = f"exit code {failure.exitcode}" if failure.exitcode >= 0 else f"signal {-failure.exitcode}"
     if failure.signal_name() != "<N/A>":
         cause = f"killed by {failure.signal_name()}"
