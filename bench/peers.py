@@ -4,7 +4,7 @@ Started by bench/memory.py as ``python -m torch.distributed.run --nproc-per-node
 RECIPE --model DIR --data FILE --out DIR``; each rank writes ``OUT/rank<r>.json``.
 
 Recipes (each as people write it, shortest faithful form):
-  shardtune   ``shardtune.train.run``: meta build, shard, read only the local slices (--strategy).
+  shardtune   ``shardtune.train.recipe.run``: meta build, shard, read only the local slices (--strategy).
   naive       every rank ``from_pretrained`` → peft → ``fully_shard`` per decoder layer + root.
   broadcast   accelerate's FSDP2 ``cpu_ram_efficient_loading``: rank 0 ``from_pretrained``, the others
               build on meta; the model goes to meta, ``fully_shard``, then every tensor of rank 0's
@@ -177,11 +177,11 @@ PEERS = {"naive": load_naive, "broadcast": load_broadcast, "fsdp1-peft": load_fs
 def run_peer(recipe: str, args: argparse.Namespace, rank: int, world: int) -> dict:
     from transformers import AutoTokenizer
 
-    from shardtune import distributed
-    from shardtune.data import collate, load_dataset
-    from shardtune.memory import MemoryMonitor
+    from shardtune.runtime import distributed
+    from shardtune.runtime.memory import MemoryMonitor
+    from shardtune.train.data import collate, load_dataset
 
-    d = distributed.setup()
+    d = distributed.init_worker()
     memory = MemoryMonitor(d.device)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     examples = load_dataset(args.data, tokenizer, args.seq_len).examples
@@ -217,12 +217,12 @@ def run_peer(recipe: str, args: argparse.Namespace, rank: int, world: int) -> di
 
 
 def run_shardtune(args: argparse.Namespace, rank: int) -> dict:
-    import shardtune.train
+    import shardtune.train.recipe
     from shardtune.config import build_config, validate
     from shardtune.launch import launch
 
     reads: list[float] = []
-    build_model = shardtune.train.build_model
+    build_model = shardtune.train.recipe.build_model
 
     def counted_build_model(*a, **kw):  # the load phase: count its file reads, as for the peers
         counter = FileReads(args.model)
@@ -231,7 +231,7 @@ def run_shardtune(args: argparse.Namespace, rank: int) -> dict:
         finally:
             reads.append(counter.mb())
 
-    shardtune.train.build_model = counted_build_model
+    shardtune.train.recipe.build_model = counted_build_model
 
     cfg = build_config({"model": args.model, "data": args.data, "out": str(Path(args.out) / "run"),
                         "strategy": args.strategy, "steps": args.steps, "batch-size": int(os.environ["WORLD_SIZE"]),
@@ -263,7 +263,7 @@ def main() -> None:
     import torch.distributed.checkpoint  # noqa: F401
     import transformers.models.llama.modeling_llama  # noqa: F401
 
-    import shardtune.train  # noqa: F401
+    import shardtune.train.recipe  # noqa: F401
 
     torch.set_num_threads(1)  # 2 ranks on 2 cores: the same for every recipe
     result = run_shardtune(args, rank) if args.recipe == "shardtune" else run_peer(args.recipe, args, rank, world)

@@ -42,8 +42,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def run(args: argparse.Namespace) -> dict:
     import shardtune
     from shardtune.config import build_config
-    from shardtune.evaluate import evaluate
-    from shardtune.logs import quiet_libraries
+    from shardtune.runtime.logs import quiet_libraries
+    from shardtune.tools.evaluate import evaluate
 
     quiet_libraries()
     cfg = build_config(args.config, {"nproc": args.nproc})
@@ -115,8 +115,8 @@ def side_by_side(before: list[dict], after: list[dict], show: int, width: int = 
 
 def main(argv: list[str] | None = None) -> int:
     from shardtune.config import ConfigError
-    from shardtune.data import DataError
-    from shardtune.launch import WorkerError
+    from shardtune.runtime.workers import WorkerError
+    from shardtune.train.data import DataError
 
     args = parse_args(argv)
     try:

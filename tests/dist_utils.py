@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from shardtune.distributed import exit_worker
+from shardtune.runtime.distributed import exit_worker
 
 
 def free_port() -> int:
@@ -35,7 +35,7 @@ def run_ranks(fn: Callable, world_size: int, *args, timeout: float = 180) -> lis
     """``fn(rank, world_size, *args)`` on ``world_size`` spawned processes; returns their results.
 
     ``fn`` must be importable (module level); it sets up the process group itself (e.g. with
-    ``shardtune.distributed.setup()``), which reads the env this helper sets.
+    ``shardtune.distributed.init_worker()``), which reads the env this helper sets.
     """
     out_dir = tempfile.mkdtemp(prefix="ranks-")
     ctx = mp.start_processes(_entry, args=(fn, world_size, free_port(), out_dir, args), nprocs=world_size,

@@ -2,10 +2,10 @@
 
 import torch.distributed as dist
 
-from shardtune import distributed
+from shardtune.runtime import distributed
 
 if __name__ == "__main__":
-    d = distributed.setup()
+    d = distributed.init_worker()
     if d.rank == 1:
         raise RuntimeError("rank one broke on purpose")
     dist.barrier()  # without rank 1 this waits until the collective timeout, unless the launcher stops it

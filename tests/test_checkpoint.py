@@ -121,8 +121,8 @@ def test_resume_on_other_world_sizes_matches(root, reference):
 def test_checkpoint_holds_lora_state_only_and_gives_the_final_adapter(root, reference, capsys):
     import torch.distributed.checkpoint as dcp
 
-    from shardtune.checkpoint import adapter_bytes
     from shardtune.cli import main
+    from shardtune.train.adapter import adapter_bytes
 
     ckpt = reference / "checkpoints" / "step-6"
     meta = json.loads((ckpt / "checkpoint.json").read_text())
@@ -144,7 +144,7 @@ def test_checkpoint_holds_lora_state_only_and_gives_the_final_adapter(root, refe
 
 
 def test_incomplete_or_corrupt_checkpoints_are_skipped_with_a_warning(root, reference, caplog):
-    from shardtune.checkpoint import find_latest
+    from shardtune.train.checkpoint import find_latest
 
     out = root / "broken"
     _start_from(reference, 2, out)
@@ -179,7 +179,7 @@ def _wait_for_steps(out: Path, n: int, proc: subprocess.Popen, timeout: float = 
 
 
 def test_sigterm_saves_a_checkpoint_and_says_how_to_resume(root):
-    from shardtune.checkpoint import find_latest
+    from shardtune.train.checkpoint import find_latest
 
     out = root / "sigterm"
     proc = _cli(root, "sigterm")
@@ -207,7 +207,7 @@ def test_sigint_to_the_launcher_stops_workers_cleanly(root):
     """Interrupting a notebook kernel sends SIGINT to the launching process only: workers must not linger."""
     import psutil
 
-    from shardtune.checkpoint import find_latest
+    from shardtune.train.checkpoint import find_latest
 
     out = root / "sigint"
     proc = _cli(root, "sigint")
@@ -227,7 +227,7 @@ def test_sigint_to_the_launcher_stops_workers_cleanly(root):
 def test_a_rank_killed_with_sigkill_ends_the_run_naming_it(root):
     import psutil
 
-    from shardtune.checkpoint import adapter_from_checkpoint, find_latest
+    from shardtune.train.checkpoint import adapter_from_checkpoint, find_latest
 
     out = root / "sigkill"
     proc = _cli(root, "sigkill", "--save-every", "2")

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from shardtune.data import (
+from shardtune.train.data import (
     IGNORE,
     BatchPlan,
     DataError,

@@ -31,30 +31,30 @@ def grads_and_training(rank: int, world_size: int, options: dict) -> dict:
     """One step's full LoRA gradients, then a short training run, its adapter and logits."""
     from torch.distributed.tensor import DTensor
 
-    from shardtune import distributed
-    from shardtune.checkpoint import save_adapter
     from shardtune.config import build_config
-    from shardtune.memory import MemoryMonitor
-    from shardtune.train import setup, train, train_step
+    from shardtune.runtime import distributed
+    from shardtune.runtime.memory import MemoryMonitor
+    from shardtune.train.adapter import save_adapter
+    from shardtune.train.recipe import prepare, train, train_step
 
     cfg = build_config(options)
-    dist = distributed.setup()
-    memory = MemoryMonitor(dist.device)
-    s = setup(cfg, dist, memory)
-    train_step(s, 0)
+    worker = distributed.init_worker()
+    memory = MemoryMonitor(worker.device)
+    job = prepare(cfg, worker, memory)
+    train_step(job, 0)
     grads = {}
-    params = dict(s.strategy.unwrap(s.model).named_parameters())
-    for name in s.built.adapter_keys.values():
+    params = dict(job.strategy.unwrap(job.model).named_parameters())
+    for name in job.built.adapter_keys.values():
         g = params[name].grad
         grads[name] = (g.full_tensor() if isinstance(g, DTensor) else g).clone()
-    s.model.zero_grad(set_to_none=True)
+    job.model.zero_grad(set_to_none=True)
     out = Path(cfg.output.out)
     out.mkdir(parents=True, exist_ok=True)
-    result = train(s, memory, out)
-    save_adapter(s.model, s.strategy, s.built.adapter_keys, out / "adapter", cfg.model.path)
-    s.model.eval()
+    result = train(job, memory, out)
+    save_adapter(job.model, job.strategy, job.built.adapter_keys, out / "adapter", cfg.model.path)
+    job.model.eval()
     with torch.no_grad():
-        logits = s.model(input_ids=INPUT).logits
+        logits = job.model(input_ids=INPUT).logits
     memory.close()
     distributed.teardown()
     return {"grads": grads, "losses": result["losses"], "logits": logits}

@@ -17,10 +17,13 @@ import torch
 from torch import nn
 
 from shardtune.config import ConfigError, LoraConfig
-from shardtune.distributed import Dist
-from shardtune.model import build_meta_model, check_model_dir, count_params, inject_lora, layer_classes
+from shardtune.model.directory import check_model_dir
+from shardtune.model.lora import count_params, inject_lora
+from shardtune.model.meta import build_meta_model
+from shardtune.model.structure import layer_classes
 from shardtune.parallel.fsdp1 import FSDP1, boxes
 from shardtune.parallel.wrap_policy import NonUniformModuleError, plan_units, uniform_requires_grad_policy
+from shardtune.runtime.distributed import Worker
 
 from dist_utils import run_ranks
 from tiny import VOCAB, make_model
@@ -91,7 +94,7 @@ def test_trainable_bias_on_frozen_weight_is_a_clear_error(model_dirs, arch, bias
         return
     with pytest.raises(NonUniformModuleError, match=module + r": frozen .*\['weight'\], trainable .*\['bias'\]"):
         plan_units(model)
-    cpu = Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    cpu = Worker(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
     with pytest.raises(ConfigError, match="--lora-bias none, or --strategy fsdp2"):
         FSDP1(cpu, torch.float32, cpu_offload=False).shard(model)
 
@@ -156,22 +159,22 @@ def test_boxes_cover_a_range_exactly(shape):
 
 
 def _ranks(rank: int, world: int, dirs: dict[str, Path]) -> dict:
-    from shardtune import distributed
+    from shardtune.runtime import distributed
 
-    dist_ = distributed.setup()
+    dist_ = distributed.init_worker()
     try:
         return {case: _one_case(rank, world, dist_, dirs[arch], options) for case, (arch, _, options) in CASES.items()}
     finally:
         distributed.teardown()
 
 
-def _one_case(rank: int, world: int, dist_: Dist, path: Path, options: dict) -> dict:
+def _one_case(rank: int, world: int, dist_: Worker, path: Path, options: dict) -> dict:
     from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
     from transformers import AutoModelForCausalLM
 
-    from shardtune.loading import fill_from_full, load, take_snapshot
-    from shardtune.model import trainable_names
+    from shardtune.model.loading import fill_from_full, load, take_snapshot
+    from shardtune.model.lora import trainable_names
     from shardtune.parallel import parallelize
     from shardtune.parallel.fsdp1 import gather_full
 

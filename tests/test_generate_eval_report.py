@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from shardtune.cli import main as cli_main
-from shardtune.data import IGNORE, tokenize
-from shardtune.evaluate import contains_match, evaluate, exact_match, normalize
-from shardtune.generate import generate_answers, load_model, prompt_ids, read_prompts, stop_ids
-from shardtune.report import ReportError, write_report
+from shardtune.tools.evaluate import contains_match, evaluate, exact_match, normalize
+from shardtune.tools.generate import generate_answers, load_model, prompt_ids, read_prompts, stop_ids
+from shardtune.tools.report import ReportError, write_report
+from shardtune.train.data import IGNORE, tokenize
 
 from tiny import instruction_records, make_model, write_jsonl
 

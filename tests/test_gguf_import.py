@@ -12,7 +12,7 @@ import torch
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 
-from shardtune.gguf_import import (  # noqa: E402
+from shardtune.tools.gguf_import import (  # noqa: E402
     GGUFImportError,
     dedupe_tied_state_dict,
     find_smollm2_gguf,
@@ -244,7 +244,7 @@ def test_refuses_non_empty_out_dir_unless_overwrite(tiny_gguf: Path, tmp_path: P
 
 
 def test_failure_leaves_no_partial_output(tiny_gguf: Path, tmp_path: Path, monkeypatch) -> None:
-    import shardtune.gguf_import as gi
+    import shardtune.tools.gguf_import as gi
 
     def boom(*args, **kwargs):
         raise RuntimeError("disk full")

@@ -36,7 +36,7 @@ def _flags(root: Path, out: str) -> list[str]:
 
 def test_worker_exception_names_the_rank_and_stops_the_others(monkeypatch):
     from shardtune.config import ParallelConfig
-    from shardtune.launch import WorkerError, launch_workers
+    from shardtune.runtime.workers import WorkerError, launch_workers
 
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
     started = time.monotonic()
@@ -50,7 +50,7 @@ def test_a_rank_that_only_lost_its_peer_is_not_named_the_cause(tmp_path):
     """Both ranks fail in the same second without error files: stderr shows which one lost a peer."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-    from shardtune.launch import _describe
+    from shardtune.runtime.workers import _describe
 
     errors = {0: "RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:11162",
               1: "RuntimeError: rank one broke on purpose"}

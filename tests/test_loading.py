@@ -23,15 +23,15 @@ LAYOUTS = [  # (architecture, tied embeddings, sharded checkpoint files)
 
 
 def load_on_ranks(rank: int, world_size: int, model_dirs: list[str], strategy: str) -> dict:
-    from shardtune import distributed
-    from shardtune.build import build_model
     from shardtune.config import build_config
+    from shardtune.parallel.sharded_model import build_model
+    from shardtune.runtime import distributed
 
-    dist = distributed.setup()
+    worker = distributed.init_worker()
     results = {}
     for d in model_dirs:
         cfg = build_config({"model": d, "dtype": "fp32", "strategy": strategy, "seed": 3})
-        built = build_model(cfg, dist)
+        built = build_model(cfg, worker)
         built.model.eval()
         with torch.no_grad():
             logits = built.model(input_ids=INPUT).logits

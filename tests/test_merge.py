@@ -95,8 +95,8 @@ def test_dtype_option_and_errors(tmp_path, capsys):
 MEASURE = """
 import json, sys
 import peft.utils.other, safetensors, torch  # imported before measuring: libraries are not the merge's memory
-from shardtune.memory import MemoryMonitor, rss_anon_bytes
-from shardtune.merge import merge
+from shardtune.runtime.memory import MemoryMonitor, rss_anon_bytes
+from shardtune.tools.merge import merge
 monitor = MemoryMonitor(torch.device("cpu"), interval=0.002)
 start = rss_anon_bytes()
 with monitor.phase("merge"):

@@ -11,7 +11,7 @@ import torch
 
 from shardtune import cli
 from shardtune.config import ConfigError, build_config
-from shardtune.footprint import model_facts
+from shardtune.model.footprint import model_facts
 from shardtune.plan import MB, STRATEGIES, TERMS, as_json, parse_size, plan, predict
 
 from tiny import make_model

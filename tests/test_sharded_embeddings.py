@@ -19,16 +19,16 @@ def rank_input(rank: int) -> torch.Tensor:
 def build_on_ranks(rank: int, world_size: int, model_dir: str, modules_to_save: str) -> dict:
     from torch.distributed.fsdp import FSDPModule
 
-    from shardtune import distributed
-    from shardtune.build import build_model
     from shardtune.config import build_config
-    from shardtune.model import embedding_tables
+    from shardtune.model.structure import embedding_tables
     from shardtune.parallel.sharded_embeddings import ShardedEmbedding, ShardedHead
+    from shardtune.parallel.sharded_model import build_model
+    from shardtune.runtime import distributed
 
-    dist = distributed.setup()
+    worker = distributed.init_worker()
     cfg = build_config({"model": model_dir, "dtype": "fp32", "strategy": "fsdp2", "seed": 3,
                         "lora-modules-to-save": modules_to_save})
-    built = build_model(cfg, dist)
+    built = build_model(cfg, worker)
     embed, head, _ = embedding_tables(built.model)
     built.model.eval()
     with torch.no_grad():
@@ -80,10 +80,10 @@ def head_gradient_on_ranks(rank: int, world_size: int) -> dict:
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
 
-    from shardtune import distributed
     from shardtune.parallel.sharded_embeddings import ShardedHead, shard_rows
+    from shardtune.runtime import distributed
 
-    distributed.setup()
+    distributed.init_worker()
     torch.manual_seed(0)
     dense = nn.Linear(8, 11, bias=False).requires_grad_(False)  # 11 rows over 3 ranks: 4, 4, 3
     mesh = init_device_mesh("cpu", (world_size,))
@@ -103,10 +103,10 @@ def lookup_out_of_range(rank: int, world_size: int) -> str:
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
 
-    from shardtune import distributed
     from shardtune.parallel.sharded_embeddings import ShardedEmbedding, shard_rows
+    from shardtune.runtime import distributed
 
-    distributed.setup()
+    distributed.init_worker()
     dense = nn.Embedding(11, 4).requires_grad_(False)
     mesh = init_device_mesh("cpu", (world_size,))
     embed = ShardedEmbedding(dense, shard_rows(dense.weight, mesh), mesh.get_group())

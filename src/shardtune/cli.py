@@ -8,7 +8,7 @@ import sys
 from typing import Any
 
 from shardtune.cli_tools import add_commands
-from shardtune.config import FLAGS, ConfigError, _field_type
+from shardtune.config import FLAGS, _field_type
 
 
 def _add_config_flags(parser: argparse.ArgumentParser) -> None:
@@ -56,7 +56,7 @@ def _fmt(value: Any) -> str:
 
 
 def cmd_import_gguf(args: argparse.Namespace) -> int:
-    from shardtune.gguf_import import import_gguf
+    from shardtune.tools.gguf_import import import_gguf
 
     out = import_gguf(args.file, args.out_dir)
     print(f"wrote {out}")
@@ -64,25 +64,17 @@ def cmd_import_gguf(args: argparse.Namespace) -> int:
 
 
 def cmd_merge(args: argparse.Namespace) -> int:
-    from shardtune.merge import MergeError, merge
+    from shardtune.tools.merge import merge
 
-    try:
-        result = merge(args.model, args.adapter, args.out, args.dtype)
-    except MergeError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    result = merge(args.model, args.adapter, args.out, args.dtype)
     print(f"wrote {result['out']} ({result['changed']} tensors changed, {result['bytes'] / 2**20:.1f} MB)")
     return 0
 
 
 def cmd_adapter_from_checkpoint(args: argparse.Namespace) -> int:
-    from shardtune.checkpoint import CheckpointError, adapter_from_checkpoint
+    from shardtune.train.checkpoint import adapter_from_checkpoint
 
-    try:
-        out = adapter_from_checkpoint(args.checkpoint, args.adapter_out, args.model)
-    except CheckpointError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    out = adapter_from_checkpoint(args.checkpoint, args.adapter_out, args.model)
     print(f"wrote {out}")
     return 0
 
@@ -129,19 +121,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from shardtune.launch import under_torchrun
+    from shardtune.runtime.workers import under_torchrun
 
     code = _run(argv)
     if under_torchrun():  # a worker of torchrun's: leave as our own launcher's workers do
-        from shardtune.distributed import exit_worker
+        from shardtune.runtime.distributed import exit_worker
 
         exit_worker(code)
     return code
 
 
 def _run(argv: list[str] | None) -> int:
-    from shardtune.data import DataError
-    from shardtune.launch import Stopped, WorkerError
+    from shardtune.errors import ShardtuneError
+    from shardtune.runtime.workers import Stopped
 
     args = build_parser().parse_args(argv)
     try:
@@ -149,7 +141,7 @@ def _run(argv: list[str] | None) -> int:
     except Stopped as err:  # a checkpoint may be there to resume from: the message says which and how
         print(f"error: {err}", file=sys.stderr)
         return err.exit_code
-    except (ConfigError, DataError, WorkerError, FileNotFoundError) as err:
+    except (ShardtuneError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

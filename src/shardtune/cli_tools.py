@@ -25,8 +25,8 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from shardtune.generate import generate_answers, load_model, prompt_text, read_prompts
-    from shardtune.logs import quiet_libraries
+    from shardtune.runtime.logs import quiet_libraries
+    from shardtune.tools.generate import generate_answers, load_model, prompt_text, read_prompts
 
     quiet_libraries()
     prompts = [args.prompt] if args.prompt is not None else read_prompts(args.prompts)
@@ -40,8 +40,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from shardtune.evaluate import evaluate
-    from shardtune.logs import quiet_libraries
+    from shardtune.runtime.logs import quiet_libraries
+    from shardtune.tools.evaluate import evaluate
 
     quiet_libraries()
     result = evaluate(args.model, args.data, args.adapter, args.nproc, args.seq_len, args.batch_size,
@@ -68,13 +68,9 @@ def _num(value: float | None) -> str:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from shardtune.report import ReportError, write_report
+    from shardtune.tools.report import write_report
 
-    try:
-        written = write_report(args.out_dir)
-    except ReportError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    written = write_report(args.out_dir)
     print("\n".join(f"wrote {path}" for path in written.values()))
     return 0
 

@@ -16,8 +16,10 @@ from typing import Any
 
 import yaml
 
+from shardtune.errors import ShardtuneError
 
-class ConfigError(ValueError):
+
+class ConfigError(ShardtuneError, ValueError):
     """A configuration problem the user must fix; the message says which option and why."""
 
 

@@ -1,183 +1,13 @@
-"""Starting the worker processes: torch's elastic launcher, as torchrun uses it.
-
-Workers are fresh ``python -m shardtune.train CONFIG`` processes (nothing of the caller is forked
-or pickled), so the same path serves the command line, torchrun-less scripts and notebooks.
-"""
+"""``shardtune finetune``'s launch: write the run's configuration, start the training workers, read the summary."""
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
-import signal
-import socket
-import sys
-import tempfile
-import threading
-import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from shardtune.config import Config, ParallelConfig, write_yaml
-
-if TYPE_CHECKING:
-    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
-
-
-class WorkerError(RuntimeError):
-    """A worker process failed; the message names the rank and its error."""
-
-
-class Stopped(WorkerError):
-    """SIGTERM or SIGINT stopped the run (sent to this launcher or to the workers); ``exit_code`` is 128 + signal."""
-
-    def __init__(self, signum: int, message: str = "") -> None:
-        super().__init__(message or f"stopped by signal {signum}")
-        self.signum, self.exit_code = int(signum), 128 + int(signum)
-
-
-# On SIGTERM/SIGINT the elastic agent forwards the signal and waits this long before SIGKILL: time for
-# the workers to finish their step and write a checkpoint.
-STOP_TIMEOUT = int(os.environ.get("SHARDTUNE_STOP_TIMEOUT", "120"))
-
-
-def under_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-# How a rank's error reads when it only lost a peer: a consequence, not the cause.
-_PEER_LOST = ("closed by peer", "reset by peer", "Broken pipe", "remote process exited", "communicator was aborted")
-
-
-def _stderr_tail(failure: ProcessFailure, log_dir: Path) -> list[str]:
-    """The last non-empty lines a worker wrote to stderr."""
-    tail: list[str] = []
-    for path in log_dir.glob(f"**/attempt_*/{failure.local_rank}/stderr.log"):
-        tail = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()][-12:]
-    return tail
-
-
-def _cause_first(failure: ProcessFailure, tail: list[str]) -> tuple[bool, bool, int]:
-    """Sort key putting the failure that caused the others first.
-
-    Timestamps alone mislead: they have whole seconds, and a rank that lost a peer (the peer killed by
-    SIGKILL, say) fails in the same second; the agent's own SIGTERM to the survivors also counts as failing.
-    A worker without an error file (not ours, or killed) shows the lost peer in its stderr only.
-    """
-    text = str(failure.message) + "\n".join(tail[-3:])
-    return (failure.exitcode == -signal.SIGTERM, any(p in text for p in _PEER_LOST), failure.timestamp or 0)
-
-
-def _describe(err: Exception, log_dir: Path) -> str:
-    """One message naming the first rank that failed, its error and the end of its traceback."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
-    if not isinstance(err, ChildFailedError):
-        return str(err)
-    tails = {rank: _stderr_tail(f, log_dir) for rank, f in err.failures.items()}
-    rank, failure = min(err.failures.items(), key=lambda item: _cause_first(item[1], tails[item[0]]))
-    data = failure.error_file_data.get("message", {}) if isinstance(failure.error_file_data, dict) else {}
-    if isinstance(data, dict) and data.get("message"):
-        stack = data.get("extraInfo", {}).get("py_callstack", "")
-        lines = [line for line in stack.strip().splitlines() if line.strip()]
-        return f"rank {rank} failed: {data['message']}\n" + "\n".join(lines[-12:])
-    # Without an error file (a worker that is not ours, or one killed by a signal) its stderr tells.
-    tail = tails[rank]
-    cause = f"exit code {failure.exitcode}" if failure.exitcode >= 0 else f"signal {-failure.exitcode}"
-    if failure.signal_name() != "<N/A>":
-        cause = f"killed by {failure.signal_name()}"
-    last = tail[-1].split("]: ", 1)[-1] if tail else ""
-    return f"rank {rank} failed ({cause}){': ' + last if last else ''}" + ("\n" + "\n".join(tail) if tail else "")
-
-
-class _Relay(threading.Thread):
-    """Copies the workers' output files to this process's sys.stdout/sys.stderr as they grow.
-
-    Workers write to files, not to our terminal, because in a notebook the kernel's file
-    descriptors are not the cell's output: only ``sys.stdout`` reaches the user there.
-    """
-
-    def __init__(self, log_dir: Path) -> None:
-        super().__init__(daemon=True, name="shardtune-relay")
-        self.log_dir, self.done = log_dir, threading.Event()
-        self.offsets: dict[Path, int] = {}
-
-    def pump(self) -> None:
-        for path in sorted(self.log_dir.glob("**/std*.log")):
-            size = path.stat().st_size
-            start = self.offsets.get(path, 0)
-            if size > start:
-                with path.open("rb") as f:
-                    f.seek(start)
-                    chunk = f.read(size - start)
-                self.offsets[path] = size
-                stream = sys.stderr if path.name == "stderr.log" else sys.stdout
-                stream.write(chunk.decode("utf-8", "replace"))
-                stream.flush()
-
-    def run(self) -> None:
-        while not self.done.wait(0.2):
-            self.pump()
-
-    def stop(self) -> None:
-        self.done.set()
-        self.join()
-        self.pump()
-
-
-def launch_workers(parallel: ParallelConfig, module: str, args: list[str]) -> None:
-    """Run ``python -m module *args`` on ``parallel.nproc`` local workers joined into one process group.
-
-    Their output is relayed here; raises WorkerError naming the first rank that failed, after the
-    elastic agent has stopped the others.
-    """
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    p = parallel
-    log_dir = Path(tempfile.mkdtemp(prefix="shardtune-logs-"))
-    if p.nnodes > 1:
-        # torchrun's default for a fixed set of nodes: node 0 hosts the store at the endpoint.
-        endpoint, backend, rdzv_configs = p.rdzv_endpoint, "static", {"rank": p.node_rank}
-        run_id = f"shardtune-{endpoint}"  # every node must name the same run to meet in the store
-    else:
-        endpoint, backend, rdzv_configs = f"127.0.0.1:{_free_port()}", "c10d", {}
-        run_id = f"shardtune-{uuid.uuid4().hex[:8]}"
-    launch_config = LaunchConfig(
-        min_nodes=p.nnodes, max_nodes=p.nnodes, nproc_per_node=p.nproc, run_id=run_id,
-        rdzv_backend=backend, rdzv_endpoint=endpoint, rdzv_configs=rdzv_configs, max_restarts=0,
-        monitor_interval=0.2, start_method="spawn", shutdown_timeout=STOP_TIMEOUT,
-        logs_specs=DefaultLogsSpecs(log_dir=str(log_dir), redirects=Std.ALL),
-    )
-    os.environ.setdefault("PYTHONUNBUFFERED", "1")  # worker output is a file: flush it line by line
-    # Each worker would otherwise start one compute thread per core: N workers on C cores then
-    # oversubscribe them, which made a 2-rank CPU run 5x slower than 1 rank. (torchrun sets 1.)
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // p.nproc)))
-    relay = _Relay(log_dir)
-    relay.start()
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        elastic_launch(launch_config, sys.executable)("-m", module, *args)
-    except SignalException as err:  # the agent has forwarded it and waited for the workers
-        raise Stopped(err.sigval) from None
-    except ChildFailedError as err:
-        codes = {f.exitcode for f in err.failures.values()}
-        if codes <= {128 + signal.SIGTERM, 128 + signal.SIGINT}:  # workers signalled directly stop this way
-            raise Stopped(max(codes) - 128) from None
-        raise WorkerError(_describe(err, log_dir)) from None
-    finally:
-        if threading.current_thread() is threading.main_thread():
-            for sig, handler in handlers.items():  # the agent leaves its own handlers installed
-                signal.signal(sig, handler)
-        relay.stop()
-        shutil.rmtree(log_dir, ignore_errors=True)
+from shardtune.config import Config, write_yaml
+from shardtune.runtime.workers import Stopped, WorkerError, launch_workers, under_torchrun
 
 
 def launch(cfg: Config) -> dict:
@@ -189,13 +19,13 @@ def launch(cfg: Config) -> dict:
         write_yaml(cfg, config_path)
         summary_path.unlink(missing_ok=True)  # never report an older run's result as this one's
     if under_torchrun():
-        from shardtune.train import run
+        from shardtune.train.recipe import run
 
         return run(cfg)
     try:
         launch_workers(cfg.parallel, "shardtune.train", [str(config_path)])
     except Stopped as err:
-        from shardtune.checkpoint import stop_message
+        from shardtune.train.stop import stop_message
 
         raise Stopped(err.signum, stop_message(err.signum, out)) from None
     if not summary_path.is_file():

@@ -19,10 +19,10 @@ from typing import Any
 import torch
 
 from shardtune.config import Config, ConfigError, build_config, validate
-from shardtune.data import BatchPlan, DataError
-from shardtune.footprint import Facts, model_facts
-from shardtune.loss import CHUNK_BYTES
-from shardtune.model import DTYPES
+from shardtune.model.footprint import Facts, model_facts
+from shardtune.model.meta import DTYPES
+from shardtune.train.data import BatchPlan, DataError
+from shardtune.train.loss import CHUNK_BYTES
 
 MB = 1024 * 1024
 STRATEGIES = ("fsdp2", "fsdp1", "ddp", "single")
@@ -188,10 +188,10 @@ def plan_device() -> torch.device:
 
 
 def default_memory_per_rank(local_ranks: int, device: torch.device) -> int:
-    from shardtune.distributed import Dist
     from shardtune.parallel.choose import memory_per_rank
+    from shardtune.runtime.distributed import Worker
 
-    return memory_per_rank(Dist(0, local_ranks, 0, device), local_ranks)
+    return memory_per_rank(Worker(0, local_ranks, 0, device), local_ranks)
 
 
 def plan(cfg: Config, memory_per_rank: int | None = None) -> dict[str, list[Prediction]]:
@@ -299,7 +299,7 @@ def render(predictions: dict[str, list[Prediction]], header: list[str]) -> str:
 def run_plan(config: str | Path | None, overrides: dict[str, Any], memory_per_rank: str | None,
              as_json_output: bool) -> int:
     """``shardtune plan``: print the predictions for the given fine-tune flags; reads no weights."""
-    from shardtune.logs import quiet_libraries
+    from shardtune.runtime.logs import quiet_libraries
 
     quiet_libraries()
     cfg = build_config(config, overrides)

@@ -7,14 +7,16 @@ a model; these checks read only config, headers, tokenizer and data, and build t
 from __future__ import annotations
 
 from shardtune.config import Config, validate
-from shardtune.data import BatchPlan, load_dataset
-from shardtune.model import DTYPES, ModelDirError, build_meta_model, check_model_dir, inject_lora
+from shardtune.model.directory import ModelDirError, check_model_dir
+from shardtune.model.lora import inject_lora
+from shardtune.model.meta import DTYPES, build_meta_model
+from shardtune.train.data import BatchPlan, load_dataset
 
 
 def preflight(cfg: Config) -> None:
     from transformers import AutoTokenizer
 
-    from shardtune.logs import quiet_libraries
+    from shardtune.runtime.logs import quiet_libraries
 
     quiet_libraries()
     validate(cfg)

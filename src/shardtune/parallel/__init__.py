@@ -10,31 +10,31 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from shardtune.distributed import Dist
-from shardtune.model import base_model
+from shardtune.model.structure import base_model
 from shardtune.parallel.base import Strategy
 from shardtune.parallel.choose import choose_strategy
+from shardtune.runtime.distributed import Worker
 
 __all__ = ["Strategy", "choose_strategy", "make_strategy", "parallelize"]
 
 
-def make_strategy(name: str, dist: Dist, compute_dtype: torch.dtype, cpu_offload: bool) -> Strategy:
+def make_strategy(name: str, worker: Worker, compute_dtype: torch.dtype, cpu_offload: bool) -> Strategy:
     if name == "fsdp2":
         from shardtune.parallel.fsdp2 import FSDP2
 
-        return FSDP2(dist, compute_dtype, cpu_offload)
+        return FSDP2(worker, compute_dtype, cpu_offload)
     if name == "fsdp1":
         from shardtune.parallel.fsdp1 import FSDP1
 
-        return FSDP1(dist, compute_dtype, cpu_offload)
+        return FSDP1(worker, compute_dtype, cpu_offload)
     if name == "ddp":
         from shardtune.parallel.ddp import DDPStrategy
 
-        return DDPStrategy(dist)
+        return DDPStrategy(worker)
     if name == "single":
-        if dist.world_size > 1:
-            raise ValueError(f"strategy 'single' runs one process, but {dist.world_size} were started")
-        return Strategy(dist)
+        if worker.world_size > 1:
+            raise ValueError(f"strategy 'single' runs one process, but {worker.world_size} were started")
+        return Strategy(worker)
     raise ValueError(f"unknown strategy {name!r}")
 
 

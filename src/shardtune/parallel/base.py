@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
-from shardtune.distributed import Dist
+from shardtune.runtime.distributed import Worker
 
 
 class Strategy:
@@ -18,8 +17,8 @@ class Strategy:
     #: a callable giving {parameter name: tensor to load into}, when that differs from the parameters
     load_targets: Callable[[nn.Module], dict[str, torch.Tensor]] | None = None
 
-    def __init__(self, dist: Dist) -> None:
-        self.dist = dist
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
 
     def shard(self, model: nn.Module) -> nn.Module:
         """Called on the meta model, before any weight exists."""
@@ -49,8 +48,3 @@ class Strategy:
         """Full (unsharded) copies of the named parameters, on CPU; a collective: every rank calls it."""
         params = dict(self.unwrap(model).named_parameters())
         return {n: params[n].detach().to("cpu", copy=True) for n in names}
-
-    @contextlib.contextmanager
-    def summon_full_params(self, model: nn.Module) -> Iterator[None]:
-        """The whole model usable in one process (generation after training); no-op when unsharded."""
-        yield

@@ -12,7 +12,7 @@ class DDPStrategy(Strategy):
     name = "ddp"
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        device_ids = [self.dist.device.index] if self.dist.device.type == "cuda" else None
+        device_ids = [self.worker.device.index] if self.worker.device.type == "cuda" else None
         # Every rank loaded the same weights and the same LoRA init, so DDP's initial broadcast of the
         # whole model would only cost a second full-size buffer.
         return DistributedDataParallel(model, device_ids=device_ids, init_sync=False)

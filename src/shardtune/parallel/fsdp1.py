@@ -26,10 +26,10 @@ from torch.distributed.fsdp import CPUOffload, MixedPrecision
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 from shardtune.config import ConfigError
-from shardtune.distributed import Dist
-from shardtune.model import embedding_tables
+from shardtune.model.structure import embedding_tables
 from shardtune.parallel.base import Strategy
 from shardtune.parallel.wrap_policy import NonUniformModuleError, uniform_requires_grad_policy
+from shardtune.runtime.distributed import Worker
 
 _WRAPPED = "_fsdp_wrapped_module."
 
@@ -192,8 +192,8 @@ def gather_full(model: nn.Module, names: list[str], grads: bool = False) -> dict
 class FSDP1(Strategy):
     name = "fsdp1"
 
-    def __init__(self, dist: Dist, compute_dtype: torch.dtype, cpu_offload: bool) -> None:
-        super().__init__(dist)
+    def __init__(self, worker: Worker, compute_dtype: torch.dtype, cpu_offload: bool) -> None:
+        super().__init__(worker)
         # As under FSDP2, LoRA's fp32 weights compute in the compute dtype, gradients are reduced in
         # fp32. Buffers keep the dtype they were built with (rotary inv_freq stays fp32, as in
         # from_pretrained). The policy already keeps fp32 and bf16 weights in separate flat params.
@@ -201,7 +201,7 @@ class FSDP1(Strategy):
         # and outside its unit's forward that attribute is the fp32 original, not the bf16 copy used.
         self.mp = MixedPrecision(param_dtype=compute_dtype, reduce_dtype=torch.float32, cast_forward_inputs=True)
         # On a CPU run the parameters are on the CPU already: offloading there would only add copies.
-        self.offload = CPUOffload(offload_params=cpu_offload and dist.device.type != "cpu")
+        self.offload = CPUOffload(offload_params=cpu_offload and worker.device.type != "cpu")
         self.load_targets = local_pieces
 
     def shard(self, model: nn.Module) -> nn.Module:
@@ -219,8 +219,8 @@ class FSDP1(Strategy):
             mixed_precision=self.mp,
             cpu_offload=self.offload,
             # also for "cpu": FSDP1 otherwise looks for an accelerator and refuses CPU-only runs
-            device_id=self.dist.device,
-            param_init_fn=_MaterializeKeepingTies(model, self.dist.device),
+            device_id=self.worker.device,
+            param_init_fn=_MaterializeKeepingTies(model, self.worker.device),
             sync_module_states=False,  # every rank reads its own shard from the checkpoint
             use_orig_params=False,
             limit_all_gathers=True,

@@ -12,23 +12,23 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from shardtune.distributed import Dist
-from shardtune.model import decoder_layers, embedding_tables
+from shardtune.model.structure import decoder_layers, embedding_tables, layer_parts, tables_by_rows
 from shardtune.parallel import sharded_embeddings
 from shardtune.parallel.base import Strategy
+from shardtune.runtime.distributed import Worker
 
 
 class FSDP2(Strategy):
     name = "fsdp2"
 
-    def __init__(self, dist: Dist, compute_dtype: torch.dtype, cpu_offload: bool) -> None:
-        super().__init__(dist)
-        self.mesh = init_device_mesh(dist.device.type, (dist.world_size,))
+    def __init__(self, worker: Worker, compute_dtype: torch.dtype, cpu_offload: bool) -> None:
+        super().__init__(worker)
+        self.mesh = init_device_mesh(worker.device.type, (worker.world_size,))
         # LoRA weights are fp32 while a bf16 base is not; FSDP2 needs one dtype per unit for its
         # all-gather, so parameters are cast to the compute dtype there. Gradients are reduced in
         # fp32 so that summing over ranks loses nothing.
         self.mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-        self.offload = CPUOffloadPolicy(pin_memory=dist.device.type == "cuda") if cpu_offload else OffloadPolicy()
+        self.offload = CPUOffloadPolicy(pin_memory=worker.device.type == "cuda") if cpu_offload else OffloadPolicy()
 
     def shard(self, model: nn.Module) -> nn.Module:
         layers = decoder_layers(model)
@@ -85,44 +85,6 @@ class FSDP2(Strategy):
             p = params[n].detach()
             out[n] = (p.full_tensor() if isinstance(p, DTensor) else p).to("cpu", copy=True)
         return out
-
-
-def layer_parts(layer: nn.Module) -> list[nn.Module]:
-    """FSDP units for one decoder layer, innermost first, the layer itself (its norms) last.
-
-    Backward holds the unit computing and the one prefetched, and each gather briefly holds its unit
-    twice (buffer, then copy-out). So a container (attention, MLP) holding more than a quarter of the
-    layer is split into its children; a child holding under 1/16 of the layer (a norm) stays with its
-    parent instead of costing a collective of its own. Modules that own parameters directly, and
-    peft's LoRA layers (base layer plus adapters), are never split. Containers (``ModuleList``,
-    ``ModuleDict``) are never units, because FSDP gathers a unit in its forward and theirs never runs:
-    what they hold stays with their parent.
-    """
-    total = sum(p.numel() for p in layer.parameters())
-
-    def size(m: nn.Module) -> int:
-        return sum(p.numel() for p in m.parameters())
-
-    def split(module: nn.Module) -> list[nn.Module]:
-        if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
-            return []
-        children = [c for c in module.children() if size(c) * 16 >= total]
-        if (size(module) * 4 <= total and module is not layer) or len(children) < 2 \
-                or any(True for _ in module.parameters(recurse=False)) or hasattr(module, "base_layer"):
-            return [module]
-        units = [unit for child in children for unit in split(child)]
-        inside = {id(p) for unit in units for p in unit.parameters()}
-        left = any(id(p) not in inside for p in module.parameters())  # e.g. the layer's norms
-        return units + [module] if left or module is layer else units
-
-    return split(layer)
-
-
-def tables_by_rows(embed: nn.Module | None, head: nn.Module | None, tied: bool) -> dict[str, bool]:
-    """Which embedding tables (``model.embedding_tables``) FSDP2 uses from row shards
-    (sharded_embeddings.py): {"embed": …, "head": …}."""
-    by_rows = {"embed": sharded_embeddings.embedding_eligible(embed), "head": sharded_embeddings.head_eligible(head)}
-    return {k: v and (not tied or all(by_rows.values())) for k, v in by_rows.items()}
 
 
 def _replace(model: nn.Module, old: nn.Module, new: nn.Module) -> nn.Module:

@@ -22,17 +22,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 
-def head_eligible(head: nn.Module | None) -> bool:
-    """A plain frozen ``nn.Linear`` without bias: not adapted by LoRA, not in ``modules_to_save``."""
-    return type(head) is nn.Linear and head.bias is None and not head.weight.requires_grad
-
-
-def embedding_eligible(embed: nn.Module | None) -> bool:
-    """A plain frozen ``nn.Embedding`` (subclasses such as Gemma's scaled one change the lookup)."""
-    return (type(embed) is nn.Embedding and embed.max_norm is None and not embed.sparse
-            and not embed.weight.requires_grad)
-
-
 def row_counts(total: int, world: int) -> list[int]:
     """Rows per rank under Shard(0): torch.chunk's split, empty shards at the end when rows run out."""
     chunk = -(-total // world)

@@ -35,6 +35,8 @@ import torch
 from torch import nn
 from torch.distributed.fsdp.wrap import CustomPolicy
 
+from shardtune.errors import ShardtuneError
+
 __all__ = ["NonUniformModuleError", "find_layer_classes", "plan_units", "uniform_requires_grad_policy"]
 
 # What one flat parameter must share.
@@ -45,7 +47,7 @@ Kind = tuple[bool, torch.dtype]
 _CONTAINERS = (nn.ModuleDict, nn.ModuleList, nn.ParameterDict, nn.ParameterList)
 
 
-class NonUniformModuleError(ValueError):
+class NonUniformModuleError(ShardtuneError, ValueError):
     """A module owns parameters of different kinds itself, so no FSDP1 unit can hold them all."""
 
 

@@ -17,8 +17,9 @@ import torch
 from torch import nn
 
 from shardtune.config import ConfigError
-from shardtune.data import DataError, as_messages, pad_id, render_prompt
-from shardtune.model import DTYPES, check_model_dir
+from shardtune.model.directory import check_model_dir
+from shardtune.model.meta import DTYPES
+from shardtune.train.data import DataError, as_messages, pad_id, render_prompt
 
 # A prompt is a user message's text, or a whole conversation whose next turn is the assistant's.
 Prompt = str | list[dict]

@@ -1,6 +1,4 @@
-"""Writing results to disk: the peft adapter, and resumable checkpoints of a run, atomically.
-
-Only LoRA (trainable) tensors are ever gathered or saved; the frozen base never is.
+"""Resumable checkpoints of a run, written atomically; only LoRA (trainable) state, never the frozen base.
 
 A resumable checkpoint ``OUT/checkpoints/step-N/`` holds:
   ``.metadata``, ``__*_*.distcp``   torch.distributed.checkpoint (DCP): the trainable parameters and
@@ -21,8 +19,6 @@ import logging
 import os
 import re
 import shutil
-import signal
-import threading
 import time
 import warnings
 from dataclasses import asdict, dataclass
@@ -35,7 +31,10 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from shardtune.config import Config
+from shardtune.errors import ShardtuneError
 from shardtune.parallel import Strategy
+from shardtune.runtime.files import replace_dir
+from shardtune.train.adapter import peft_config_dict, write_adapter
 
 log = logging.getLogger("shardtune")
 
@@ -49,75 +48,8 @@ _FREE = ("out", "resume", "nproc", "strategy", "micro-batch-size", "save-every",
          "rdzv-endpoint")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(ShardtuneError, RuntimeError):
     """A checkpoint that cannot be used; the message names it and says why."""
-
-
-def replace_dir(tmp: Path, final: Path) -> None:
-    """Put a fully written ``tmp`` at ``final``; a reader sees the old or the new one, never half."""
-    old = final.with_name(f".{final.name}.old")
-    if old.exists():
-        shutil.rmtree(old)
-    if final.exists():
-        os.replace(final, old)
-    os.replace(tmp, final)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def adapter_key_map(peft_model: nn.Module, names: list[str]) -> dict[str, str]:
-    """{key in adapter_model.safetensors: trainable parameter name}, exactly as peft renames them.
-
-    peft's renaming is asked rather than re-implemented: each name gets a tensor holding its own
-    index, and the indices come back under peft's keys.
-    """
-    from peft import get_peft_model_state_dict
-
-    tagged = {n: torch.tensor(i) for i, n in enumerate(names)}
-    renamed = get_peft_model_state_dict(peft_model, state_dict=tagged, save_embedding_layers=False)
-    if len(renamed) != len(names):
-        # peft finds adapter tensors by module names: wrappers inside the tree (FSDP1 units) hide them.
-        raise CheckpointError(f"peft recognised {len(renamed)} of the {len(names)} trainable tensors as adapter "
-                              f"tensors of {type(peft_model).__name__}; pass the model with its original module names")
-    return {key: names[int(index)] for key, index in renamed.items()}
-
-
-def write_adapter(tensors: dict[str, torch.Tensor], config: dict, out: Path) -> Path:
-    """Write a peft adapter directory (adapter_config.json + adapter_model.safetensors) atomically."""
-    from safetensors.torch import save_file
-
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "adapter_model.safetensors"),
-              metadata={"format": "pt"})
-    (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    replace_dir(tmp, out)
-    return out
-
-
-def peft_config_dict(model: nn.Module, strategy: Strategy, base_model_path: str) -> dict:
-    """What peft writes to adapter_config.json (its sets as sorted lists: the same file on every run)."""
-    config = strategy.unwrap(model).peft_config["default"]
-    config.base_model_name_or_path = str(Path(base_model_path).resolve())
-    return {k: sorted(v) if isinstance(v, set) else v for k, v in config.to_dict().items()}
-
-
-def save_adapter(
-    model: nn.Module, strategy: Strategy, keys: dict[str, str], out: Path, base_model_path: str
-) -> Path:
-    """Write ``out`` (adapter_config.json + adapter_model.safetensors) on rank 0; a collective.
-
-    ``keys``: {adapter file key: trainable parameter name}, from ``adapter_key_map`` before sharding.
-    """
-    full = strategy.full_tensors(model, list(keys.values()))
-    if strategy.dist.is_main:
-        write_adapter({k: full[n] for k, n in keys.items()}, peft_config_dict(model, strategy, base_model_path), out)
-    dist.barrier()
-    return out
-
-
-def adapter_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
 @dataclass
@@ -185,7 +117,7 @@ class Checkpointer:
         self.cfg, self.model, self.strategy = cfg, model, strategy
         self.keys, self.names = keys, list(keys.values())
         self.optimizer, self.scheduler = optimizer, scheduler
-        self.dist = strategy.dist
+        self.worker = strategy.worker
         self.root = checkpoints_dir(Path(cfg.output.out))
 
     def due(self, step: int) -> bool:
@@ -206,20 +138,20 @@ class Checkpointer:
         """Write ``checkpoints/step-N`` (N = ``state.step``); a collective."""
         started = time.perf_counter()
         final, tmp = self.root / f"step-{state.step}", self.root / f".step-{state.step}.tmp"
-        if self.dist.is_main:
+        if self.worker.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
         dist.barrier()
         (tmp / "rng").mkdir(parents=True, exist_ok=True)  # by every rank: multi-node needs --out on a shared filesystem
         dcp.save(self._state_dict(), storage_writer=dcp.FileSystemWriter(str(tmp)))
         rng = {"cpu": torch.get_rng_state()}
-        if self.dist.device.type == "cuda":
-            rng["cuda"] = torch.cuda.get_rng_state(self.dist.device)
-        torch.save(rng, tmp / "rng" / f"rank-{self.dist.rank}.pt")
+        if self.worker.device.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state(self.worker.device)
+        torch.save(rng, tmp / "rng" / f"rank-{self.worker.rank}.pt")
         dist.barrier()  # every rank's files are written
-        if self.dist.is_main:
+        if self.worker.is_main:
             config = peft_config_dict(self.model, self.strategy, self.cfg.model.path)
             (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-            meta = {"step": state.step, "world_size": self.dist.world_size, "state": asdict(state),
+            meta = {"step": state.step, "world_size": self.worker.world_size, "state": asdict(state),
                     "scheduler": self.scheduler.state_dict(), "options": self.cfg.flat(),
                     "adapter_keys": self.keys, "saved_at": time.time()}
             (tmp / META).write_text(json.dumps(meta, indent=1) + "\n")
@@ -246,7 +178,7 @@ class Checkpointer:
         Returns the state to continue from (a fresh one, with a warning, when there is none).
         """
         out = self.root.parent
-        path = find_latest(out) if self.dist.is_main else None
+        path = find_latest(out) if self.worker.is_main else None
         path = _broadcast(path)  # one rank decides, so that all load the same one
         if path is None:
             log.warning("--resume: no complete checkpoint under %s; starting from step 0", out)
@@ -258,15 +190,15 @@ class Checkpointer:
         set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"],
                        options=StateDictOptions(strict=False, ignore_frozen_params=True))
         self.scheduler.load_state_dict(meta["scheduler"])
-        rng_file = path / "rng" / f"rank-{self.dist.rank}.pt"
-        if meta["world_size"] == self.dist.world_size and rng_file.is_file():
+        rng_file = path / "rng" / f"rank-{self.worker.rank}.pt"
+        if meta["world_size"] == self.worker.world_size and rng_file.is_file():
             rng = torch.load(rng_file, weights_only=True)
             torch.set_rng_state(rng["cpu"])
-            if "cuda" in rng and self.dist.device.type == "cuda":
-                torch.cuda.set_rng_state(rng["cuda"], self.dist.device)
+            if "cuda" in rng and self.worker.device.type == "cuda":
+                torch.cuda.set_rng_state(rng["cuda"], self.worker.device)
         else:
             log.info("checkpoint written by %d ranks, resumed on %d: the dropout RNG starts afresh",
-                     meta["world_size"], self.dist.world_size)
+                     meta["world_size"], self.worker.world_size)
         log.info("resumed from %s (step %d)", path, meta["step"])
         return TrainState(**meta["state"])
 
@@ -277,7 +209,7 @@ class Checkpointer:
         if bad:
             raise CheckpointError(f"cannot resume from {path}: " + "; ".join(
                 f"option '{k}' was {a!r}, now {b!r}" for k, (a, b) in bad.items()))
-        for k, (a, b) in changed.items() if self.dist.is_main else ():
+        for k, (a, b) in changed.items() if self.worker.is_main else ():
             log.warning("resuming from %s with option '%s' changed from %r to %r", path, k, a, b)
 
 
@@ -315,41 +247,3 @@ def adapter_from_checkpoint(path: Path, out: Path, model: str | Path | None = No
     return write_adapter({a: tensors[k] for a, k in keys.items()}, config, Path(out))
 
 
-def stop_message(signum: int, out: Path) -> str:
-    latest = find_latest(out)
-    where = f"the newest complete checkpoint is {latest}" if latest else "no complete checkpoint was written"
-    return f"stopped by {signal.Signals(signum).name}; {where}. To continue, run: {resume_command(out)}"
-
-
-class GracefulStop:
-    """While active, SIGTERM and SIGINT only set a flag: training stops after the step in progress.
-
-    ``agreed()`` is a collective, so every rank stops after the same step even when only one
-    received the signal, and none waits forever for a rank that left.
-    """
-
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-    def __init__(self, device: torch.device) -> None:
-        self.device, self.signum = device, 0
-        self._previous: dict[int, object] = {}
-
-    def __enter__(self) -> GracefulStop:
-        if threading.current_thread() is threading.main_thread():  # Python only allows it there
-            for sig in self.SIGNALS:
-                self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-    def _handle(self, signum: int, frame: object) -> None:
-        # Only a flag: logging or collectives from a signal handler can deadlock.
-        self.signum = self.signum or signum
-
-    def agreed(self) -> int:
-        """The signal any rank received (0 when none did)."""
-        flag = torch.tensor([self.signum], dtype=torch.int64, device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return int(flag.item())

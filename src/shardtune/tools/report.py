@@ -17,6 +17,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from shardtune.errors import ShardtuneError
+
 PHASES = ("load", "train", "save")
 # Summary fields worth a line in report.md, in order, with how to show them.
 SUMMARY_ROWS = (
@@ -29,7 +31,7 @@ SUMMARY_ROWS = (
 )
 
 
-class ReportError(ValueError):
+class ReportError(ShardtuneError, ValueError):
     """The output directory cannot be reported on; the message names the file and why."""
 
 

@@ -18,16 +18,10 @@ import torch
 from torch import nn
 
 from shardtune.config import Config
-from shardtune.model import (
-    DTYPES,
-    ModelDir,
-    build_meta_model,
-    check_model_dir,
-    decoder_layers,
-    embedding_tables,
-    inject_lora,
-)
-from shardtune.parallel.fsdp2 import layer_parts, tables_by_rows
+from shardtune.model.directory import ModelDir, check_model_dir
+from shardtune.model.lora import inject_lora
+from shardtune.model.meta import DTYPES, build_meta_model
+from shardtune.model.structure import decoder_layers, embedding_tables, layer_parts, tables_by_rows
 
 
 @dataclass

@@ -21,10 +21,12 @@ from pathlib import Path
 
 import torch
 
+from shardtune.errors import ShardtuneError
+
 IGNORE = -100
 
 
-class DataError(ValueError):
+class DataError(ShardtuneError, ValueError):
     """Bad training or validation data; the message names the file and line."""
 
 

@@ -22,7 +22,8 @@ from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from shardtune.model import ModelDir, ModelDirError, base_model
+from shardtune.model.directory import ModelDir, ModelDirError
+from shardtune.model.structure import base_model
 
 log = logging.getLogger("shardtune")
 

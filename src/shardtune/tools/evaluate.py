@@ -2,7 +2,7 @@
 
 Two measures:
   loss / perplexity  mean cross-entropy over every target token of the file, the training loss
-                     rule (train.token_loss_sum summed over records, divided by the target count);
+                     rule (train.loss.next_token_loss_sum summed over records, divided by the target count);
                      perplexity = exp(loss).
   answer accuracy    for records with an expected answer (instruction records' output, chat
                      records' last assistant turn), the greedy answer is compared after
@@ -13,7 +13,7 @@ Two measures:
 On N processes evaluation is data-parallel: every rank loads the full model with
 ``from_pretrained`` (+ the adapter) on its own device, takes every N-th record, and rank 0 adds up
 the loss sums and gathers the answers. Simple and exact; it needs one model copy per device,
-which is what generation needs anyway. Run by the launcher as ``python -m shardtune.evaluate SPEC.json``.
+which is what generation needs anyway. Run by the launcher as ``python -m shardtune.tools.evaluate SPEC.json``.
 """
 
 from __future__ import annotations
@@ -81,8 +81,8 @@ class _Work:
 
 
 def _read(spec: EvalSpec, tokenizer) -> _Work:
-    from shardtune.data import load_dataset, read_records
-    from shardtune.generate import split_record
+    from shardtune.tools.generate import split_record
+    from shardtune.train.data import load_dataset, read_records
 
     data = load_dataset(spec.data, tokenizer, spec.seq_len)
     records = read_records(spec.data)
@@ -93,9 +93,9 @@ def _read(spec: EvalSpec, tokenizer) -> _Work:
 @torch.no_grad()
 def _evaluate_share(model, tokenizer, spec: EvalSpec, work: _Work, rank: int, world_size: int) -> dict:
     """This rank's loss sum, target count and answers (by question index)."""
-    from shardtune.data import collate, pad_id, shard_indices
-    from shardtune.generate import generate_answers
-    from shardtune.train import token_loss_sum
+    from shardtune.tools.generate import generate_answers
+    from shardtune.train.data import collate, pad_id, shard_indices
+    from shardtune.train.loss import next_token_loss_sum
 
     device = next(model.parameters()).device
     mine = sorted((work.examples[i] for i in shard_indices(len(work.examples), rank, world_size)),
@@ -105,7 +105,7 @@ def _evaluate_share(model, tokenizer, spec: EvalSpec, work: _Work, rank: int, wo
         chunk = mine[start:start + spec.batch_size]
         inputs = collate(chunk, pad_id(tokenizer), device)
         logits = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits
-        loss_sum += token_loss_sum(logits, inputs["labels"]).item()
+        loss_sum += next_token_loss_sum(logits, inputs["labels"]).item()
         targets += sum(e.targets for e in chunk)
     asked = list(shard_indices(len(work.questions), rank, world_size)) if spec.max_new_tokens else []
     answers = generate_answers(model, tokenizer, [work.questions[i][0] for i in asked], spec.max_new_tokens,
@@ -114,7 +114,7 @@ def _evaluate_share(model, tokenizer, spec: EvalSpec, work: _Work, rank: int, wo
 
 
 def _combine(spec: EvalSpec, work: _Work, shares: list[dict], world_size: int, seconds: float) -> dict[str, Any]:
-    from shardtune.generate import prompt_text
+    from shardtune.tools.generate import prompt_text
 
     targets = sum(s["targets"] for s in shares)
     loss = sum(s["loss_sum"] for s in shares) / targets
@@ -148,7 +148,7 @@ def evaluate(model_dir: str | Path, data: str | Path, adapter: str | Path | None
     ``max_new_tokens=0`` measures the loss only. ``answers=True`` adds every question's answer.
     """
     from shardtune.config import ConfigError
-    from shardtune.generate import check_adapter_dir
+    from shardtune.tools.generate import check_adapter_dir
 
     for name, value in (("nproc", nproc), ("seq-len", seq_len), ("batch-size", batch_size)):
         if value < 1:
@@ -164,8 +164,8 @@ def evaluate(model_dir: str | Path, data: str | Path, adapter: str | Path | None
 
 
 def _run_here(spec: EvalSpec) -> dict[str, Any]:
-    from shardtune.generate import load_model
-    from shardtune.logs import quiet_libraries
+    from shardtune.runtime.logs import quiet_libraries
+    from shardtune.tools.generate import load_model
 
     quiet_libraries()  # as shardtune.finetune does in the calling process
     started = time.perf_counter()
@@ -179,8 +179,8 @@ def _run_workers(spec: EvalSpec, nproc: int) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     from shardtune.config import ParallelConfig
-    from shardtune.launch import WorkerError, launch_workers
-    from shardtune.model import check_model_dir
+    from shardtune.model.directory import check_model_dir
+    from shardtune.runtime.workers import WorkerError, launch_workers
 
     # Bad paths or data fail here in a second, not in N workers after they have loaded the model.
     tokenizer = AutoTokenizer.from_pretrained(check_model_dir(spec.model).path)
@@ -188,7 +188,7 @@ def _run_workers(spec: EvalSpec, nproc: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="shardtune-eval-") as tmp:
         spec_path, result_path = Path(tmp) / "spec.json", Path(tmp) / "result.json"
         spec_path.write_text(json.dumps(dataclasses.asdict(spec) | {"result": str(result_path)}))
-        launch_workers(ParallelConfig(nproc=nproc), "shardtune.evaluate", [str(spec_path)])
+        launch_workers(ParallelConfig(nproc=nproc), "shardtune.tools.evaluate", [str(spec_path)])
         if not result_path.is_file():
             raise WorkerError(f"the eval workers finished but wrote no {result_path}")
         return json.loads(result_path.read_text())
@@ -196,21 +196,21 @@ def _run_workers(spec: EvalSpec, nproc: int) -> dict[str, Any]:
 
 def worker(spec: EvalSpec) -> None:
     """One rank of a multi-process evaluation; rank 0 writes the result to ``spec.result``."""
-    from shardtune import distributed
-    from shardtune.generate import load_model
-    from shardtune.logs import setup_logging
-    from shardtune.metrics import write_json_atomic
+    from shardtune.runtime import distributed
+    from shardtune.runtime.logs import setup_logging
+    from shardtune.tools.generate import load_model
+    from shardtune.train.metrics import write_json_atomic
 
     started = time.perf_counter()
-    dist = distributed.setup()
-    setup_logging(dist.rank)
+    worker = distributed.init_worker()
+    setup_logging(worker.rank)
     try:
-        model, tokenizer = load_model(spec.model, spec.adapter, spec.dtype, dist.device)
+        model, tokenizer = load_model(spec.model, spec.adapter, spec.dtype, worker.device)
         work = _read(spec, tokenizer)
-        share = _evaluate_share(model, tokenizer, spec, work, dist.rank, dist.world_size)
+        share = _evaluate_share(model, tokenizer, spec, work, worker.rank, worker.world_size)
         shares = distributed.all_gather_object(share)
-        if dist.is_main:
-            result = _combine(spec, work, shares, dist.world_size, time.perf_counter() - started)
+        if worker.is_main:
+            result = _combine(spec, work, shares, worker.world_size, time.perf_counter() - started)
             write_json_atomic(Path(spec.result), result)
     finally:
         distributed.teardown()
@@ -219,11 +219,12 @@ def worker(spec: EvalSpec) -> None:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        sys.exit("usage: python -m shardtune.evaluate SPEC.json  (normally started by `shardtune eval --nproc N`)")
+        sys.exit("usage: python -m shardtune.tools.evaluate SPEC.json  "
+                 "(normally started by `shardtune eval --nproc N`)")
     worker(EvalSpec(**json.loads(Path(argv[0]).read_text())))
 
 
 if __name__ == "__main__":
-    from shardtune import distributed
+    from shardtune.runtime import distributed
 
     distributed.worker_main(main)

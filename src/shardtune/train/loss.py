@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from shardtune.data import IGNORE
+from shardtune.train.data import IGNORE
 
 #: fp32 bytes of one chunk of logits: big enough that the loop costs nothing next to the model.
 CHUNK_BYTES = 32 * 1024 * 1024

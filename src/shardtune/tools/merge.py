@@ -26,9 +26,11 @@ from pathlib import Path
 
 import torch
 
-from shardtune.checkpoint import replace_dir
-from shardtune.loading import checkpoint_key
-from shardtune.model import DTYPES, check_model_dir
+from shardtune.errors import ShardtuneError
+from shardtune.model.directory import check_model_dir
+from shardtune.model.loading import checkpoint_key
+from shardtune.model.meta import DTYPES
+from shardtune.runtime.files import replace_dir
 
 log = logging.getLogger("shardtune")
 
@@ -44,7 +46,7 @@ _TORCH_DTYPES = {v: k for k, v in _SAFETENSORS_DTYPES.items()}
 _NOT_COPIED = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".h5", ".msgpack")
 
 
-class MergeError(ValueError):
+class MergeError(ShardtuneError, ValueError):
     """The adapter cannot be merged into this model; the message says which tensor and why."""
 
 
@@ -142,7 +144,7 @@ def _resolve(changes: dict[str, Change], stored: dict[str, str], tied: dict[str,
 
 def _tied_sources(model_dir: Path) -> dict[str, str]:
     """{tied parameter: the parameter stored in its place}, from the model class (built on meta)."""
-    from shardtune.model import build_meta_model
+    from shardtune.model.meta import build_meta_model
 
     model = build_meta_model(check_model_dir(model_dir), torch.float32)
     return dict(getattr(model, "all_tied_weights_keys", None) or {})

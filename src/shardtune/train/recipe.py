@@ -18,28 +18,30 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from shardtune import distributed
-from shardtune.build import Built, build_model
-from shardtune.checkpoint import Checkpointer, GracefulStop, TrainState, save_adapter, stop_message
 from shardtune.config import Config, build_config, validate
-from shardtune.data import BatchPlan, Dataset, Sampler, collate, load_dataset, pad_id
-from shardtune.distributed import Dist
-from shardtune.logs import setup_logging
-from shardtune.loss import next_token_loss_sum
-from shardtune.memory import MemoryMonitor, tune_malloc
-from shardtune.metrics import MetricsLog, Progress, write_json_atomic
-from shardtune.model import check_model_dir
+from shardtune.model.directory import check_model_dir
 from shardtune.parallel import Strategy
+from shardtune.parallel.sharded_model import Built, build_model
+from shardtune.runtime import distributed
+from shardtune.runtime.distributed import Worker
+from shardtune.runtime.logs import setup_logging
+from shardtune.runtime.memory import MemoryMonitor, tune_malloc
+from shardtune.train.adapter import save_adapter
+from shardtune.train.checkpoint import Checkpointer, TrainState
+from shardtune.train.data import BatchPlan, Dataset, Sampler, collate, load_dataset, pad_id
+from shardtune.train.loss import next_token_loss_sum
+from shardtune.train.metrics import MetricsLog, Progress, write_json_atomic
+from shardtune.train.stop import GracefulStop, stop_message
 
 log = logging.getLogger("shardtune")
 
 
 @dataclass
-class Setup:
+class Job:
     """Everything the training loop needs, built once."""
 
     cfg: Config
-    dist: Dist
+    worker: Worker
     built: Built
     train: Dataset
     val: Dataset | None
@@ -70,57 +72,50 @@ def lr_factor(step: int, steps: int, warmup: int, min_ratio: float) -> float:
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum (not mean) of next-token cross-entropy over target tokens, computed in fp32.
-
-    Chunked over tokens (loss.py): the fp32 upcast of a whole micro-batch's logits is never made.
-    """
-    return next_token_loss_sum(logits, labels)
-
-
-def train_step(s: Setup, step: int) -> tuple[float, int]:
+def train_step(job: Job, step: int) -> tuple[float, int]:
     """Forward/backward of this rank's micro-batches of global batch ``step``; returns (loss, tokens)."""
-    batch = s.sampler.global_batch(step)
-    global_targets = sum(s.train.examples[i].targets for i in batch)
-    tokens = sum(len(s.train.examples[i].input_ids) for i in batch)
+    batch = job.sampler.global_batch(step)
+    global_targets = sum(job.train.examples[i].targets for i in batch)
+    tokens = sum(len(job.train.examples[i].input_ids) for i in batch)
     local_sum = 0.0
-    for micro in s.sampler.micro_batches(step, s.dist.rank):
-        inputs = collate([s.train.examples[i] for i in micro], s.pad_id, s.dist.device)
-        logits = s.model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits
-        loss_sum = token_loss_sum(logits, inputs["labels"])
+    for micro in job.sampler.micro_batches(step, job.worker.rank):
+        inputs = collate([job.train.examples[i] for i in micro], job.pad_id, job.worker.device)
+        logits = job.model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits
+        loss_sum = next_token_loss_sum(logits, inputs["labels"])
         # The loss keeps the logits for its own backward only; a name holding them here would keep
         # them through the whole backward and the next micro-batch's forward.
         del logits
         # Gradient sync averages over ranks; multiplying by world_size turns that average back into
         # the sum over ranks, so the gradient is d(global mean loss) whatever the split.
-        (loss_sum * (s.dist.world_size / global_targets)).backward()
+        (loss_sum * (job.worker.world_size / global_targets)).backward()
         local_sum += loss_sum.item()
-    return distributed.all_reduce_sum(local_sum, s.dist.device) / global_targets, tokens
+    return distributed.all_reduce_sum(local_sum, job.worker.device) / global_targets, tokens
 
 
 @torch.no_grad()
-def evaluate(s: Setup) -> float:
+def evaluate(job: Job) -> float:
     """Mean loss over every target token of the validation data."""
-    assert s.val is not None
-    s.model.eval()
-    examples = s.val.examples
-    micro = s.sampler.plan.micro_batch_size
-    per_rank = math.ceil(len(examples) / s.dist.world_size)
-    mine = examples[s.dist.rank * per_rank:(s.dist.rank + 1) * per_rank]
+    assert job.val is not None
+    job.model.eval()
+    examples = job.val.examples
+    micro = job.sampler.plan.micro_batch_size
+    per_rank = math.ceil(len(examples) / job.worker.world_size)
+    mine = examples[job.worker.rank * per_rank:(job.worker.rank + 1) * per_rank]
     loss_sum, count = 0.0, 0
     # Sharded models need every rank in every forward: ranks with fewer records run padding batches.
     for start in range(0, per_rank, micro):
         chunk = mine[start:start + micro] or examples[:1]
-        inputs = collate(chunk, s.pad_id, s.dist.device)
-        logits = s.model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits
+        inputs = collate(chunk, job.pad_id, job.worker.device)
+        logits = job.model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits
         if mine[start:start + micro]:
-            loss_sum += token_loss_sum(logits, inputs["labels"]).item()
+            loss_sum += next_token_loss_sum(logits, inputs["labels"]).item()
             count += sum(e.targets for e in chunk)
-    s.model.train()
-    return distributed.all_reduce_sum(loss_sum, s.dist.device) / distributed.all_reduce_sum(count, s.dist.device)
+    job.model.train()
+    device = job.worker.device
+    return distributed.all_reduce_sum(loss_sum, device) / distributed.all_reduce_sum(count, device)
 
 
-def setup(cfg: Config, dist: Dist, memory: MemoryMonitor) -> Setup:
+def prepare(cfg: Config, worker: Worker, memory: MemoryMonitor) -> Job:
     from transformers import AutoTokenizer
 
     model_dir = check_model_dir(cfg.model.path)
@@ -133,35 +128,35 @@ def setup(cfg: Config, dist: Dist, memory: MemoryMonitor) -> Setup:
     if train_data.without_targets:
         log.warning("%d training records have no target token within --seq-len and are skipped",
                     train_data.without_targets)
-    plan = BatchPlan.make(cfg.train.batch_size, cfg.train.micro_batch_size, dist.world_size)
+    plan = BatchPlan.make(cfg.train.batch_size, cfg.train.micro_batch_size, worker.world_size)
 
     with memory.phase("load"):
-        built = build_model(cfg, dist)
+        built = build_model(cfg, worker)
     built.model.train()
-    torch.manual_seed(cfg.train.seed + dist.rank)  # LoRA dropout differs per rank, reproducibly
-    return Setup(cfg, dist, built, train_data, val_data, Sampler(len(train_data.examples), plan, cfg.train.seed),
+    torch.manual_seed(cfg.train.seed + worker.rank)  # LoRA dropout differs per rank, reproducibly
+    return Job(cfg, worker, built, train_data, val_data, Sampler(len(train_data.examples), plan, cfg.train.seed),
                  total_steps(cfg, len(train_data.examples)), pad_id(tokenizer))
 
 
-def train(s: Setup, memory: MemoryMonitor, out: Path) -> dict:
-    cfg = s.cfg
-    params = list(s.strategy.trainable(s.model).values())
+def train(job: Job, memory: MemoryMonitor, out: Path) -> dict:
+    cfg = job.cfg
+    params = list(job.strategy.trainable(job.model).values())
     optimizer = torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
-    warmup = cfg.train.warmup_steps if cfg.train.warmup_steps is not None else min(100, s.steps // 10)
+    warmup = cfg.train.warmup_steps if cfg.train.warmup_steps is not None else min(100, job.steps // 10)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_factor(step, s.steps, warmup, cfg.train.min_lr_ratio))
-    checkpoints = Checkpointer(cfg, s.model, s.strategy, s.built.adapter_keys, optimizer, scheduler)
+        optimizer, lambda step: lr_factor(step, job.steps, warmup, cfg.train.min_lr_ratio))
+    checkpoints = Checkpointer(cfg, job.model, job.strategy, job.built.adapter_keys, optimizer, scheduler)
     # Batch ``step`` depends only on (seed, step): starting the loop at the saved step is the data position.
     state = checkpoints.resume() if cfg.output.resume else TrainState()
     first_step = state.step
-    metrics = MetricsLog(out / "metrics.jsonl", s.dist.is_main, resume_from_step=state.step)
-    progress = Progress(s.steps, state.step, s.dist.is_main)
+    metrics = MetricsLog(out / "metrics.jsonl", job.worker.is_main, resume_from_step=state.step)
+    progress = Progress(job.steps, state.step, job.worker.is_main)
     losses, stopped_by = [], 0
-    with memory.phase("train"), GracefulStop(s.dist.device) as stop:
-        for step in range(state.step, s.steps):
+    with memory.phase("train"), GracefulStop(job.worker.device) as stop:
+        for step in range(state.step, job.steps):
             started = time.perf_counter()
-            loss, tokens = train_step(s, step)
-            grad_norm = s.strategy.clip_grad_norm(s.model, cfg.train.max_grad_norm)
+            loss, tokens = train_step(job, step)
+            grad_norm = job.strategy.clip_grad_norm(job.model, cfg.train.max_grad_norm)
             lr = scheduler.get_last_lr()[0]
             optimizer.step()
             scheduler.step()
@@ -171,8 +166,8 @@ def train(s: Setup, memory: MemoryMonitor, out: Path) -> dict:
             state.add(loss, tokens, seconds)
             record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
                       "tokens_per_second": tokens / seconds, "seconds": seconds, "memory_mb": memory.now_mb()}
-            if s.val and ((cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0) or step + 1 == s.steps):
-                state.val_loss = record["val_loss"] = evaluate(s)
+            if job.val and ((cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0) or step + 1 == job.steps):
+                state.val_loss = record["val_loss"] = evaluate(job)
                 progress.write(f"step {step + 1}: val_loss {state.val_loss:.4f}")
             metrics.write(record)
             progress.update(record)
@@ -188,27 +183,27 @@ def train(s: Setup, memory: MemoryMonitor, out: Path) -> dict:
 def run(cfg: Config) -> dict:
     started = time.perf_counter()
     tune_malloc()  # before anything large is allocated: see memory.py
-    dist = distributed.setup()
+    worker = distributed.init_worker()
     out = Path(cfg.output.out)
-    setup_logging(dist.rank, cfg.output.log_file)
-    memory = MemoryMonitor(dist.device)
+    setup_logging(worker.rank, cfg.output.log_file)
+    memory = MemoryMonitor(worker.device)
     try:
         load_started = time.perf_counter()
-        s = setup(cfg, dist, memory)
+        job = prepare(cfg, worker, memory)
         load_seconds = time.perf_counter() - load_started
-        result = train(s, memory, out)
+        result = train(job, memory, out)
         state: TrainState = result["state"]
         if result["stopped_by"]:
-            if dist.is_main:
+            if worker.is_main:
                 log.warning("%s", stop_message(result["stopped_by"], out))
             raise SystemExit(128 + result["stopped_by"])
         with memory.phase("save"):
-            adapter = save_adapter(s.model, s.strategy, s.built.adapter_keys, out / "adapter", cfg.model.path)
+            adapter = save_adapter(job.model, job.strategy, job.built.adapter_keys, out / "adapter", cfg.model.path)
         peaks = distributed.all_gather_object({k: memory.peak_mb(k) for k in ("load", "train", "save")})
         summary = {
-            "world_size": dist.world_size, "strategy": s.strategy.name,
-            "strategy_reason": s.built.strategy_reason,
-            "steps": s.steps, "tokens": state.tokens,
+            "world_size": worker.world_size, "strategy": job.strategy.name,
+            "strategy_reason": job.built.strategy_reason,
+            "steps": job.steps, "tokens": state.tokens,
             "train_loss_first": state.first_loss, "train_loss_last": state.last_loss,
             "val_loss": state.val_loss,
             "tokens_per_second": state.tokens / state.train_seconds if state.train_seconds else None,
@@ -216,12 +211,12 @@ def run(cfg: Config) -> dict:
             "load_peak_mb": [p["load"] for p in peaks], "train_peak_mb": [p["train"] for p in peaks],
             "save_peak_mb": [p["save"] for p in peaks],
             "resumed_from_step": result["first_step"] if cfg.output.resume else None,
-            "total_params": s.built.total_params, "trainable_params": s.built.trainable_params,
-            "truncated_records": s.train.truncated,
+            "total_params": job.built.total_params, "trainable_params": job.built.trainable_params,
+            "truncated_records": job.train.truncated,
             "adapter": str(adapter.resolve()),
             "wall_seconds": round(time.perf_counter() - started, 3),
         }
-        if dist.is_main:
+        if worker.is_main:
             write_json_atomic(out / "summary.json", summary)
         return summary
     finally:

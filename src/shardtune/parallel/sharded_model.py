@@ -10,12 +10,13 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from shardtune.checkpoint import adapter_key_map
 from shardtune.config import Config
-from shardtune.distributed import Dist
-from shardtune.loading import load, take_snapshot
-from shardtune.model import DTYPES, build_meta_model, check_model_dir, count_params, inject_lora, trainable_names
+from shardtune.model.directory import check_model_dir
+from shardtune.model.loading import load, take_snapshot
+from shardtune.model.lora import adapter_key_map, count_params, inject_lora, trainable_names
+from shardtune.model.meta import DTYPES, build_meta_model
 from shardtune.parallel import Strategy, choose_strategy, make_strategy, parallelize
+from shardtune.runtime.distributed import Worker
 
 log = logging.getLogger("shardtune")
 
@@ -30,7 +31,7 @@ class Built:
     trainable_params: int
 
 
-def build_model(cfg: Config, dist: Dist) -> Built:
+def build_model(cfg: Config, worker: Worker) -> Built:
     model_dir = check_model_dir(cfg.model.path)
     dtype = DTYPES[cfg.model.dtype]
     model = build_meta_model(model_dir, dtype)
@@ -41,14 +42,14 @@ def build_model(cfg: Config, dist: Dist) -> Built:
         if p.requires_grad:
             p.data = p.data.float()  # trainable weights and their optimizer state stay fp32
     total, trainable = count_params(model)
-    local_world = max(1, dist.world_size // cfg.parallel.nnodes)
-    name, why = choose_strategy(cfg.parallel.strategy, dist, total * dtype.itemsize, local_world,
+    local_world = max(1, worker.world_size // cfg.parallel.nnodes)
+    name, why = choose_strategy(cfg.parallel.strategy, worker, total * dtype.itemsize, local_world,
                                 cfg.parallel.cpu_offload)
     log.info("strategy %s: %s", name, why)
-    strategy = make_strategy(name, dist, dtype, cfg.parallel.cpu_offload)
+    strategy = make_strategy(name, worker, dtype, cfg.parallel.cpu_offload)
     snapshot = take_snapshot(model, lora_init)
     model = parallelize(
-        model, strategy, lambda m, targets: load(m, model_dir, dist.device, snapshot, targets),
+        model, strategy, lambda m, targets: load(m, model_dir, worker.device, snapshot, targets),
         cfg.parallel.activation_checkpointing,
     )
     return Built(model, strategy, why, adapter_keys, total, trainable)

@@ -18,7 +18,9 @@ COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=int(os.environ.get("SHARDTUNE_CO
 
 
 @dataclass(frozen=True)
-class Dist:
+class Worker:
+    """This process's place in the run: its rank, the number of ranks, and its device."""
+
     rank: int
     world_size: int
     local_rank: int
@@ -29,7 +31,7 @@ class Dist:
         return self.rank == 0
 
 
-def setup() -> Dist:
+def init_worker() -> Worker:
     """Join the process group started by our launcher or torchrun (or run alone without one)."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -50,7 +52,7 @@ def setup() -> Dist:
         dist.init_process_group(
             backend="gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=COLLECTIVE_TIMEOUT
         )
-    return Dist(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+    return Worker(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
 
 
 def teardown() -> None:

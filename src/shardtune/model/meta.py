@@ -1,0 +1,36 @@
+"""The model built on the meta device from its config: no base weight is allocated here.
+
+Parameters live on the meta device; buffers (rotary ``inv_freq`` and the like) are real, because
+they are computed from the config and never stored in the checkpoint.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from shardtune.model.directory import ModelDir, ModelDirError
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def build_meta_model(model_dir: ModelDir, dtype: torch.dtype) -> nn.Module:
+    """The causal LM from its config, weights on meta, tied weights tied as transformers ties them."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir.path)
+    try:
+        with init_empty_weights(include_buffers=False):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    except ValueError as err:
+        raise ModelDirError(
+            f"{model_dir.path / 'config.json'}: not a causal LM transformers can build ({err})"
+        ) from None
+    # accelerate re-creates every parameter registered under init_empty_weights, which undoes the
+    # tying done in __init__: tie again now that registration is plain.
+    model.tie_weights()
+    model.config.use_cache = False
+    return model
+
+

@@ -1,0 +1,54 @@
+"""The peft adapter a run produces: only the LoRA tensors are gathered, and the directory is written atomically."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardtune.parallel import Strategy
+from shardtune.runtime.files import replace_dir
+
+
+def write_adapter(tensors: dict[str, torch.Tensor], config: dict, out: Path) -> Path:
+    """Write a peft adapter directory (adapter_config.json + adapter_model.safetensors) atomically."""
+    from safetensors.torch import save_file
+
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "adapter_model.safetensors"),
+              metadata={"format": "pt"})
+    (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    replace_dir(tmp, out)
+    return out
+
+
+def peft_config_dict(model: nn.Module, strategy: Strategy, base_model_path: str) -> dict:
+    """What peft writes to adapter_config.json (its sets as sorted lists: the same file on every run)."""
+    config = strategy.unwrap(model).peft_config["default"]
+    config.base_model_name_or_path = str(Path(base_model_path).resolve())
+    return {k: sorted(v) if isinstance(v, set) else v for k, v in config.to_dict().items()}
+
+
+def save_adapter(
+    model: nn.Module, strategy: Strategy, keys: dict[str, str], out: Path, base_model_path: str
+) -> Path:
+    """Write ``out`` (adapter_config.json + adapter_model.safetensors) on rank 0; a collective.
+
+    ``keys``: {adapter file key: trainable parameter name}, from ``adapter_key_map`` before sharding.
+    """
+    full = strategy.full_tensors(model, list(keys.values()))
+    if strategy.worker.is_main:
+        write_adapter({k: full[n] for k, n in keys.items()}, peft_config_dict(model, strategy, base_model_path), out)
+    dist.barrier()
+    return out
+
+
+def adapter_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())

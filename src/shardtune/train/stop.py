@@ -1,0 +1,52 @@
+"""Stopping a run on SIGTERM/SIGINT: every rank finishes its step, checkpoints, and says how to resume."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from shardtune.train.checkpoint import find_latest, resume_command
+
+
+def stop_message(signum: int, out: Path) -> str:
+    latest = find_latest(out)
+    where = f"the newest complete checkpoint is {latest}" if latest else "no complete checkpoint was written"
+    return f"stopped by {signal.Signals(signum).name}; {where}. To continue, run: {resume_command(out)}"
+
+
+class GracefulStop:
+    """While active, SIGTERM and SIGINT only set a flag: training stops after the step in progress.
+
+    ``agreed()`` is a collective, so every rank stops after the same step even when only one
+    received the signal, and none waits forever for a rank that left.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.signum = device, 0
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> GracefulStop:
+        if threading.current_thread() is threading.main_thread():  # Python only allows it there
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        # Only a flag: logging or collectives from a signal handler can deadlock.
+        self.signum = self.signum or signum
+
+    def agreed(self) -> int:
+        """The signal any rank received (0 when none did)."""
+        flag = torch.tensor([self.signum], dtype=torch.int64, device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item())
