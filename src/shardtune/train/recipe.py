@@ -220,8 +220,10 @@ def run(cfg: Config) -> dict:
             write_json_atomic(out / "summary.json", summary)
         return summary
     finally:
+        # The process group is left to the process's exit (workers leave through exit_worker). Destroying it
+        # here made DDP's reducer drop the group's last reference when run() returned: the group's destructor
+        # then waited, holding the GIL, for a gloo thread that needed the GIL (a finished worker hung in CI).
         memory.close()
-        distributed.teardown()
 
 
 def main(argv: list[str] | None = None) -> None:
