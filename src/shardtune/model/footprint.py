@@ -9,10 +9,7 @@ layer. plan.py turns these facts into per-rank peaks.
 
 from __future__ import annotations
 
-import json
-import struct
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -22,6 +19,7 @@ from shardtune.model.directory import ModelDir, check_model_dir
 from shardtune.model.lora import inject_lora
 from shardtune.model.meta import DTYPES, build_meta_model
 from shardtune.model.structure import decoder_layers, embedding_tables, layer_parts, tables_by_rows
+from shardtune.runtime.safetensors_header import read_header
 
 
 @dataclass
@@ -45,21 +43,9 @@ class Facts:
     saved: dict[tuple[int, torch.dtype], tuple[list[int], int, int]] = field(default_factory=dict)
 
 
-def safetensors_header(path: Path) -> dict:
-    """A safetensors file's header (names, dtypes, shapes, offsets); the data is never touched."""
-    with path.open("rb") as f:
-        raw = f.read(8)
-        if len(raw) < 8:
-            raise ValueError(f"{path}: too short for a safetensors file")
-        (n,) = struct.unpack("<Q", raw)
-        header = json.loads(f.read(n))
-    header.pop("__metadata__", None)
-    return header
-
-
 def checkpoint_bytes(model_dir: ModelDir) -> int:
     return sum(t["data_offsets"][1] - t["data_offsets"][0]
-               for f in model_dir.weight_files for t in safetensors_header(f).values())
+               for f in model_dir.weight_files for t in read_header(f).values())
 
 
 def _unique_params(module: nn.Module) -> dict[int, nn.Parameter]:

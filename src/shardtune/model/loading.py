@@ -23,12 +23,12 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from shardtune.model.directory import ModelDir, ModelDirError
+from shardtune.model.lora import PEFT_PREFIX
 from shardtune.model.structure import base_model
 
 log = logging.getLogger("shardtune")
 
 _WRAPPER_PARTS = (".base_layer", ".original_module", ".modules_to_save.default")
-_PEFT_PREFIX = "base_model.model."
 
 
 @dataclass
@@ -49,7 +49,7 @@ def take_snapshot(model: nn.Module, lora_values: dict[str, torch.Tensor]) -> Sna
 
 def checkpoint_key(param_name: str) -> str:
     """The name a base parameter has in the Hugging Face checkpoint, from its peft name."""
-    name = param_name.removeprefix(_PEFT_PREFIX)
+    name = param_name.removeprefix(PEFT_PREFIX)
     for part in _WRAPPER_PARTS:
         name = name.replace(part, "")
     return name

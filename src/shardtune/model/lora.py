@@ -12,6 +12,9 @@ from torch import nn
 
 from shardtune.config import ConfigError, LoraConfig
 
+#: What peft puts before a base model's parameter names (``PeftModel.base_model.model``).
+PEFT_PREFIX = "base_model.model."
+
 
 def _linear_names(model: nn.Module) -> list[str]:
     from transformers.pytorch_utils import Conv1D
