@@ -19,6 +19,7 @@ from shardtune.model.directory import ModelDir, check_model_dir
 from shardtune.model.lora import inject_lora
 from shardtune.model.meta import DTYPES, build_meta_model
 from shardtune.model.structure import decoder_layers, embedding_tables, layer_parts, tables_by_rows
+from shardtune.runtime.compat import fake_mode, storage_id
 from shardtune.runtime.safetensors_header import read_header
 
 
@@ -59,7 +60,6 @@ def _saved_bytes(model: nn.Module, batch: int, seq: int, lora_dtype: torch.dtype
     One forward pass on fake tensors: the real kernels' shapes and dtypes (and the real attention
     path for ``device``), no memory and no arithmetic.
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.func import functional_call
 
     layers = decoder_layers(model)
@@ -68,15 +68,15 @@ def _saved_bytes(model: nn.Module, batch: int, seq: int, lora_dtype: torch.dtype
     for i, layer in enumerate(layers):
         hooks.append(layer.register_forward_pre_hook(lambda m, a, i=i: where.__setitem__(0, i)))
         hooks.append(layer.register_forward_hook(lambda m, a, o: where.__setitem__(0, -1)))
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+    with fake_mode() as mode:
         params = {n: torch.empty(p.shape, dtype=lora_dtype if p.requires_grad else p.dtype, device=device,
                                  requires_grad=p.requires_grad) for n, p in model.named_parameters()}
         buffers = {n: mode.from_tensor(b).to(device) for n, b in model.named_buffers()}
-        skip = {t.untyped_storage()._cdata for t in params.values()}
+        skip = {storage_id(t) for t in params.values()}
         seen: set[int] = set()
 
         def pack(t: torch.Tensor) -> torch.Tensor:
-            key = t.untyped_storage()._cdata
+            key = storage_id(t)
             if key not in skip and key not in seen:
                 seen.add(key)
                 nbytes = t.untyped_storage().nbytes()
