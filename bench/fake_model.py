@@ -10,17 +10,16 @@ from __future__ import annotations
 
 import json
 import math
-import struct
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from shardtune.runtime.safetensors_header import encode_header
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from tiny import make_tokenizer  # noqa: E402  (the tests' tokenizer: one source for both)
-
-_DTYPE_NAMES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
 
 
 @dataclass(frozen=True)
@@ -78,18 +77,9 @@ def _shards(shapes: list[tuple[str, tuple[int, ...]]], itemsize: int, max_bytes:
 
 def _write_safetensors(path: Path, items: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype,
                        generator: torch.Generator) -> None:
-    header: dict[str, dict] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for name, shape in items:
-        n = math.prod(shape) * dtype.itemsize
-        header[name] = {"dtype": _DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
-        offset += n
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # the format wants the data to start 8-byte aligned
     tmp = path.with_suffix(".tmp")
     with tmp.open("wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
+        f.write(encode_header([(name, dtype, shape) for name, shape in items], {"format": "pt"}))
         for name, shape in items:
             if name.endswith("norm.weight"):
                 t = torch.ones(shape, dtype=dtype)

@@ -29,7 +29,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-MB = 1024 * 1024
+from shardtune.model.structure import decoder_layers, layer_classes
+from shardtune.runtime.memory import MB
 
 
 class FileReads:
@@ -100,7 +101,7 @@ def shard_fsdp2(model):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for layer in model.get_base_model().model.layers:
+    for layer in decoder_layers(model):
         fully_shard(layer, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
     return model
@@ -161,10 +162,8 @@ def load_fsdp1_orig_params(path: str, rank: int):
     model = get_peft_model(full_model(path), lora_config())
     # One flat parameter must have one dtype: peft's fp32 LoRA weights go bf16 with the layer they sit in.
     model.to(torch.bfloat16)
-    names = set(model.get_base_model()._no_split_modules)
-    layers = {type(m) for m in model.modules() if type(m).__name__ in names}
     return FSDP(
-        model, auto_wrap_policy=ModuleWrapPolicy(layers), use_orig_params=True,
+        model, auto_wrap_policy=ModuleWrapPolicy(layer_classes(model)), use_orig_params=True,
         device_id=torch.device("cpu"), limit_all_gathers=True,
         mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
     )

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 import time
 from collections.abc import Callable
@@ -13,12 +12,7 @@ import torch
 import torch.multiprocessing as mp
 
 from shardtune.runtime.distributed import exit_worker
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from shardtune.runtime.workers import free_port
 
 
 def _entry(rank: int, fn: Callable, world_size: int, port: int, out_dir: str, args: tuple) -> None:
@@ -31,11 +25,12 @@ def _entry(rank: int, fn: Callable, world_size: int, port: int, out_dir: str, ar
     exit_worker(0)
 
 
-def run_ranks(fn: Callable, world_size: int, *args, timeout: float = 180) -> list:
+def run_ranks(fn: Callable, world_size: int, *args, timeout: float = 900) -> list:
     """``fn(rank, world_size, *args)`` on ``world_size`` spawned processes; returns their results.
 
     ``fn`` must be importable (module level); it sets up the process group itself (e.g. with
-    ``shardtune.distributed.init_worker()``), which reads the env this helper sets.
+    ``shardtune.distributed.init_worker()``), which reads the env this helper sets. ``timeout`` only
+    ends a hung run; it is no speed requirement (the machine may be busy).
     """
     out_dir = tempfile.mkdtemp(prefix="ranks-")
     ctx = mp.start_processes(_entry, args=(fn, world_size, free_port(), out_dir, args), nprocs=world_size,

@@ -16,12 +16,12 @@ from shardtune.cli import main
 from shardtune.config import build_config
 from shardtune.preflight import preflight
 
-from tiny import instruction_records, make_model, write_jsonl
+from tiny import write_jsonl
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_model(tmp_path_factory.mktemp("model") / "tiny", arch="llama")
+@pytest.fixture
+def model_dir(tiny_llama):
+    return tiny_llama
 
 
 @pytest.fixture(autouse=True)
@@ -33,8 +33,8 @@ def no_workers(monkeypatch):
 
 
 @pytest.fixture
-def data(tmp_path):
-    return write_jsonl(tmp_path / "train.jsonl", instruction_records(8))
+def data(train_jsonl):
+    return train_jsonl
 
 
 def run(capsys, tmp_path, model, data, *extra: str) -> str:
@@ -48,10 +48,21 @@ def run(capsys, tmp_path, model, data, *extra: str) -> str:
     return err
 
 
-def test_valid_tiny_config_passes_preflight(model_dir, data, tmp_path):
+def test_valid_tiny_config_passes_preflight(monkeypatch, model_dir, data, tmp_path):
+    """Good input passes, and only after preflight has read both data files and built the LoRA model
+    (what the bad-input cases below rely on to fail early)."""
+    import shardtune.preflight as pre
+
+    read, built = [], []
+    load_dataset, inject_lora = pre.load_dataset, pre.inject_lora
+    monkeypatch.setattr(pre, "load_dataset", lambda path, *a: read.append(path) or load_dataset(path, *a))
+    monkeypatch.setattr(pre, "inject_lora", lambda *a: built.append(inject_lora(*a)[0]) or built[-1])
     cfg = build_config({"model": str(model_dir), "data": str(data), "val-data": str(data), "out": str(tmp_path / "o"),
                         "batch-size": 4, "nproc": 2, "lora-targets": "q_proj,v_proj", "seq-len": 64})
     preflight(cfg)
+    assert read == [str(data), str(data)]
+    lora = {n.split(".lora_")[0].rsplit(".", 1)[-1] for n, p in built[0].named_parameters() if p.requires_grad}
+    assert lora == {"q_proj", "v_proj"} and all(p.is_meta for p in built[0].parameters())
     assert not (tmp_path / "o").exists()  # preflight only reads
 
 

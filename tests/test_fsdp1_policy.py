@@ -90,7 +90,9 @@ def test_trainable_bias_on_frozen_weight_is_a_clear_error(model_dirs, arch, bias
     """peft trains the bias of a module whose weight stays frozen: no FSDP1 unit can hold both."""
     model, _ = meta_lora(model_dirs[arch], {"bias": bias})
     if module is None:
-        plan_units(model)
+        assert not [n for n, p in model.named_parameters() if p.requires_grad and n.endswith("bias")]
+        for name, params in unit_params(model, plan_units(model)).items():
+            assert len({(p.requires_grad, p.dtype) for p in params}) <= 1, name
         return
     with pytest.raises(NonUniformModuleError, match=module + r": frozen .*\['weight'\], trainable .*\['bias'\]"):
         plan_units(model)
@@ -177,6 +179,7 @@ def _one_case(rank: int, world: int, dist_: Worker, path: Path, options: dict) -
     from shardtune.model.lora import trainable_names
     from shardtune.parallel import parallelize
     from shardtune.parallel.fsdp1 import gather_full
+    from shardtune.runtime.compat import fsdp1_layout
 
     out: dict = {}
     model_dir = check_model_dir(path)
@@ -194,12 +197,20 @@ def _one_case(rank: int, world: int, dist_: Worker, path: Path, options: dict) -
         out["layer_policy_error"] = str(err)
     # the public policy in plain FSDP1 code, no shardtune strategy around it
     twin = copy.deepcopy(model)
-    FullyShardedDataParallel(twin, auto_wrap_policy=uniform_requires_grad_policy(twin), device_id=cpu,
-                             use_orig_params=False,
-                             param_init_fn=lambda m: m.to_empty(device=cpu, recurse=False))
+    twin = FullyShardedDataParallel(twin, auto_wrap_policy=uniform_requires_grad_policy(twin), device_id=cpu,
+                                    use_orig_params=False,
+                                    param_init_fn=lambda m: m.to_empty(device=cpu, recurse=False))
+    # which original parameters each flat parameter holds, by its requires_grad
+    out["twin_flat"] = {True: [], False: []}
+    for unit_name, unit in twin.named_modules():
+        layout = fsdp1_layout(unit) if isinstance(unit, FullyShardedDataParallel) else None
+        if layout is not None:
+            prefix = unit_name.replace("_fsdp_wrapped_module.", "").removesuffix("_fsdp_wrapped_module")
+            out["twin_flat"][layout.flat.requires_grad] += [f"{prefix}.{f}" if prefix else f for f in layout.fqns]
 
     # (b) ours, loaded shard by shard, against from_pretrained
     names = trainable_names(model)
+    out["trainable_names"] = names
     out["trainable_bytes"] = count_params(model)[1] * 4
     strategy = FSDP1(dist_, torch.float32, cpu_offload=False)
     snapshot = take_snapshot(model, init)
@@ -256,6 +267,9 @@ def test_layer_policy_fails_and_ours_loads_exactly(fsdp1_results, case):
         assert re.search(r"Must flatten tensors with uniform `?requires_grad", rank[case]["layer_policy_error"] or "")
         assert rank[case]["logits_diff"] < 1e-5
         assert rank[case]["full_tensors_match"]
+        # the policy in plain FSDP1 code: trainable flat parameters hold exactly the trainable ones
+        assert sorted(rank[case]["twin_flat"][True]) == sorted(rank[case]["trainable_names"])
+        assert not set(rank[case]["twin_flat"][False]) & set(rank[case]["trainable_names"])
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from dist_utils import free_port
+from shardtune.runtime.workers import free_port
+
 from tiny import instruction_records, make_model, write_jsonl
 
 TESTS = Path(__file__).parent

@@ -21,10 +21,10 @@ import torch
 from shardtune.config import Config, ConfigError, build_config, validate
 from shardtune.model.footprint import Facts, model_facts
 from shardtune.model.meta import DTYPES
+from shardtune.runtime.memory import MB
 from shardtune.train.data import BatchPlan, DataError
 from shardtune.train.loss import CHUNK_BYTES
 
-MB = 1024 * 1024
 STRATEGIES = ("fsdp2", "fsdp1", "ddp", "single")
 #: A worker's private memory before loading (CPU): torch, transformers, peft, gloo, tokenizer, data.
 RUNTIME_CPU_MB = 275

@@ -9,10 +9,7 @@ layer. plan.py turns these facts into per-rank peaks.
 
 from __future__ import annotations
 
-import json
-import struct
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -22,6 +19,8 @@ from shardtune.model.directory import ModelDir, check_model_dir
 from shardtune.model.lora import inject_lora
 from shardtune.model.meta import DTYPES, build_meta_model
 from shardtune.model.structure import decoder_layers, embedding_tables, layer_parts, tables_by_rows
+from shardtune.runtime.compat import fake_mode, storage_id
+from shardtune.runtime.safetensors_header import read_header
 
 
 @dataclass
@@ -45,21 +44,9 @@ class Facts:
     saved: dict[tuple[int, torch.dtype], tuple[list[int], int, int]] = field(default_factory=dict)
 
 
-def safetensors_header(path: Path) -> dict:
-    """A safetensors file's header (names, dtypes, shapes, offsets); the data is never touched."""
-    with path.open("rb") as f:
-        raw = f.read(8)
-        if len(raw) < 8:
-            raise ValueError(f"{path}: too short for a safetensors file")
-        (n,) = struct.unpack("<Q", raw)
-        header = json.loads(f.read(n))
-    header.pop("__metadata__", None)
-    return header
-
-
 def checkpoint_bytes(model_dir: ModelDir) -> int:
     return sum(t["data_offsets"][1] - t["data_offsets"][0]
-               for f in model_dir.weight_files for t in safetensors_header(f).values())
+               for f in model_dir.weight_files for t in read_header(f).values())
 
 
 def _unique_params(module: nn.Module) -> dict[int, nn.Parameter]:
@@ -73,7 +60,6 @@ def _saved_bytes(model: nn.Module, batch: int, seq: int, lora_dtype: torch.dtype
     One forward pass on fake tensors: the real kernels' shapes and dtypes (and the real attention
     path for ``device``), no memory and no arithmetic.
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.func import functional_call
 
     layers = decoder_layers(model)
@@ -82,15 +68,15 @@ def _saved_bytes(model: nn.Module, batch: int, seq: int, lora_dtype: torch.dtype
     for i, layer in enumerate(layers):
         hooks.append(layer.register_forward_pre_hook(lambda m, a, i=i: where.__setitem__(0, i)))
         hooks.append(layer.register_forward_hook(lambda m, a, o: where.__setitem__(0, -1)))
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+    with fake_mode() as mode:
         params = {n: torch.empty(p.shape, dtype=lora_dtype if p.requires_grad else p.dtype, device=device,
                                  requires_grad=p.requires_grad) for n, p in model.named_parameters()}
         buffers = {n: mode.from_tensor(b).to(device) for n, b in model.named_buffers()}
-        skip = {t.untyped_storage()._cdata for t in params.values()}
+        skip = {storage_id(t) for t in params.values()}
         seen: set[int] = set()
 
         def pack(t: torch.Tensor) -> torch.Tensor:
-            key = t.untyped_storage()._cdata
+            key = storage_id(t)
             if key not in skip and key not in seen:
                 seen.add(key)
                 nbytes = t.untyped_storage().nbytes()

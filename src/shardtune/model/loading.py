@@ -19,16 +19,16 @@ from dataclasses import dataclass
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from shardtune.model.directory import ModelDir, ModelDirError
+from shardtune.model.lora import PEFT_PREFIX
 from shardtune.model.structure import base_model
+from shardtune.runtime.compat import ShardView, piece_boxes
 
 log = logging.getLogger("shardtune")
 
 _WRAPPER_PARTS = (".base_layer", ".original_module", ".modules_to_save.default")
-_PEFT_PREFIX = "base_model.model."
 
 
 @dataclass
@@ -49,7 +49,7 @@ def take_snapshot(model: nn.Module, lora_values: dict[str, torch.Tensor]) -> Sna
 
 def checkpoint_key(param_name: str) -> str:
     """The name a base parameter has in the Hugging Face checkpoint, from its peft name."""
-    name = param_name.removeprefix(_PEFT_PREFIX)
+    name = param_name.removeprefix(PEFT_PREFIX)
     for part in _WRAPPER_PARTS:
         name = name.replace(part, "")
     return name
@@ -82,12 +82,10 @@ def fill_from_full(param: torch.Tensor, full: torch.Tensor) -> None:
             # Every rank holds the same ``full``: slice locally, no communication.
             local = distribute_tensor(full.to(param.dtype), param.device_mesh, param.placements, src_data_rank=None)
             param.to_local().copy_(local.to_local())
-        elif isinstance(param, ShardedTensor):
+        elif isinstance(param, ShardView):
             # A strategy's own view of its shard (FSDP1: rectangles of a flat parameter's slice).
-            for shard in param.local_shards():
-                md = shard.metadata
-                box = tuple(slice(o, o + n) for o, n in zip(md.shard_offsets, md.shard_sizes))
-                shard.tensor.copy_(full[box].to(shard.tensor.dtype))
+            for box, piece in piece_boxes(param):
+                piece.copy_(full[box].to(piece.dtype))
         else:
             param.copy_(full.to(param.dtype))
 

@@ -11,6 +11,10 @@ import torch
 from torch import nn
 
 from shardtune.config import ConfigError, LoraConfig
+from shardtune.runtime.compat import record_lora_init
+
+#: What peft puts before a base model's parameter names (``PeftModel.base_model.model``).
+PEFT_PREFIX = "base_model.model."
 
 
 def _linear_names(model: nn.Module) -> list[str]:
@@ -32,7 +36,6 @@ def inject_lora(model: nn.Module, lora: LoraConfig, seed: int) -> tuple[nn.Modul
     """
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
-    from peft.tuners.tuners_utils import BaseTunerLayer
 
     targets: str | list[str] = lora.targets.strip()
     if targets != "all-linear":
@@ -56,18 +59,13 @@ def inject_lora(model: nn.Module, lora: LoraConfig, seed: int) -> tuple[nn.Modul
     )
 
     initial: dict[int, dict[str, torch.Tensor]] = {}
-    move = BaseTunerLayer._move_adapter_to_device_of_base_layer
 
-    def record_then_move(self: BaseTunerLayer, adapter_name: str, device: torch.device | None = None) -> None:
-        initial[id(self)] = {n: p.detach().float().clone() for n, p in self.named_parameters() if "lora_" in n}
-        move(self, adapter_name, device)
+    def record(layer: nn.Module) -> None:
+        initial[id(layer)] = {n: p.detach().float().clone() for n, p in layer.named_parameters() if "lora_" in n}
 
     torch.manual_seed(seed)
-    BaseTunerLayer._move_adapter_to_device_of_base_layer = record_then_move
-    try:
+    with record_lora_init(record):
         peft_model = get_peft_model(model, peft_config)
-    finally:
-        BaseTunerLayer._move_adapter_to_device_of_base_layer = move
     values = {}
     for module_name, module in peft_model.named_modules():
         for name, tensor in initial.get(id(module), {}).items():

@@ -12,9 +12,33 @@ def base_model(model: nn.Module) -> nn.Module:
 
 
 def layer_classes(model: nn.Module) -> set[type]:
-    """Classes of the repeated decoder blocks (transformers' ``_no_split_modules``)."""
-    names = set(getattr(model, "_no_split_modules", None) or [])
-    return {type(m) for m in model.modules() if type(m).__name__ in names}
+    """The repeated decoder-block classes: the one definition FSDP1, FSDP2, the planner and the
+    benchmarks' peers share, so that they never disagree on what a layer is.
+
+    Hugging Face's ``_no_split_modules`` (of any module in the tree, so a peft wrapper works too) where
+    the model has it; otherwise the element class of every outermost ``ModuleList`` of two or more
+    same-class blocks with parameters (``layers``, ``h``, ``blocks`` …).
+    """
+    names: set[str] = set()
+    for module in model.modules():
+        names.update(getattr(type(module), "_no_split_modules", None) or [])
+    classes = {type(m) for m in model.modules() if type(m).__name__ in names}
+    if classes:
+        return classes
+
+    def visit(module: nn.Module) -> None:
+        children = list(module.children())
+        if (
+            isinstance(module, nn.ModuleList) and len(children) > 1
+            and len({type(c) for c in children}) == 1 and any(True for _ in children[0].parameters())
+        ):
+            classes.add(type(children[0]))
+            return
+        for child in children:
+            visit(child)
+
+    visit(model)
+    return classes
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:

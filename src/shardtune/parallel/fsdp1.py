@@ -9,8 +9,9 @@ gradient at all.
 Loading stays shard-only without FSDP1's state-dict machinery (its SHARDED_STATE_DICT all-gathers
 every unit to build and to load the state dict): ``local_pieces`` describes, per original
 parameter, the rectangles of it that lie in this rank's slice of a flat parameter, as a
-``ShardedTensor`` whose local shards are views of that slice. ``dcp.load`` reads exactly those
-rectangles from the safetensors files, straight into the flat parameter.
+``compat.ShardView`` whose pieces are views of that slice (a DTensor cannot: a flat range cuts
+rows partway). ``dcp.load`` reads exactly those rectangles from the safetensors files, straight
+into the flat parameter.
 """
 
 from __future__ import annotations
@@ -20,8 +21,6 @@ import math
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._shard.metadata import ShardMetadata
-from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata, TensorProperties
 from torch.distributed.fsdp import CPUOffload, MixedPrecision
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
@@ -29,6 +28,7 @@ from shardtune.config import ConfigError
 from shardtune.model.structure import embedding_tables
 from shardtune.parallel.base import Strategy
 from shardtune.parallel.wrap_policy import NonUniformModuleError, uniform_requires_grad_policy
+from shardtune.runtime.compat import FlatLayout, ShardView, check_load_target_protocol, fsdp1_layout
 from shardtune.runtime.distributed import Worker
 
 _WRAPPED = "_fsdp_wrapped_module."
@@ -90,58 +90,34 @@ class _MaterializeKeepingTies:
                 owner._parameters[attr] = new
 
 
-def _units(model: nn.Module) -> list[tuple[str, FSDP]]:
-    """Every FSDP unit that holds a flat parameter, with its clean name, in module order."""
-    return [(_clean(n), m) for n, m in model.named_modules() if isinstance(m, FSDP) and m._handle is not None]
-
-
-def _params_of(unit: FSDP) -> list[tuple[str, int, torch.Size]]:
-    """(relative name, offset in the unpadded flat parameter, shape) of each original parameter."""
-    flat = unit._handle.flat_param
-    out, offset, names = [], 0, iter(zip(flat._fqns, flat._shapes))
-    for numel, padding in zip(flat._numels_with_padding, flat._is_padding_mask):
-        if not padding:
-            fqn, shape = next(names)
-            out.append((fqn, offset, shape))
-        offset += numel
+def _units(model: nn.Module) -> list[tuple[str, FSDP, FlatLayout]]:
+    """Every FSDP unit that holds a flat parameter: its clean name, itself and its checked layout, in
+    module order."""
+    out = []
+    for n, m in model.named_modules():
+        if isinstance(m, FSDP) and (layout := fsdp1_layout(m)) is not None:
+            out.append((_clean(n), m, layout))
     return out
 
 
-def local_pieces(model: nn.Module) -> dict[str, ShardedTensor]:
-    """{peft parameter name: a ShardedTensor whose local shards are views of this rank's flat slice}.
+def local_pieces(model: nn.Module) -> dict[str, ShardView]:
+    """{peft parameter name: a load target whose pieces are views of this rank's flat slice}.
 
-    Writing into the local shards writes the model. Tied aliases appear under their first name. The
-    rest of each tensor is described as held by the next rank: loading reads only the local shards,
-    and the exact map of every rank would cost O(world²) overlap checks per parameter.
+    Writing into the pieces writes the model. Tied aliases appear under their first name.
     """
-    rank, world = dist.get_rank(), dist.get_world_size()
-    here, there = f"rank:{rank}/{{}}", f"rank:{(rank + 1) % world}/{{}}"
-    out: dict[str, ShardedTensor] = {}
-    for prefix, unit in _units(model):
-        flat = unit._handle.flat_param
-        local = flat.detach()  # outside forward/backward the data is this rank's padded slice
-        # FSDP1 cuts the unpadded flat parameter with torch.chunk: rank r holds [r * n, (r + 1) * n).
-        n, total = local.numel(), flat._unpadded_unsharded_size.numel()
-        for (fqn, offset, shape), info in zip(_params_of(unit), flat._shard_param_infos):
-            numel = math.prod(shape)
-            lo = min(max(rank * n - offset, 0), numel)
-            hi = min(max(min((rank + 1) * n, total) - offset, lo), numel)
-            shards, metas = [], []
+    check_load_target_protocol()
+    out: dict[str, ShardView] = {}
+    for prefix, _, layout in _units(model):
+        local = layout.flat.detach()  # outside forward/backward the data is this rank's padded slice
+        start = layout.rank * layout.shard_numel
+        for i, (fqn, shape) in enumerate(zip(layout.fqns, layout.shapes)):
+            lo, hi = layout.local_range(i)
+            pieces = []
             for offsets, sizes in boxes(lo, hi, tuple(shape)):
-                metas.append(ShardMetadata(list(offsets), list(sizes), here.format(local.device)))
-                at = offset + _flat_index(offsets, shape) - rank * n
-                shards.append(Shard(local[at:at + math.prod(sizes)].view(sizes), metas[-1]))
-            for offsets, sizes in boxes(0, lo, tuple(shape)) + boxes(hi, numel, tuple(shape)):
-                metas.append(ShardMetadata(list(offsets), list(sizes), there.format(local.device.type)))
-            # the same place FSDP1 itself records, or its layout changed under us
-            if bool(shards) != info.in_shard or (
-                shards and shards[0].tensor.data_ptr() != local[info.offset_in_shard:].data_ptr()
-            ):
-                raise RuntimeError(f"FSDP1 lays out {prefix}.{fqn} differently than expected (torch changed?)")
-            props = TensorProperties(dtype=local.dtype, requires_grad=False, pin_memory=local.is_pinned())
-            meta = ShardedTensorMetadata(metas, torch.Size(shape), props)
+                at = layout.offsets[i] + _flat_index(offsets, shape) - start
+                pieces.append((offsets, local[at:at + math.prod(sizes)].view(sizes)))
             name = f"{prefix}.{fqn}" if prefix else fqn
-            out[name] = ShardedTensor._init_from_local_shards_and_global_metadata(shards, meta)
+            out[name] = ShardView(shape, local.dtype, local.device, pieces)
     return out
 
 
@@ -160,29 +136,24 @@ def gather_full(model: nn.Module, names: list[str], grads: bool = False) -> dict
     """
     where: dict[str, tuple[int, str]] = {}
     units = _units(model)
-    for i, (prefix, unit) in enumerate(units):
-        flat = unit._handle.flat_param
-        aliases = {
-            f"{s.module_name}.{s.param_name}".lstrip("."): f"{s.prim_module_name}.{s.prim_param_name}".lstrip(".")
-            for s in flat._shared_param_infos
-        }
-        for fqn in [*flat._fqns, *aliases]:
-            where[f"{prefix}.{fqn}" if prefix else fqn] = (i, aliases.get(fqn, fqn))
+    for i, (prefix, _, layout) in enumerate(units):
+        for fqn in [*layout.fqns, *layout.aliases]:
+            where[f"{prefix}.{fqn}" if prefix else fqn] = (i, layout.aliases.get(fqn, fqn))
     unknown = [n for n in names if n not in where]
     if unknown:
         raise KeyError(f"not parameters of the FSDP1 model: {', '.join(unknown[:5])}")
     out: dict[str, torch.Tensor] = {}
     for i in sorted({where[n][0] for n in names}):  # the same order on every rank
-        prefix, unit = units[i]
-        handle = unit._handle
-        flat = handle.flat_param
+        _, unit, layout = units[i]
+        flat = layout.flat
         local = flat.grad if grads else flat.detach()
         local = torch.zeros_like(flat) if local is None else local
         # NCCL gathers only on the GPU, also when the shards are offloaded to the CPU
         local = local.to(unit.compute_device).contiguous()
-        full = local.new_empty(local.numel() * handle.world_size)
-        dist.all_gather_into_tensor(full, local, group=handle.process_group)
-        tensors = {fqn: full[o:o + math.prod(shape)].view(shape) for fqn, o, shape in _params_of(unit)}
+        full = local.new_empty(local.numel() * layout.world_size)
+        dist.all_gather_into_tensor(full, local, group=layout.process_group)
+        tensors = {fqn: full[o:o + math.prod(shape)].view(shape)
+                   for fqn, o, shape in zip(layout.fqns, layout.offsets, layout.shapes)}
         for n in names:
             if where[n][0] == i:
                 out[n] = tensors[where[n][1]].to("cpu", copy=True)

@@ -3,10 +3,7 @@ sharded by rows outside FSDP. All applied on the meta device."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -15,6 +12,7 @@ from torch.distributed.tensor import DTensor
 from shardtune.model.structure import decoder_layers, embedding_tables, layer_parts, tables_by_rows
 from shardtune.parallel import sharded_embeddings
 from shardtune.parallel.base import Strategy
+from shardtune.runtime import compat
 from shardtune.runtime.distributed import Worker
 
 
@@ -41,9 +39,9 @@ class FSDP2(Strategy):
         # of backward: keeping it unsharded after forward saves one all-gather per step.
         units.append(self._unit(model, reshard_after_forward=False, ignored_params=ignored))
         if self.mesh.get_group().name() == "gloo":
-            gather = BroadcastAllGather()
+            gather = compat.BroadcastAllGather()
             for unit in units:
-                unit.set_custom_all_gather(gather)
+                compat.set_fsdp2_all_gather(unit, gather)
         return model
 
     def _shard_embeddings(self, model: nn.Module) -> tuple[set[nn.Parameter], list[tuple[nn.Module, bool]]]:
@@ -95,35 +93,3 @@ def _replace(model: nn.Module, old: nn.Module, new: nn.Module) -> nn.Module:
                 setattr(parent, name, new)
                 return new
     raise ValueError(f"{type(old).__name__} is not part of the model")
-
-
-class BroadcastAllGather:
-    """FSDP2's all-gather as one in-place broadcast per rank, for gloo (FSDP2's ``AllGather``
-    interface: ``allocate`` and ``__call__``; the class itself is private to torch).
-
-    Gloo's all-gather receives into a new flat tensor of the full size and copies that into the
-    output; with FSDP2's input (a slice of the output) it held 2× the gathered size on top of the
-    output (measured: 168 MB extra to gather 84 MB) and took 120 ms. Broadcasting each rank's slice
-    in place moves the same bytes, allocates nothing and took 30 ms.
-
-    The last broadcast is left for FSDP2 to wait on. A handle marks the gather as asynchronous, and
-    FSDP2 then frees the gather buffer right after copying it out, instead of keeping it until the
-    next unit's gather to overlap the two on CUDA streams (on CPU that only holds one more buffer).
-    """
-
-    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
-
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
-                 async_op: bool = False) -> dist.Work | None:
-        world, rank = group.size(), group.rank()
-        chunks = output_tensor.chunk(world)
-        if input_tensor.data_ptr() != chunks[rank].data_ptr():
-            chunks[rank].copy_(input_tensor)
-        work = None
-        for r in range(world):
-            # Earlier broadcasts complete before the next starts: gloo runs ops on several threads,
-            # so only one handle can stand for all of them.
-            work = dist.broadcast(chunks[r], src=dist.get_global_rank(group, r), group=group,
-                                  async_op=r == world - 1)
-        return work

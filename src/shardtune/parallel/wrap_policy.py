@@ -36,8 +36,9 @@ from torch import nn
 from torch.distributed.fsdp.wrap import CustomPolicy
 
 from shardtune.errors import ShardtuneError
+from shardtune.model import structure
 
-__all__ = ["NonUniformModuleError", "find_layer_classes", "plan_units", "uniform_requires_grad_policy"]
+__all__ = ["NonUniformModuleError", "plan_units", "uniform_requires_grad_policy"]
 
 # What one flat parameter must share.
 Kind = tuple[bool, torch.dtype]
@@ -88,34 +89,6 @@ def _describe(name: str, module: nn.Module, kinds: dict[Kind, list[str]]) -> str
     return f"{name or '<root>'} ({type(module).__name__}): " + ", ".join(parts)
 
 
-def find_layer_classes(model: nn.Module) -> set[type]:
-    """The repeated block classes: Hugging Face's ``_no_split_modules`` where the tree has it.
-
-    Otherwise the element class of every outermost ``ModuleList`` of two or more same-class blocks
-    with parameters (``layers``, ``h``, ``blocks`` …): those are what one gathers at a time.
-    """
-    names: set[str] = set()
-    for module in model.modules():
-        names.update(getattr(type(module), "_no_split_modules", None) or [])
-    classes = {type(m) for m in model.modules() if type(m).__name__ in names}
-    if classes:
-        return classes
-
-    def visit(module: nn.Module) -> None:
-        children = list(module.children())
-        if (
-            isinstance(module, nn.ModuleList) and len(children) > 1
-            and len({type(c) for c in children}) == 1 and any(True for _ in children[0].parameters())
-        ):
-            classes.add(type(children[0]))
-            return
-        for child in children:
-            visit(child)
-
-    visit(model)
-    return classes
-
-
 def plan_units(model: nn.Module, layer_classes: Iterable[type] | None = None,
                own_units: Iterable[nn.Module] = ()) -> dict[str, nn.Module]:
     """The modules to wrap, by name (``""``: the root), such that every unit's own parameters share one kind.
@@ -126,7 +99,7 @@ def plan_units(model: nn.Module, layer_classes: Iterable[type] | None = None,
     Raises ``NonUniformModuleError`` for modules whose own parameters differ in kind, and for tied
     parameters whose owners would land in different units (FSDP1 flattens a tensor only once).
     """
-    classes = set(layer_classes) if layer_classes is not None else find_layer_classes(model)
+    classes = set(layer_classes) if layer_classes is not None else structure.layer_classes(model)
     extra = {id(m) for m in own_units}
     # Kinds in each module's whole subtree, to find the largest all-trainable subtrees.
     subtree: dict[nn.Module, set[Kind]] = {}
@@ -202,7 +175,7 @@ def uniform_requires_grad_policy(model: nn.Module, layer_classes: Iterable[type]
     """An ``auto_wrap_policy`` for ``FullyShardedDataParallel(model, ...)`` whose units are each uniform.
 
     Built for this ``model`` (pass the same module to FSDP). ``layer_classes``: the blocks to gather one
-    at a time; found from ``_no_split_modules`` or repeated ``ModuleList`` blocks when not given.
+    at a time; ``structure.layer_classes`` when not given.
     ``own_units``: further modules to wrap on their own (e.g. untied input and output embeddings).
     Raises ``NonUniformModuleError`` (a ``ValueError``) when no uniform split exists.
     """

@@ -8,11 +8,20 @@ from pathlib import Path
 
 
 def replace_dir(tmp: Path, final: Path) -> None:
-    """Put a fully written ``tmp`` at ``final``; a reader sees the old or the new one, never half."""
+    """Put a fully written ``tmp`` at ``final``; a reader sees the old or the new one, never half.
+
+    The old ``final`` is removed only once ``tmp`` is in its place; if that move fails, the old one
+    is put back, so nothing already written is lost.
+    """
     old = final.with_name(f".{final.name}.old")
     if old.exists():
         shutil.rmtree(old)
     if final.exists():
         os.replace(final, old)
-    os.replace(tmp, final)
+    try:
+        os.replace(tmp, final)
+    except BaseException:
+        if old.exists() and not final.exists():
+            os.replace(old, final)
+        raise
     shutil.rmtree(old, ignore_errors=True)

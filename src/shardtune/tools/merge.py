@@ -29,19 +29,14 @@ import torch
 from shardtune.errors import ShardtuneError
 from shardtune.model.directory import check_model_dir
 from shardtune.model.loading import checkpoint_key
+from shardtune.model.lora import PEFT_PREFIX
 from shardtune.model.meta import DTYPES
 from shardtune.runtime.files import replace_dir
+from shardtune.runtime.safetensors_header import TORCH_DTYPES, encode_header
 
 log = logging.getLogger("shardtune")
 
 _LORA = re.compile(r"^(?P<module>.+)\.(?P<kind>lora_(?:embedding_)?[AB])\.(?P<what>weight|bias)$")
-_PEFT_PREFIX = "base_model.model."
-_SAFETENSORS_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-}
-_TORCH_DTYPES = {v: k for k, v in _SAFETENSORS_DTYPES.items()}
 # Weights in other formats are not carried over: the output's weights are its safetensors files.
 _NOT_COPIED = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".h5", ".msgpack")
 
@@ -82,7 +77,7 @@ def plan_changes(config: dict, tensors: dict[str, torch.Tensor]) -> dict[str, Ch
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     changes: dict[str, Change] = {}
     for key, value in tensors.items():
-        name = key.removeprefix(_PEFT_PREFIX)
+        name = key.removeprefix(PEFT_PREFIX)
         m = _LORA.match(name)
         if m:
             pairs.setdefault(m["module"], {})[f"{m['kind']}.{m['what']}"] = value.float()
@@ -150,18 +145,6 @@ def _tied_sources(model_dir: Path) -> dict[str, str]:
     return dict(getattr(model, "all_tied_weights_keys", None) or {})
 
 
-def _header(entries: list[tuple[str, torch.dtype, list[int]]], metadata: dict[str, str] | None) -> bytes:
-    header: dict = {"__metadata__": metadata} if metadata else {}
-    offset = 0
-    for name, dtype, shape in entries:
-        size = math.prod(shape) * dtype.itemsize
-        header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": shape, "data_offsets": [offset, offset + size]}
-        offset += size
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as the safetensors library writes it
-    return len(raw).to_bytes(8, "little") + raw
-
-
 def _out_dtype(dtype: torch.dtype, wanted: torch.dtype | None) -> torch.dtype:
     return wanted if wanted is not None and dtype.is_floating_point else dtype
 
@@ -179,9 +162,9 @@ def merge_file(src: Path, dst: Path, changes: dict[str, Change], extra: dict[str
         entries = []
         for name, source in names:
             piece = f.get_slice(source)  # the header only: no data is read here
-            stored = _TORCH_DTYPES[piece.get_dtype()]
+            stored = TORCH_DTYPES[piece.get_dtype()]
             entries.append((name, _out_dtype(stored, dtype), list(piece.get_shape())))
-        out.write(_header(entries, f.metadata()))
+        out.write(encode_header(entries, f.metadata()))
         written, largest = 0, 0
         for (name, source), (_, out_dtype, _) in zip(names, entries):
             tensor = f.get_tensor(source)

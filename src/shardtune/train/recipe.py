@@ -26,6 +26,8 @@ from shardtune.runtime import distributed
 from shardtune.runtime.distributed import Worker
 from shardtune.runtime.logs import setup_logging
 from shardtune.runtime.memory import MemoryMonitor, tune_malloc
+from shardtune.runtime.workers import Stopped
+from shardtune.train import validation
 from shardtune.train.adapter import save_adapter
 from shardtune.train.checkpoint import Checkpointer, TrainState
 from shardtune.train.data import BatchPlan, Dataset, Sampler, collate, load_dataset, pad_id
@@ -92,27 +94,16 @@ def train_step(job: Job, step: int) -> tuple[float, int]:
     return distributed.all_reduce_sum(local_sum, job.worker.device) / global_targets, tokens
 
 
-@torch.no_grad()
 def evaluate(job: Job) -> float:
     """Mean loss over every target token of the validation data."""
     assert job.val is not None
     job.model.eval()
-    examples = job.val.examples
-    micro = job.sampler.plan.micro_batch_size
-    per_rank = math.ceil(len(examples) / job.worker.world_size)
-    mine = examples[job.worker.rank * per_rank:(job.worker.rank + 1) * per_rank]
-    loss_sum, count = 0.0, 0
-    # Sharded models need every rank in every forward: ranks with fewer records run padding batches.
-    for start in range(0, per_rank, micro):
-        chunk = mine[start:start + micro] or examples[:1]
-        inputs = collate(chunk, job.pad_id, job.worker.device)
-        logits = job.model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits
-        if mine[start:start + micro]:
-            loss_sum += next_token_loss_sum(logits, inputs["labels"]).item()
-            count += sum(e.targets for e in chunk)
+    worker = job.worker
+    loss_sum, count = validation.loss_sums(job.model, job.val.examples, job.pad_id, worker.device,
+                                           job.sampler.plan.micro_batch_size, worker.rank, worker.world_size,
+                                           lockstep=True)
     job.model.train()
-    device = job.worker.device
-    return distributed.all_reduce_sum(loss_sum, device) / distributed.all_reduce_sum(count, device)
+    return distributed.all_reduce_sum(loss_sum, worker.device) / distributed.all_reduce_sum(count, worker.device)
 
 
 def prepare(cfg: Config, worker: Worker, memory: MemoryMonitor) -> Job:
@@ -181,6 +172,8 @@ def train(job: Job, memory: MemoryMonitor, out: Path) -> dict:
 
 
 def run(cfg: Config) -> dict:
+    """Fine-tune as this rank; return the run's summary. A stop by SIGTERM/SIGINT raises ``Stopped``
+    once every rank has checkpointed (its ``exit_code`` is 128 + signal)."""
     started = time.perf_counter()
     tune_malloc()  # before anything large is allocated: see memory.py
     worker = distributed.init_worker()
@@ -196,7 +189,7 @@ def run(cfg: Config) -> dict:
         if result["stopped_by"]:
             if worker.is_main:
                 log.warning("%s", stop_message(result["stopped_by"], out))
-            raise SystemExit(128 + result["stopped_by"])
+            raise Stopped(result["stopped_by"], stop_message(result["stopped_by"], out))
         with memory.phase("save"):
             adapter = save_adapter(job.model, job.strategy, job.built.adapter_keys, out / "adapter", cfg.model.path)
         peaks = distributed.all_gather_object({k: memory.peak_mb(k) for k in ("load", "train", "save")})
@@ -232,7 +225,11 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit("usage: python -m shardtune.train CONFIG.yaml  (normally started by `shardtune finetune`)")
     cfg = build_config(argv[0])
     validate(cfg)
-    run(cfg)
+    try:
+        run(cfg)
+    except Stopped as stop:
+        # A stop is no failure: no error file, only the exit code the launcher reads (128 + signal).
+        raise SystemExit(stop.exit_code) from None
 
 
 if __name__ == "__main__":

@@ -1,0 +1,92 @@
+"""The private-API fence: each check passes on this torch/peft and fails loudly when the layout changes."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from shardtune.runtime import compat
+from shardtune.runtime.compat import PrivateAPIChanged, ShardView, fsdp1_layout
+
+
+def _fake_unit(rank: int, infos: list[tuple] | None = None, **overrides) -> SimpleNamespace:
+    """An FSDP1 unit holding a (3,) and a (2, 2) parameter with one element of alignment padding
+    between them: unpadded flat [p0 p0 p0 pad p1 p1 p1 p1], 2 ranks of 4 elements."""
+    flat = torch.nn.Parameter(torch.zeros(4), requires_grad=False)
+    flat._fqns, flat._shapes = ("a.weight", "b.weight"), (torch.Size([3]), torch.Size([2, 2]))
+    flat._numels_with_padding, flat._is_padding_mask = (3, 1, 4), (False, True, False)
+    flat._unpadded_unsharded_size = torch.Size([8])
+    flat._shared_param_infos = []
+    info = SimpleNamespace
+    by_rank = {0: [info(in_shard=True, offset_in_shard=0, numel_in_shard=3),
+                   info(in_shard=False, offset_in_shard=None, numel_in_shard=None)],
+               1: [info(in_shard=False, offset_in_shard=None, numel_in_shard=None),
+                   info(in_shard=True, offset_in_shard=0, numel_in_shard=4)]}
+    flat._shard_param_infos = [info(in_shard=a, offset_in_shard=b, numel_in_shard=c) for a, b, c in infos] \
+        if infos is not None else by_rank[rank]
+    for name, value in overrides.items():
+        setattr(flat, name, value)
+    return SimpleNamespace(_handle=SimpleNamespace(flat_param=flat, world_size=2, rank=rank, process_group=None))
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_fsdp1_layout_matches_fsdp1s_records(rank: int) -> None:
+    layout = fsdp1_layout(_fake_unit(rank))
+    assert layout.offsets == (0, 4)  # the padding element sits between the parameters
+    assert [layout.local_range(i) for i in range(2)] == ([(0, 3), (0, 0)] if rank == 0 else [(3, 3), (0, 4)])
+
+
+@pytest.mark.parametrize("change", [
+    {"infos": [(True, 1, 3), (False, None, None)]},  # FSDP1 would read p0 from another place
+    {"_numels_with_padding": (3, 4), "_is_padding_mask": (False, False)},  # padding between params gone
+    {"_unpadded_unsharded_size": torch.Size([9])},  # padding at the end that the shards do not hold
+])
+def test_fsdp1_layout_refuses_a_changed_padding_layout(change: dict) -> None:
+    with pytest.raises(PrivateAPIChanged, match="FSDP1 FlatParameter.*runtime/compat.py"):
+        fsdp1_layout(_fake_unit(0, **change))
+
+
+def test_fsdp1_layout_names_a_missing_internal() -> None:
+    unit = _fake_unit(0)
+    del unit._handle.flat_param._shard_param_infos
+    with pytest.raises(PrivateAPIChanged, match="_shard_param_infos"):
+        fsdp1_layout(unit)
+
+
+def test_dcp_loads_only_a_shard_views_pieces(tmp_path) -> None:
+    full = torch.arange(12, dtype=torch.float32).view(3, 4)
+    dcp.save({"w": full}, checkpoint_id=str(tmp_path), no_dist=True)
+    compat.check_load_target_protocol()
+    # Rows 1.. from column 2 on, as a flat range [6, 12) is cut: a partial row, then a whole one.
+    flat = torch.full((6,), -1.0)
+    pieces = [((1, 2), flat[:2].view(1, 2)), ((2, 0), flat[2:].view(1, 4))]
+    dcp.load({"w": ShardView((3, 4), torch.float32, flat.device, pieces)}, checkpoint_id=str(tmp_path),
+             no_dist=True)
+    assert flat.tolist() == full.reshape(-1)[6:].tolist()
+    with pytest.raises(TypeError, match="load target"):
+        ShardView((3, 4), torch.float32, flat.device, pieces).sum()
+
+
+def test_peft_hook_fails_loudly_when_peft_renames_it(monkeypatch) -> None:
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    monkeypatch.delattr(BaseTunerLayer, "_move_adapter_to_device_of_base_layer")
+    with pytest.raises(PrivateAPIChanged, match="_move_adapter_to_device_of_base_layer"):
+        with compat.record_lora_init(lambda layer: None):
+            pass
+
+
+def test_all_gather_interface_check(monkeypatch) -> None:
+    from torch.distributed.fsdp._fully_shard import _fsdp_api
+
+    compat._check_all_gather_interface.__wrapped__("FSDP2")  # this torch: passes
+
+    def changed(self, output_tensor, input_tensor, group, stream, async_op=False):
+        return None
+
+    monkeypatch.setattr(_fsdp_api.AllGather, "__call__", changed)
+    with pytest.raises(PrivateAPIChanged, match="stream"):
+        compat._check_all_gather_interface.__wrapped__("FSDP2")
