@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from shardtune.config import Config
 from shardtune.errors import ShardtuneError
 from shardtune.parallel import Strategy
-from shardtune.runtime.files import replace_dir
+from shardtune.runtime.files import check_output_dir, replace_dir
 from shardtune.train.adapter import peft_config_dict, write_adapter
 
 log = logging.getLogger("shardtune")
@@ -219,13 +219,15 @@ def _broadcast(value: object) -> object:
     return holder[0]
 
 
-def adapter_from_checkpoint(path: Path, out: Path, model: str | Path | None = None) -> Path:
+def adapter_from_checkpoint(path: Path, out: Path, model: str | Path | None = None, overwrite: bool = False) -> Path:
     """Write the peft adapter held by resumable checkpoint ``path``, in this one process.
 
     Reads only the LoRA tensors (whole, whatever the number of ranks that wrote them); needs no base
-    weights. ``model`` replaces the base model path recorded in the adapter config.
+    weights. ``model`` replaces the base model path recorded in the adapter config. A non-empty ``out``
+    is replaced only with ``overwrite=True``, and never when it is (or holds) the checkpoint.
     """
     path = Path(path)
+    check_output_dir(out, overwrite=overwrite, inputs=(path,))
     match = _STEP_DIR.match(path.name)
     problem = _problem(path, int(match.group(1)) if match else None) if path.is_dir() else "no such directory"
     if problem:
