@@ -128,6 +128,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from shardtune.runtime.workers import under_torchrun
 
+    if under_torchrun():  # a worker of torchrun's: it must not outlive torchrun
+        from shardtune.runtime.distributed import die_with_parent
+
+        die_with_parent()
     code = _run(argv)
     if under_torchrun():  # a worker of torchrun's: leave as our own launcher's workers do
         from shardtune.runtime.distributed import exit_worker
