@@ -94,6 +94,10 @@ class OutputConfig:
     save_every: int = opt(0, "save-every", "Write a resumable checkpoint every N steps (0: never).")
     keep_last: int = opt(2, "keep-last", "Resumable checkpoints to keep.")
     resume: bool = opt(False, "resume", "Continue from the newest complete checkpoint under --out.")
+    allow_data_change: bool = opt(
+        False, "allow-data-change",
+        "With --resume: continue although the training data file changed since the checkpoint (size or SHA-256).",
+    )
     log_file: str | None = opt(None, "log-file", "Also write every rank's log lines to this file.")
 
 

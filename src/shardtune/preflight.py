@@ -6,10 +6,14 @@ a model; these checks read only config, headers, tokenizer and data, and build t
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from shardtune.config import Config, validate
 from shardtune.model.directory import ModelDirError, check_model_dir
 from shardtune.model.lora import inject_lora
 from shardtune.model.meta import DTYPES, build_meta_model
+from shardtune.runtime.files import OutputError, check_writable
+from shardtune.train.checkpoint import resume_point
 from shardtune.train.data import BatchPlan, load_dataset
 
 
@@ -34,3 +38,9 @@ def preflight(cfg: Config) -> None:
         load_dataset(cfg.data.val, tokenizer, cfg.data.seq_len)
     BatchPlan.make(cfg.train.batch_size, cfg.train.micro_batch_size, cfg.parallel.nproc * cfg.parallel.nnodes)
     inject_lora(build_meta_model(model_dir, DTYPES[cfg.model.dtype]), cfg.lora, cfg.train.seed)
+    out = Path(cfg.output.out)
+    if out.exists() and not out.is_dir():
+        raise OutputError(f"option 'out': {out} is an existing file, not a directory")
+    check_writable(out)
+    if cfg.output.resume:
+        resume_point(cfg)  # a refused resume must not get as far as touching --out
