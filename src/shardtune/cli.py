@@ -150,8 +150,12 @@ def _run(argv: list[str] | None) -> int:
     except Stopped as err:  # a checkpoint may be there to resume from: the message says which and how
         print(f"error: {err}", file=sys.stderr)
         return err.exit_code
-    except (ShardtuneError, FileNotFoundError) as err:
+    except ShardtuneError as err:
         print(f"error: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:  # a file we were pointed at, or are writing, that the OS refuses: name it
+        where = f" {err.filename}" if err.filename else ""
+        print(f"error: cannot use{where}: {err.strerror or err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

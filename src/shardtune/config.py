@@ -189,10 +189,18 @@ def flatten(raw: dict[str, Any], where: str) -> dict[str, Any]:
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"config file {path} is a directory, not a file")
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: not valid UTF-8 (byte {err.start}); save the config file as UTF-8") from None
+    except OSError as err:
+        raise ConfigError(f"cannot read config file {path}: {err.strerror or err}") from None
+    try:
+        raw = yaml.safe_load(text) or {}
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: not valid YAML: {err}") from None
     if not isinstance(raw, dict):

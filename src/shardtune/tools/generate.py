@@ -17,8 +17,10 @@ import torch
 from torch import nn
 
 from shardtune.config import ConfigError
+from shardtune.model.directory import check_adapter_dir as check_peft_dir
 from shardtune.model.directory import check_model_dir
 from shardtune.model.meta import DTYPES
+from shardtune.runtime.files import read_text
 from shardtune.train.data import DataError, as_messages, pad_id, render_prompt
 
 # A prompt is a user message's text, or a whole conversation whose next turn is the assistant's.
@@ -56,8 +58,8 @@ def load_model(model_dir: str | Path, adapter: str | Path | None = None, dtype: 
 
 
 def check_adapter_dir(adapter: str | Path | None) -> None:
-    if adapter is not None and not (Path(adapter) / "adapter_config.json").is_file():
-        raise ConfigError(f"adapter directory {adapter} has no adapter_config.json (fine-tunes write OUT_DIR/adapter)")
+    if adapter is not None:
+        check_peft_dir(adapter)
 
 
 def split_record(record: dict) -> tuple[list[dict], str | None]:
@@ -87,9 +89,7 @@ def read_prompts(path: str | Path) -> list[Prompt]:
     """Prompts from a text file (one per line), or a .jsonl / .json (array) file of instruction,
     messages or text records; data files with answers work too (the answers are not shown)."""
     path = Path(path)
-    if not path.is_file():
-        raise DataError(f"prompts file {path} does not exist")
-    text = path.read_text(encoding="utf-8")
+    text = read_text(path, "prompts file", DataError)
     lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
     if not lines:
         raise DataError(f"{path}: no prompts (the file is empty)")

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from shardtune.errors import ShardtuneError
-from shardtune.model.directory import check_model_dir
+from shardtune.model.directory import check_adapter_dir, check_model_dir
 from shardtune.model.loading import checkpoint_key
 from shardtune.model.meta import DTYPES
 from shardtune.runtime.files import check_output_dir, staged_dir
@@ -63,10 +63,9 @@ def read_adapter(adapter: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     from safetensors.torch import load_file
 
     config_file, weights = adapter / "adapter_config.json", adapter / "adapter_model.safetensors"
-    for f in (config_file, weights):
-        if not f.is_file():
-            raise MergeError(f"adapter directory {adapter} has no {f.name}")
-    config = json.loads(config_file.read_text())
+    config = check_adapter_dir(adapter)
+    if not weights.is_file():
+        raise MergeError(f"adapter directory {adapter} has no {weights.name}")
     if config.get("peft_type", "LORA") != "LORA":
         raise MergeError(f"{config_file}: peft_type {config['peft_type']!r}; only LoRA adapters can be merged")
     if config.get("use_dora"):

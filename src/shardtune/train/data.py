@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from shardtune.errors import ShardtuneError
+from shardtune.runtime.files import read_text
 
 IGNORE = -100
 
@@ -51,9 +52,7 @@ class Dataset:
 def read_records(path: str | Path) -> list[tuple[int, dict]]:
     """(line number, record) pairs from a .jsonl file or a JSON array file."""
     path = Path(path)
-    if not path.is_file():
-        raise DataError(f"data file {path} does not exist")
-    text = path.read_text(encoding="utf-8")
+    text = read_text(path, "data file", DataError)
     if not text.strip():
         raise DataError(f"{path}: the file is empty")
     records: list[tuple[int, object]] = []
