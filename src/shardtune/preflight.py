@@ -14,7 +14,8 @@ from shardtune.model.lora import inject_lora
 from shardtune.model.meta import DTYPES, build_meta_model
 from shardtune.runtime.files import OutputError, check_writable
 from shardtune.train.checkpoint import resume_point
-from shardtune.train.data import BatchPlan, load_dataset
+from shardtune.train.data import BatchPlan, load_dataset, read_records
+from shardtune.train.data_checks import warn_about_data
 
 
 def preflight(cfg: Config) -> None:
@@ -33,7 +34,8 @@ def preflight(cfg: Config) -> None:
             f"model directory {model_dir.path} has no usable tokenizer "
             f"(tokenizer.json, tokenizer_config.json): {reason}"
         ) from None
-    load_dataset(cfg.data.train, tokenizer, cfg.data.seq_len)
+    train = load_dataset(cfg.data.train, tokenizer, cfg.data.seq_len)
+    warn_about_data(cfg.data.train, read_records(cfg.data.train), len(train.examples), cfg.train.batch_size)
     if cfg.data.val:
         load_dataset(cfg.data.val, tokenizer, cfg.data.seq_len)
     BatchPlan.make(cfg.train.batch_size, cfg.train.micro_batch_size, cfg.parallel.nproc * cfg.parallel.nnodes)
