@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from shardtune.errors import ShardtuneError
+
 # A rank that dies must not leave the others waiting for the default 30 minutes: collectives give
 # up after this long and the launcher then names the rank that failed first.
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=int(os.environ.get("SHARDTUNE_COLLECTIVE_TIMEOUT", "300")))
@@ -120,6 +122,9 @@ def worker_main(main: Callable[[], None]) -> None:
             code = 1
     except KeyboardInterrupt:
         code = 130
+    except ShardtuneError as err:  # written for the user: the launcher shows the message, a traceback would bury it
+        print(f"error: {err}", file=sys.stderr)
+        code = err.exit_code
     except BaseException:  # record() has written the error file for the launcher; show it here too
         traceback.print_exc()
         code = 1
