@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -244,6 +245,10 @@ def validate(cfg: Config, need_data: bool = True) -> None:
     for flag, value in {"steps": cfg.train.steps, "micro-batch-size": cfg.train.micro_batch_size}.items():
         if value is not None and value < 1:
             raise ConfigError(f"option '{flag}' must be at least 1, got {value}")
+    for flag, (section, f) in FLAGS.items():
+        value = getattr(getattr(cfg, section), f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"option '{flag}' must be a finite number, got {value}")
     if cfg.train.epochs is not None and cfg.train.epochs <= 0:
         raise ConfigError(f"option 'epochs' must be positive, got {cfg.train.epochs}")
     if cfg.train.lr <= 0:
