@@ -126,3 +126,21 @@ def test_prompts_and_eval_data_that_are_unreadable(files, tmp_path, capsys):
     bad.write_bytes(b"fine\n\xc3\x28\n")
     _fails(capsys, ["generate", "--model", str(files / "model"), "--prompts", str(bad)], f"{bad}:2: not valid UTF-8")
     _fails(capsys, ["eval", "--model", str(files / "model"), "--data", str(tmp_path)], "is a directory, not a file")
+
+
+def test_eval_and_generate_with_an_adapter_made_for_another_model(files, tmp_path, capsys):
+    make_model(tmp_path / "gpt2", "gpt2")
+    _random_adapter(tmp_path / "gpt2", tmp_path / "gpt2-adapter", {})
+    adapter = tmp_path / "gpt2-adapter"
+    _fails(capsys, ["generate", "--model", str(files / "model"), "--adapter", str(adapter), "--prompt", "hi"],
+           f"adapter {adapter} does not fit the model {files / 'model'}")
+    _fails(capsys, ["eval", "--model", str(files / "model"), "--adapter", str(adapter), "--data",
+                    str(files / "train.jsonl"), "--max-new-tokens", "0"], "does not fit the model")
+
+
+def test_a_model_whose_tokenizer_is_broken(files, tmp_path, capsys):
+    model = _copy_model(files, tmp_path)
+    (model / "tokenizer.json").write_text("{ not json")
+    expected = f"model directory {model} has no usable tokenizer"
+    _fails(capsys, ["generate", "--model", str(model), "--prompt", "hi"], expected)
+    _fails(capsys, _finetune(files, tmp_path, model=model), expected)

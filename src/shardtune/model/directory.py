@@ -82,6 +82,20 @@ def read_json(file: Path, error: type[ConfigError] = ModelDirError) -> dict:
     return value
 
 
+def load_tokenizer(model_dir: ModelDir):
+    """The model directory's tokenizer, or a ModelDirError naming the directory and the reason."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_dir.path)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0].rstrip(" :")
+        raise ModelDirError(
+            f"model directory {model_dir.path} has no usable tokenizer "
+            f"(tokenizer.json, tokenizer_config.json): {reason}"
+        ) from None
+
+
 class AdapterDirError(ConfigError):
     """An adapter directory that is missing files or whose files are damaged."""
 

@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from shardtune.config import ConfigError
+from shardtune.model.directory import AdapterDirError, check_model_dir, load_tokenizer
 from shardtune.model.directory import check_adapter_dir as check_peft_dir
-from shardtune.model.directory import check_model_dir
 from shardtune.model.meta import DTYPES
 from shardtune.runtime.files import read_text
 from shardtune.train.data import DataError, as_messages, pad_id, render_prompt
@@ -43,17 +43,22 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 def load_model(model_dir: str | Path, adapter: str | Path | None = None, dtype: str = "auto",
                device: torch.device | None = None) -> tuple[nn.Module, object]:
     """The full model on one device (``from_pretrained``, then ``PeftModel.from_pretrained``), in eval mode."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    path = check_model_dir(model_dir).path
+    checked = check_model_dir(model_dir)
+    path = checked.path
     check_adapter_dir(adapter)
     device = device or pick_device()
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = load_tokenizer(checked)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype, device))
     if adapter is not None:
         from peft import PeftModel
 
-        model = PeftModel.from_pretrained(model, str(adapter))
+        try:
+            model = PeftModel.from_pretrained(model, str(adapter))
+        except (ValueError, KeyError, RuntimeError) as err:  # e.g. made for another model: shapes, names
+            reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            raise AdapterDirError(f"adapter {adapter} does not fit the model {path}: {reason}") from None
     return model.to(device).eval(), tokenizer
 
 
