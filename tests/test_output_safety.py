@@ -102,3 +102,16 @@ def test_a_failed_staged_write_leaves_nothing_and_names_the_path(tmp_path):
             raise ValueError("boom")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter"]
     assert str(output_error(OSError(errno.EROFS, "x"), "/o/p")) == "cannot write /o/p: the file system is read-only"
+
+
+def test_a_checkpoint_write_on_a_full_disk_names_the_file(tmp_path):
+    import traceback
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from shardtune.train.checkpoint import _write_error
+
+    full = OSError(errno.ENOSPC, "No space left on device", str(tmp_path / ".step-4.tmp" / "__0_0.distcp"))
+    err = CheckpointException("save failed", {0: (full, traceback.StackSummary())})
+    assert str(_write_error(err, tmp_path / ".step-4.tmp")) == \
+        f"cannot write {tmp_path / '.step-4.tmp' / '__0_0.distcp'}: no space left on the device"
