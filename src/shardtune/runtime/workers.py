@@ -101,7 +101,9 @@ def _describe(err: Exception, log_dir: Path) -> str:
     if isinstance(data, dict) and data.get("message"):
         stack = data.get("extraInfo", {}).get("py_callstack", "")
         lines = [line for line in stack.strip().splitlines() if line.strip()]
-        if lines and _ours(lines[-1]):
+        # The exception's own line follows the last frame (frames are indented; a message may span lines).
+        last_frame = max((i for i, line in enumerate(lines) if line.startswith(" ")), default=-1)
+        if last_frame + 1 < len(lines) and _ours(lines[last_frame + 1]):
             # One of our errors: its message is written for the user, a traceback would only bury it.
             return f"rank {rank}: {data['message'].split(': ', 1)[-1]}"
         return f"rank {rank} failed: {data['message']}\n" + "\n".join(lines[-12:])

@@ -240,7 +240,6 @@ class Checkpointer:
         return TrainState(**meta["state"])
 
 
-
 def _write_error(err: BaseException, tmp: Path) -> ShardtuneError:
     """The OSError behind a failed checkpoint write (DCP wraps each rank's), as an error naming the path."""
     causes = [err, err.__cause__, *(pair[0] for pair in getattr(err, "failures", {}).values())]
