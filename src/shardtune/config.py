@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -94,6 +95,10 @@ class OutputConfig:
     save_every: int = opt(0, "save-every", "Write a resumable checkpoint every N steps (0: never).")
     keep_last: int = opt(2, "keep-last", "Resumable checkpoints to keep.")
     resume: bool = opt(False, "resume", "Continue from the newest complete checkpoint under --out.")
+    allow_data_change: bool = opt(
+        False, "allow-data-change",
+        "With --resume: continue although the training data file changed since the checkpoint (size or SHA-256).",
+    )
     log_file: str | None = opt(None, "log-file", "Also write every rank's log lines to this file.")
 
 
@@ -185,10 +190,18 @@ def flatten(raw: dict[str, Any], where: str) -> dict[str, Any]:
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"config file {path} is a directory, not a file")
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: not valid UTF-8 (byte {err.start}); save the config file as UTF-8") from None
+    except OSError as err:
+        raise ConfigError(f"cannot read config file {path}: {err.strerror or err}") from None
+    try:
+        raw = yaml.safe_load(text) or {}
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: not valid YAML: {err}") from None
     if not isinstance(raw, dict):
@@ -232,6 +245,10 @@ def validate(cfg: Config, need_data: bool = True) -> None:
     for flag, value in {"steps": cfg.train.steps, "micro-batch-size": cfg.train.micro_batch_size}.items():
         if value is not None and value < 1:
             raise ConfigError(f"option '{flag}' must be at least 1, got {value}")
+    for flag, (section, f) in FLAGS.items():
+        value = getattr(getattr(cfg, section), f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"option '{flag}' must be a finite number, got {value}")
     if cfg.train.epochs is not None and cfg.train.epochs <= 0:
         raise ConfigError(f"option 'epochs' must be positive, got {cfg.train.epochs}")
     if cfg.train.lr <= 0:

@@ -1,35 +1,72 @@
-"""``shardtune finetune``'s launch: write the run's configuration, start the training workers, read the summary."""
+"""``shardtune finetune``'s launch: take the run folder, write the run's configuration, start the workers.
+
+Nothing under ``--out`` changes before the run is accepted (preflight, lock): a refused start leaves
+the folder as it was. Workers read a private copy of the configuration, never ``OUT/config.yaml``,
+which a user (or another run) may edit. ``summary.json`` is only ever replaced by a new one.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 from shardtune.config import Config, write_yaml
-from shardtune.runtime.workers import Stopped, WorkerError, launch_workers, under_torchrun
+from shardtune.runtime.files import output_error
+from shardtune.runtime.lock import RunLock
+from shardtune.runtime.workers import Stopped, WorkerError, launch_workers, run_id, under_torchrun
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return None
+    return st.st_ino, st.st_mtime_ns
+
+
+def _write_config(cfg: Config, path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        write_yaml(cfg, tmp)
+        os.replace(tmp, path)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        raise output_error(err, path) from None
 
 
 def launch(cfg: Config) -> dict:
     """Run the fine-tune described by ``cfg`` on ``cfg.parallel.nproc`` local workers; return the summary."""
     out = Path(cfg.output.out)
-    config_path, summary_path = out / "config.yaml", out / "summary.json"
-    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every rank gets here
-        out.mkdir(parents=True, exist_ok=True)
-        write_yaml(cfg, config_path)
-        summary_path.unlink(missing_ok=True)  # never report an older run's result as this one's
-    if under_torchrun():
+    if under_torchrun():  # every rank gets here; rank 0 holds the run folder for the run
         from shardtune.train.recipe import run
 
-        return run(cfg)
-    try:
-        launch_workers(cfg.parallel, "shardtune.train", [str(config_path)])
-    except Stopped as err:
-        from shardtune.train.stop import stop_message
+        if int(os.environ.get("RANK", "0")) != 0:
+            return run(cfg)
+        with RunLock(out, os.environ.get("TORCHELASTIC_RUN_ID", "torchrun")):
+            _write_config(cfg, out / "config.yaml")
+            return run(cfg)
 
-        raise Stopped(err.signum, stop_message(err.signum, out)) from None
-    if not summary_path.is_file():
+    run_name = run_id(cfg.parallel)
+    summary_path = out / "summary.json"
+    with RunLock(out, run_name):
+        if cfg.parallel.node_rank == 0:
+            _write_config(cfg, out / "config.yaml")
+        before = _identity(summary_path)
+        private = Path(tempfile.mkdtemp(prefix="shardtune-run-"))
+        try:
+            write_yaml(cfg, private / "config.yaml")
+            launch_workers(cfg.parallel, "shardtune.train", [str(private / "config.yaml")], run_name)
+        except Stopped as err:
+            from shardtune.train.stop import stop_message
+
+            raise Stopped(err.signum, stop_message(err.signum, out)) from None
+        finally:
+            shutil.rmtree(private, ignore_errors=True)
+    if _identity(summary_path) in (None, before):  # never report an older run's result as this one's
         if cfg.parallel.node_rank > 0:
             return {}  # rank 0, on node 0, writes the summary
-        raise WorkerError(f"the workers finished but wrote no {summary_path}")
+        raise WorkerError(f"the workers finished but wrote no new {summary_path}")
     return json.loads(summary_path.read_text())

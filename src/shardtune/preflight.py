@@ -6,31 +6,34 @@ a model; these checks read only config, headers, tokenizer and data, and build t
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from shardtune.config import Config, validate
-from shardtune.model.directory import ModelDirError, check_model_dir
+from shardtune.model.directory import check_model_dir, load_tokenizer
 from shardtune.model.lora import inject_lora
 from shardtune.model.meta import DTYPES, build_meta_model
-from shardtune.train.data import BatchPlan, load_dataset
+from shardtune.runtime.files import OutputError, check_writable
+from shardtune.train.checkpoint import resume_point
+from shardtune.train.data import BatchPlan, load_dataset, read_records
+from shardtune.train.data_checks import warn_about_data
 
 
 def preflight(cfg: Config) -> None:
-    from transformers import AutoTokenizer
-
     from shardtune.runtime.logs import quiet_libraries
 
     quiet_libraries()
     validate(cfg)
     model_dir = check_model_dir(cfg.model.path)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(model_dir.path)
-    except (OSError, ValueError) as err:
-        reason = (str(err).strip().splitlines() or [type(err).__name__])[0].rstrip(" :")
-        raise ModelDirError(
-            f"model directory {model_dir.path} has no usable tokenizer "
-            f"(tokenizer.json, tokenizer_config.json): {reason}"
-        ) from None
-    load_dataset(cfg.data.train, tokenizer, cfg.data.seq_len)
+    tokenizer = load_tokenizer(model_dir)
+    train = load_dataset(cfg.data.train, tokenizer, cfg.data.seq_len)
+    warn_about_data(cfg.data.train, read_records(cfg.data.train), len(train.examples), cfg.train.batch_size)
     if cfg.data.val:
         load_dataset(cfg.data.val, tokenizer, cfg.data.seq_len)
     BatchPlan.make(cfg.train.batch_size, cfg.train.micro_batch_size, cfg.parallel.nproc * cfg.parallel.nnodes)
     inject_lora(build_meta_model(model_dir, DTYPES[cfg.model.dtype]), cfg.lora, cfg.train.seed)
+    out = Path(cfg.output.out)
+    if out.exists() and not out.is_dir():
+        raise OutputError(f"option 'out': {out} is an existing file, not a directory")
+    check_writable(out)
+    if cfg.output.resume:
+        resume_point(cfg)  # a refused resume must not get as far as touching --out

@@ -33,13 +33,106 @@ class ModelDir:
         return names
 
 
-def check_model_dir(path: str | Path) -> ModelDir:
-    """Check a Hugging Face model directory and say exactly what is missing."""
+def check_safetensors(file: Path, error: type[ConfigError] = ModelDirError) -> dict:
+    """The header of safetensors ``file``, after checking that the file holds every byte it promises.
+
+    A truncated file (an interrupted copy or download) otherwise passes every check and fails in the
+    workers, with a traceback that names neither the file nor the tensor.
+    """
+    try:
+        size = file.stat().st_size
+        with file.open("rb") as f:
+            head = f.read(8)
+            length = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if not 0 < length <= size - 8:
+                raise error(f"{file} is not a safetensors file, or is truncated ({size} bytes, no complete header)")
+            header = json.loads(f.read(length))
+    except OSError as err:
+        raise error(f"cannot read {file}: {err.strerror or err}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise error(f"{file}: its safetensors header is not valid JSON (the file is damaged)") from None
+    if not isinstance(header, dict):
+        raise error(f"{file}: its safetensors header is not a mapping (the file is damaged)")
+    available = size - 8 - length
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            end = int(info["data_offsets"][1])
+        except (TypeError, KeyError, IndexError, ValueError):
+            raise error(f"{file}: tensor {name} has no valid data_offsets (the file is damaged)") from None
+        if end > available:
+            raise error(f"{file} is truncated: tensor {name} ends at byte {8 + length + end}, "
+                        f"the file has {size} bytes")
+    return header
+
+
+def read_json(file: Path, error: type[ConfigError] = ModelDirError) -> dict:
+    """A JSON object from ``file``, or ``error`` naming the file and the line."""
+    try:
+        value = json.loads(file.read_bytes().decode("utf-8"))
+    except OSError as err:
+        raise error(f"cannot read {file}: {err.strerror or err}") from None
+    except UnicodeDecodeError as err:
+        raise error(f"{file}: not valid UTF-8 (byte {err.start})") from None
+    except json.JSONDecodeError as err:
+        raise error(f"{file}:{err.lineno}: not valid JSON: {err.msg} (column {err.colno})") from None
+    if not isinstance(value, dict):
+        raise error(f"{file}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+def load_tokenizer(model_dir: ModelDir):
+    """The model directory's tokenizer, or a ModelDirError naming the directory and the reason."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_dir.path)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0].rstrip(" :")
+        raise ModelDirError(
+            f"model directory {model_dir.path} has no usable tokenizer "
+            f"(tokenizer.json, tokenizer_config.json): {reason}"
+        ) from None
+
+
+class AdapterDirError(ConfigError):
+    """An adapter directory that is missing files or whose files are damaged."""
+
+
+def check_adapter_dir(path: str | Path) -> dict:
+    """Check a peft adapter directory (config + weights, headers and sizes); return its config."""
     path = Path(path)
     if not path.is_dir():
+        raise AdapterDirError(f"adapter directory {path} does not exist")
+    config_file = path / "adapter_config.json"
+    if not config_file.is_file():
+        raise AdapterDirError(f"adapter directory {path} has no adapter_config.json (fine-tunes write OUT_DIR/adapter)")
+    config = read_json(config_file, AdapterDirError)
+    weights = path / "adapter_model.safetensors"
+    if weights.is_file():
+        check_safetensors(weights, AdapterDirError)
+    elif not (path / "adapter_model.bin").is_file():
+        raise AdapterDirError(f"adapter directory {path} has no adapter_model.safetensors")
+    return config
+
+
+def check_model_dir(path: str | Path) -> ModelDir:
+    """Check a Hugging Face model directory and say exactly what is missing or damaged."""
+    model_dir = _find_weights(Path(path))
+    for file in model_dir.weight_files:
+        check_safetensors(file)
+    return model_dir
+
+
+def _find_weights(path: Path) -> ModelDir:
+    if not path.exists():
         raise ModelDirError(f"model directory {path} does not exist")
+    if not path.is_dir():
+        raise ModelDirError(f"model directory {path} is a file, not a directory")
     if not (path / "config.json").is_file():
         raise ModelDirError(f"model directory {path} has no config.json")
+    read_json(path / "config.json")
     index_file = path / "model.safetensors.index.json"
     if index_file.is_file():
         try:

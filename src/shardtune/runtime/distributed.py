@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from shardtune.errors import ShardtuneError
+
 # A rank that dies must not leave the others waiting for the default 30 minutes: collectives give
 # up after this long and the launcher then names the rank that failed first.
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=int(os.environ.get("SHARDTUNE_COLLECTIVE_TIMEOUT", "300")))
@@ -31,8 +33,38 @@ class Worker:
         return self.rank == 0
 
 
+# Set by our launcher for its workers: the process whose death must end them.
+LAUNCHER_PID = "SHARDTUNE_LAUNCHER_PID"
+
+
+def die_with_parent() -> None:
+    """Make the kernel SIGKILL this worker when the process that started it dies (Linux).
+
+    Torch's elastic agent puts every worker in a process group of its own, so when the launcher is
+    SIGKILLed (an OOM killer, a notebook kernel restart) nothing else reaches the workers: they would
+    live on, detached, holding memory and devices. A launcher that died before this call is caught
+    by the re-check right after it: our launcher names itself; otherwise the parent turning into
+    another process (init, a sub-reaper) shows it.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    PR_SET_PDEATHSIG = 1
+    parent = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    launcher = os.environ.get(LAUNCHER_PID)
+    if os.getppid() != parent or parent == 1 or (launcher and launcher.isdigit() and int(launcher) != parent):
+        print("the launcher of this worker is gone: exiting", file=sys.stderr)
+        os._exit(1)
+
+
 def init_worker() -> Worker:
     """Join the process group started by our launcher or torchrun (or run alone without one)."""
+    if "MASTER_ADDR" in os.environ:
+        die_with_parent()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -78,6 +110,7 @@ def worker_main(main: Callable[[], None]) -> None:
 
     from torch.distributed.elastic.multiprocessing.errors import record
 
+    die_with_parent()
     try:
         record(main)()
         code = 0
@@ -89,6 +122,9 @@ def worker_main(main: Callable[[], None]) -> None:
             code = 1
     except KeyboardInterrupt:
         code = 130
+    except ShardtuneError as err:  # written for the user: the launcher shows the message, a traceback would bury it
+        print(f"error: {err}", file=sys.stderr)
+        code = err.exit_code
     except BaseException:  # record() has written the error file for the launcher; show it here too
         traceback.print_exc()
         code = 1

@@ -75,6 +75,21 @@ def _cause_first(failure: ProcessFailure, tail: list[str]) -> tuple[bool, bool, 
     return (failure.exitcode == -signal.SIGTERM, any(p in text for p in _PEER_LOST), failure.timestamp or 0)
 
 
+def _ours(last_line: str) -> bool:
+    """Whether a traceback's last line ("package.module.Class: message") is one of our user-facing errors."""
+    import importlib
+
+    qualified = last_line.split(":", 1)[0]
+    module, _, name = qualified.rpartition(".")
+    if not module.startswith("shardtune"):
+        return False
+    try:
+        cls = getattr(importlib.import_module(module), name, None)
+    except Exception:  # whatever that module is, it is not one we can check
+        return False
+    return isinstance(cls, type) and issubclass(cls, ShardtuneError)
+
+
 def _describe(err: Exception, log_dir: Path) -> str:
     """One message naming the first rank that failed, its error and the end of its traceback."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -87,6 +102,11 @@ def _describe(err: Exception, log_dir: Path) -> str:
     if isinstance(data, dict) and data.get("message"):
         stack = data.get("extraInfo", {}).get("py_callstack", "")
         lines = [line for line in stack.strip().splitlines() if line.strip()]
+        # The exception's own line follows the last frame (frames are indented; a message may span lines).
+        last_frame = max((i for i, line in enumerate(lines) if line.startswith(" ")), default=-1)
+        if last_frame + 1 < len(lines) and _ours(lines[last_frame + 1]):
+            # One of our errors: its message is written for the user, a traceback would only bury it.
+            return f"rank {rank}: {data['message'].split(': ', 1)[-1]}"
         return f"rank {rank} failed: {data['message']}\n" + "\n".join(lines[-12:])
     # Without an error file (a worker that is not ours, or one killed by a signal) its stderr tells.
     tail = tails[rank]
@@ -132,11 +152,18 @@ class _Relay(threading.Thread):
         self.pump()
 
 
-def launch_workers(parallel: ParallelConfig, module: str, args: list[str]) -> None:
+def run_id(parallel: ParallelConfig) -> str:
+    """The id of the run this launcher belongs to: the same on every node of a multi-node run."""
+    if parallel.nnodes > 1:
+        return f"shardtune-{parallel.rdzv_endpoint}"  # every node must name the same run to meet in the store
+    return f"shardtune-{uuid.uuid4().hex[:8]}"
+
+
+def launch_workers(parallel: ParallelConfig, module: str, args: list[str], run: str | None = None) -> None:
     """Run ``python -m module *args`` on ``parallel.nproc`` local workers joined into one process group.
 
     Their output is relayed here; raises WorkerError naming the first rank that failed, after the
-    elastic agent has stopped the others.
+    elastic agent has stopped the others. ``run``: the run id (default: ``run_id(parallel)``).
     """
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -147,16 +174,17 @@ def launch_workers(parallel: ParallelConfig, module: str, args: list[str]) -> No
     if p.nnodes > 1:
         # torchrun's default for a fixed set of nodes: node 0 hosts the store at the endpoint.
         endpoint, backend, rdzv_configs = p.rdzv_endpoint, "static", {"rank": p.node_rank}
-        run_id = f"shardtune-{endpoint}"  # every node must name the same run to meet in the store
     else:
         endpoint, backend, rdzv_configs = f"127.0.0.1:{free_port()}", "c10d", {}
-        run_id = f"shardtune-{uuid.uuid4().hex[:8]}"
     launch_config = LaunchConfig(
-        min_nodes=p.nnodes, max_nodes=p.nnodes, nproc_per_node=p.nproc, run_id=run_id,
+        min_nodes=p.nnodes, max_nodes=p.nnodes, nproc_per_node=p.nproc, run_id=run or run_id(p),
         rdzv_backend=backend, rdzv_endpoint=endpoint, rdzv_configs=rdzv_configs, max_restarts=0,
         monitor_interval=0.2, start_method="spawn", shutdown_timeout=STOP_TIMEOUT,
         logs_specs=DefaultLogsSpecs(log_dir=str(log_dir), redirects=Std.ALL),
     )
+    from shardtune.runtime.distributed import LAUNCHER_PID
+
+    os.environ[LAUNCHER_PID] = str(os.getpid())  # workers die with this process (distributed.die_with_parent)
     os.environ.setdefault("PYTHONUNBUFFERED", "1")  # worker output is a file: flush it line by line
     # Each worker would otherwise start one compute thread per core: N workers on C cores then
     # oversubscribe them, which made a 2-rank CPU run 5x slower than 1 rank. (torchrun sets 1.)

@@ -170,14 +170,13 @@ def _run_here(spec: EvalSpec) -> dict[str, Any]:
 
 
 def _run_workers(spec: EvalSpec, nproc: int) -> dict[str, Any]:
-    from transformers import AutoTokenizer
 
     from shardtune.config import ParallelConfig
-    from shardtune.model.directory import check_model_dir
+    from shardtune.model.directory import check_model_dir, load_tokenizer
     from shardtune.runtime.workers import WorkerError, launch_workers
 
     # Bad paths or data fail here in a second, not in N workers after they have loaded the model.
-    tokenizer = AutoTokenizer.from_pretrained(check_model_dir(spec.model).path)
+    tokenizer = load_tokenizer(check_model_dir(spec.model))
     _read(spec, tokenizer)
     with tempfile.TemporaryDirectory(prefix="shardtune-eval-") as tmp:
         spec_path, result_path = Path(tmp) / "spec.json", Path(tmp) / "result.json"

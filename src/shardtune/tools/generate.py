@@ -17,8 +17,10 @@ import torch
 from torch import nn
 
 from shardtune.config import ConfigError
-from shardtune.model.directory import check_model_dir
+from shardtune.model.directory import AdapterDirError, check_model_dir, load_tokenizer
+from shardtune.model.directory import check_adapter_dir as check_peft_dir
 from shardtune.model.meta import DTYPES
+from shardtune.runtime.files import read_text
 from shardtune.train.data import DataError, as_messages, pad_id, render_prompt
 
 # A prompt is a user message's text, or a whole conversation whose next turn is the assistant's.
@@ -41,23 +43,28 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 def load_model(model_dir: str | Path, adapter: str | Path | None = None, dtype: str = "auto",
                device: torch.device | None = None) -> tuple[nn.Module, object]:
     """The full model on one device (``from_pretrained``, then ``PeftModel.from_pretrained``), in eval mode."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    path = check_model_dir(model_dir).path
+    checked = check_model_dir(model_dir)
+    path = checked.path
     check_adapter_dir(adapter)
     device = device or pick_device()
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = load_tokenizer(checked)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype, device))
     if adapter is not None:
         from peft import PeftModel
 
-        model = PeftModel.from_pretrained(model, str(adapter))
+        try:
+            model = PeftModel.from_pretrained(model, str(adapter))
+        except (ValueError, KeyError, RuntimeError) as err:  # e.g. made for another model: shapes, names
+            reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            raise AdapterDirError(f"adapter {adapter} does not fit the model {path}: {reason}") from None
     return model.to(device).eval(), tokenizer
 
 
 def check_adapter_dir(adapter: str | Path | None) -> None:
-    if adapter is not None and not (Path(adapter) / "adapter_config.json").is_file():
-        raise ConfigError(f"adapter directory {adapter} has no adapter_config.json (fine-tunes write OUT_DIR/adapter)")
+    if adapter is not None:
+        check_peft_dir(adapter)
 
 
 def split_record(record: dict) -> tuple[list[dict], str | None]:
@@ -87,9 +94,7 @@ def read_prompts(path: str | Path) -> list[Prompt]:
     """Prompts from a text file (one per line), or a .jsonl / .json (array) file of instruction,
     messages or text records; data files with answers work too (the answers are not shown)."""
     path = Path(path)
-    if not path.is_file():
-        raise DataError(f"prompts file {path} does not exist")
-    text = path.read_text(encoding="utf-8")
+    text = read_text(path, "prompts file", DataError)
     lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
     if not lines:
         raise DataError(f"{path}: no prompts (the file is empty)")

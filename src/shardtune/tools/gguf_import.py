@@ -36,7 +36,7 @@ from torch import nn
 
 from shardtune.config import ConfigError
 from shardtune.model.meta import DTYPES
-from shardtune.runtime.files import replace_dir
+from shardtune.runtime.files import OutputError, check_output_dir, output_error, replace_dir
 
 log = logging.getLogger("shardtune")
 
@@ -197,10 +197,10 @@ def import_gguf(
     if src.is_dir() or src.suffix.lower() in (".whl", ".zip"):
         src = find_smollm2_gguf(src)
     _check_gguf_file(src)
-    if out.exists() and not out.is_dir():
-        raise GGUFImportError(f"output {out} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise GGUFImportError(f"output directory {out} already exists and is not empty: remove it or choose another")
+    try:
+        check_output_dir(out, overwrite=overwrite, inputs=(src, gguf_file))
+    except OutputError as err:  # callers catch this module's error class
+        raise GGUFImportError(str(err)) from None
     _check_gguf_package()
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -228,6 +228,9 @@ def import_gguf(
         tokenizer.save_pretrained(tmp)
         _chmod_tree(tmp)
         replace_dir(tmp, out)
+    except OSError as err:  # a full disk, say: name the file, leave nothing behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise output_error(err, out) from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import re
 import shutil
 from dataclasses import dataclass, field
@@ -27,11 +26,11 @@ from pathlib import Path
 import torch
 
 from shardtune.errors import ShardtuneError
-from shardtune.model.directory import check_model_dir
+from shardtune.model.directory import check_adapter_dir, check_model_dir
 from shardtune.model.loading import checkpoint_key
 from shardtune.model.lora import PEFT_PREFIX
 from shardtune.model.meta import DTYPES
-from shardtune.runtime.files import replace_dir
+from shardtune.runtime.files import check_output_dir, staged_dir
 from shardtune.runtime.safetensors_header import TORCH_DTYPES, encode_header
 
 log = logging.getLogger("shardtune")
@@ -59,10 +58,9 @@ def read_adapter(adapter: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     from safetensors.torch import load_file
 
     config_file, weights = adapter / "adapter_config.json", adapter / "adapter_model.safetensors"
-    for f in (config_file, weights):
-        if not f.is_file():
-            raise MergeError(f"adapter directory {adapter} has no {f.name}")
-    config = json.loads(config_file.read_text())
+    config = check_adapter_dir(adapter)
+    if not weights.is_file():
+        raise MergeError(f"adapter directory {adapter} has no {weights.name}")
     if config.get("peft_type", "LORA") != "LORA":
         raise MergeError(f"{config_file}: peft_type {config['peft_type']!r}; only LoRA adapters can be merged")
     if config.get("use_dora"):
@@ -179,10 +177,14 @@ def merge_file(src: Path, dst: Path, changes: dict[str, Change], extra: dict[str
 
 
 
-def merge(model: str | Path, adapter: str | Path, out: str | Path, dtype: str = "auto") -> dict:
-    """Write ``out``: the model with the adapter folded in. Returns sizes: total and largest tensor bytes."""
+def merge(model: str | Path, adapter: str | Path, out: str | Path, dtype: str = "auto",
+          overwrite: bool = False) -> dict:
+    """Write ``out``: the model with the adapter folded in. Returns sizes: total and largest tensor bytes.
+
+    A non-empty ``out`` is replaced only with ``overwrite=True``, and never when it is (or holds) an input.
+    """
     model_dir = check_model_dir(model)
-    out = Path(out)
+    out = check_output_dir(out, overwrite=overwrite, inputs=(model, adapter))
     config, tensors = read_adapter(Path(adapter))
     wanted = None if dtype == "auto" else DTYPES[dtype]
     file_of = dict(model_dir.index["weight_map"]) if model_dir.index else {}
@@ -200,20 +202,17 @@ def merge(model: str | Path, adapter: str | Path, out: str | Path, dtype: str = 
     for name, source in extra.items():
         file_of[name] = file_of[source]
 
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    total, largest = 0, 0
-    for src in model_dir.weight_files:
-        new = {n: s for n, s in extra.items() if file_of[s] == src.name}
-        written, big = merge_file(src, tmp / src.name, changes, new, wanted)
-        total, largest = total + written, max(largest, big)
-    _copy_other_files(model_dir.path, tmp, wanted, untie=bool(extra))
-    if model_dir.index:
-        index = {**model_dir.index, "weight_map": dict(sorted(file_of.items()))}
-        index["metadata"] = {**index.get("metadata", {}), "total_size": total}
-        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    replace_dir(tmp, out)
+    with staged_dir(out) as tmp:
+        total, largest = 0, 0
+        for src in model_dir.weight_files:
+            new = {n: s for n, s in extra.items() if file_of[s] == src.name}
+            written, big = merge_file(src, tmp / src.name, changes, new, wanted)
+            total, largest = total + written, max(largest, big)
+        _copy_other_files(model_dir.path, tmp, wanted, untie=bool(extra))
+        if model_dir.index:
+            index = {**model_dir.index, "weight_map": dict(sorted(file_of.items()))}
+            index["metadata"] = {**index.get("metadata", {}), "total_size": total}
+            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     log.info("merged %s into %s: %d tensors changed, %.1f MB written", adapter, out, len(changes), total / 2**20)
     return {"out": str(out), "bytes": total, "largest_tensor_bytes": largest, "changed": len(changes)}
 

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 
 import torch
@@ -12,20 +10,17 @@ import torch.distributed as dist
 from torch import nn
 
 from shardtune.parallel import Strategy
-from shardtune.runtime.files import replace_dir
+from shardtune.runtime.files import staged_dir
 
 
 def write_adapter(tensors: dict[str, torch.Tensor], config: dict, out: Path) -> Path:
     """Write a peft adapter directory (adapter_config.json + adapter_model.safetensors) atomically."""
     from safetensors.torch import save_file
 
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "adapter_model.safetensors"),
-              metadata={"format": "pt"})
-    (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    replace_dir(tmp, out)
+    with staged_dir(out) as tmp:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "adapter_model.safetensors"),
+                  metadata={"format": "pt"})
+        (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return out
 
 

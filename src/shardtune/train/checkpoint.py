@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from shardtune.config import Config
 from shardtune.errors import ShardtuneError
 from shardtune.parallel import Strategy
-from shardtune.runtime.files import replace_dir
+from shardtune.runtime.files import check_output_dir, fingerprint, output_error, replace_dir
 from shardtune.train.adapter import peft_config_dict, write_adapter
 
 log = logging.getLogger("shardtune")
@@ -43,8 +43,8 @@ _STEP_DIR = re.compile(r"^step-(\d+)$")
 # Options that decide which tensors a checkpoint holds: resuming with other values cannot work.
 _STRUCTURAL = ("lora-r", "lora-targets", "lora-bias", "lora-modules-to-save")
 # Options that may change between the interrupted run and its continuation without a word.
-_FREE = ("out", "resume", "nproc", "strategy", "micro-batch-size", "save-every", "keep-last", "log-file",
-         "eval-every", "val-data", "activation-checkpointing", "cpu-offload", "nnodes", "node-rank",
+_FREE = ("out", "resume", "allow-data-change", "nproc", "strategy", "micro-batch-size", "save-every", "keep-last",
+         "log-file", "eval-every", "val-data", "activation-checkpointing", "cpu-offload", "nnodes", "node-rank",
          "rdzv-endpoint")
 
 
@@ -96,16 +96,34 @@ def find_latest(out: Path) -> Path | None:
 
 
 def _problem(path: Path, step: int | None) -> str | None:
-    """Why ``path`` cannot be resumed from, or None."""
+    """Why ``path`` cannot be resumed from, or None.
+
+    Decided from metadata and file sizes only, before any rank loads anything: a load that fails
+    halfway may already have overwritten part of the model and optimizer state.
+    """
     if not (path / MARKER).is_file():
         return f"no {MARKER} marker (its writing did not finish)"
     try:
         meta = json.loads((path / META).read_text())
         if step is not None and meta["step"] != step:
             return f"{META} says step {meta['step']}"
-        dcp.FileSystemReader(str(path)).read_metadata()
+        metadata = dcp.FileSystemReader(str(path)).read_metadata()
     except Exception as err:  # any damage at all means: do not resume from it
         return f"unreadable ({type(err).__name__}: {err})"
+    return _short_file(path, metadata.storage_data or {})
+
+
+def _short_file(path: Path, storage: dict) -> str | None:
+    """A data file that is missing or shorter than the bytes the checkpoint's metadata places in it."""
+    needed: dict[str, int] = {}
+    for info in storage.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        file = path / name
+        if not file.is_file():
+            return f"its data file {file} is missing"
+        if file.stat().st_size < size:
+            return f"its data file {file} is truncated ({file.stat().st_size} of {size} bytes)"
     return None
 
 
@@ -119,6 +137,8 @@ class Checkpointer:
         self.optimizer, self.scheduler = optimizer, scheduler
         self.worker = strategy.worker
         self.root = checkpoints_dir(Path(cfg.output.out))
+        # Hashed once, by the rank that writes the metadata: what --resume compares the data against.
+        self._data = fingerprint(cfg.data.train) if self.worker.is_main and cfg.data.train else None
 
     def due(self, step: int) -> bool:
         every = self.cfg.output.save_every
@@ -141,19 +161,24 @@ class Checkpointer:
         if self.worker.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
         dist.barrier()
-        (tmp / "rng").mkdir(parents=True, exist_ok=True)  # by every rank: multi-node needs --out on a shared filesystem
-        dcp.save(self._state_dict(), storage_writer=dcp.FileSystemWriter(str(tmp)))
-        rng = {"cpu": torch.get_rng_state()}
-        if self.worker.device.type == "cuda":
-            rng["cuda"] = torch.cuda.get_rng_state(self.worker.device)
-        torch.save(rng, tmp / "rng" / f"rank-{self.worker.rank}.pt")
+        try:
+            (tmp / "rng").mkdir(parents=True, exist_ok=True)  # by every rank: multi-node needs a shared --out
+            dcp.save(self._state_dict(), storage_writer=dcp.FileSystemWriter(str(tmp)))
+            rng = {"cpu": torch.get_rng_state()}
+            if self.worker.device.type == "cuda":
+                rng["cuda"] = torch.cuda.get_rng_state(self.worker.device)
+            torch.save(rng, tmp / "rng" / f"rank-{self.worker.rank}.pt")
+        except Exception as err:
+            # A full disk fills it no further: the half-written checkpoint goes, the complete ones stay.
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise _write_error(err, tmp) from None
         dist.barrier()  # every rank's files are written
         if self.worker.is_main:
             config = peft_config_dict(self.model, self.strategy, self.cfg.model.path)
             (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
             meta = {"step": state.step, "world_size": self.worker.world_size, "state": asdict(state),
                     "scheduler": self.scheduler.state_dict(), "options": self.cfg.flat(),
-                    "adapter_keys": self.keys, "saved_at": time.time()}
+                    "adapter_keys": self.keys, "data": self._data, "saved_at": time.time()}
             (tmp / META).write_text(json.dumps(meta, indent=1) + "\n")
             with open(tmp / MARKER, "w") as f:
                 os.fsync(f.fileno())
@@ -184,9 +209,21 @@ class Checkpointer:
             log.warning("--resume: no complete checkpoint under %s; starting from step 0", out)
             return TrainState()
         meta = json.loads((path / META).read_text())
-        self._check_options(meta["options"], path)
+        refused = None
+        if self.worker.is_main:  # one rank decides and all follow: none is left waiting for another
+            try:
+                for k, (a, b) in check_resumable(self.cfg, path, meta, self._data).items():
+                    log.warning("resuming from %s with option '%s' changed from %r to %r", path, k, a, b)
+            except CheckpointError as err:
+                refused = str(err)
+        refused = _broadcast(refused)
+        if refused:
+            raise CheckpointError(refused)
         sd = self._state_dict()  # allocates the optimizer state to load into
-        dcp.load(sd, storage_reader=dcp.FileSystemReader(str(path)))
+        try:
+            dcp.load(sd, storage_reader=dcp.FileSystemReader(str(path)))
+        except Exception as err:  # checked beforehand, so only damage made since (or a bug) lands here
+            raise CheckpointError(f"loading checkpoint {path} failed: {type(err).__name__}: {err}") from None
         set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"],
                        options=StateDictOptions(strict=False, ignore_frozen_params=True))
         self.scheduler.load_state_dict(meta["scheduler"])
@@ -202,15 +239,51 @@ class Checkpointer:
         log.info("resumed from %s (step %d)", path, meta["step"])
         return TrainState(**meta["state"])
 
-    def _check_options(self, saved: dict, path: Path) -> None:
-        now = self.cfg.flat()
-        changed = {k: (saved.get(k), v) for k, v in now.items() if k not in _FREE and saved.get(k) != v}
-        bad = {k: v for k, v in changed.items() if k in _STRUCTURAL}
-        if bad:
-            raise CheckpointError(f"cannot resume from {path}: " + "; ".join(
-                f"option '{k}' was {a!r}, now {b!r}" for k, (a, b) in bad.items()))
-        for k, (a, b) in changed.items() if self.worker.is_main else ():
-            log.warning("resuming from %s with option '%s' changed from %r to %r", path, k, a, b)
+
+def _write_error(err: BaseException, tmp: Path) -> ShardtuneError:
+    """The OSError behind a failed checkpoint write (DCP wraps each rank's), as an error naming the path."""
+    causes = [err, err.__cause__, *(pair[0] for pair in getattr(err, "failures", {}).values())]
+    for cause in causes:
+        if isinstance(cause, OSError):
+            return output_error(cause, tmp)
+    return CheckpointError(f"writing checkpoint {tmp} failed: {type(err).__name__}: {err}")
+
+
+def check_resumable(cfg: Config, path: Path, meta: dict, data: dict | None) -> dict[str, tuple]:
+    """Refuse to resume ``cfg`` from checkpoint ``path`` when its tensors or its data no longer fit.
+
+    ``data`` is the training data's fingerprint now. Returns the other options that changed
+    ({flag: (before, now)}), which a resume accepts with a warning.
+    """
+    saved, now = meta["options"], cfg.flat()
+    changed = {k: (saved.get(k), v) for k, v in now.items() if k not in _FREE and saved.get(k) != v}
+    bad = {k: v for k, v in changed.items() if k in _STRUCTURAL}
+    if bad:
+        raise CheckpointError(f"cannot resume from {path}: " + "; ".join(
+            f"option '{k}' was {a!r}, now {b!r}" for k, (a, b) in bad.items())
+            + " (these decide which tensors the checkpoint holds; use the old values or a new --out)")
+    before = meta.get("data")
+    if before and data and (before["bytes"], before["sha256"]) != (data["bytes"], data["sha256"]):
+        message = (f"the training data {data['path']} changed since checkpoint {path} was written "
+                   f"({before['bytes']} bytes, sha256 {before['sha256'][:12]}…; now {data['bytes']} bytes, "
+                   f"sha256 {data['sha256'][:12]}…)")
+        if not cfg.output.allow_data_change:
+            raise CheckpointError(f"cannot resume: {message}; the saved data position would point at other "
+                                  "records. Restore the file, or pass --allow-data-change to continue anyway")
+        log.warning("%s; continuing (--allow-data-change)", message)
+    return changed
+
+
+def resume_point(cfg: Config) -> Path | None:
+    """The checkpoint ``--resume`` will continue from (None: none), checked against ``cfg`` and its data.
+
+    Run once in the launching process, so that a refused resume changes nothing under ``--out``.
+    """
+    path = find_latest(Path(cfg.output.out))
+    if path is not None:
+        meta = json.loads((path / META).read_text())
+        check_resumable(cfg, path, meta, fingerprint(cfg.data.train))
+    return path
 
 
 def _broadcast(value: object) -> object:
@@ -219,13 +292,15 @@ def _broadcast(value: object) -> object:
     return holder[0]
 
 
-def adapter_from_checkpoint(path: Path, out: Path, model: str | Path | None = None) -> Path:
+def adapter_from_checkpoint(path: Path, out: Path, model: str | Path | None = None, overwrite: bool = False) -> Path:
     """Write the peft adapter held by resumable checkpoint ``path``, in this one process.
 
     Reads only the LoRA tensors (whole, whatever the number of ranks that wrote them); needs no base
-    weights. ``model`` replaces the base model path recorded in the adapter config.
+    weights. ``model`` replaces the base model path recorded in the adapter config. A non-empty ``out``
+    is replaced only with ``overwrite=True``, and never when it is (or holds) the checkpoint.
     """
     path = Path(path)
+    check_output_dir(out, overwrite=overwrite, inputs=(path,))
     match = _STEP_DIR.match(path.name)
     problem = _problem(path, int(match.group(1)) if match else None) if path.is_dir() else "no such directory"
     if problem:

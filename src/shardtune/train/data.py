@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from shardtune.errors import ShardtuneError
+from shardtune.runtime.files import read_text
 
 IGNORE = -100
 
@@ -51,9 +52,7 @@ class Dataset:
 def read_records(path: str | Path) -> list[tuple[int, dict]]:
     """(line number, record) pairs from a .jsonl file or a JSON array file."""
     path = Path(path)
-    if not path.is_file():
-        raise DataError(f"data file {path} does not exist")
-    text = path.read_text(encoding="utf-8")
+    text = read_text(path, "data file", DataError)
     if not text.strip():
         raise DataError(f"{path}: the file is empty")
     records: list[tuple[int, object]] = []
@@ -152,6 +151,18 @@ def _segments(tokenizer, messages: list[dict]) -> list[tuple[str, bool]]:
     return pieces
 
 
+def _render(tokenizer, messages: list[dict]) -> list[tuple[str, bool]]:
+    """``_segments``, with a chat template's refusal (a jinja error, say) as a DataError about the record."""
+    from jinja2 import TemplateError
+
+    try:
+        return _segments(tokenizer, messages)
+    except (ValueError, TypeError, KeyError, TemplateError) as err:
+        if isinstance(err, DataError):
+            raise
+        raise DataError(f"the chat template cannot render this conversation: {err}") from None
+
+
 def tokenize(tokenizer, record: dict, seq_len: int) -> tuple[Example, bool]:
     """One record as tokens and labels, cut to ``seq_len``; also whether it was cut."""
     messages = as_messages(record)
@@ -164,7 +175,7 @@ def tokenize(tokenizer, record: dict, seq_len: int) -> tuple[Example, bool]:
         ids, labels = [], []
         if tokenizer.bos_token_id is not None and not tokenizer.chat_template:
             ids, labels = [tokenizer.bos_token_id], [IGNORE]
-        for text, is_target in _segments(tokenizer, messages):
+        for text, is_target in _render(tokenizer, messages):
             piece = tokenizer(text, add_special_tokens=False)["input_ids"]
             ids += piece
             labels += piece if is_target else [IGNORE] * len(piece)

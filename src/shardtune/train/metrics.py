@@ -10,6 +10,8 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from shardtune.runtime.files import output_error
+
 
 class Progress:
     """One progress bar on rank 0; the other ranks stay quiet."""
@@ -57,5 +59,9 @@ def _finite(record: dict[str, Any]) -> dict[str, Any]:
 
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(_finite(data), indent=2) + "\n")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(_finite(data), indent=2) + "\n")
+        os.replace(tmp, path)
+    except OSError as err:  # a full disk: the old file stays, no half-written one is left, the path is named
+        tmp.unlink(missing_ok=True)
+        raise output_error(err, path) from None

@@ -31,6 +31,7 @@ from shardtune.train import validation
 from shardtune.train.adapter import save_adapter
 from shardtune.train.checkpoint import Checkpointer, TrainState
 from shardtune.train.data import BatchPlan, Dataset, Sampler, collate, load_dataset, pad_id
+from shardtune.train.guard import TrainingGuard
 from shardtune.train.loss import next_token_loss_sum
 from shardtune.train.metrics import MetricsLog, Progress, write_json_atomic
 from shardtune.train.stop import GracefulStop, stop_message
@@ -143,11 +144,13 @@ def train(job: Job, memory: MemoryMonitor, out: Path) -> dict:
     metrics = MetricsLog(out / "metrics.jsonl", job.worker.is_main, resume_from_step=state.step)
     progress = Progress(job.steps, state.step, job.worker.is_main)
     losses, stopped_by = [], 0
+    guard = TrainingGuard(out, cfg.train.lr, job.worker.is_main)
     with memory.phase("train"), GracefulStop(job.worker.device) as stop:
         for step in range(state.step, job.steps):
             started = time.perf_counter()
             loss, tokens = train_step(job, step)
             grad_norm = job.strategy.clip_grad_norm(job.model, cfg.train.max_grad_norm)
+            guard.check(step + 1, loss, grad_norm)  # before the optimizer step: no NaN weight is ever kept
             lr = scheduler.get_last_lr()[0]
             optimizer.step()
             scheduler.step()

@@ -1,0 +1,50 @@
+"""Never finish "successfully" on garbage: a non-finite loss or gradient norm ends the run at that step.
+
+Both values are global (the loss is all-reduced, the norm is over every rank's shard), so every rank
+reaches the same verdict at the same step without communicating, and none is left waiting. The check
+runs before the optimizer step: the weights stay those of the last good step, no checkpoint or
+adapter is written from NaN weights, and the newest checkpoint is left as it is.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+
+from shardtune.errors import ShardtuneError
+from shardtune.train.checkpoint import find_latest, resume_command
+
+log = logging.getLogger("shardtune")
+
+# Steps in a row with a gradient norm of exactly 0 before saying so: one can happen, several mean
+# the model has collapsed (e.g. a far too large --lr saturating every output) and learns nothing more.
+ZERO_GRAD_STEPS = 3
+
+
+class Diverged(ShardtuneError, RuntimeError):
+    """Training produced a non-finite loss or gradient norm; the message names the step and what to do."""
+
+
+class TrainingGuard:
+    """``check(step, loss, grad_norm)`` after each backward: raises Diverged, or warns about zero gradients."""
+
+    def __init__(self, out: Path, lr: float, is_main: bool) -> None:
+        self.out, self.lr, self.is_main = Path(out), lr, is_main
+        self.zero_run = 0
+
+    def check(self, step: int, loss: float, grad_norm: float) -> None:
+        """``step`` counts from 1, as metrics.jsonl does."""
+        bad = [f"{name} is {value}" for name, value in (("the loss", loss), ("the gradient norm", grad_norm))
+               if not math.isfinite(value)]
+        if bad:
+            latest = find_latest(self.out) if self.is_main else None
+            keep = (f"the newest complete checkpoint, {latest}, is kept; resume from it with a lower --lr: "
+                    f"{resume_command(self.out)} --lr …" if latest else "no checkpoint was written")
+            raise Diverged(f"training diverged at step {step}: {' and '.join(bad)} (--lr {self.lr:g}); "
+                           f"stopped before the optimizer step, and no adapter was written; {keep}")
+        self.zero_run = self.zero_run + 1 if grad_norm == 0 else 0
+        if self.zero_run == ZERO_GRAD_STEPS and self.is_main:
+            log.warning("the gradient norm has been exactly 0 for %d steps in a row (steps %d-%d): the model "
+                        "learns nothing more; a far too large --lr (now %g) can do this", ZERO_GRAD_STEPS,
+                        step - ZERO_GRAD_STEPS + 1, step, self.lr)

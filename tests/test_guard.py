@@ -1,0 +1,55 @@
+"""Rule: a run never finishes "successfully" on garbage. A non-finite loss or gradient norm stops it at that
+step with a non-zero exit, keeping the last good checkpoint and writing no adapter; zero gradients are named."""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardtune.cli import main
+from shardtune.train.guard import Diverged, TrainingGuard
+
+from tiny import instruction_records, make_model, write_jsonl
+
+
+def test_lr_1e30_stops_at_the_first_non_finite_step(tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    make_model(tmp_path / "model", "llama")
+    write_jsonl(tmp_path / "train.jsonl", instruction_records(8))
+    out = tmp_path / "out"
+    code = main(["finetune", "--model", str(tmp_path / "model"), "--data", str(tmp_path / "train.jsonl"),
+                 "--out", str(out), "--dtype", "fp32", "--steps", "6", "--batch-size", "4", "--seq-len", "64",
+                 "--strategy", "single", "--save-every", "1", "--warmup-steps", "0", "--lr", "1e30"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "training diverged at step" in err and "no adapter was written" in err and "Traceback" not in err
+    assert not (out / "adapter").exists() and not (out / "summary.json").exists()
+    checkpoints = sorted((out / "checkpoints").glob("step-*"))
+    assert checkpoints, err  # the steps before the divergence were good and are kept
+    assert f"the newest complete checkpoint, {checkpoints[-1]}, is kept" in err
+    for path in checkpoints[-1].glob("*.distcp"):  # ...and hold no NaN
+        assert path.stat().st_size > 0
+    from shardtune.train.checkpoint import adapter_from_checkpoint
+
+    adapter = load_file(adapter_from_checkpoint(checkpoints[-1], tmp_path / "a") / "adapter_model.safetensors")
+    assert all(torch.isfinite(t).all() for t in adapter.values())
+
+
+@pytest.mark.parametrize("loss,norm,what", [(math.nan, 1.0, "the loss is nan"), (1.0, math.inf, "norm is inf")])
+def test_guard_refuses_non_finite_values(tmp_path, loss, norm, what):
+    with pytest.raises(Diverged, match=f"training diverged at step 7: .*{what}.*no checkpoint was written"):
+        TrainingGuard(tmp_path, 1e-3, True).check(7, loss, norm)
+
+
+def test_guard_warns_once_when_the_gradient_stays_exactly_zero(tmp_path, caplog):
+    caplog.set_level(logging.WARNING, logger="shardtune")
+    guard = TrainingGuard(Path(tmp_path), 1e6, True)
+    for step, norm in enumerate([0.5, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0], start=1):
+        guard.check(step, 2.0, norm)
+    assert caplog.text.count("exactly 0 for 3 steps in a row (steps 5-7)") == 1
+    assert "--lr (now 1e+06)" in caplog.text

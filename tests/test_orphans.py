@@ -1,0 +1,72 @@
+"""Rule: no process is left behind. Every worker (training or eval: both start through worker_main) exits within
+seconds when its launcher is SIGKILLed, under our launcher and under torchrun."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).parent
+BOUND = 30  # seconds: generous, the kernel's parent-death signal acts at once
+
+OUR_LAUNCHER = ("from shardtune.config import ParallelConfig; from shardtune.runtime.workers import launch_workers; "
+                "launch_workers(ParallelConfig(nproc=2), 'sleeping_worker', [])")
+
+
+def _workers(launcher: int, timeout: float = 120) -> list:
+    """The launcher's worker processes, once both have joined their group and said so."""
+    import psutil
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = []
+        for child in psutil.Process(launcher).children(recursive=True):
+            try:
+                if "sleeping_worker" in " ".join(child.cmdline()):
+                    found.append(child)
+            except psutil.Error:
+                continue
+        if len(found) == 2:
+            return found
+        time.sleep(0.2)
+    pytest.fail("the two workers did not start")
+
+
+@pytest.mark.parametrize("launcher", ["shardtune", "torchrun"])
+def test_workers_exit_when_the_launcher_is_killed(launcher, tmp_path):
+    import psutil
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    env.pop("SHARDTUNE_LAUNCHER_PID", None)
+    if launcher == "shardtune":
+        command = [sys.executable, "-c", OUR_LAUNCHER]
+    else:
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                   "--master-port", "0", str(TESTS / "sleeping_worker.py")]
+    log = (tmp_path / "out.log").open("w")
+    proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    workers: list = []
+    try:
+        workers = _workers(proc.pid)
+        deadline = time.monotonic() + 120
+        while (tmp_path / "out.log").read_text().count("worker ready") < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)  # both past init_worker: the parent-death signal is set
+        # Each worker has a process group of its own: a signal to the launcher's group does not reach them.
+        assert all(os.getpgid(w.pid) != os.getpgid(proc.pid) for w in workers) or launcher == "torchrun"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        killed = time.monotonic()
+        gone, alive = psutil.wait_procs(workers, timeout=BOUND)
+        assert not alive, f"workers still alive {time.monotonic() - killed:.0f} s after the launcher died"
+    finally:
+        for worker in workers:  # the test failed: leave nothing behind ourselves
+            if worker.is_running():
+                worker.kill()
+        if proc.poll() is None:
+            proc.kill()
