@@ -21,6 +21,7 @@ import torch
 from shardtune.config import Config, ConfigError, build_config, validate
 from shardtune.model.footprint import Facts, model_facts
 from shardtune.model.meta import DTYPES
+from shardtune.runtime.device import pick_device
 from shardtune.train.data import BatchPlan, DataError
 from shardtune.train.loss import CHUNK_BYTES
 
@@ -183,10 +184,6 @@ def predict(f: Facts, strategy: str, ranks: int, micro_batch: int, seq_len: int,
                       note=note)
 
 
-def plan_device() -> torch.device:
-    return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-
-
 def default_memory_per_rank(local_ranks: int, device: torch.device) -> int:
     from shardtune.parallel.choose import memory_per_rank
     from shardtune.runtime.distributed import Worker
@@ -197,7 +194,7 @@ def default_memory_per_rank(local_ranks: int, device: torch.device) -> int:
 def plan(cfg: Config, memory_per_rank: int | None = None) -> dict[str, list[Prediction]]:
     """{strategy: predictions}; the first of each is for the configured checkpointing/offload flags,
     the others vary them. Raises ConfigError/DataError for an impossible configuration."""
-    device = plan_device()
+    device = pick_device(cfg.parallel.device)
     ranks = cfg.parallel.nproc * cfg.parallel.nnodes
     budget = memory_per_rank or default_memory_per_rank(cfg.parallel.nproc, device)
     batches: dict[str, BatchPlan | str] = {}
@@ -304,7 +301,7 @@ def run_plan(config: str | Path | None, overrides: dict[str, Any], memory_per_ra
     quiet_libraries()
     cfg = build_config(config, overrides)
     validate(cfg, need_data=False)
-    device = plan_device()
+    device = pick_device(cfg.parallel.device)
     if memory_per_rank:
         budget, where = parse_size(memory_per_rank), "--memory-per-rank"
     else:

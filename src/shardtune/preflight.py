@@ -10,6 +10,7 @@ from shardtune.config import Config, validate
 from shardtune.model.directory import ModelDirError, check_model_dir
 from shardtune.model.lora import inject_lora
 from shardtune.model.meta import DTYPES, build_meta_model
+from shardtune.runtime.device import check_local_ranks, device_type
 from shardtune.train.data import BatchPlan, load_dataset
 
 
@@ -20,6 +21,8 @@ def preflight(cfg: Config) -> None:
 
     quiet_libraries()
     validate(cfg)
+    # Before any worker starts: a missing GPU, or more ranks than GPUs, is a config error, not an NCCL hang.
+    check_local_ranks(device_type(cfg.parallel.device), cfg.parallel.nproc)
     model_dir = check_model_dir(cfg.model.path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir.path)

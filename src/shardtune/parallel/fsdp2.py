@@ -40,7 +40,7 @@ class FSDP2(Strategy):
         # The root holds what is left (final norm; embeddings not sharded by rows), needed again at the start
         # of backward: keeping it unsharded after forward saves one all-gather per step.
         units.append(self._unit(model, reshard_after_forward=False, ignored_params=ignored))
-        if self.mesh.get_group().name() == "gloo":
+        if self.worker.device.type == "cpu":  # gloo's all-gather only: NCCL's is in place already
             gather = BroadcastAllGather()
             for unit in units:
                 unit.set_custom_all_gather(gather)

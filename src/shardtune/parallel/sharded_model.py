@@ -42,8 +42,7 @@ def build_model(cfg: Config, worker: Worker) -> Built:
         if p.requires_grad:
             p.data = p.data.float()  # trainable weights and their optimizer state stay fp32
     total, trainable = count_params(model)
-    local_world = max(1, worker.world_size // cfg.parallel.nnodes)
-    name, why = choose_strategy(cfg.parallel.strategy, worker, total * dtype.itemsize, local_world,
+    name, why = choose_strategy(cfg.parallel.strategy, worker, total * dtype.itemsize, worker.local_world_size,
                                 cfg.parallel.cpu_offload)
     log.info("strategy %s: %s", name, why)
     strategy = make_strategy(name, worker, dtype, cfg.parallel.cpu_offload)

@@ -19,14 +19,11 @@ from torch import nn
 from shardtune.config import ConfigError
 from shardtune.model.directory import check_model_dir
 from shardtune.model.meta import DTYPES
+from shardtune.runtime.device import pick_device
 from shardtune.train.data import DataError, as_messages, pad_id, render_prompt
 
 # A prompt is a user message's text, or a whole conversation whose next turn is the assistant's.
 Prompt = str | list[dict]
-
-
-def pick_device() -> torch.device:
-    return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

@@ -45,7 +45,7 @@ _STRUCTURAL = ("lora-r", "lora-targets", "lora-bias", "lora-modules-to-save")
 # Options that may change between the interrupted run and its continuation without a word.
 _FREE = ("out", "resume", "nproc", "strategy", "micro-batch-size", "save-every", "keep-last", "log-file",
          "eval-every", "val-data", "activation-checkpointing", "cpu-offload", "nnodes", "node-rank",
-         "rdzv-endpoint")
+         "rdzv-endpoint", "device", "replicate-groups")
 
 
 class CheckpointError(ShardtuneError, RuntimeError):

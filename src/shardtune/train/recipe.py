@@ -23,6 +23,7 @@ from shardtune.model.directory import check_model_dir
 from shardtune.parallel import Strategy
 from shardtune.parallel.sharded_model import Built, build_model
 from shardtune.runtime import distributed
+from shardtune.runtime.device import device_type
 from shardtune.runtime.distributed import Worker
 from shardtune.runtime.logs import setup_logging
 from shardtune.runtime.memory import MemoryMonitor, tune_malloc
@@ -182,8 +183,9 @@ def train(job: Job, memory: MemoryMonitor, out: Path) -> dict:
 
 def run(cfg: Config) -> dict:
     started = time.perf_counter()
-    tune_malloc()  # before anything large is allocated: see memory.py
-    worker = distributed.init_worker()
+    if device_type(cfg.parallel.device) == "cpu":
+        tune_malloc()  # before anything large is allocated: see memory.py (CPU memory only)
+    worker = distributed.init_worker(cfg.parallel.device, cfg.parallel.cpu_offload)
     out = Path(cfg.output.out)
     setup_logging(worker.rank, cfg.output.log_file)
     memory = MemoryMonitor(worker.device)
