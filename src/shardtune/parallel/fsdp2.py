@@ -83,7 +83,13 @@ class FSDP2(Strategy):
         out = {}
         for n in names:
             p = params[n].detach()
-            out[n] = (p.full_tensor() if isinstance(p, DTensor) else p).to("cpu", copy=True)
+            if isinstance(p, DTensor):
+                # --cpu-offload keeps shards on the CPU while the mesh is CUDA: gather them over NCCL
+                # on the GPU (as torchtune's gather_cpu_state_dict does), not over the slower gloo.
+                if p.device.type != self.worker.device.type:
+                    p = p.to(self.worker.device)
+                p = p.full_tensor()
+            out[n] = p.to("cpu", copy=True)
         return out
 
 

@@ -32,6 +32,7 @@ from shardtune.train.checkpoint import Checkpointer, TrainState
 from shardtune.train.data import BatchPlan, Dataset, Sampler, collate, load_dataset, pad_id
 from shardtune.train.loss import next_token_loss_sum
 from shardtune.train.metrics import MetricsLog, Progress, write_json_atomic
+from shardtune.train.scaling import ShardedGradScaler, make_scaler
 from shardtune.train.stop import GracefulStop, stop_message
 
 log = logging.getLogger("shardtune")
@@ -49,6 +50,7 @@ class Job:
     sampler: Sampler
     steps: int
     pad_id: int
+    scaler: ShardedGradScaler  # fp16's loss scaling; passes everything through otherwise
 
     @property
     def model(self) -> nn.Module:
@@ -88,7 +90,7 @@ def train_step(job: Job, step: int) -> tuple[float, int]:
         del logits
         # Gradient sync averages over ranks; multiplying by world_size turns that average back into
         # the sum over ranks, so the gradient is d(global mean loss) whatever the split.
-        (loss_sum * (job.worker.world_size / global_targets)).backward()
+        job.scaler.scale(loss_sum * (job.worker.world_size / global_targets)).backward()
         local_sum += loss_sum.item()
     return distributed.all_reduce_sum(local_sum, job.worker.device) / global_targets, tokens
 
@@ -136,7 +138,8 @@ def prepare(cfg: Config, worker: Worker, memory: MemoryMonitor) -> Job:
     built.model.train()
     torch.manual_seed(cfg.train.seed + worker.rank)  # LoRA dropout differs per rank, reproducibly
     return Job(cfg, worker, built, train_data, val_data, Sampler(len(train_data.examples), plan, cfg.train.seed),
-                 total_steps(cfg, len(train_data.examples)), pad_id(tokenizer))
+                 total_steps(cfg, len(train_data.examples)), pad_id(tokenizer),
+                 make_scaler(cfg.model.dtype, worker.device))
 
 
 def train(job: Job, memory: MemoryMonitor, out: Path) -> dict:
@@ -146,7 +149,8 @@ def train(job: Job, memory: MemoryMonitor, out: Path) -> dict:
     warmup = cfg.train.warmup_steps if cfg.train.warmup_steps is not None else min(100, job.steps // 10)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, job.steps, warmup, cfg.train.min_lr_ratio))
-    checkpoints = Checkpointer(cfg, job.model, job.strategy, job.built.adapter_keys, optimizer, scheduler)
+    checkpoints = Checkpointer(cfg, job.model, job.strategy, job.built.adapter_keys, optimizer, scheduler,
+                               job.scaler)
     # Batch ``step`` depends only on (seed, step): starting the loop at the saved step is the data position.
     state = checkpoints.resume() if cfg.output.resume else TrainState()
     first_step = state.step
@@ -157,9 +161,11 @@ def train(job: Job, memory: MemoryMonitor, out: Path) -> dict:
         for step in range(state.step, job.steps):
             started = time.perf_counter()
             loss, tokens = train_step(job, step)
+            job.scaler.unscale_(optimizer)  # fp16: clip and step see the true gradients
             grad_norm = job.strategy.clip_grad_norm(job.model, cfg.train.max_grad_norm)
             lr = scheduler.get_last_lr()[0]
-            optimizer.step()
+            job.scaler.step(optimizer)  # fp16: skipped on every rank when a gradient is inf/NaN on one
+            job.scaler.update()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             seconds = time.perf_counter() - started
