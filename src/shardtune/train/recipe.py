@@ -207,9 +207,12 @@ def run(cfg: Config) -> dict:
             raise SystemExit(128 + result["stopped_by"])
         with memory.phase("save"):
             adapter = save_adapter(job.model, job.strategy, job.built.adapter_keys, out / "adapter", cfg.model.path)
-        peaks = distributed.all_gather_object({k: memory.peak_mb(k) for k in ("load", "train", "save")})
+        phases = ("load", "train", "save")
+        peaks = distributed.all_gather_object({k: memory.peak_mb(k) for k in phases})
+        cuda_peaks = distributed.all_gather_object(memory.cuda_peaks_mb()) if worker.device.type == "cuda" else None
         summary = {
             "world_size": worker.world_size, "strategy": job.strategy.name,
+            "device": worker.device.type, "backend": str(torch.distributed.get_backend()),
             "strategy_reason": job.built.strategy_reason,
             "steps": job.steps, "tokens": state.tokens,
             "train_loss_first": state.first_loss, "train_loss_last": state.last_loss,
@@ -218,6 +221,10 @@ def run(cfg: Config) -> dict:
             "load_seconds": round(load_seconds, 3),
             "load_peak_mb": [p["load"] for p in peaks], "train_peak_mb": [p["train"] for p in peaks],
             "save_peak_mb": [p["save"] for p in peaks],
+            # GPU: torch's max_memory_allocated and max_memory_reserved per phase and rank; reserved
+            # (allocated plus the caching allocator's free blocks) is what runs out first.
+            **({f"cuda_max_{kind}_mb": {k: [c[k][kind] for c in cuda_peaks] for k in phases}
+                for kind in ("allocated", "reserved")} if cuda_peaks else {}),
             "resumed_from_step": result["first_step"] if cfg.output.resume else None,
             "total_params": job.built.total_params, "trainable_params": job.built.trainable_params,
             "truncated_records": job.train.truncated,
