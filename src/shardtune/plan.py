@@ -145,10 +145,13 @@ def _fsdp2_moments(device: str, f: Facts, n: int, copies: int, acts: float, work
 
 
 def predict(f: Facts, strategy: str, ranks: int, micro_batch: int, seq_len: int, ac: bool, offload: bool,
-            device: torch.device) -> Prediction:
-    """One strategy's per-rank peak, in MB, from the model's facts."""
+            device: torch.device, replicate_groups: int = 1) -> Prediction:
+    """One strategy's per-rank peak, in MB, from the model's facts.
+
+    HSDP (``replicate_groups`` > 1) shards over the ranks of one group only: a rank holds 1/(ranks/groups).
+    """
     sharded = strategy in ("fsdp2", "fsdp1")
-    n = ranks if sharded else 1
+    n = ranks // replicate_groups if sharded else 1
     lora_dtype = torch.float32 if not sharded else {2: torch.bfloat16, 4: torch.float32}[f.compute_itemsize]
     per_layer, outside, vocab = f.saved[micro_batch, lora_dtype]
     micro_tokens = micro_batch * seq_len
@@ -225,7 +228,8 @@ def plan(cfg: Config, memory_per_rank: int | None = None) -> dict[str, list[Pred
             if off and strategy not in ("fsdp2", "fsdp1"):
                 p = Prediction(strategy, world, ac, off, {}, "", note="CPU offload needs an FSDP strategy")
             else:
-                p = predict(facts, strategy, world, batch.micro_batch_size, cfg.data.seq_len, ac, off, device)
+                p = predict(facts, strategy, world, batch.micro_batch_size, cfg.data.seq_len, ac, off, device,
+                            cfg.parallel.replicate_groups)
                 p.fits = p.peak_mb * MB <= budget
             preds.append(p)
         out[strategy] = preds

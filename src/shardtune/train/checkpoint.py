@@ -75,8 +75,10 @@ def checkpoints_dir(out: Path) -> Path:
     return Path(out) / "checkpoints"
 
 
-def resume_command(out: Path) -> str:
-    return f"shardtune finetune --config {Path(out) / 'config.yaml'} --resume"
+def resume_command(out: Path, nnodes: int = 1, node_rank: int = 0) -> str:
+    """The command that continues the run; multi-node: this node's (config.yaml is node 0's)."""
+    node = f" --node-rank {node_rank}" if nnodes > 1 else ""
+    return f"shardtune finetune --config {Path(out) / 'config.yaml'}{node} --resume"
 
 
 def find_latest(out: Path) -> Path | None:

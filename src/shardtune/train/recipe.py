@@ -203,7 +203,7 @@ def run(cfg: Config) -> dict:
         state: TrainState = result["state"]
         if result["stopped_by"]:
             if worker.is_main:
-                log.warning("%s", stop_message(result["stopped_by"], out))
+                log.warning("%s", stop_message(result["stopped_by"], out, cfg.parallel.nnodes, cfg.parallel.node_rank))
             raise SystemExit(128 + result["stopped_by"])
         with memory.phase("save"):
             adapter = save_adapter(job.model, job.strategy, job.built.adapter_keys, out / "adapter", cfg.model.path)
