@@ -10,6 +10,7 @@ from shardtune.config import Config, validate
 from shardtune.model.directory import ModelDirError, check_model_dir
 from shardtune.model.lora import inject_lora
 from shardtune.model.meta import DTYPES, build_meta_model
+from shardtune.runtime.compat import check_apis
 from shardtune.runtime.device import check_local_ranks, device_type
 from shardtune.train.data import BatchPlan, load_dataset
 
@@ -20,6 +21,7 @@ def preflight(cfg: Config) -> None:
     from shardtune.runtime.logs import quiet_libraries
 
     quiet_libraries()
+    check_apis()  # a too-old torch/transformers fails here, by name, not later on a silent fallback
     validate(cfg)
     # Before any worker starts: a missing GPU, or more ranks than GPUs, is a config error, not an NCCL hang.
     check_local_ranks(device_type(cfg.parallel.device), cfg.parallel.nproc)

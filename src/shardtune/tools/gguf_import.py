@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from shardtune.config import ConfigError
+from shardtune.runtime.compat import tied_weights_keys
 
 log = logging.getLogger("shardtune")
 
@@ -139,7 +140,7 @@ def dedupe_tied_state_dict(model: nn.Module, dtype: torch.dtype | None = None) -
     state = model.state_dict()
     # Without a tie map (older transformers) the storage dedupe below still keeps the embedding,
     # because the state dict lists it before lm_head.
-    tied = dict(getattr(model, "all_tied_weights_keys", None) or {})
+    tied = tied_weights_keys(model)
     out: dict[str, torch.Tensor] = {}
     seen: dict[tuple[int, tuple[int, ...]], str] = {}
     for name in sorted(state, key=lambda n: n in tied):  # sources first, so they win the dedupe

@@ -30,6 +30,7 @@ from shardtune.errors import ShardtuneError
 from shardtune.model.directory import check_model_dir
 from shardtune.model.loading import checkpoint_key
 from shardtune.model.meta import DTYPES
+from shardtune.runtime.compat import tied_weights_keys
 from shardtune.runtime.files import replace_dir
 
 log = logging.getLogger("shardtune")
@@ -147,7 +148,7 @@ def _tied_sources(model_dir: Path) -> dict[str, str]:
     from shardtune.model.meta import build_meta_model
 
     model = build_meta_model(check_model_dir(model_dir), torch.float32)
-    return dict(getattr(model, "all_tied_weights_keys", None) or {})
+    return tied_weights_keys(model)
 
 
 def _header(entries: list[tuple[str, torch.dtype, list[int]]], metadata: dict[str, str] | None) -> bytes:
