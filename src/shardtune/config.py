@@ -31,7 +31,11 @@ def opt(default: Any, flag: str, help: str, choices: tuple[str, ...] | None = No
 @dataclass
 class ModelConfig:
     path: str | None = opt(None, "model", "Hugging Face model directory (config.json + *.safetensors + tokenizer).")
-    dtype: str = opt("bf16", "dtype", "Dtype of the frozen base weights and of compute.", ("bf16", "fp32"))
+    dtype: str = opt(
+        "bf16", "dtype",
+        "Dtype of the frozen base weights and of compute; fp16 (GPUs without bf16: T4, V100) adds loss scaling.",
+        ("bf16", "fp16", "fp32"),
+    )
 
 
 @dataclass
@@ -82,6 +86,14 @@ class ParallelConfig:
         False, "activation-checkpointing", "Recompute each decoder layer's activations in backward."
     )
     cpu_offload: bool = opt(False, "cpu-offload", "Keep sharded parameters on CPU (FSDP only).")
+    device: str = opt(
+        "auto", "device", "Where ranks compute: auto (cuda when a GPU is visible), cpu, or cuda (one GPU per rank).",
+        ("auto", "cpu", "cuda"),
+    )
+    replicate_groups: int = opt(
+        1, "replicate-groups",
+        "HSDP: replica groups (normally --nnodes); each group of ranks/R shards the model, the groups replicate it.",
+    )
     nnodes: int = opt(1, "nnodes", "Number of nodes (multi-node runs).")
     node_rank: int = opt(0, "node-rank", "This node's index among --nnodes.")
     rdzv_endpoint: str | None = opt(None, "rdzv-endpoint", "HOST:PORT of the rendezvous (node 0) for multi-node runs.")
@@ -238,6 +250,7 @@ def validate(cfg: Config, need_data: bool = True) -> None:
     positive = {
         "lora-r": cfg.lora.r, "seq-len": cfg.data.seq_len, "batch-size": cfg.train.batch_size,
         "nproc": cfg.parallel.nproc, "nnodes": cfg.parallel.nnodes, "keep-last": cfg.output.keep_last,
+        "replicate-groups": cfg.parallel.replicate_groups,
     }
     for flag, value in positive.items():
         if value < 1:
@@ -259,6 +272,13 @@ def validate(cfg: Config, need_data: bool = True) -> None:
         raise ConfigError(f"option 'node-rank' must be in [0, {cfg.parallel.nnodes}), got {cfg.parallel.node_rank}")
     if cfg.parallel.nnodes > 1 and not cfg.parallel.rdzv_endpoint:
         raise ConfigError("option 'rdzv-endpoint' (HOST:PORT of node 0) is required with --nnodes > 1")
+    ranks = cfg.parallel.nproc * cfg.parallel.nnodes
+    if cfg.parallel.replicate_groups > 1:
+        if ranks % cfg.parallel.replicate_groups:
+            raise ConfigError(f"option 'replicate-groups': {cfg.parallel.replicate_groups} groups do not divide "
+                              f"the {ranks} ranks (--nproc {cfg.parallel.nproc} x --nnodes {cfg.parallel.nnodes})")
+        if cfg.parallel.strategy in ("ddp", "single"):
+            raise ConfigError(f"option 'replicate-groups' needs an FSDP strategy, not '{cfg.parallel.strategy}'")
     if cfg.parallel.cpu_offload and cfg.parallel.strategy in ("ddp", "single"):
         raise ConfigError(f"option 'cpu-offload' needs an FSDP strategy, not '{cfg.parallel.strategy}'")
 

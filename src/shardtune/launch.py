@@ -38,7 +38,11 @@ def _write_config(cfg: Config, path: Path) -> None:
 
 
 def launch(cfg: Config) -> dict:
-    """Run the fine-tune described by ``cfg`` on ``cfg.parallel.nproc`` local workers; return the summary."""
+    """Run the fine-tune described by ``cfg`` on ``cfg.parallel.nproc`` local workers; return the summary.
+
+    Multi-node: node 0 alone writes ``config.yaml`` and (its rank 0) ``summary.json`` under ``--out``;
+    the other nodes hand their workers a private copy of the configuration and return ``{}``.
+    """
     out = Path(cfg.output.out)
     if under_torchrun():  # every rank gets here; rank 0 holds the run folder for the run
         from shardtune.train.recipe import run
@@ -62,7 +66,8 @@ def launch(cfg: Config) -> dict:
         except Stopped as err:
             from shardtune.train.stop import stop_message
 
-            raise Stopped(err.signum, stop_message(err.signum, out)) from None
+            message = stop_message(err.signum, out, cfg.parallel.nnodes, cfg.parallel.node_rank)
+            raise Stopped(err.signum, message) from None
         finally:
             shutil.rmtree(private, ignore_errors=True)
     if _identity(summary_path) in (None, before):  # never report an older run's result as this one's

@@ -21,6 +21,7 @@ import torch
 from shardtune.config import Config, ConfigError, build_config, validate
 from shardtune.model.footprint import Facts, model_facts
 from shardtune.model.meta import DTYPES
+from shardtune.runtime.device import pick_device
 from shardtune.runtime.memory import MB
 from shardtune.train.data import BatchPlan, DataError
 from shardtune.train.loss import CHUNK_BYTES
@@ -144,10 +145,13 @@ def _fsdp2_moments(device: str, f: Facts, n: int, copies: int, acts: float, work
 
 
 def predict(f: Facts, strategy: str, ranks: int, micro_batch: int, seq_len: int, ac: bool, offload: bool,
-            device: torch.device) -> Prediction:
-    """One strategy's per-rank peak, in MB, from the model's facts."""
+            device: torch.device, replicate_groups: int = 1) -> Prediction:
+    """One strategy's per-rank peak, in MB, from the model's facts.
+
+    HSDP (``replicate_groups`` > 1) shards over the ranks of one group only: a rank holds 1/(ranks/groups).
+    """
     sharded = strategy in ("fsdp2", "fsdp1")
-    n = ranks if sharded else 1
+    n = ranks // replicate_groups if sharded else 1
     lora_dtype = torch.float32 if not sharded else {2: torch.bfloat16, 4: torch.float32}[f.compute_itemsize]
     per_layer, outside, vocab = f.saved[micro_batch, lora_dtype]
     micro_tokens = micro_batch * seq_len
@@ -183,10 +187,6 @@ def predict(f: Facts, strategy: str, ranks: int, micro_batch: int, seq_len: int,
                       note=note)
 
 
-def plan_device() -> torch.device:
-    return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-
-
 def default_memory_per_rank(local_ranks: int, device: torch.device) -> int:
     from shardtune.parallel.choose import memory_per_rank
     from shardtune.runtime.distributed import Worker
@@ -197,7 +197,7 @@ def default_memory_per_rank(local_ranks: int, device: torch.device) -> int:
 def plan(cfg: Config, memory_per_rank: int | None = None) -> dict[str, list[Prediction]]:
     """{strategy: predictions}; the first of each is for the configured checkpointing/offload flags,
     the others vary them. Raises ConfigError/DataError for an impossible configuration."""
-    device = plan_device()
+    device = pick_device(cfg.parallel.device)
     ranks = cfg.parallel.nproc * cfg.parallel.nnodes
     budget = memory_per_rank or default_memory_per_rank(cfg.parallel.nproc, device)
     batches: dict[str, BatchPlan | str] = {}
@@ -228,7 +228,8 @@ def plan(cfg: Config, memory_per_rank: int | None = None) -> dict[str, list[Pred
             if off and strategy not in ("fsdp2", "fsdp1"):
                 p = Prediction(strategy, world, ac, off, {}, "", note="CPU offload needs an FSDP strategy")
             else:
-                p = predict(facts, strategy, world, batch.micro_batch_size, cfg.data.seq_len, ac, off, device)
+                p = predict(facts, strategy, world, batch.micro_batch_size, cfg.data.seq_len, ac, off, device,
+                            cfg.parallel.replicate_groups)
                 p.fits = p.peak_mb * MB <= budget
             preds.append(p)
         out[strategy] = preds
@@ -304,7 +305,7 @@ def run_plan(config: str | Path | None, overrides: dict[str, Any], memory_per_ra
     quiet_libraries()
     cfg = build_config(config, overrides)
     validate(cfg, need_data=False)
-    device = plan_device()
+    device = pick_device(cfg.parallel.device)
     if memory_per_rank:
         budget, where = parse_size(memory_per_rank), "--memory-per-rank"
     else:

@@ -12,7 +12,9 @@ from shardtune.config import Config, validate
 from shardtune.model.directory import check_model_dir, load_tokenizer
 from shardtune.model.lora import inject_lora
 from shardtune.model.meta import DTYPES, build_meta_model
+from shardtune.runtime.device import check_local_ranks, device_type
 from shardtune.runtime.files import OutputError, check_writable
+from shardtune.runtime.versions import check_apis
 from shardtune.train.checkpoint import resume_point
 from shardtune.train.data import BatchPlan, load_dataset, read_records
 from shardtune.train.data_checks import warn_about_data
@@ -22,7 +24,10 @@ def preflight(cfg: Config) -> None:
     from shardtune.runtime.logs import quiet_libraries
 
     quiet_libraries()
+    check_apis()  # a too-old torch/transformers fails here, by name, not later on a silent fallback
     validate(cfg)
+    # Before any worker starts: a missing GPU, or more ranks than GPUs, is a config error, not an NCCL hang.
+    check_local_ranks(device_type(cfg.parallel.device), cfg.parallel.nproc)
     model_dir = check_model_dir(cfg.model.path)
     tokenizer = load_tokenizer(model_dir)
     train = load_dataset(cfg.data.train, tokenizer, cfg.data.seq_len)

@@ -25,6 +25,7 @@ from shardtune.model.directory import ModelDir, ModelDirError
 from shardtune.model.lora import PEFT_PREFIX
 from shardtune.model.structure import base_model
 from shardtune.runtime.compat import ShardView, piece_boxes
+from shardtune.runtime.versions import tied_weights_keys
 
 log = logging.getLogger("shardtune")
 
@@ -43,7 +44,7 @@ class Snapshot:
 def take_snapshot(model: nn.Module, lora_values: dict[str, torch.Tensor]) -> Snapshot:
     buffers = {n: b.detach().clone() for n, b in model.named_buffers() if b.device.type != "meta"}
     base = base_model(model)
-    tied = dict(getattr(base, "all_tied_weights_keys", None) or {})
+    tied = tied_weights_keys(base)
     return Snapshot(buffers=buffers, lora=lora_values, tied=tied)
 
 
@@ -126,7 +127,7 @@ def load_base_weights(model: nn.Module, model_dir: ModelDir, tensors: dict[str, 
     aliases = _aliases(base)
     # A tied weight may be stored under its partner's name only. Its names are aliases already, except
     # for copies that are no longer tied: peft's trainable copy of a tied lm_head (modules_to_save).
-    for target, source in (getattr(base, "all_tied_weights_keys", None) or {}).items():
+    for target, source in tied_weights_keys(base).items():
         aliases.setdefault(target, [target]).append(source)
         aliases.setdefault(source, [source]).append(target)
     plan: list[dict[str, torch.Tensor]] = []  # one dcp.load per round: a key may feed several parameters

@@ -11,7 +11,7 @@ from torch import nn
 
 from shardtune.model.directory import ModelDir, ModelDirError
 
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def build_meta_model(model_dir: ModelDir, dtype: torch.dtype) -> nn.Module:

@@ -18,15 +18,19 @@ from shardtune.runtime.distributed import Worker
 __all__ = ["Strategy", "choose_strategy", "make_strategy", "parallelize"]
 
 
-def make_strategy(name: str, worker: Worker, compute_dtype: torch.dtype, cpu_offload: bool) -> Strategy:
+def make_strategy(name: str, worker: Worker, compute_dtype: torch.dtype, cpu_offload: bool,
+                  replicate_groups: int = 1) -> Strategy:
+    """``replicate_groups`` > 1: HSDP (FSDP strategies only): shard within groups, replicate across them."""
+    if replicate_groups > 1 and name not in ("fsdp2", "fsdp1"):
+        raise ValueError(f"--replicate-groups needs an FSDP strategy, not {name!r}")
     if name == "fsdp2":
         from shardtune.parallel.fsdp2 import FSDP2
 
-        return FSDP2(worker, compute_dtype, cpu_offload)
+        return FSDP2(worker, compute_dtype, cpu_offload, replicate_groups)
     if name == "fsdp1":
         from shardtune.parallel.fsdp1 import FSDP1
 
-        return FSDP1(worker, compute_dtype, cpu_offload)
+        return FSDP1(worker, compute_dtype, cpu_offload, replicate_groups)
     if name == "ddp":
         from shardtune.parallel.ddp import DDPStrategy
 

@@ -21,12 +21,13 @@ import math
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import CPUOffload, MixedPrecision
+from torch.distributed.fsdp import CPUOffload, MixedPrecision, ShardingStrategy
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 from shardtune.config import ConfigError
 from shardtune.model.structure import embedding_tables
 from shardtune.parallel.base import Strategy
+from shardtune.parallel.mesh import data_parallel_mesh
 from shardtune.parallel.wrap_policy import NonUniformModuleError, uniform_requires_grad_policy
 from shardtune.runtime.compat import FlatLayout, ShardView, check_load_target_protocol, fsdp1_layout
 from shardtune.runtime.distributed import Worker
@@ -163,8 +164,11 @@ def gather_full(model: nn.Module, names: list[str], grads: bool = False) -> dict
 class FSDP1(Strategy):
     name = "fsdp1"
 
-    def __init__(self, worker: Worker, compute_dtype: torch.dtype, cpu_offload: bool) -> None:
+    def __init__(self, worker: Worker, compute_dtype: torch.dtype, cpu_offload: bool,
+                 replicate_groups: int = 1) -> None:
         super().__init__(worker)
+        # HSDP: HYBRID_SHARD over the 2-D mesh (FSDP1 shards over dim 1, all-reduces over dim 0).
+        self.mesh = data_parallel_mesh(worker, replicate_groups) if replicate_groups > 1 else None
         # As under FSDP2, LoRA's fp32 weights compute in the compute dtype, gradients are reduced in
         # fp32. Buffers keep the dtype they were built with (rotary inv_freq stays fp32, as in
         # from_pretrained). The policy already keeps fp32 and bf16 weights in separate flat params.
@@ -195,6 +199,7 @@ class FSDP1(Strategy):
             sync_module_states=False,  # every rank reads its own shard from the checkpoint
             use_orig_params=False,
             limit_all_gathers=True,
+            **({"sharding_strategy": ShardingStrategy.HYBRID_SHARD, "device_mesh": self.mesh} if self.mesh else {}),
         )
 
     def unwrap(self, model: nn.Module) -> nn.Module:

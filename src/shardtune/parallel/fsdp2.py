@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from shardtune.model.structure import decoder_layers, embedding_tables, layer_parts, tables_by_rows
 from shardtune.parallel import sharded_embeddings
 from shardtune.parallel.base import Strategy
+from shardtune.parallel.mesh import data_parallel_mesh, shard_mesh
 from shardtune.runtime import compat
 from shardtune.runtime.distributed import Worker
 
@@ -19,9 +19,11 @@ from shardtune.runtime.distributed import Worker
 class FSDP2(Strategy):
     name = "fsdp2"
 
-    def __init__(self, worker: Worker, compute_dtype: torch.dtype, cpu_offload: bool) -> None:
+    def __init__(self, worker: Worker, compute_dtype: torch.dtype, cpu_offload: bool,
+                 replicate_groups: int = 1) -> None:
         super().__init__(worker)
-        self.mesh = init_device_mesh(worker.device.type, (worker.world_size,))
+        # 2-D under HSDP: fully_shard then shards over dim 1 and replicates over dim 0.
+        self.mesh = data_parallel_mesh(worker, replicate_groups)
         # LoRA weights are fp32 while a bf16 base is not; FSDP2 needs one dtype per unit for its
         # all-gather, so parameters are cast to the compute dtype there. Gradients are reduced in
         # fp32 so that summing over ranks loses nothing.
@@ -38,7 +40,7 @@ class FSDP2(Strategy):
         # The root holds what is left (final norm; embeddings not sharded by rows), needed again at the start
         # of backward: keeping it unsharded after forward saves one all-gather per step.
         units.append(self._unit(model, reshard_after_forward=False, ignored_params=ignored))
-        if self.mesh.get_group().name() == "gloo":
+        if self.worker.device.type == "cpu":  # gloo's all-gather only: NCCL's is in place already
             gather = compat.BroadcastAllGather()
             for unit in units:
                 compat.set_fsdp2_all_gather(unit, gather)
@@ -53,16 +55,18 @@ class FSDP2(Strategy):
         """
         embed, head, tied = embedding_tables(model)
         by_rows = tables_by_rows(embed, head, tied)
-        group, ignored, units = self.mesh.get_group(), set(), []
+        # Rows are split within the shard group: each replica group holds one copy of the table.
+        rows_mesh = shard_mesh(self.mesh)
+        group, ignored, units = rows_mesh.get_group(), set(), []
         weight: nn.Parameter | None = None
         if by_rows["embed"]:
-            weight = sharded_embeddings.shard_rows(embed.weight, self.mesh)
+            weight = sharded_embeddings.shard_rows(embed.weight, rows_mesh)
             _replace(model, embed, sharded_embeddings.ShardedEmbedding(embed, weight, group))
             ignored.add(weight)
         elif embed is not None and not tied:
             units.append((embed, True))  # freed right after the lookup: its backward never runs
         if by_rows["head"]:
-            weight = weight if tied else sharded_embeddings.shard_rows(head.weight, self.mesh)
+            weight = weight if tied else sharded_embeddings.shard_rows(head.weight, rows_mesh)
             _replace(model, head, sharded_embeddings.ShardedHead(head, weight, group))
             ignored.add(weight)
         elif head is not None and not tied:
@@ -81,7 +85,13 @@ class FSDP2(Strategy):
         out = {}
         for n in names:
             p = params[n].detach()
-            out[n] = (p.full_tensor() if isinstance(p, DTensor) else p).to("cpu", copy=True)
+            if isinstance(p, DTensor):
+                # --cpu-offload keeps shards on the CPU while the mesh is CUDA: gather them over NCCL
+                # on the GPU (as torchtune's gather_cpu_state_dict does), not over the slower gloo.
+                if p.device.type != self.worker.device.type:
+                    p = p.to(self.worker.device)
+                p = p.full_tensor()
+            out[n] = p.to("cpu", copy=True)
         return out
 
 

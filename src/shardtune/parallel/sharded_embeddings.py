@@ -29,7 +29,12 @@ def row_counts(total: int, world: int) -> list[int]:
 
 
 def shard_rows(weight: torch.Tensor, mesh: DeviceMesh) -> nn.Parameter:
-    """This rank's rows of ``weight`` (on meta or not) as a frozen DTensor parameter, Shard(0)."""
+    """This rank's rows of ``weight`` (on meta or not) as a frozen DTensor parameter, Shard(0).
+
+    ``mesh`` is 1-D: under HSDP, the shard group's mesh (``parallel.mesh.shard_mesh``).
+    """
+    if mesh.ndim != 1:
+        raise ValueError(f"row sharding needs a 1-D mesh (the shard group), got a {mesh.ndim}-D one")
     group = mesh.get_group()
     rows = row_counts(weight.size(0), group.size())
     start = sum(rows[:group.rank()])

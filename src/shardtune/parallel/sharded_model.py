@@ -42,11 +42,14 @@ def build_model(cfg: Config, worker: Worker) -> Built:
         if p.requires_grad:
             p.data = p.data.float()  # trainable weights and their optimizer state stay fp32
     total, trainable = count_params(model)
-    local_world = max(1, worker.world_size // cfg.parallel.nnodes)
-    name, why = choose_strategy(cfg.parallel.strategy, worker, total * dtype.itemsize, local_world,
-                                cfg.parallel.cpu_offload)
+    groups = cfg.parallel.replicate_groups
+    if groups > 1 and cfg.parallel.strategy == "auto":
+        name, why = "fsdp2", f"HSDP: sharded within each of {groups} replica groups"
+    else:
+        name, why = choose_strategy(cfg.parallel.strategy, worker, total * dtype.itemsize, worker.local_world_size,
+                                    cfg.parallel.cpu_offload)
     log.info("strategy %s: %s", name, why)
-    strategy = make_strategy(name, worker, dtype, cfg.parallel.cpu_offload)
+    strategy = make_strategy(name, worker, dtype, cfg.parallel.cpu_offload, groups)
     snapshot = take_snapshot(model, lora_init)
     model = parallelize(
         model, strategy, lambda m, targets: load(m, model_dir, worker.device, snapshot, targets),

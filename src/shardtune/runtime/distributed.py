@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from shardtune.errors import ShardtuneError
+from shardtune.runtime.device import backend, device_type, local_device, local_world_size
 
 # A rank that dies must not leave the others waiting for the default 30 minutes: collectives give
 # up after this long and the launcher then names the rank that failed first.
@@ -27,6 +28,7 @@ class Worker:
     world_size: int
     local_rank: int
     device: torch.device
+    local_world_size: int = 1  # ranks on this node (LOCAL_WORLD_SIZE)
 
     @property
     def is_main(self) -> bool:
@@ -61,30 +63,34 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
-def init_worker() -> Worker:
-    """Join the process group started by our launcher or torchrun (or run alone without one)."""
+def init_worker(device: str = "auto", cpu_offload: bool = False) -> Worker:
+    """Join the process group started by our launcher or torchrun (or run alone without one).
+
+    ``device`` is ``--device`` (auto, cpu, cuda); ``cpu_offload`` adds gloo to NCCL for offloaded tensors.
+    """
     if "MASTER_ADDR" in os.environ:
         die_with_parent()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
-        torch.cuda.set_device(device)
-        backend = "nccl"
-    else:
-        device = torch.device("cpu")
-        backend = "gloo"
+    local_ranks = local_world_size()
+    kind = device_type(device)
+    where = local_device(kind, local_rank, local_ranks)
+    if kind == "cuda":
+        torch.cuda.set_device(where)
+    name = backend(kind, cpu_offload)
     if "MASTER_ADDR" in os.environ and not dist.is_initialized():
         dist.init_process_group(
-            backend=backend, timeout=COLLECTIVE_TIMEOUT, device_id=device if backend == "nccl" else None
+            backend=name, timeout=COLLECTIVE_TIMEOUT, device_id=where if name == "nccl" else None
         )
     elif not dist.is_initialized():
-        # One process without a launcher: a group of one keeps every code path the same.
+        # One process without a launcher: a group of one keeps every code path the same, and on a GPU
+        # it is an NCCL group like any multi-rank run's (NCCL needs no peer for its id with one rank).
         dist.init_process_group(
-            backend="gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=COLLECTIVE_TIMEOUT
+            backend=name, store=dist.HashStore(), rank=0, world_size=1, timeout=COLLECTIVE_TIMEOUT
         )
-    return Worker(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+    return Worker(rank=rank, world_size=world_size, local_rank=local_rank, device=where,
+                  local_world_size=local_ranks)
 
 
 def teardown() -> None:

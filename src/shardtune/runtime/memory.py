@@ -100,6 +100,11 @@ class MemoryMonitor:
                 peak["cuda_reserved_mb"] = torch.cuda.max_memory_reserved(self.device) / MB
             self.peaks[name] = peak
 
+    def cuda_peaks_mb(self) -> dict[str, dict[str, float | None]]:
+        """{phase: {"allocated": MB, "reserved": MB}}: torch's CUDA peaks of each phase (None off GPU)."""
+        return {name: {kind: (round(p[f"cuda_{kind}_mb"], 1) if f"cuda_{kind}_mb" in p else None)
+                       for kind in ("allocated", "reserved")} for name, p in self.peaks.items()}
+
     def peak_mb(self, name: str) -> float | None:
         """The headline peak of a phase: CUDA allocated on GPU, RssAnon on CPU."""
         peak = self.peaks.get(name)

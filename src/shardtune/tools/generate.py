@@ -20,15 +20,12 @@ from shardtune.config import ConfigError
 from shardtune.model.directory import AdapterDirError, check_model_dir, load_tokenizer
 from shardtune.model.directory import check_adapter_dir as check_peft_dir
 from shardtune.model.meta import DTYPES
+from shardtune.runtime.device import pick_device
 from shardtune.runtime.files import read_text
 from shardtune.train.data import DataError, as_messages, pad_id, render_prompt
 
 # A prompt is a user message's text, or a whole conversation whose next turn is the assistant's.
 Prompt = str | list[dict]
-
-
-def pick_device() -> torch.device:
-    return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

@@ -37,6 +37,7 @@ from torch import nn
 from shardtune.config import ConfigError
 from shardtune.model.meta import DTYPES
 from shardtune.runtime.files import OutputError, check_output_dir, output_error, replace_dir
+from shardtune.runtime.versions import tied_weights_keys
 
 log = logging.getLogger("shardtune")
 
@@ -140,7 +141,7 @@ def dedupe_tied_state_dict(model: nn.Module, dtype: torch.dtype | None = None) -
     state = model.state_dict()
     # Without a tie map (older transformers) the storage dedupe below still keeps the embedding,
     # because the state dict lists it before lm_head.
-    tied = dict(getattr(model, "all_tied_weights_keys", None) or {})
+    tied = tied_weights_keys(model)
     out: dict[str, torch.Tensor] = {}
     seen: dict[tuple[int, tuple[int, ...]], str] = {}
     for name in sorted(state, key=lambda n: n in tied):  # sources first, so they win the dedupe

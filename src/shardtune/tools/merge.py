@@ -32,6 +32,7 @@ from shardtune.model.lora import PEFT_PREFIX
 from shardtune.model.meta import DTYPES
 from shardtune.runtime.files import check_output_dir, staged_dir
 from shardtune.runtime.safetensors_header import TORCH_DTYPES, encode_header
+from shardtune.runtime.versions import tied_weights_keys
 
 log = logging.getLogger("shardtune")
 
@@ -140,7 +141,7 @@ def _tied_sources(model_dir: Path) -> dict[str, str]:
     from shardtune.model.meta import build_meta_model
 
     model = build_meta_model(check_model_dir(model_dir), torch.float32)
-    return dict(getattr(model, "all_tied_weights_keys", None) or {})
+    return tied_weights_keys(model)
 
 
 def _out_dtype(dtype: torch.dtype, wanted: torch.dtype | None) -> torch.dtype:

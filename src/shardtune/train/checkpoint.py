@@ -45,7 +45,7 @@ _STRUCTURAL = ("lora-r", "lora-targets", "lora-bias", "lora-modules-to-save")
 # Options that may change between the interrupted run and its continuation without a word.
 _FREE = ("out", "resume", "allow-data-change", "nproc", "strategy", "micro-batch-size", "save-every", "keep-last",
          "log-file", "eval-every", "val-data", "activation-checkpointing", "cpu-offload", "nnodes", "node-rank",
-         "rdzv-endpoint")
+         "rdzv-endpoint", "device", "replicate-groups")
 
 
 class CheckpointError(ShardtuneError, RuntimeError):
@@ -75,8 +75,10 @@ def checkpoints_dir(out: Path) -> Path:
     return Path(out) / "checkpoints"
 
 
-def resume_command(out: Path) -> str:
-    return f"shardtune finetune --config {Path(out) / 'config.yaml'} --resume"
+def resume_command(out: Path, nnodes: int = 1, node_rank: int = 0) -> str:
+    """The command that continues the run; multi-node: this node's (config.yaml is node 0's)."""
+    node = f" --node-rank {node_rank}" if nnodes > 1 else ""
+    return f"shardtune finetune --config {Path(out) / 'config.yaml'}{node} --resume"
 
 
 def find_latest(out: Path) -> Path | None:
@@ -131,10 +133,11 @@ class Checkpointer:
     """Saves and restores a run's resumable state: LoRA weights, optimizer, scheduler, RNG, data position."""
 
     def __init__(self, cfg: Config, model: nn.Module, strategy: Strategy, keys: dict[str, str],
-                 optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
+                 optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
+                 scaler: torch.amp.GradScaler | None = None) -> None:
         self.cfg, self.model, self.strategy = cfg, model, strategy
         self.keys, self.names = keys, list(keys.values())
-        self.optimizer, self.scheduler = optimizer, scheduler
+        self.optimizer, self.scheduler, self.scaler = optimizer, scheduler, scaler
         self.worker = strategy.worker
         self.root = checkpoints_dir(Path(cfg.output.out))
         # Hashed once, by the rank that writes the metadata: what --resume compares the data against.
@@ -179,6 +182,8 @@ class Checkpointer:
             meta = {"step": state.step, "world_size": self.worker.world_size, "state": asdict(state),
                     "scheduler": self.scheduler.state_dict(), "options": self.cfg.flat(),
                     "adapter_keys": self.keys, "data": self._data, "saved_at": time.time()}
+            if self.scaler is not None and self.scaler.is_enabled():  # fp16's loss scale continues too
+                meta["loss_scaler"] = self.scaler.state_dict()
             (tmp / META).write_text(json.dumps(meta, indent=1) + "\n")
             with open(tmp / MARKER, "w") as f:
                 os.fsync(f.fileno())
@@ -227,6 +232,8 @@ class Checkpointer:
         set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"],
                        options=StateDictOptions(strict=False, ignore_frozen_params=True))
         self.scheduler.load_state_dict(meta["scheduler"])
+        if self.scaler is not None and self.scaler.is_enabled() and "loss_scaler" in meta:
+            self.scaler.load_state_dict(meta["loss_scaler"])
         rng_file = path / "rng" / f"rank-{self.worker.rank}.pt"
         if meta["world_size"] == self.worker.world_size and rng_file.is_file():
             rng = torch.load(rng_file, weights_only=True)

@@ -23,6 +23,7 @@ from shardtune.model.directory import check_model_dir
 from shardtune.parallel import Strategy
 from shardtune.parallel.sharded_model import Built, build_model
 from shardtune.runtime import distributed
+from shardtune.runtime.device import device_type
 from shardtune.runtime.distributed import Worker
 from shardtune.runtime.logs import setup_logging
 from shardtune.runtime.memory import MemoryMonitor, tune_malloc
@@ -34,6 +35,7 @@ from shardtune.train.data import BatchPlan, Dataset, Sampler, collate, load_data
 from shardtune.train.guard import TrainingGuard
 from shardtune.train.loss import next_token_loss_sum
 from shardtune.train.metrics import MetricsLog, Progress, write_json_atomic
+from shardtune.train.scaling import ShardedGradScaler, make_scaler
 from shardtune.train.stop import GracefulStop, stop_message
 
 log = logging.getLogger("shardtune")
@@ -51,6 +53,7 @@ class Job:
     sampler: Sampler
     steps: int
     pad_id: int
+    scaler: ShardedGradScaler  # fp16's loss scaling; passes everything through otherwise
 
     @property
     def model(self) -> nn.Module:
@@ -90,7 +93,7 @@ def train_step(job: Job, step: int) -> tuple[float, int]:
         del logits
         # Gradient sync averages over ranks; multiplying by world_size turns that average back into
         # the sum over ranks, so the gradient is d(global mean loss) whatever the split.
-        (loss_sum * (job.worker.world_size / global_targets)).backward()
+        job.scaler.scale(loss_sum * (job.worker.world_size / global_targets)).backward()
         local_sum += loss_sum.item()
     return distributed.all_reduce_sum(local_sum, job.worker.device) / global_targets, tokens
 
@@ -127,7 +130,8 @@ def prepare(cfg: Config, worker: Worker, memory: MemoryMonitor) -> Job:
     built.model.train()
     torch.manual_seed(cfg.train.seed + worker.rank)  # LoRA dropout differs per rank, reproducibly
     return Job(cfg, worker, built, train_data, val_data, Sampler(len(train_data.examples), plan, cfg.train.seed),
-                 total_steps(cfg, len(train_data.examples)), pad_id(tokenizer))
+                 total_steps(cfg, len(train_data.examples)), pad_id(tokenizer),
+                 make_scaler(cfg.model.dtype, worker.device))
 
 
 def train(job: Job, memory: MemoryMonitor, out: Path) -> dict:
@@ -137,7 +141,8 @@ def train(job: Job, memory: MemoryMonitor, out: Path) -> dict:
     warmup = cfg.train.warmup_steps if cfg.train.warmup_steps is not None else min(100, job.steps // 10)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, job.steps, warmup, cfg.train.min_lr_ratio))
-    checkpoints = Checkpointer(cfg, job.model, job.strategy, job.built.adapter_keys, optimizer, scheduler)
+    checkpoints = Checkpointer(cfg, job.model, job.strategy, job.built.adapter_keys, optimizer, scheduler,
+                               job.scaler)
     # Batch ``step`` depends only on (seed, step): starting the loop at the saved step is the data position.
     state = checkpoints.resume() if cfg.output.resume else TrainState()
     first_step = state.step
@@ -149,10 +154,12 @@ def train(job: Job, memory: MemoryMonitor, out: Path) -> dict:
         for step in range(state.step, job.steps):
             started = time.perf_counter()
             loss, tokens = train_step(job, step)
+            job.scaler.unscale_(optimizer)  # fp16: clip and step see the true gradients
             grad_norm = job.strategy.clip_grad_norm(job.model, cfg.train.max_grad_norm)
             guard.check(step + 1, loss, grad_norm)  # before the optimizer step: no NaN weight is ever kept
             lr = scheduler.get_last_lr()[0]
-            optimizer.step()
+            job.scaler.step(optimizer)  # fp16: skipped on every rank when a gradient is inf/NaN on one
+            job.scaler.update()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             seconds = time.perf_counter() - started
@@ -178,8 +185,9 @@ def run(cfg: Config) -> dict:
     """Fine-tune as this rank; return the run's summary. A stop by SIGTERM/SIGINT raises ``Stopped``
     once every rank has checkpointed (its ``exit_code`` is 128 + signal)."""
     started = time.perf_counter()
-    tune_malloc()  # before anything large is allocated: see memory.py
-    worker = distributed.init_worker()
+    if device_type(cfg.parallel.device) == "cpu":
+        tune_malloc()  # before anything large is allocated: see memory.py (CPU memory only)
+    worker = distributed.init_worker(cfg.parallel.device, cfg.parallel.cpu_offload)
     out = Path(cfg.output.out)
     setup_logging(worker.rank, cfg.output.log_file)
     memory = MemoryMonitor(worker.device)
@@ -190,14 +198,18 @@ def run(cfg: Config) -> dict:
         result = train(job, memory, out)
         state: TrainState = result["state"]
         if result["stopped_by"]:
+            message = stop_message(result["stopped_by"], out, cfg.parallel.nnodes, cfg.parallel.node_rank)
             if worker.is_main:
-                log.warning("%s", stop_message(result["stopped_by"], out))
-            raise Stopped(result["stopped_by"], stop_message(result["stopped_by"], out))
+                log.warning("%s", message)
+            raise Stopped(result["stopped_by"], message)
         with memory.phase("save"):
             adapter = save_adapter(job.model, job.strategy, job.built.adapter_keys, out / "adapter", cfg.model.path)
-        peaks = distributed.all_gather_object({k: memory.peak_mb(k) for k in ("load", "train", "save")})
+        phases = ("load", "train", "save")
+        peaks = distributed.all_gather_object({k: memory.peak_mb(k) for k in phases})
+        cuda_peaks = distributed.all_gather_object(memory.cuda_peaks_mb()) if worker.device.type == "cuda" else None
         summary = {
             "world_size": worker.world_size, "strategy": job.strategy.name,
+            "device": worker.device.type, "backend": str(torch.distributed.get_backend()),
             "strategy_reason": job.built.strategy_reason,
             "steps": job.steps, "tokens": state.tokens,
             "train_loss_first": state.first_loss, "train_loss_last": state.last_loss,
@@ -206,6 +218,10 @@ def run(cfg: Config) -> dict:
             "load_seconds": round(load_seconds, 3),
             "load_peak_mb": [p["load"] for p in peaks], "train_peak_mb": [p["train"] for p in peaks],
             "save_peak_mb": [p["save"] for p in peaks],
+            # GPU: torch's max_memory_allocated and max_memory_reserved per phase and rank; reserved
+            # (allocated plus the caching allocator's free blocks) is what runs out first.
+            **({f"cuda_max_{kind}_mb": {k: [c[k][kind] for c in cuda_peaks] for k in phases}
+                for kind in ("allocated", "reserved")} if cuda_peaks else {}),
             "resumed_from_step": result["first_step"] if cfg.output.resume else None,
             "total_params": job.built.total_params, "trainable_params": job.built.trainable_params,
             "truncated_records": job.train.truncated,

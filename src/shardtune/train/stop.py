@@ -12,10 +12,11 @@ import torch.distributed as dist
 from shardtune.train.checkpoint import find_latest, resume_command
 
 
-def stop_message(signum: int, out: Path) -> str:
+def stop_message(signum: int, out: Path, nnodes: int = 1, node_rank: int = 0) -> str:
     latest = find_latest(out)
     where = f"the newest complete checkpoint is {latest}" if latest else "no complete checkpoint was written"
-    return f"stopped by {signal.Signals(signum).name}; {where}. To continue, run: {resume_command(out)}"
+    command = resume_command(out, nnodes, node_rank)
+    return f"stopped by {signal.Signals(signum).name}; {where}. To continue, run: {command}"
 
 
 class GracefulStop:

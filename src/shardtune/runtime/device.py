@@ -1,0 +1,74 @@
+"""Which device a run uses and which collective backend goes with it: decided here and nowhere else.
+
+``--device auto`` means CUDA when a GPU is visible. ``SHARDTUNE_DEVICE`` (cpu or cuda) replaces
+``auto`` for a whole process tree: the CPU test suite sets it to ``cpu`` on GPU machines, and an
+explicit ``--device`` still wins over it.
+
+Backends: NCCL for CUDA, gloo for CPU; with ``--cpu-offload`` on CUDA, FSDP2's parameters and
+gradients are CPU tensors (clipping's norm, the found-inf of fp16's scaler), so the group needs
+both: ``cuda:nccl,cpu:gloo``, each collective going to the backend of its tensors' device.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from shardtune.config import ConfigError
+
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def device_type(requested: str = "auto") -> str:
+    """'cuda' or 'cpu' for ``--device requested``; ConfigError when CUDA is asked for but absent."""
+    if requested == "auto":
+        requested = os.environ.get("SHARDTUNE_DEVICE", "auto") or "auto"
+        if requested not in DEVICES:
+            raise ConfigError(f"SHARDTUNE_DEVICE={requested!r} is not one of {', '.join(DEVICES)}")
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("option 'device': 'cuda' was asked for, but torch sees no CUDA GPU "
+                          f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'none'})")
+    if requested not in DEVICES:
+        raise ConfigError(f"option 'device': {requested!r} is not one of {', '.join(DEVICES)}")
+    return requested
+
+
+def check_local_ranks(kind: str, local_ranks: int) -> None:
+    """One GPU per local rank: NCCL refuses two ranks on one GPU, and it says so only at the first collective."""
+    if kind != "cuda":
+        return
+    gpus = torch.cuda.device_count()
+    if local_ranks > gpus:
+        raise ConfigError(
+            f"option 'nproc': {local_ranks} ranks on this node but {gpus} GPU(s) visible "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); NCCL needs one GPU per "
+            "rank: lower --nproc, or use --device cpu"
+        )
+
+
+def local_device(kind: str, local_rank: int = 0, local_ranks: int = 1) -> torch.device:
+    """This rank's device: GPU ``local_rank`` on CUDA (after checking there are enough), else the CPU."""
+    if kind != "cuda":
+        return torch.device("cpu")
+    check_local_ranks(kind, local_ranks)
+    return torch.device("cuda", local_rank)
+
+
+def pick_device(requested: str = "auto") -> torch.device:
+    """The device of a one-process tool (generate, plan): the first GPU, or the CPU."""
+    return local_device(device_type(requested))
+
+
+def backend(kind: str, cpu_offload: bool = False) -> str:
+    """The process group's backend for ``kind``: NCCL for GPUs, plus gloo for offloaded CPU tensors."""
+    if kind == "cuda":
+        return "cuda:nccl,cpu:gloo" if cpu_offload else "nccl"
+    return "gloo"
+
+
+def local_world_size() -> int:
+    """Ranks on this node: ``LOCAL_WORLD_SIZE`` (set by torchrun and our launcher, right on every node)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))

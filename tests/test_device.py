@@ -1,0 +1,104 @@
+"""Device and backend choice (runtime/device.py), without a GPU: torch's CUDA queries are stubbed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardtune.config import ConfigError, build_config
+from shardtune.runtime import device
+
+
+@pytest.fixture
+def gpus(monkeypatch):
+    """Pretend this machine has ``n`` GPUs."""
+    def set_count(n: int) -> None:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+    return set_count
+
+
+def test_auto_follows_the_machine_and_cpu_can_be_forced_on_a_gpu_machine(gpus, monkeypatch):
+    monkeypatch.delenv("SHARDTUNE_DEVICE", raising=False)
+    gpus(2)
+    assert device.device_type("auto") == "cuda"
+    assert device.device_type("cpu") == "cpu"
+    monkeypatch.setenv("SHARDTUNE_DEVICE", "cpu")  # what the test suite's conftest sets
+    assert device.device_type("auto") == "cpu"
+    assert device.device_type("cuda") == "cuda"  # an explicit --device wins over the environment
+    gpus(0)
+    monkeypatch.delenv("SHARDTUNE_DEVICE")
+    assert device.device_type("auto") == "cpu"
+
+
+def test_cuda_without_a_gpu_is_a_config_error(gpus):
+    gpus(0)
+    with pytest.raises(ConfigError, match="'device'.*no CUDA GPU"):
+        device.device_type("cuda")
+
+
+def test_bad_environment_value_is_named(monkeypatch):
+    monkeypatch.setenv("SHARDTUNE_DEVICE", "tpu")
+    with pytest.raises(ConfigError, match="SHARDTUNE_DEVICE"):
+        device.device_type("auto")
+
+
+def test_backend_per_device_and_offload():
+    assert device.backend("cpu") == "gloo"
+    assert device.backend("cpu", cpu_offload=True) == "gloo"
+    assert device.backend("cuda") == "nccl"
+    # offloaded FSDP2 shards and gradients are CPU tensors: their collectives need gloo next to NCCL
+    assert device.backend("cuda", cpu_offload=True) == "cuda:nccl,cpu:gloo"
+
+
+def test_one_gpu_per_local_rank(gpus):
+    gpus(2)
+    assert device.local_device("cuda", 1, 2) == torch.device("cuda", 1)
+    with pytest.raises(ConfigError, match="3 ranks on this node but 2 GPU"):
+        device.local_device("cuda", 2, 3)  # today's modulo would have put ranks 0 and 2 on GPU 0
+    assert device.local_device("cpu", 5, 8) == torch.device("cpu")
+
+
+def test_local_world_size_from_the_launcher(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # 2 nodes x 4: the node's count, not world // nnodes
+    assert device.local_world_size() == 4
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert device.local_world_size() == 8
+
+
+def test_preflight_refuses_more_ranks_than_gpus_before_launch(gpus, tmp_path):
+    from shardtune.preflight import preflight
+
+    gpus(1)
+    cfg = build_config({"model": str(tmp_path / "missing"), "data": "d.jsonl", "out": str(tmp_path / "o"),
+                        "nproc": 2, "device": "cuda"})
+    with pytest.raises(ConfigError, match="nproc.*2 ranks on this node but 1 GPU"):
+        preflight(cfg)  # before the model directory is even looked at
+
+
+def test_one_process_without_launcher_joins_a_group_of_one(monkeypatch):
+    # Without MASTER_ADDR: a group of one with the device's backend (NCCL on CUDA; gloo here).
+    import torch.distributed as dist
+
+    from shardtune.runtime import distributed
+
+    for var in ("MASTER_ADDR", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    worker = distributed.init_worker("cpu")
+    try:
+        assert (worker.world_size, worker.local_world_size, worker.device) == (1, 1, torch.device("cpu"))
+        assert dist.get_backend() == "gloo"
+    finally:
+        distributed.teardown()
+
+
+def test_cuda_peaks_per_phase_for_the_summary():
+    from shardtune.runtime.memory import MemoryMonitor
+
+    monitor = MemoryMonitor(torch.device("cpu"))
+    monitor.close()
+    monitor.peaks = {"load": {"rss_anon_mb": 9.0, "cuda_allocated_mb": 100.04, "cuda_reserved_mb": 128.0},
+                     "train": {"rss_anon_mb": 9.0}}
+    assert monitor.cuda_peaks_mb() == {"load": {"allocated": 100.0, "reserved": 128.0},
+                                       "train": {"allocated": None, "reserved": None}}

@@ -1,0 +1,84 @@
+"""--dtype fp16: loss scaling with torch's sharded grad scaler, N ranks like 1 rank, inf steps skipped everywhere."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from dist_utils import run_ranks
+from tiny import instruction_records, make_model, write_jsonl
+
+
+@pytest.fixture(scope="module")
+def setup_dir(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("fp16")
+    make_model(root / "model", "llama", tied=True)
+    write_jsonl(root / "train.jsonl", instruction_records(16))
+    return root
+
+
+def fp16_training(rank: int, world_size: int, options: dict) -> dict:
+    """A short fp16 run; then one step whose gradient is inf on the last rank only."""
+    from torch.distributed.tensor import DTensor
+
+    from shardtune.config import build_config
+    from shardtune.runtime import distributed
+    from shardtune.runtime.memory import MemoryMonitor
+    from shardtune.train.recipe import prepare, train
+
+    cfg = build_config(options)
+    worker = distributed.init_worker()
+    memory = MemoryMonitor(worker.device)
+    job = prepare(cfg, worker, memory)
+    out = Path(cfg.output.out)
+    out.mkdir(parents=True, exist_ok=True)
+    result = train(job, memory, out)
+    scale_after_training = job.scaler.get_scale()
+
+    params = list(job.strategy.trainable(job.model).values())
+    optimizer = torch.optim.SGD(params, lr=1.0)
+
+    def full(t):
+        return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+    before = [full(p) for p in params]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    if rank == world_size - 1:
+        local = params[0].grad.to_local() if isinstance(params[0].grad, DTensor) else params[0].grad
+        if local.numel():
+            local.view(-1)[0] = float("inf")
+    job.scaler.unscale_(optimizer)
+    job.scaler.step(optimizer)
+    job.scaler.update()
+    unchanged = all(torch.equal(full(p), b) for p, b in zip(params, before))
+    memory.close()
+    distributed.teardown()
+    return {"losses": result["losses"], "scale": scale_after_training, "scale_after_inf": job.scaler.get_scale(),
+            "skipped": unchanged, "dtypes": sorted({str(p.dtype) for p in params})}
+
+
+def _options(root: Path, out: str, **extra) -> dict:
+    return {"model": str(root / "model"), "data": str(root / "train.jsonl"), "out": str(root / out),
+            "dtype": "fp16", "steps": 3, "batch-size": 4, "lr": 1e-2, "warmup-steps": 1, "seed": 1, **extra}
+
+
+def test_fp16_two_ranks_fsdp2_match_one_rank_and_skip_inf_steps_on_every_rank(setup_dir):
+    one = run_ranks(fp16_training, 1, _options(setup_dir, "one", strategy="single", **{"micro-batch-size": 4}))
+    two = run_ranks(fp16_training, 2, _options(setup_dir, "two", strategy="fsdp2", **{"micro-batch-size": 1}))
+    # fp16 compute: agreement to fp16 tolerance, not bit-exact (sums happen in other orders)
+    torch.testing.assert_close(torch.tensor(two[0]["losses"]), torch.tensor(one[0]["losses"]), rtol=2e-3, atol=2e-3)
+    for r in one + two:
+        assert r["dtypes"] == ["torch.float32"]  # LoRA weights and their optimizer stay fp32
+        assert r["scale"] == 2.0**16  # enabled, and no overflow in a healthy run
+        # an inf on one rank's shard: every rank skips the step and halves the scale
+        assert r["skipped"] and r["scale_after_inf"] == 2.0**15
+
+
+def test_scaler_is_off_for_bf16():
+    from shardtune.train.scaling import make_scaler
+
+    assert not make_scaler("bf16", torch.device("cpu")).is_enabled()
+    assert make_scaler("fp16", torch.device("cpu")).is_enabled()

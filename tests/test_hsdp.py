@@ -1,0 +1,148 @@
+"""HSDP (--replicate-groups): shard within groups, replicate across them; equal to 1 rank; resumable as FSDP."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_equivalence import grads_and_training
+
+from dist_utils import free_port, run_ranks
+from tiny import instruction_records, make_model, write_jsonl
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("hsdp")
+    make_model(root / "model", "llama", tied=True)
+    write_jsonl(root / "train.jsonl", instruction_records(20))
+    return root
+
+
+def _options(root: Path, out: str, **extra) -> dict:
+    return {"model": str(root / "model"), "data": str(root / "train.jsonl"), "out": str(root / out),
+            "dtype": "fp32", "steps": 4, "batch-size": 8, "lr": 1e-2, "warmup-steps": 1, "seed": 1, **extra}
+
+
+def hsdp_training(rank: int, world_size: int, options: dict) -> dict:
+    """grads_and_training, with FSDP1's gradients read from its flat shards (names are not parameters there)."""
+    if options["strategy"] != "fsdp1":
+        return grads_and_training(rank, world_size, options)
+    from shardtune.config import build_config
+    from shardtune.parallel.fsdp1 import gather_full
+    from shardtune.runtime import distributed
+    from shardtune.runtime.memory import MemoryMonitor
+    from shardtune.train.adapter import save_adapter
+    from shardtune.train.recipe import prepare, train, train_step
+
+    cfg = build_config(options)
+    worker = distributed.init_worker()
+    memory = MemoryMonitor(worker.device)
+    job = prepare(cfg, worker, memory)
+    train_step(job, 0)
+    grads = gather_full(job.model, list(job.built.adapter_keys.values()), grads=True)
+    job.model.zero_grad(set_to_none=True)
+    out = Path(cfg.output.out)
+    out.mkdir(parents=True, exist_ok=True)
+    result = train(job, memory, out)
+    save_adapter(job.model, job.strategy, job.built.adapter_keys, out / "adapter", cfg.model.path)
+    memory.close()
+    distributed.teardown()
+    return {"grads": grads, "losses": result["losses"]}
+
+
+@pytest.fixture(scope="module")
+def one_rank(root) -> dict:
+    return run_ranks(grads_and_training, 1, _options(root, "one", strategy="single", **{"micro-batch-size": 8}))[0]
+
+
+def _adapter(out: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(out / "adapter" / "adapter_model.safetensors")
+
+
+def _assert_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert set(a) == set(b) and a
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-6, msg=k)
+
+
+@pytest.mark.parametrize("strategy", ["fsdp2", "fsdp1"])
+def test_four_ranks_in_two_replica_groups_equal_one_rank(root, one_rank, strategy):
+    four = run_ranks(hsdp_training, 4, _options(root, f"hsdp-{strategy}", strategy=strategy,
+                                                     **{"micro-batch-size": 1, "replicate-groups": 2}),
+                     timeout=600)
+    for rank in (0, 3):  # one rank of each replica group
+        for name, g in one_rank["grads"].items():
+            # a gradient not all-reduced across the groups would be half of it (or the other group's)
+            torch.testing.assert_close(four[rank]["grads"][name], g, rtol=1e-4, atol=1e-6, msg=name)
+    torch.testing.assert_close(torch.tensor(four[0]["losses"]), torch.tensor(one_rank["losses"]),
+                               rtol=1e-5, atol=1e-6)
+    _assert_close(_adapter(root / "one"), _adapter(root / f"hsdp-{strategy}"))
+
+
+def _flags(options: dict) -> list[str]:
+    return [part for key, value in options.items() for part in (f"--{key}", str(value))]
+
+
+def test_two_loopback_nodes_hsdp_give_the_one_rank_adapter_and_resume_as_plain_fsdp(root, one_rank):
+    """2 "nodes" x 2 processes, one replica group per node, one --out shared by both nodes."""
+    import shardtune
+
+    options = _options(root, "nodes", strategy="fsdp2", **{"micro-batch-size": 1, "save-every": 2})
+    endpoint = f"127.0.0.1:{free_port()}"
+    runs = [[sys.executable, "-m", "shardtune", "finetune", *_flags(options), "--nproc", "2", "--nnodes", "2",
+             "--node-rank", str(i), "--rdzv-endpoint", endpoint, "--replicate-groups", "2"] for i in (0, 1)]
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for cmd in runs]
+    logs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], logs
+    assert "train_loss_last" in logs[0] and "train_loss_last" not in logs[1]  # node 0 reports, once
+    out = root / "nodes"
+    config = (out / "config.yaml").read_text()
+    assert "node-rank: 0" in config and "replicate-groups: 2" in config  # node 0's, not overwritten by node 1
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["world_size"] == 4 and len(summary["train_peak_mb"]) == 4
+    _assert_close(_adapter(root / "one"), _adapter(out))
+
+    # The HSDP checkpoint of step 2 continues as plain FSDP2 on 2 ranks, to the same adapter.
+    import shutil
+
+    resumed = root / "resumed"
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copytree(out / "checkpoints" / "step-2", resumed / "checkpoints" / "step-2")
+    summary = shardtune.finetune(_options(root, "resumed", strategy="fsdp2", resume=True), nproc=2)
+    assert summary["resumed_from_step"] == 2
+    _assert_close(_adapter(root / "one"), _adapter(resumed))
+
+
+def test_resume_command_names_the_node():
+    from shardtune.train.checkpoint import resume_command
+
+    assert resume_command(Path("o")) == "shardtune finetune --config o/config.yaml --resume"
+    # node 1 resuming with node 0's config.yaml must say it is node 1
+    assert resume_command(Path("o"), 2, 1) == "shardtune finetune --config o/config.yaml --node-rank 1 --resume"
+
+
+def test_hsdp_options_are_checked_and_the_planner_shards_within_a_group(root):
+    from shardtune.config import ConfigError, build_config, validate
+    from shardtune.plan import plan
+
+    with pytest.raises(ConfigError, match="'replicate-groups': 3 groups do not divide the 4 ranks"):
+        validate(build_config({"model": "m", "data": "d", "out": "o", "nproc": 4, "replicate-groups": 3}))
+    with pytest.raises(ConfigError, match="'replicate-groups' needs an FSDP strategy"):
+        validate(build_config({"model": "m", "data": "d", "out": "o", "nproc": 4, "replicate-groups": 2,
+                               "strategy": "ddp"}))
+    nodes = {"model": str(root / "model"), "data": "d", "out": "o", "nproc": 2, "nnodes": 2, "node-rank": 0,
+             "rdzv-endpoint": "h:1"}
+    fsdp = plan(build_config(nodes), 1 << 40)
+    hsdp = plan(build_config({**nodes, "replicate-groups": 2}), 1 << 40)
+    for strategy in ("fsdp2", "fsdp1"):
+        plain, hybrid = fsdp[strategy][0], hsdp[strategy][0]
+        assert (plain.ranks, hybrid.ranks) == (4, 2)  # a rank holds 1/4 of the weights, or 1/2 of them under HSDP
+        assert hybrid.terms["weights"] == pytest.approx(2 * plain.terms["weights"])
