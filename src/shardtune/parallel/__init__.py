@@ -18,11 +18,12 @@ from shardtune.runtime.distributed import Worker
 __all__ = ["Strategy", "choose_strategy", "make_strategy", "parallelize"]
 
 
-def make_strategy(name: str, worker: Worker, compute_dtype: torch.dtype, cpu_offload: bool) -> Strategy:
+def make_strategy(name: str, worker: Worker, compute_dtype: torch.dtype, cpu_offload: bool,
+                  fsdp_unit: str = "part") -> Strategy:
     if name == "fsdp2":
         from shardtune.parallel.fsdp2 import FSDP2
 
-        return FSDP2(worker, compute_dtype, cpu_offload)
+        return FSDP2(worker, compute_dtype, cpu_offload, "part" if fsdp_unit == "auto" else fsdp_unit)
     if name == "fsdp1":
         from shardtune.parallel.fsdp1 import FSDP1
 
@@ -30,11 +31,11 @@ def make_strategy(name: str, worker: Worker, compute_dtype: torch.dtype, cpu_off
     if name == "ddp":
         from shardtune.parallel.ddp import DDPStrategy
 
-        return DDPStrategy(worker)
+        return DDPStrategy(worker, compute_dtype)
     if name == "single":
         if worker.world_size > 1:
             raise ValueError(f"strategy 'single' runs one process, but {worker.world_size} were started")
-        return Strategy(worker)
+        return Strategy(worker, compute_dtype)
     raise ValueError(f"unknown strategy {name!r}")
 
 

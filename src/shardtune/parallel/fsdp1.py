@@ -15,7 +15,9 @@ rectangles from the safetensors files, straight into the flat parameter.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from contextlib import AbstractContextManager as ContextManager
 
 import torch
 import torch.distributed as dist
@@ -225,6 +227,11 @@ class FSDP1(Strategy):
             use_orig_params=False,
             limit_all_gathers=True,
         )
+
+    def gradient_sync(self, model: nn.Module, enabled: bool) -> ContextManager:
+        # no_sync keeps unsharded gradients until the last micro-batch: only the LoRA flat
+        # parameters have any, so that costs their (small) full size, not the model's.
+        return contextlib.nullcontext() if enabled else model.no_sync()
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The peft model, whose submodules are now FSDP units: its module names contain

@@ -3,7 +3,9 @@ sharded by rows outside FSDP. All applied on the meta device."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
+from contextlib import AbstractContextManager as ContextManager
 
 import torch
 import torch.distributed as dist
@@ -21,8 +23,11 @@ from shardtune.runtime.distributed import Worker
 class FSDP2(Strategy):
     name = "fsdp2"
 
-    def __init__(self, worker: Worker, compute_dtype: torch.dtype, cpu_offload: bool) -> None:
+    def __init__(self, worker: Worker, compute_dtype: torch.dtype, cpu_offload: bool, unit: str = "part") -> None:
         super().__init__(worker)
+        # "layer": one unit per decoder layer, one gather each way per layer (fewer, larger collectives);
+        # "part": units for a layer's attention and MLP projections and the rest (model/structure.py)
+        self.unit = unit
         self.mesh = init_device_mesh(worker.device.type, (worker.world_size,))
         # LoRA weights are fp32 while a bf16 base is not; FSDP2 needs one dtype per unit for its
         # all-gather, so parameters are cast to the compute dtype there. Gradients are reduced in
@@ -34,7 +39,8 @@ class FSDP2(Strategy):
         layers = decoder_layers(model)
         if not layers:
             raise ValueError(f"{type(model).__name__}: found no decoder layers to shard (_no_split_modules)")
-        units: list[FSDPModule] = [self._unit(part) for layer in layers for part in layer_parts(layer)]
+        parts = (lambda layer: [layer]) if self.unit == "layer" else layer_parts
+        units: list[FSDPModule] = [self._unit(part) for layer in layers for part in parts(layer)]
         ignored, own_units = self._shard_embeddings(model)
         units += [self._unit(module, reshard_after_forward=reshard) for module, reshard in own_units]
         # The root holds what is left (final norm; embeddings not sharded by rows), needed again at the start
@@ -77,6 +83,12 @@ class FSDP2(Strategy):
               ignored_params: set[nn.Parameter] | None = None) -> FSDPModule:
         return fully_shard(module, mesh=self.mesh, mp_policy=self.mp, offload_policy=self.offload,
                            reshard_after_forward=reshard_after_forward, ignored_params=ignored_params)
+
+    def gradient_sync(self, model: nn.Module, enabled: bool) -> ContextManager:
+        # Without sync every unit keeps its unsharded gradient (only LoRA's are trainable: small)
+        # and skips its reduce-scatter; the last micro-batch reduces the sum.
+        model.set_requires_gradient_sync(enabled)
+        return contextlib.nullcontext()
 
     def full_tensors(self, model: nn.Module, names: list[str]) -> dict[str, torch.Tensor]:
         params = dict(model.named_parameters())

@@ -45,8 +45,9 @@ def build_model(cfg: Config, worker: Worker) -> Built:
     local_world = max(1, worker.world_size // cfg.parallel.nnodes)
     name, why = choose_strategy(cfg.parallel.strategy, worker, total * dtype.itemsize, local_world,
                                 cfg.parallel.cpu_offload)
+    why = cfg.parallel.chosen or why  # decided before the workers started (choice.py)
     log.info("strategy %s: %s", name, why)
-    strategy = make_strategy(name, worker, dtype, cfg.parallel.cpu_offload)
+    strategy = make_strategy(name, worker, dtype, cfg.parallel.cpu_offload, cfg.parallel.fsdp_unit)
     snapshot = take_snapshot(model, lora_init)
     model = parallelize(
         model, strategy, lambda m, targets: load(m, model_dir, worker.device, snapshot, targets),
