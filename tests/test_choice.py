@@ -25,10 +25,13 @@ def root(tmp_path_factory) -> Path:
     return root
 
 
+def _options(root: Path, **extra) -> dict:
+    return {"model": str(root / "model"), "data": str(root / "train.jsonl"), "out": str(root / "out"), "nproc": 2,
+            "batch-size": 8, "seq-len": 64, "strategy": "auto", "micro-batch-size": "auto", **extra}
+
+
 def _cfg(root: Path, **extra):
-    return build_config({"model": str(root / "model"), "data": str(root / "train.jsonl"), "out": str(root / "out"),
-                         "nproc": 2, "batch-size": 8, "seq-len": 64, "strategy": "auto",
-                         "micro-batch-size": "auto", **extra})
+    return build_config(_options(root, **extra))
 
 
 def test_roomy_budget_takes_ddp_with_the_largest_micro_batch(root):
@@ -72,7 +75,7 @@ def test_plan_shows_the_choice_and_finetune_runs_it_on_every_rank(root, capsys):
 
     import shardtune
 
-    summary = shardtune.finetune(_cfg(root, steps=1, **{"memory-per-rank": "1TiB", "strategy": "fsdp2"}))
+    summary = shardtune.finetune(_options(root, steps=1, **{"memory-per-rank": "1TiB", "strategy": "fsdp2"}))
     assert summary["strategy"] == "fsdp2" and summary["fsdp_unit"] == "layer" and summary["micro_batch_size"] == 4
     assert "fastest setting that fits" in summary["strategy_reason"]
     written = yaml.safe_load((root / "out" / "config.yaml").read_text())

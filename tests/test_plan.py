@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from shardtune import cli
-from shardtune.config import ConfigError, build_config
+from shardtune.config import ConfigError, build_config, parse_size
 from shardtune.model.footprint import model_facts
-from shardtune.plan import MB, STRATEGIES, TERMS, as_json, parse_size, plan, predict
+from shardtune.plan import MB, STRATEGIES, TERMS, as_json, plan, predict
 
 from tiny import make_model
 
