@@ -27,6 +27,8 @@ from pathlib import Path
 from fake_model import make_checkpoint, make_data
 print(make_checkpoint('1.1b', Path('$CACHE')))
 make_data(Path('$CACHE') / 'data-512.jsonl', n=256, seq_len=512)
+from speed import mixed_data
+mixed_data(Path('$CACHE') / 'data-mixed.jsonl', n=256)
 " | tail -n1)
 rm -f "$CACHE/results.jsonl"
 run() {  # NAME, then extra flags
@@ -48,7 +50,7 @@ predicted = pred["peak_mb"] - pred["terms"]["runtime"]  # the CUDA context is no
 reserved = max(s["cuda_max_reserved_mb"]["train"])
 allocated = max(s["cuda_max_allocated_mb"]["train"])
 row = {"run": name, "strategy": s["strategy"], "ranks": s["world_size"], "backend": s["backend"],
-       "tokens_per_second": s["tokens_per_second"], "loss_first": s["train_loss_first"],
+       "tokens_per_second": s["tokens_per_second"], "fill_ratio": s.get("fill_ratio"), "loss_first": s["train_loss_first"],
        "loss_last": s["train_loss_last"], "train_max_allocated_mb": allocated, "train_max_reserved_mb": reserved,
        "load_max_reserved_mb": max(s["cuda_max_reserved_mb"]["load"]), "predicted_mb": round(predicted, 1),
        "predicted_over_reserved": round(predicted / reserved, 3), "load_seconds": s["load_seconds"]}
@@ -72,6 +74,9 @@ PY
 run fsdp2 --strategy fsdp2
 run fsdp2-offload --strategy fsdp2 --cpu-offload
 run fsdp1 --strategy fsdp1
+# mixed-length records (16..512 tokens, median ~100: bench/speed.py), padded and packed; tokens/s counts real tokens
+run fsdp2-padded --strategy fsdp2 --data "$CACHE/data-mixed.jsonl" --micro-batch-size 8 --batch-size $((8 * NGPU))
+run fsdp2-packed --strategy fsdp2 --data "$CACHE/data-mixed.jsonl" --micro-batch-size 8 --batch-size $((8 * NGPU)) --packing
 python3 -c "
 import json; rows = [json.loads(l) for l in open('$CACHE/results.jsonl')]
 json.dump(rows, open('bench/results/gpu_check.json', 'w'), indent=1); print('all GPU checks passed')"

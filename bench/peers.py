@@ -193,9 +193,11 @@ def run_peer(recipe: str, args: argparse.Namespace, rank: int, world: int) -> di
     model.train()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     losses, tokens, started = [], 0, time.perf_counter()
+    m = args.micro_batch_size  # records per step on each rank, padded to the longest (the usual collation)
     with memory.phase("train"):
         for step in range(args.steps):
-            batch = collate([examples[(step * world + rank) % len(examples)]], tokenizer.pad_token_id, d.device)
+            records = [examples[((step * world + rank) * m + i) % len(examples)] for i in range(m)]
+            batch = collate(records, tokenizer.pad_token_id, d.device)
             # accelerate runs FSDP1's bf16 mixed precision under autocast: peft casts LoRA's input to the
             # fp32 weight's dtype outside the LoRA unit, and FSDP1 computes the unit in bf16
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=recipe.startswith("fsdp1")):
@@ -205,7 +207,7 @@ def run_peer(recipe: str, args: argparse.Namespace, rank: int, world: int) -> di
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             losses.append(loss.item())
-            tokens += batch["input_ids"].numel()
+            tokens += int(batch["attention_mask"].sum())  # real tokens, not padding
     train_seconds = time.perf_counter() - started
     memory.close()
     result = {"load_peak_mb": memory.peak_mb("load"), "train_peak_mb": memory.peak_mb("train"),
@@ -232,16 +234,23 @@ def run_shardtune(args: argparse.Namespace, rank: int) -> dict:
 
     shardtune.train.recipe.build_model = counted_build_model
 
+    micro = "auto" if args.micro_batch_size == 0 else args.micro_batch_size
     cfg = build_config({"model": args.model, "data": args.data, "out": str(Path(args.out) / "run"),
-                        "strategy": args.strategy, "steps": args.steps, "batch-size": int(os.environ["WORLD_SIZE"]),
-                        "micro-batch-size": 1, "seq-len": args.seq_len, "lora-r": 8, "lora-alpha": 16,
+                        "strategy": args.strategy, "steps": args.steps,
+                        "batch-size": int(os.environ["WORLD_SIZE"]) * (args.batch_per_rank or args.micro_batch_size),
+                        "micro-batch-size": micro, "seq-len": args.seq_len, "lora-r": 8, "lora-alpha": 16,
                         "lora-targets": "q_proj,v_proj", "activation-checkpointing": args.activation_checkpointing,
-                        "cpu-offload": args.cpu_offload, "warmup-steps": 0})
+                        "cpu-offload": args.cpu_offload, "warmup-steps": 0, "packing": args.packing,
+                        "fsdp-unit": args.fsdp_unit, "memory-per-rank": args.memory_per_rank})
     validate(cfg)
+    from shardtune.preflight import preflight
+
+    cfg = preflight(cfg)  # the automatic choice, as `shardtune finetune` makes it
     summary = launch(cfg)  # under torchrun: this rank's worker, as `torchrun -m shardtune.train` would run
     return {"load_peak_mb": summary["load_peak_mb"][rank], "train_peak_mb": summary["train_peak_mb"][rank],
             "load_seconds": summary["load_seconds"], "tokens_per_second": summary["tokens_per_second"],
-            "read_mb": reads[0], "loss_first": summary["train_loss_first"], "loss_last": summary["train_loss_last"]}
+            "read_mb": reads[0], "loss_first": summary["train_loss_first"], "loss_last": summary["train_loss_last"],
+            "fill_ratio": summary.get("fill_ratio"), "chosen": cfg.parallel.chosen or None}
 
 
 def main() -> None:
@@ -255,6 +264,11 @@ def main() -> None:
     parser.add_argument("--strategy", default="fsdp2")
     parser.add_argument("--activation-checkpointing", action="store_true")
     parser.add_argument("--cpu-offload", action="store_true")
+    parser.add_argument("--micro-batch-size", type=int, default=1, help="records per forward per rank (0: auto)")
+    parser.add_argument("--batch-per-rank", type=int, default=0, help="records per step per rank [micro-batch]")
+    parser.add_argument("--packing", action="store_true")
+    parser.add_argument("--fsdp-unit", default="part", choices=("auto", "layer", "part"))
+    parser.add_argument("--memory-per-rank", default=None)
     args = parser.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     # Imported before any counting starts, the same for every recipe: module files are not the model's.

@@ -132,6 +132,18 @@ def test_records_without_targets_after_truncation_are_dropped_and_counted(tmp_pa
     assert tok.decode(ds.examples[0].input_ids) == "kept</s>"
 
 
+def test_token_ids_beyond_the_vocabulary_name_the_record(tmp_path, tok):
+    # Checked once at load, on every rank before any collective: the sharded lookup no longer checks
+    # (that was a host sync per micro-batch, and one rank could raise while the others waited).
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": "ok"}, {"text": "no"}])
+    ids = [e.input_ids for e in load_dataset(path, tok, seq_len=32).examples]
+    assert len(load_dataset(path, tok, seq_len=32, vocab_size=max(map(max, ids)) + 1).examples) == 2
+    bad = max(ids[1]) + 1 if max(ids[0]) > max(ids[1]) else max(ids[0])  # only one record reaches it
+    line = 1 if max(ids[0]) >= bad else 2
+    with pytest.raises(DataError, match=rf"d.jsonl:{line}: token id \d+ is outside the model's {bad} embedding rows"):
+        load_dataset(path, tok, seq_len=32, vocab_size=bad)
+
+
 def test_no_record_with_targets_is_an_error(tmp_path, tok):
     path = write_jsonl(tmp_path / "d.jsonl", [{"instruction": "p" * 200, "output": "answer"}])
     with pytest.raises(DataError, match="no record has a target token within --seq-len 16"):

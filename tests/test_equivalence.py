@@ -103,16 +103,20 @@ def test_launcher_runs_match_across_strategies_and_splits(setup_dir):
 
     runs = {
         "single": _options(setup_dir, "api-single", strategy="single", nproc=1),
-        "fsdp2": _options(setup_dir, "api-fsdp2", strategy="fsdp2", nproc=2, **{"micro-batch-size": 2}),
+        "fsdp2": _options(setup_dir, "api-fsdp2", strategy="fsdp2", nproc=2,
+                          **{"micro-batch-size": 2, "fsdp-unit": "part"}),
+        # whole-layer units, each layer's forward prefetching the next one's gather
+        "fsdp2-layer": _options(setup_dir, "api-fsdp2-layer", strategy="fsdp2", nproc=2,
+                                **{"micro-batch-size": 1, "fsdp-unit": "layer"}),
         "ddp": _options(setup_dir, "api-ddp", strategy="ddp", nproc=2),
         "fsdp1": _options(setup_dir, "api-fsdp1", strategy="fsdp1", nproc=2, **{"micro-batch-size": 1}),
     }
     summaries = {name: shardtune.finetune(opts) for name, opts in runs.items()}
     metrics = {name: [json.loads(line) for line in (Path(opts["out"]) / "metrics.jsonl").read_text().splitlines()]
                for name, opts in runs.items()}
-    for name in ("fsdp2", "ddp", "fsdp1"):
+    for name in ("fsdp2", "fsdp2-layer", "ddp", "fsdp1"):
         s = summaries[name]
-        assert s["strategy"] == name and s["world_size"] == 2 and s["steps"] == 4
+        assert s["strategy"] == name.split("-")[0] and s["world_size"] == 2 and s["steps"] == 4
         assert len(s["load_peak_mb"]) == 2 and len(s["train_peak_mb"]) == 2
         for key in ("loss", "grad_norm"):
             torch.testing.assert_close(torch.tensor([m[key] for m in metrics[name]]),
@@ -122,4 +126,5 @@ def test_launcher_runs_match_across_strategies_and_splits(setup_dir):
                      "tokens_per_second", "load_seconds", "load_peak_mb", "train_peak_mb", "total_params",
                      "trainable_params", "wall_seconds"}
     assert expected_keys <= set(summaries["fsdp2"])
+    assert summaries["fsdp2-layer"]["fsdp_unit"] == "layer"
     assert json.loads((Path(runs["fsdp2"]["out"]) / "summary.json").read_text())["steps"] == 4

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from shardtune import cli
-from shardtune.config import ConfigError, build_config
+from shardtune.config import ConfigError, build_config, parse_size
 from shardtune.model.footprint import model_facts
-from shardtune.plan import MB, STRATEGIES, TERMS, as_json, parse_size, plan, predict
+from shardtune.plan import MB, STRATEGIES, TERMS, as_json, plan, predict
 
 from tiny import make_model
 
@@ -157,6 +157,8 @@ def test_cli_plan_json_reads_no_weights(tmp_path: Path, capsys, monkeypatch) -> 
                      "--lora-r", "4", "--strategy", "fsdp2", "--memory-per-rank", "8GiB", "--json"])
     assert code == 0
     doc = json.loads(capsys.readouterr().out)
+    chosen = doc.pop("chosen")  # --fsdp-unit auto: the unit finetune would use
+    assert chosen["strategy"] == "fsdp2" and chosen["fsdp_unit"] == "layer" and "fits" in chosen["why"]
     assert set(doc) == set(STRATEGIES)
     assert all(entry["fits"] for entry in doc.values())
     assert doc["fsdp2"]["terms"]["weights"] > 0 and doc["fsdp2"]["read_mb"] > 0

@@ -22,7 +22,7 @@ def finetune(config: str | Path | dict[str, Any] | None = None, nproc: int | Non
     if nproc is not None:
         overrides["nproc"] = nproc
     cfg = build_config(config, overrides)
-    preflight(cfg)
+    cfg = preflight(cfg)  # with the auto options decided, once, for every rank
     return launch(cfg)
 
 

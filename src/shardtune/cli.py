@@ -21,8 +21,16 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(f"--{flag}", action=argparse.BooleanOptionalAction, default=None, help=help_text)
         else:
             default = f.default if f.default is not None else "none"
-            parser.add_argument(f"--{flag}", type=kind, default=None, choices=f.metadata["choices"],
-                                help=f"{help_text} [default: {default}]")
+            parser.add_argument(f"--{flag}", type=_or_auto(kind) if f.metadata.get("auto") else kind, default=None,
+                                choices=f.metadata["choices"], help=f"{help_text} [default: {default}]")
+
+
+def _or_auto(kind: type):
+    def parse(text: str):
+        return "auto" if text.strip().lower() == "auto" else kind(text)
+
+    parse.__name__ = f"{kind.__name__} or 'auto'"  # what argparse names in its error message
+    return parse
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -44,7 +52,7 @@ def cmd_finetune(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     from shardtune.plan import run_plan
 
-    return run_plan(args.config, _overrides(args), args.memory_per_rank, args.json)
+    return run_plan(args.config, _overrides(args), args.json)
 
 
 def _fmt(value: Any) -> str:
@@ -92,8 +100,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plan", help="Predict each rank's peak memory per strategy, without reading any weight.")
     _add_config_flags(p)
-    p.add_argument("--memory-per-rank", metavar="SIZE",
-                   help="memory one rank may use, e.g. 8GiB or 8000MB [default: this GPU's memory, or RAM / nproc]")
     p.add_argument("--json", action="store_true", help="print one JSON object keyed by strategy")
     p.set_defaults(func=cmd_plan)
 

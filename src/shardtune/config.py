@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -24,8 +25,9 @@ class ConfigError(ShardtuneError, ValueError):
     """A configuration problem the user must fix; the message says which option and why."""
 
 
-def opt(default: Any, flag: str, help: str, choices: tuple[str, ...] | None = None) -> Any:
-    return field(default=default, metadata={"flag": flag, "help": help, "choices": choices})
+def opt(default: Any, flag: str, help: str, choices: tuple[str, ...] | None = None, auto: bool = False) -> Any:
+    """A config field; ``auto``: the value may also be the word "auto" (chosen before the run starts)."""
+    return field(default=default, metadata={"flag": flag, "help": help, "choices": choices, "auto": auto})
 
 
 @dataclass
@@ -55,6 +57,10 @@ class DataConfig:
     train: str | None = opt(None, "data", "Training data: .jsonl or .json (instruction/messages/text records).")
     val: str | None = opt(None, "val-data", "Validation data in the same formats.")
     seq_len: int = opt(512, "seq-len", "Tokens per record; longer records are truncated (and counted).")
+    packing: bool = opt(
+        False, "packing", "Pack several records into each sequence of up to --seq-len tokens (attention and "
+        "positions stay per record); --micro-batch-size then counts packed sequences per forward."
+    )
 
 
 @dataclass
@@ -62,8 +68,9 @@ class TrainConfig:
     steps: int | None = opt(None, "steps", "Optimizer steps (default: --epochs 1).")
     epochs: float | None = opt(None, "epochs", "Passes over the training data (when --steps is not given).")
     batch_size: int = opt(8, "batch-size", "Global batch: records per optimizer step over all ranks.")
-    micro_batch_size: int | None = opt(
-        None, "micro-batch-size", "Records per forward pass on one rank (default: batch-size / ranks)."
+    micro_batch_size: int | str | None = opt(
+        None, "micro-batch-size", "Records per forward pass on one rank (default: batch-size / ranks); with "
+        "--packing, packed sequences per forward; 'auto': the largest that fits --memory-per-rank.", auto=True,
     )
     lr: float = opt(2e-4, "lr", "Peak learning rate (AdamW).")
     weight_decay: float = opt(0.0, "weight-decay", "AdamW weight decay.")
@@ -83,8 +90,19 @@ class ParallelConfig:
         "auto", "strategy", "How to split the model over ranks.", ("auto", "fsdp2", "fsdp1", "ddp", "single")
     )
     activation_checkpointing: bool = opt(
-        False, "activation-checkpointing", "Recompute each decoder layer's activations in backward."
+        False, "activation-checkpointing", "Recompute each decoder layer's activations in backward (also switched "
+        "on by --strategy/--micro-batch-size auto when nothing fits without it)."
     )
+    fsdp_unit: str = opt(
+        "auto", "fsdp-unit", "FSDP2's unit of sharding: whole decoder layers (fewer, larger collectives: faster) or "
+        "their parts (attention and MLP projections: a lower peak); auto: layers when they fit --memory-per-rank.",
+        ("auto", "layer", "part"),
+    )
+    memory_per_rank: str | None = opt(
+        None, "memory-per-rank", "Memory one rank may use, e.g. 8GiB or 3000MB, for the automatic choices and "
+        "`plan` [default: this GPU's memory, or available RAM / local ranks]."
+    )
+    chosen: str = opt("", "chosen", "Written by shardtune into config.yaml: what the automatic choice picked and why.")
     cpu_offload: bool = opt(False, "cpu-offload", "Keep sharded parameters on CPU (FSDP only).")
     device: str = opt(
         "auto", "device", "Where ranks compute: auto (cuda when a GPU is visible), cpu, or cuda (one GPU per rank).",
@@ -152,6 +170,8 @@ def _coerce(flag: str, value: Any) -> Any:
     _, f = FLAGS[flag]
     if value is None:
         return None
+    if f.metadata.get("auto") and isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
     typ = _field_type(f)
     try:
         if typ is bool and isinstance(value, str):
@@ -256,7 +276,7 @@ def validate(cfg: Config, need_data: bool = True) -> None:
         if value < 1:
             raise ConfigError(f"option '{flag}' must be at least 1, got {value}")
     for flag, value in {"steps": cfg.train.steps, "micro-batch-size": cfg.train.micro_batch_size}.items():
-        if value is not None and value < 1:
+        if value is not None and value != "auto" and value < 1:
             raise ConfigError(f"option '{flag}' must be at least 1, got {value}")
     for flag, (section, f) in FLAGS.items():
         value = getattr(getattr(cfg, section), f.name)
@@ -279,8 +299,23 @@ def validate(cfg: Config, need_data: bool = True) -> None:
                               f"the {ranks} ranks (--nproc {cfg.parallel.nproc} x --nnodes {cfg.parallel.nnodes})")
         if cfg.parallel.strategy in ("ddp", "single"):
             raise ConfigError(f"option 'replicate-groups' needs an FSDP strategy, not '{cfg.parallel.strategy}'")
+    if cfg.parallel.memory_per_rank is not None:
+        parse_size(cfg.parallel.memory_per_rank)
     if cfg.parallel.cpu_offload and cfg.parallel.strategy in ("ddp", "single"):
         raise ConfigError(f"option 'cpu-offload' needs an FSDP strategy, not '{cfg.parallel.strategy}'")
+
+
+_UNITS = {"": 1, "b": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4,
+          "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
+          "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
+
+def parse_size(text: str) -> int:
+    """Bytes from '8GiB', '8000MB', '1.5G' (KB/MB/GB: powers of 1000; K/M/G and KiB/MiB/GiB: of 1024)."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text or "")
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise ConfigError(f"option 'memory-per-rank': cannot read {text!r} as a size (e.g. 8GiB, 8000MB, 16G)")
+    return int(float(match.group(1)) * _UNITS[unit])
 
 
 def write_yaml(cfg: Config, path: Path) -> None:

@@ -9,8 +9,8 @@ peaks (bench/memory.py). The second half prints the table or the JSON of ``shard
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import re
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from shardtune.config import Config, ConfigError, build_config, validate
+from shardtune.config import Config, build_config, validate
 from shardtune.model.footprint import Facts, model_facts
 from shardtune.model.meta import DTYPES
 from shardtune.runtime.device import pick_device
@@ -87,11 +87,12 @@ class Prediction:
 
 
 def _moments(strategy: str, device: str, f: Facts, n: int, acts: float, workspace: float, logits_fwd: float,
-             logits_bwd: float) -> dict[str, dict[str, float]]:
+             logits_bwd: float, unit: str = "part") -> dict[str, dict[str, float]]:
     """The busiest moments of a step for ``strategy``: {moment: the terms it adds to the kept state}."""
     copies = GATHER_COPIES.get((strategy, device), 0)
     if strategy == "fsdp2":
-        return _fsdp2_moments(device, f, n, copies, acts, workspace, logits_fwd, logits_bwd)
+        units = f.units_bytes if unit == "part" else [f.block_bytes]
+        return _fsdp2_moments(device, f, n, copies, acts, workspace, logits_fwd, logits_bwd, units)
     blocks = BACKWARD_BLOCKS.get((strategy, device), 0) * f.block_bytes
     if strategy == "fsdp1" and f.head_bytes:  # untied tables are units of their own (parallel/fsdp1.py)
         return {
@@ -115,10 +116,10 @@ def _moments(strategy: str, device: str, f: Facts, n: int, acts: float, workspac
 
 
 def _fsdp2_moments(device: str, f: Facts, n: int, copies: int, acts: float, workspace: float,
-                   logits_fwd: float, logits_bwd: float) -> dict[str, dict[str, float]]:
-    """FSDP2 as parallel/fsdp2.py applies it: units for the parts of each layer; frozen embeddings
-    used from row shards (one rank's rows in a buffer at a time), others gathered in units."""
-    units = f.units_bytes
+                   logits_fwd: float, logits_bwd: float, units: list[int]) -> dict[str, dict[str, float]]:
+    """FSDP2 as parallel/fsdp2.py applies it: ``units`` per decoder layer (whole layers, or their
+    parts); frozen embeddings used from row shards (one rank's rows in a buffer at a time), others
+    gathered in units."""
     # The unit computing while the next one is gathered into a buffer and copied out (CPU, measured);
     # on CUDA FSDP2 also keeps one more gathered unit for stream overlap (from the code).
     window = 2 if device == "cpu" else 3
@@ -145,14 +146,15 @@ def _fsdp2_moments(device: str, f: Facts, n: int, copies: int, acts: float, work
 
 
 def predict(f: Facts, strategy: str, ranks: int, micro_batch: int, seq_len: int, ac: bool, offload: bool,
-            device: torch.device, replicate_groups: int = 1) -> Prediction:
-    """One strategy's per-rank peak, in MB, from the model's facts.
+            device: torch.device, replicate_groups: int = 1, unit: str = "part") -> Prediction:
+    """One strategy's per-rank peak, in MB, from the model's facts (``unit``: FSDP2's unit size).
 
     HSDP (``replicate_groups`` > 1) shards over the ranks of one group only: a rank holds 1/(ranks/groups).
     """
     sharded = strategy in ("fsdp2", "fsdp1")
     n = ranks // replicate_groups if sharded else 1
-    lora_dtype = torch.float32 if not sharded else {2: torch.bfloat16, 4: torch.float32}[f.compute_itemsize]
+    # LoRA computes in the compute dtype under every strategy (parallel/compute_dtype.py)
+    lora_dtype = {2: torch.bfloat16, 4: torch.float32}[f.compute_itemsize]
     per_layer, outside, vocab = f.saved[micro_batch, lora_dtype]
     micro_tokens = micro_batch * seq_len
     if ac:
@@ -176,7 +178,7 @@ def predict(f: Facts, strategy: str, ranks: int, micro_batch: int, seq_len: int,
         host = sum(kept[k] for k in ("weights", "lora", "grads", "optimizer"))
         kept.update(weights=0.0, lora=0.0, grads=0.0, optimizer=0.0)
     moments = _moments(strategy, "cuda" if device.type == "cuda" else "cpu", f, n, acts, workspace, logits,
-                       logits_bwd)
+                       logits_bwd, unit)
     moment, extra = max(moments.items(), key=lambda kv: sum(kv[1].values()))
     terms = {k: kept.get(k, 0.0) + extra.get(k, 0.0) for k in TERMS}
     note = ""
@@ -211,7 +213,7 @@ def plan(cfg: Config, memory_per_rank: int | None = None) -> dict[str, list[Pred
     if not micros:
         raise DataError(next(iter(batches.values())))  # type: ignore[arg-type]
     compute = DTYPES[cfg.model.dtype]
-    facts = model_facts(cfg, micros, {compute, torch.float32}, device)
+    facts = model_facts(cfg, micros, {compute}, device)
     out: dict[str, list[Prediction]] = {}
     for strategy in STRATEGIES:
         batch = batches[strategy]
@@ -228,8 +230,9 @@ def plan(cfg: Config, memory_per_rank: int | None = None) -> dict[str, list[Pred
             if off and strategy not in ("fsdp2", "fsdp1"):
                 p = Prediction(strategy, world, ac, off, {}, "", note="CPU offload needs an FSDP strategy")
             else:
+                unit = "part" if cfg.parallel.fsdp_unit == "auto" else cfg.parallel.fsdp_unit
                 p = predict(facts, strategy, world, batch.micro_batch_size, cfg.data.seq_len, ac, off, device,
-                            cfg.parallel.replicate_groups)
+                            cfg.parallel.replicate_groups, unit)
                 p.fits = p.peak_mb * MB <= budget
             preds.append(p)
         out[strategy] = preds
@@ -238,19 +241,7 @@ def plan(cfg: Config, memory_per_rank: int | None = None) -> dict[str, list[Pred
 
 # --- what `shardtune plan` prints ------------------------------------------------------------
 
-_UNITS = {"": 1, "b": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4,
-          "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
-          "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
 _SHORT = {"activations": "activ", "optimizer": "optim"}
-
-
-def parse_size(text: str) -> int:
-    """Bytes from '8GiB', '8000MB', '1.5G' (KB/MB/GB: powers of 1000; K/M/G and KiB/MiB/GiB: of 1024)."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text or "")
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _UNITS:
-        raise ConfigError(f"option 'memory-per-rank': cannot read {text!r} as a size (e.g. 8GiB, 8000MB, 16G)")
-    return int(float(match.group(1)) * _UNITS[unit])
 
 
 def as_json(predictions: dict[str, list[Prediction]]) -> dict[str, Any]:
@@ -297,24 +288,24 @@ def render(predictions: dict[str, list[Prediction]], header: list[str]) -> str:
     return "\n".join(lines)
 
 
-def run_plan(config: str | Path | None, overrides: dict[str, Any], memory_per_rank: str | None,
-             as_json_output: bool) -> int:
-    """``shardtune plan``: print the predictions for the given fine-tune flags; reads no weights."""
+def run_plan(config: str | Path | None, overrides: dict[str, Any], as_json_output: bool) -> int:
+    """``shardtune plan``: the automatic choice ``finetune`` would make for these flags, and the
+    predictions per strategy for the chosen micro-batch; reads no weights."""
+    from shardtune.choice import budget_of, choose
     from shardtune.runtime.logs import quiet_libraries
 
     quiet_libraries()
     cfg = build_config(config, overrides)
     validate(cfg, need_data=False)
     device = pick_device(cfg.parallel.device)
-    if memory_per_rank:
-        budget, where = parse_size(memory_per_rank), "--memory-per-rank"
-    else:
-        budget = default_memory_per_rank(cfg.parallel.nproc, device)
-        where = ("this GPU's memory" if device.type == "cuda"
-                 else f"available RAM / {cfg.parallel.nproc} local rank{'s' * (cfg.parallel.nproc > 1)}")
+    budget, where = budget_of(cfg)
+    cfg, chosen, why = choose(cfg)
     predictions = plan(cfg, budget)
     if as_json_output:
-        print(json.dumps(as_json(predictions), indent=2))
+        out = as_json(predictions)
+        if chosen is not None:
+            out["chosen"] = {**dataclasses.asdict(chosen), "why": why}
+        print(json.dumps(out, indent=2))
         return 0
     ranks = cfg.parallel.nproc * cfg.parallel.nnodes
     header = [
@@ -322,5 +313,7 @@ def run_plan(config: str | Path | None, overrides: dict[str, Any], memory_per_ra
         f"{ranks} rank{'s' * (ranks > 1)} (single: 1), global batch {cfg.train.batch_size}, "
         f"--seq-len {cfg.data.seq_len}, device {device.type}; memory per rank {budget / MB:.0f} MB ({where})",
     ]
+    if why:
+        header += [f"finetune would run: {why}"]
     print(render(predictions, header))
     return 0

@@ -2,25 +2,33 @@
 
 Bad input must stop the run in seconds with one clear message, not after N processes have loaded
 a model; these checks read only config, headers, tokenizer and data, and build the model on meta.
+The ``auto`` options are decided here too (choice.py), once, for every rank.
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
+from shardtune.choice import choose
 from shardtune.config import Config, validate
 from shardtune.model.directory import check_model_dir, load_tokenizer
 from shardtune.model.lora import inject_lora
-from shardtune.model.meta import DTYPES, build_meta_model
+from shardtune.model.meta import DTYPES, build_meta_model, vocab_size
 from shardtune.runtime.device import check_local_ranks, device_type
 from shardtune.runtime.files import OutputError, check_writable
 from shardtune.runtime.versions import check_apis
 from shardtune.train.checkpoint import resume_point
 from shardtune.train.data import BatchPlan, load_dataset, read_records
 from shardtune.train.data_checks import warn_about_data
+from shardtune.train.packing import check_packing, packed_plan
+
+log = logging.getLogger("shardtune")
 
 
-def preflight(cfg: Config) -> None:
+def preflight(cfg: Config) -> Config:
+    """Check everything that can be checked before the workers start; return ``cfg`` with its auto
+    options decided (choice.py), which is what every worker must run with."""
     from shardtune.runtime.logs import quiet_libraries
 
     quiet_libraries()
@@ -30,15 +38,32 @@ def preflight(cfg: Config) -> None:
     check_local_ranks(device_type(cfg.parallel.device), cfg.parallel.nproc)
     model_dir = check_model_dir(cfg.model.path)
     tokenizer = load_tokenizer(model_dir)
-    train = load_dataset(cfg.data.train, tokenizer, cfg.data.seq_len)
+    vocab = vocab_size(model_dir)
+    train = load_dataset(cfg.data.train, tokenizer, cfg.data.seq_len, vocab)
     warn_about_data(cfg.data.train, read_records(cfg.data.train), len(train.examples), cfg.train.batch_size)
     if cfg.data.val:
-        load_dataset(cfg.data.val, tokenizer, cfg.data.seq_len)
-    BatchPlan.make(cfg.train.batch_size, cfg.train.micro_batch_size, cfg.parallel.nproc * cfg.parallel.nnodes)
-    inject_lora(build_meta_model(model_dir, DTYPES[cfg.model.dtype]), cfg.lora, cfg.train.seed)
+        load_dataset(cfg.data.val, tokenizer, cfg.data.seq_len, vocab)
+    model, _ = inject_lora(build_meta_model(model_dir, DTYPES[cfg.model.dtype]), cfg.lora, cfg.train.seed)
+    if cfg.data.packing:
+        check_packing(model)
+    ranks = cfg.parallel.nproc * cfg.parallel.nnodes
+    if cfg.train.micro_batch_size != "auto":  # checked before the choice: its error names the user's value
+        _batch_plan(cfg, ranks)
     out = Path(cfg.output.out)
     if out.exists() and not out.is_dir():
         raise OutputError(f"option 'out': {out} is an existing file, not a directory")
     check_writable(out)
     if cfg.output.resume:
         resume_point(cfg)  # a refused resume must not get as far as touching --out
+    cfg, _, why = choose(cfg)
+    if why:
+        log.info("configuration: %s", why)
+    _batch_plan(cfg, ranks)
+    return cfg
+
+
+def _batch_plan(cfg: Config, ranks: int) -> None:
+    if cfg.data.packing:
+        packed_plan(cfg.train.batch_size, cfg.train.micro_batch_size, ranks)
+    else:
+        BatchPlan.make(cfg.train.batch_size, cfg.train.micro_batch_size, ranks)

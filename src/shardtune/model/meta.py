@@ -34,3 +34,12 @@ def build_meta_model(model_dir: ModelDir, dtype: torch.dtype) -> nn.Module:
     return model
 
 
+
+
+def vocab_size(model_dir: ModelDir) -> int | None:
+    """Rows of the input embedding by the config: the bound every token id of the data must respect."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir.path)
+    value = getattr(config.get_text_config(), "vocab_size", None)
+    return int(value) if value else None

@@ -19,14 +19,15 @@ __all__ = ["Strategy", "choose_strategy", "make_strategy", "parallelize"]
 
 
 def make_strategy(name: str, worker: Worker, compute_dtype: torch.dtype, cpu_offload: bool,
-                  replicate_groups: int = 1) -> Strategy:
-    """``replicate_groups`` > 1: HSDP (FSDP strategies only): shard within groups, replicate across them."""
+                  replicate_groups: int = 1, fsdp_unit: str = "part") -> Strategy:
+    """``replicate_groups`` > 1: HSDP (FSDP strategies only): shard within groups, replicate across them.
+    ``fsdp_unit``: FSDP2's unit of sharding, "layer" or "part" ("auto" is decided before the workers start)."""
     if replicate_groups > 1 and name not in ("fsdp2", "fsdp1"):
         raise ValueError(f"--replicate-groups needs an FSDP strategy, not {name!r}")
     if name == "fsdp2":
         from shardtune.parallel.fsdp2 import FSDP2
 
-        return FSDP2(worker, compute_dtype, cpu_offload, replicate_groups)
+        return FSDP2(worker, compute_dtype, cpu_offload, replicate_groups, "part" if fsdp_unit == "auto" else fsdp_unit)
     if name == "fsdp1":
         from shardtune.parallel.fsdp1 import FSDP1
 
@@ -34,11 +35,11 @@ def make_strategy(name: str, worker: Worker, compute_dtype: torch.dtype, cpu_off
     if name == "ddp":
         from shardtune.parallel.ddp import DDPStrategy
 
-        return DDPStrategy(worker)
+        return DDPStrategy(worker, compute_dtype)
     if name == "single":
         if worker.world_size > 1:
             raise ValueError(f"strategy 'single' runs one process, but {worker.world_size} were started")
-        return Strategy(worker)
+        return Strategy(worker, compute_dtype)
     raise ValueError(f"unknown strategy {name!r}")
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
+from contextlib import AbstractContextManager as ContextManager
 
 import torch
 from torch import nn
@@ -17,20 +19,31 @@ class Strategy:
     #: a callable giving {parameter name: tensor to load into}, when that differs from the parameters
     load_targets: Callable[[nn.Module], dict[str, torch.Tensor]] | None = None
 
-    def __init__(self, worker: Worker) -> None:
+    def __init__(self, worker: Worker, compute_dtype: torch.dtype | None = None) -> None:
         self.worker = worker
+        self.compute_dtype = compute_dtype
 
     def shard(self, model: nn.Module) -> nn.Module:
         """Called on the meta model, before any weight exists."""
         return model
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        """Called once the weights are loaded."""
+        """Called once the weights are loaded. Trainable fp32 weights compute in the compute dtype, as
+        under FSDP's mixed precision: the numbers do not depend on the strategy."""
+        if self.compute_dtype is not None:
+            from shardtune.parallel.compute_dtype import compute_trainable_in
+
+            compute_trainable_in(model, self.compute_dtype)
         return model
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The peft model inside whatever ``wrap`` returned."""
         return model
+
+    def gradient_sync(self, model: nn.Module, enabled: bool) -> ContextManager:
+        """Around one micro-batch's forward and backward: with ``enabled`` False, gradients only
+        accumulate on this rank; the micro-batch run with it True reduces the sum once per step."""
+        return contextlib.nullcontext()
 
     def trainable(self, model: nn.Module) -> dict[str, nn.Parameter]:
         """Trainable parameters by their peft name (what the adapter and optimizer hold)."""

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from contextlib import AbstractContextManager as ContextManager
+
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -15,7 +18,11 @@ class DDPStrategy(Strategy):
         device_ids = [self.worker.device.index] if self.worker.device.type == "cuda" else None
         # Every rank loaded the same weights and the same LoRA init, so DDP's initial broadcast of the
         # whole model would only cost a second full-size buffer.
+        model = super().wrap(model)
         return DistributedDataParallel(model, device_ids=device_ids, init_sync=False)
+
+    def gradient_sync(self, model: nn.Module, enabled: bool) -> ContextManager:
+        return contextlib.nullcontext() if enabled else model.no_sync()
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model.module if isinstance(model, DistributedDataParallel) else model

@@ -16,7 +16,9 @@ into the flat parameter.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from contextlib import AbstractContextManager as ContextManager
 
 import torch
 import torch.distributed as dist
@@ -201,6 +203,11 @@ class FSDP1(Strategy):
             limit_all_gathers=True,
             **({"sharding_strategy": ShardingStrategy.HYBRID_SHARD, "device_mesh": self.mesh} if self.mesh else {}),
         )
+
+    def gradient_sync(self, model: nn.Module, enabled: bool) -> ContextManager:
+        # no_sync keeps unsharded gradients until the last micro-batch: only the LoRA flat
+        # parameters have any, so that costs their (small) full size, not the model's.
+        return contextlib.nullcontext() if enabled else model.no_sync()
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The peft model, whose submodules are now FSDP units: its module names contain

@@ -3,6 +3,9 @@ sharded by rows outside FSDP. All applied on the meta device."""
 
 from __future__ import annotations
 
+import contextlib
+from contextlib import AbstractContextManager as ContextManager
+
 import torch
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -20,8 +23,11 @@ class FSDP2(Strategy):
     name = "fsdp2"
 
     def __init__(self, worker: Worker, compute_dtype: torch.dtype, cpu_offload: bool,
-                 replicate_groups: int = 1) -> None:
+                 replicate_groups: int = 1, unit: str = "part") -> None:
         super().__init__(worker)
+        # "layer": one unit per decoder layer, one gather each way per layer (fewer, larger collectives);
+        # "part": units for a layer's attention and MLP projections and the rest (model/structure.py)
+        self.unit = unit
         # 2-D under HSDP: fully_shard then shards over dim 1 and replicates over dim 0.
         self.mesh = data_parallel_mesh(worker, replicate_groups)
         # LoRA weights are fp32 while a bf16 base is not; FSDP2 needs one dtype per unit for its
@@ -34,7 +40,8 @@ class FSDP2(Strategy):
         layers = decoder_layers(model)
         if not layers:
             raise ValueError(f"{type(model).__name__}: found no decoder layers to shard (_no_split_modules)")
-        units: list[FSDPModule] = [self._unit(part) for layer in layers for part in layer_parts(layer)]
+        parts = (lambda layer: [layer]) if self.unit == "layer" else layer_parts
+        units: list[FSDPModule] = [self._unit(part) for layer in layers for part in parts(layer)]
         ignored, own_units = self._shard_embeddings(model)
         units += [self._unit(module, reshard_after_forward=reshard) for module, reshard in own_units]
         # The root holds what is left (final norm; embeddings not sharded by rows), needed again at the start
@@ -44,6 +51,12 @@ class FSDP2(Strategy):
             gather = compat.BroadcastAllGather()
             for unit in units:
                 compat.set_fsdp2_all_gather(unit, gather)
+        if self.unit == "layer":
+            # Each layer's forward starts the next layer's gather, which then moves while this one
+            # computes (backward prefetches the same way by default). Costs one more gathered layer
+            # in forward, where activations are still smaller than in backward.
+            for layer, following in zip(units[:len(layers)], units[1:len(layers)]):
+                layer.set_modules_to_forward_prefetch([following])
         return model
 
     def _shard_embeddings(self, model: nn.Module) -> tuple[set[nn.Parameter], list[tuple[nn.Module, bool]]]:
@@ -79,6 +92,12 @@ class FSDP2(Strategy):
               ignored_params: set[nn.Parameter] | None = None) -> FSDPModule:
         return fully_shard(module, mesh=self.mesh, mp_policy=self.mp, offload_policy=self.offload,
                            reshard_after_forward=reshard_after_forward, ignored_params=ignored_params)
+
+    def gradient_sync(self, model: nn.Module, enabled: bool) -> ContextManager:
+        # Without sync every unit keeps its unsharded gradient (only LoRA's are trainable: small)
+        # and skips its reduce-scatter; the last micro-batch reduces the sum.
+        model.set_requires_gradient_sync(enabled)
+        return contextlib.nullcontext()
 
     def full_tensors(self, model: nn.Module, names: list[str]) -> dict[str, torch.Tensor]:
         params = dict(model.named_parameters())

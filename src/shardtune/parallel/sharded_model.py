@@ -48,8 +48,9 @@ def build_model(cfg: Config, worker: Worker) -> Built:
     else:
         name, why = choose_strategy(cfg.parallel.strategy, worker, total * dtype.itemsize, worker.local_world_size,
                                     cfg.parallel.cpu_offload)
+    why = cfg.parallel.chosen or why  # decided before the workers started (choice.py)
     log.info("strategy %s: %s", name, why)
-    strategy = make_strategy(name, worker, dtype, cfg.parallel.cpu_offload, groups)
+    strategy = make_strategy(name, worker, dtype, cfg.parallel.cpu_offload, groups, cfg.parallel.fsdp_unit)
     snapshot = take_snapshot(model, lora_init)
     model = parallelize(
         model, strategy, lambda m, targets: load(m, model_dir, worker.device, snapshot, targets),

@@ -186,13 +186,19 @@ def tokenize(tokenizer, record: dict, seq_len: int) -> tuple[Example, bool]:
     return Example(ids[:seq_len], labels[:seq_len]), cut
 
 
-def load_dataset(path: str | Path, tokenizer, seq_len: int) -> Dataset:
+def load_dataset(path: str | Path, tokenizer, seq_len: int, vocab_size: int | None = None) -> Dataset:
+    """Tokenized records; with ``vocab_size``, every token id is checked against the model's embedding
+    here, once, so that training never checks ids on the device (a host sync per lookup)."""
     examples, truncated, empty = [], 0, 0
     for lineno, record in read_records(path):
         try:
             ex, cut = tokenize(tokenizer, record, seq_len)
         except DataError as err:
             raise DataError(f"{path}:{lineno}: {err}") from None
+        if vocab_size is not None and ex.input_ids and not 0 <= min(ex.input_ids) <= max(ex.input_ids) < vocab_size:
+            bad = next(i for i in ex.input_ids if not 0 <= i < vocab_size)
+            raise DataError(f"{path}:{lineno}: token id {bad} is outside the model's {vocab_size} embedding rows "
+                            f"(does the tokenizer match the model?)")
         truncated += cut
         if ex.targets == 0:
             empty += 1

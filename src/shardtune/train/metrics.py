@@ -21,8 +21,10 @@ class Progress:
                         disable=not enabled)
 
     def update(self, record: dict[str, Any]) -> None:
+        # tok/s counts real tokens (never padding); fill says how much of the computed batch they were
+        fill = f" | fill {record['fill_ratio']:.0%}" if record.get("fill_ratio") is not None else ""
         self.bar.set_postfix_str(
-            f"loss {record['loss']:.4f} | {record['tokens_per_second']:.0f} tok/s | {record['memory_mb']:.0f} MB",
+            f"loss {record['loss']:.4f} | {record['tokens_per_second']:.0f} tok/s{fill} | {record['memory_mb']:.0f} MB",
             refresh=False,
         )
         self.bar.update(1)

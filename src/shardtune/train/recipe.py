@@ -18,8 +18,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from shardtune.config import Config, build_config, validate
+from shardtune.config import Config, ConfigError, build_config, validate
 from shardtune.model.directory import check_model_dir
+from shardtune.model.meta import DTYPES, vocab_size
 from shardtune.parallel import Strategy
 from shardtune.parallel.sharded_model import Built, build_model
 from shardtune.runtime import distributed
@@ -35,6 +36,7 @@ from shardtune.train.data import BatchPlan, Dataset, Sampler, collate, load_data
 from shardtune.train.guard import TrainingGuard
 from shardtune.train.loss import next_token_loss_sum
 from shardtune.train.metrics import MetricsLog, Progress, write_json_atomic
+from shardtune.train.packing import VARLEN, attention_of, check_packing, packed_forwards, packed_plan
 from shardtune.train.scaling import ShardedGradScaler, make_scaler
 from shardtune.train.stop import GracefulStop, stop_message
 
@@ -78,24 +80,60 @@ def lr_factor(step: int, steps: int, warmup: int, min_ratio: float) -> float:
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-def train_step(job: Job, step: int) -> tuple[float, int]:
-    """Forward/backward of this rank's micro-batches of global batch ``step``; returns (loss, tokens)."""
+@dataclass
+class Forward:
+    """One forward pass of a rank: the model's inputs, the labels, and how full it is."""
+
+    inputs: dict[str, torch.Tensor]
+    labels: torch.Tensor
+    real_tokens: int  # record tokens, not padding
+    positions: int  # tokens the model computes, padding included
+
+
+def forwards(job: Job, step: int) -> list[Forward]:
+    """This rank's forward passes of global batch ``step``: packed rows, or padded micro-batches."""
+    examples, device = job.train.examples, job.worker.device
+    if job.cfg.data.packing:
+        attention = attention_of(job.model)
+        packed = packed_forwards(job.sampler.global_batch(step), examples, job.sampler.plan, job.cfg.data.seq_len,
+                                 job.worker.rank, job.pad_id, device, one_row=attention in VARLEN)
+        dtype = DTYPES[job.cfg.model.dtype]
+        return [Forward(p.model_inputs(attention, dtype), p.labels, p.real_tokens, p.positions) for p in packed]
+    out = []
+    for micro in job.sampler.micro_batches(step, job.worker.rank):
+        chunk = [examples[i] for i in micro]
+        inputs = collate(chunk, job.pad_id, device)
+        out.append(Forward({"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"]},
+                           inputs["labels"], sum(len(e.input_ids) for e in chunk), inputs["input_ids"].numel()))
+    return out
+
+
+def train_step(job: Job, step: int) -> tuple[float, int, float]:
+    """Forward/backward of this rank's share of global batch ``step``; returns (loss, real tokens of
+    the global batch, fill: the share of all ranks' computed positions that are real tokens).
+
+    Nothing here waits for the device until the step's end: the loss sum stays a device tensor, and
+    gradients are reduced over ranks once, in the last forward's backward.
+    """
     batch = job.sampler.global_batch(step)
     global_targets = sum(job.train.examples[i].targets for i in batch)
     tokens = sum(len(job.train.examples[i].input_ids) for i in batch)
-    local_sum = 0.0
-    for micro in job.sampler.micro_batches(step, job.worker.rank):
-        inputs = collate([job.train.examples[i] for i in micro], job.pad_id, job.worker.device)
-        logits = job.model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits
-        loss_sum = next_token_loss_sum(logits, inputs["labels"])
-        # The loss keeps the logits for its own backward only; a name holding them here would keep
-        # them through the whole backward and the next micro-batch's forward.
-        del logits
-        # Gradient sync averages over ranks; multiplying by world_size turns that average back into
-        # the sum over ranks, so the gradient is d(global mean loss) whatever the split.
-        job.scaler.scale(loss_sum * (job.worker.world_size / global_targets)).backward()
-        local_sum += loss_sum.item()
-    return distributed.all_reduce_sum(local_sum, job.worker.device) / global_targets, tokens
+    local_sum = torch.zeros((), dtype=torch.float32, device=job.worker.device)
+    passes = forwards(job, step)
+    for n, fwd in enumerate(passes):
+        with job.strategy.gradient_sync(job.model, enabled=n == len(passes) - 1):
+            logits = job.model(**fwd.inputs).logits
+            loss_sum = next_token_loss_sum(logits, fwd.labels)
+            # The loss keeps the logits for its own backward only; a name holding them here would keep
+            # them through the whole backward and the next forward.
+            del logits
+            # Gradient sync averages over ranks; multiplying by world_size turns that average back into
+            # the sum over ranks, so the gradient is d(global mean loss) whatever the split.
+            job.scaler.scale(loss_sum * (job.worker.world_size / global_targets)).backward()
+        local_sum += loss_sum.detach()
+    positions = distributed.all_reduce_sum(sum(f.positions for f in passes), job.worker.device)
+    loss = distributed.all_reduce_sum(local_sum.item(), job.worker.device) / global_targets
+    return loss, tokens, tokens / positions
 
 
 def evaluate(job: Job) -> float:
@@ -115,18 +153,25 @@ def prepare(cfg: Config, worker: Worker, memory: MemoryMonitor) -> Job:
 
     model_dir = check_model_dir(cfg.model.path)
     tokenizer = AutoTokenizer.from_pretrained(model_dir.path)
-    train_data = load_dataset(cfg.data.train, tokenizer, cfg.data.seq_len)
-    val_data = load_dataset(cfg.data.val, tokenizer, cfg.data.seq_len) if cfg.data.val else None
+    # Before any collective: a bad token id stops every rank here, with the record named.
+    vocab = vocab_size(model_dir)
+    train_data = load_dataset(cfg.data.train, tokenizer, cfg.data.seq_len, vocab)
+    val_data = load_dataset(cfg.data.val, tokenizer, cfg.data.seq_len, vocab) if cfg.data.val else None
     if train_data.truncated:
         log.warning("%d of %d training records were cut to --seq-len %d", train_data.truncated,
                     len(train_data.examples) + train_data.without_targets, cfg.data.seq_len)
     if train_data.without_targets:
         log.warning("%d training records have no target token within --seq-len and are skipped",
                     train_data.without_targets)
-    plan = BatchPlan.make(cfg.train.batch_size, cfg.train.micro_batch_size, worker.world_size)
+    if cfg.data.packing:
+        plan = packed_plan(cfg.train.batch_size, cfg.train.micro_batch_size, worker.world_size)
+    else:
+        plan = BatchPlan.make(cfg.train.batch_size, cfg.train.micro_batch_size, worker.world_size)
 
     with memory.phase("load"):
         built = build_model(cfg, worker)
+    if cfg.data.packing:
+        check_packing(built.strategy.unwrap(built.model))
     built.model.train()
     torch.manual_seed(cfg.train.seed + worker.rank)  # LoRA dropout differs per rank, reproducibly
     return Job(cfg, worker, built, train_data, val_data, Sampler(len(train_data.examples), plan, cfg.train.seed),
@@ -148,12 +193,12 @@ def train(job: Job, memory: MemoryMonitor, out: Path) -> dict:
     first_step = state.step
     metrics = MetricsLog(out / "metrics.jsonl", job.worker.is_main, resume_from_step=state.step)
     progress = Progress(job.steps, state.step, job.worker.is_main)
-    losses, stopped_by = [], 0
+    losses, fills, stopped_by = [], [], 0
     guard = TrainingGuard(out, cfg.train.lr, job.worker.is_main)
     with memory.phase("train"), GracefulStop(job.worker.device) as stop:
         for step in range(state.step, job.steps):
             started = time.perf_counter()
-            loss, tokens = train_step(job, step)
+            loss, tokens, fill = train_step(job, step)
             job.scaler.unscale_(optimizer)  # fp16: clip and step see the true gradients
             grad_norm = job.strategy.clip_grad_norm(job.model, cfg.train.max_grad_norm)
             guard.check(step + 1, loss, grad_norm)  # before the optimizer step: no NaN weight is ever kept
@@ -165,8 +210,10 @@ def train(job: Job, memory: MemoryMonitor, out: Path) -> dict:
             seconds = time.perf_counter() - started
             losses.append(loss)
             state.add(loss, tokens, seconds)
+            fills.append(fill)
             record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
-                      "tokens_per_second": tokens / seconds, "seconds": seconds, "memory_mb": memory.now_mb()}
+                      "tokens_per_second": tokens / seconds, "fill_ratio": fill, "seconds": seconds,
+                      "memory_mb": memory.now_mb()}
             if job.val and ((cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0) or step + 1 == job.steps):
                 state.val_loss = record["val_loss"] = evaluate(job)
                 progress.write(f"step {step + 1}: val_loss {state.val_loss:.4f}")
@@ -178,7 +225,7 @@ def train(job: Job, memory: MemoryMonitor, out: Path) -> dict:
             if stopped_by:
                 break
     progress.close()
-    return {"losses": losses, "state": state, "first_step": first_step, "stopped_by": stopped_by}
+    return {"losses": losses, "fills": fills, "state": state, "first_step": first_step, "stopped_by": stopped_by}
 
 
 def run(cfg: Config) -> dict:
@@ -188,8 +235,13 @@ def run(cfg: Config) -> dict:
     if device_type(cfg.parallel.device) == "cpu":
         tune_malloc()  # before anything large is allocated: see memory.py (CPU memory only)
     worker = distributed.init_worker(cfg.parallel.device, cfg.parallel.cpu_offload)
+    if worker.world_size > 1:
+        # Under plain torchrun every rank made the automatic choice (preflight); rank 0's is the one.
+        cfg = distributed.all_gather_object(cfg)[0]
     out = Path(cfg.output.out)
     setup_logging(worker.rank, cfg.output.log_file)
+    if worker.is_main and cfg.parallel.chosen:
+        log.info("configuration: %s", cfg.parallel.chosen)
     memory = MemoryMonitor(worker.device)
     try:
         load_started = time.perf_counter()
@@ -211,6 +263,9 @@ def run(cfg: Config) -> dict:
             "world_size": worker.world_size, "strategy": job.strategy.name,
             "device": worker.device.type, "backend": str(torch.distributed.get_backend()),
             "strategy_reason": job.built.strategy_reason,
+            "micro_batch_size": job.sampler.plan.micro_batch_size,
+            "activation_checkpointing": cfg.parallel.activation_checkpointing,
+            "fsdp_unit": cfg.parallel.fsdp_unit if job.strategy.name == "fsdp2" else None,
             "steps": job.steps, "tokens": state.tokens,
             "train_loss_first": state.first_loss, "train_loss_last": state.last_loss,
             "val_loss": state.val_loss,
@@ -225,6 +280,9 @@ def run(cfg: Config) -> dict:
             "resumed_from_step": result["first_step"] if cfg.output.resume else None,
             "total_params": job.built.total_params, "trainable_params": job.built.trainable_params,
             "truncated_records": job.train.truncated,
+            "packing": cfg.data.packing,
+            # real (non-padding) tokens / positions computed, averaged over this process's steps
+            "fill_ratio": sum(result["fills"]) / len(result["fills"]) if result["fills"] else None,
             "adapter": str(adapter.resolve()),
             "wall_seconds": round(time.perf_counter() - started, 3),
         }
@@ -244,6 +302,9 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit("usage: python -m shardtune.train CONFIG.yaml  (normally started by `shardtune finetune`)")
     cfg = build_config(argv[0])
     validate(cfg)
+    if cfg.train.micro_batch_size == "auto":
+        raise ConfigError("option 'micro-batch-size': 'auto' is decided by `shardtune finetune` before the workers "
+                          "start; give a number when starting shardtune.train yourself")
     try:
         run(cfg)
     except Stopped as stop:

@@ -1,0 +1,201 @@
+"""Real (non-padding) tokens/s and per-rank peak memory of shardtune and the peer recipes, side by side.
+
+    flock /tmp/bigrun.lock .venv/bin/python bench/speed.py                 # every job below
+    flock /tmp/bigrun.lock .venv/bin/python bench/speed.py --jobs small    # only the 1 × 128 comparison
+
+The 1.1B random Llama-shape bf16 checkpoint (fake_model.py, made once under --cache), 2 ranks, LoRA
+r8 on q,v. Each job is a fresh 2-process run (peers.py), as in bench/memory.py.
+
+Job groups:
+  mixed   a mixed-length instruction dataset (record lengths log-normal, median ~100 tokens,
+          16..512), --seq-len 512, 8 records per micro-batch per rank: shardtune padded (each
+          micro-batch padded to its longest record) and packed, under fsdp2 and ddp; the peers
+          (naive FSDP2, FSDP1 + peft's policy) padded, as they collate.
+  small   1 × 128 tokens per rank (fixed-length records): fsdp2 with per-part units (before this
+          change) and whole-layer units, against ddp.
+  large   4 × 512 tokens per rank: fsdp2 (whole-layer units) against ddp.
+  budget  --memory-per-rank 3GiB: shardtune's automatic choice (packing, --strategy auto,
+          --micro-batch-size auto) on the mixed data, against each peer's largest micro-batch
+          that the same budget holds (measured peak <= 3 GiB; tried from 8 down).
+Writes bench/results/speed-1.1b.json and prints the table with the issue's ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from fake_model import make_checkpoint, make_data
+
+HERE = Path(__file__).resolve().parent
+GIB = 1024**3
+
+MIXED = ["--seq-len", "512", "--micro-batch-size", "8"]
+JOBS: dict[str, list[tuple[str, list[str], str]]] = {
+    # (name, peers.py arguments, data: mixed | fixed128 | fixed512)
+    "small": [
+        ("fsdp2-part 1x128", ["shardtune", "--strategy", "fsdp2", "--fsdp-unit", "part", "--seq-len", "128"],
+         "fixed128"),
+        ("fsdp2-layer 1x128", ["shardtune", "--strategy", "fsdp2", "--fsdp-unit", "layer", "--seq-len", "128"],
+         "fixed128"),
+        ("ddp 1x128", ["shardtune", "--strategy", "ddp", "--seq-len", "128"], "fixed128"),
+    ],
+    "mixed": [
+        ("fsdp2 padded", ["shardtune", "--strategy", "fsdp2", "--fsdp-unit", "layer", *MIXED], "mixed"),
+        ("fsdp2 packed", ["shardtune", "--strategy", "fsdp2", "--fsdp-unit", "layer", "--packing", *MIXED], "mixed"),
+        ("ddp padded", ["shardtune", "--strategy", "ddp", *MIXED], "mixed"),
+        ("ddp packed", ["shardtune", "--strategy", "ddp", "--packing", *MIXED], "mixed"),
+        ("peer naive padded", ["naive", *MIXED], "mixed"),
+        ("peer fsdp1-peft padded", ["fsdp1-peft", *MIXED], "mixed"),
+    ],
+    "large": [
+        ("fsdp2-layer 4x512", ["shardtune", "--strategy", "fsdp2", "--fsdp-unit", "layer", "--seq-len", "512",
+                               "--micro-batch-size", "4"], "fixed512"),
+        ("ddp 4x512", ["shardtune", "--strategy", "ddp", "--seq-len", "512", "--micro-batch-size", "4"], "fixed512"),
+    ],
+    "budget": [
+        ("shardtune auto 3GiB packed", ["shardtune", "--strategy", "auto", "--packing", "--micro-batch-size", "0",
+                                        "--batch-per-rank", "8", "--fsdp-unit", "auto", "--memory-per-rank", "3GiB",
+                                        "--seq-len", "512"], "mixed"),
+    ],
+}
+
+
+def mixed_data(path: Path, n: int = 96, seed: int = 0) -> Path:
+    """Instruction records whose lengths spread like real instruction data: log-normal, median ~100
+    tokens, cut to 16..512 (the tokenizer is byte-level: one token per character)."""
+    if path.is_file():
+        return path
+    words = ["red", "blue", "cat", "dog", "sun", "moon", "tree", "sea", "rock", "bird", "river", "stone"]
+    g = torch.Generator().manual_seed(seed)
+    lines = []
+    for _ in range(n):
+        length = int(min(512, max(16, math.exp(math.log(100) + 0.8 * float(torch.randn(1, generator=g))))))
+        text = " ".join(words[int(j)] for j in torch.randint(0, len(words), (length // 4 + 1,), generator=g))
+        cut = max(4, length // 3)  # about a third prompt, the rest response; the chat template adds ~25
+        lines.append(json.dumps({"instruction": text[:cut], "output": text[cut:max(cut + 4, length - 25)]}))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def run_job(name: str, argv: list[str], model: Path, data: Path, args: argparse.Namespace) -> dict:
+    out = Path(tempfile.mkdtemp(prefix="speed-"))
+    env = {k: v for k, v in os.environ.items() if k not in ("MALLOC_MMAP_THRESHOLD_", "SHARDTUNE_MALLOC")}
+    env["MALLOC_MMAP_THRESHOLD_"] = "131072"  # the same allocator setting for every recipe (shardtune's own)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(HERE / "peers.py"),
+           *argv, "--model", str(model), "--data", str(data), "--out", str(out), "--steps", str(args.steps)]
+    started = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+    job = {"name": name, "argv": argv, "wall_seconds": round(time.perf_counter() - started, 1)}
+    ranks = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
+    if proc.returncode or len(ranks) != 2:
+        (out / "log.txt").write_text(proc.stdout + proc.stderr)
+        tail = [ln for ln in proc.stderr.splitlines() if ln.strip()][-8:]
+        return {**job, "error": "\n".join(tail), "log": str(out / "log.txt")}
+    job["train_peak_mb"] = [round(r["train_peak_mb"], 1) for r in ranks]
+    job["tokens_per_second"] = round(max(r["tokens_per_second"] for r in ranks), 2)
+    job["fill_ratio"] = ranks[0].get("fill_ratio")
+    job["chosen"] = ranks[0].get("chosen")
+    job["loss_first"] = ranks[0]["loss_first"]
+    return job
+
+
+def table(jobs: list[dict]) -> str:
+    rows = [f"{'job':<28} {'real tok/s':>10} {'peak MB r0/r1':>15} {'fill':>5}  chosen", "-" * 80]
+    for j in jobs:
+        if "error" in j:
+            rows.append(f"{j['name']:<28} failed: {j['error'].splitlines()[-1][:90] if j['error'] else ''}")
+            continue
+        fill = f"{j['fill_ratio']:.2f}" if j.get("fill_ratio") else "-"
+        rows.append(f"{j['name']:<28} {j['tokens_per_second']:10.2f} "
+                    f"{'/'.join(f'{v:.0f}' for v in j['train_peak_mb']):>15} {fill:>5}  {j.get('chosen') or ''}")
+    return "\n".join(rows)
+
+
+def ratios(jobs: list[dict]) -> list[str]:
+    speed = {j["name"]: j["tokens_per_second"] for j in jobs if "error" not in j}
+    peak = {j["name"]: max(j["train_peak_mb"]) for j in jobs if "error" not in j}
+    lines = []
+
+    def ratio(a: str, b: str, target: float, what: str) -> None:
+        if a in speed and b in speed:
+            r = speed[a] / speed[b]
+            lines.append(f"{what}: {a} / {b} = {r:.2f} (target >= {target}: {'yes' if r >= target else 'NO'})")
+
+    ratio("fsdp2 packed", "fsdp2 padded", 2.0, "packing vs padding (fsdp2)")
+    ratio("ddp packed", "ddp padded", 2.0, "packing vs padding (ddp)")
+    ratio("fsdp2-layer 1x128", "ddp 1x128", 0.5, "fsdp2 vs ddp at 1 x 128")
+    ratio("fsdp2-part 1x128", "ddp 1x128", 0.0, "fsdp2 per-part units (before) vs ddp at 1 x 128")
+    ratio("fsdp2-layer 4x512", "ddp 4x512", 0.95, "fsdp2 vs ddp at 4 x 512")
+    if "fsdp2-layer 1x128" in peak and "fsdp2-part 1x128" in peak:
+        r = peak["fsdp2-layer 1x128"] / peak["fsdp2-part 1x128"]
+        lines.append(f"fsdp2 peak at 1 x 128, layer / part units = {r:.2f} "
+                     f"(target <= 1.10: {'yes' if r <= 1.1 else 'NO'})")
+    auto = "shardtune auto 3GiB packed"
+    # every peer job runs the mixed data at --seq-len 512: the padded ones (m8) count when they fit too
+    peers = [n for n in speed if n.startswith("peer") and peak[n] <= 3 * 1024]
+    if auto in speed and peers:
+        best = max(peers, key=lambda n: speed[n])
+        ratio(auto, best, 1.5, "at 3 GiB per rank, shardtune's choice vs the best peer that fits")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--jobs", default="small,mixed,large,budget", help="job groups: " + ", ".join(JOBS))
+    parser.add_argument("--only", default="", help="comma-separated job names to run (default: all in the groups)")
+    parser.add_argument("--peer-budget", default="4,2,1",
+                        help="micro-batch sizes tried for the peers at 3 GiB, largest first (8: the mixed group's)")
+    parser.add_argument("--cache", type=Path, default=HERE / ".cache")
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--timeout", type=int, default=1800)
+    parser.add_argument("--out", type=Path, default=HERE / "results" / "speed-1.1b.json")
+    args = parser.parse_args()
+    model = make_checkpoint("1.1b", args.cache)
+    data = {"mixed": mixed_data(args.cache / "data-mixed.jsonl"),
+            "fixed128": make_data(args.cache / "data-128.jsonl", seq_len=128),
+            "fixed512": make_data(args.cache / "data-512.jsonl", seq_len=512)}
+    only = {n.strip() for n in args.only.split(",") if n.strip()}
+    previous = json.loads(args.out.read_text())["jobs"] if args.out.is_file() else []
+    jobs = {j["name"]: j for j in previous}  # a partial run keeps the other jobs' last results
+    for group in [g.strip() for g in args.jobs.split(",") if g.strip()]:
+        planned = list(JOBS[group])
+        if group == "budget":
+            for peer in ("naive", "fsdp1-peft"):
+                for m in [int(x) for x in args.peer_budget.split(",")]:
+                    planned.append((f"peer {peer} 3GiB m{m}", [peer, "--seq-len", "512", "--micro-batch-size", str(m)],
+                                    "mixed"))
+        fitted: set[str] = set()  # peers whose largest micro-batch within the budget is found
+        for name, argv, which in planned:
+            peer = name.rsplit(" m", 1)[0] if group == "budget" and name.startswith("peer") else None
+            padded = f"{peer.replace(' 3GiB', '')} padded" if peer else ""  # the same peer at m8 (mixed group)
+            if padded in jobs and "error" not in jobs[padded] and max(jobs[padded]["train_peak_mb"]) <= 3 * 1024:
+                fitted.add(peer)
+            if (only and name not in only) or peer in fitted:
+                continue
+            print(f"running {name} ...", file=sys.stderr, flush=True)
+            jobs[name] = run_job(name, argv, model, data[which], args)
+            print(table([jobs[name]]).splitlines()[-1], file=sys.stderr, flush=True)
+            if peer and "error" not in jobs[name] and max(jobs[name]["train_peak_mb"]) <= 3 * 1024:
+                fitted.add(peer)
+    ordered = list(jobs.values())
+    report = table(ordered) + "\n\n" + "\n".join(ratios(ordered))
+    print(report)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"model": "llama-1.1b (random, bf16)", "ranks": 2, "steps": args.steps,
+                                    "jobs": ordered, "table": report}, indent=2))
+    print(f"wrote {args.out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

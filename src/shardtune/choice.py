@@ -1,0 +1,147 @@
+"""The fastest configuration that fits: what ``auto`` means for --strategy, --micro-batch-size and
+--fsdp-unit (and activation checkpointing, when nothing fits without it).
+
+Decided once, before any worker starts (``preflight``), from the planner's memory predictions for
+every candidate; the result is written into the run's configuration, so every rank trains with the
+same settings (under plain torchrun every rank decides, and rank 0's decision is the one used:
+``train/recipe.run``).
+
+The planner predicts memory only. Among the candidates that fit, the speed rule is, in order:
+
+1. no activation checkpointing (recomputing every layer's forward costs about a third more compute);
+2. the fewest weight collectives per optimizer step: forward passes × units gathered per forward
+   (ddp and single gather nothing; FSDP2 gathers each unit in forward and again in backward, so
+   whole-layer units beat per-projection ones, and a larger micro-batch means fewer forwards);
+3. the largest micro-batch (fewer, larger matmuls).
+
+bench/speed.py measures the settings this rule orders (bench/results/speed-1.1b.json): on this
+machine's gloo a step's time at small micro-batches is set by the number of collectives, not by
+the bytes they move (see README, "Speed").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+
+from shardtune.config import Config, ConfigError, parse_size
+
+log = logging.getLogger("shardtune")
+MB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Candidate:
+    strategy: str
+    micro_batch_size: int
+    activation_checkpointing: bool
+    fsdp_unit: str  # "layer"/"part" under fsdp2, "-" otherwise
+    peak_mb: float
+    collectives: int  # weight gathers per optimizer step (forward and backward)
+    forwards: int
+
+    def key(self) -> tuple:
+        return (self.activation_checkpointing, self.collectives, self.forwards, -self.micro_batch_size)
+
+    def describe(self) -> str:
+        unit = f", {self.fsdp_unit} units" if self.strategy == "fsdp2" else ""
+        return (f"{self.strategy}{unit}, micro-batch {self.micro_batch_size}, activation checkpointing "
+                f"{'on' if self.activation_checkpointing else 'off'}")
+
+
+def needs_choice(cfg: Config) -> bool:
+    return (cfg.parallel.strategy == "auto" or cfg.train.micro_batch_size == "auto"
+            or (cfg.parallel.fsdp_unit == "auto" and cfg.parallel.strategy in ("auto", "fsdp2")))
+
+
+def budget_of(cfg: Config) -> tuple[int, str]:
+    """Bytes per rank, and where that number came from."""
+    from shardtune.plan import default_memory_per_rank
+    from shardtune.runtime.device import pick_device
+
+    if cfg.parallel.memory_per_rank:
+        return parse_size(cfg.parallel.memory_per_rank), f"--memory-per-rank {cfg.parallel.memory_per_rank}"
+    device = pick_device(cfg.parallel.device)
+    where = ("this GPU's memory" if device.type == "cuda"
+             else f"available RAM / {cfg.parallel.nproc} local rank{'s' * (cfg.parallel.nproc > 1)}")
+    return default_memory_per_rank(cfg.parallel.nproc, device), where
+
+
+def _micro_sizes(cfg: Config, world: int) -> list[int]:
+    per_rank = cfg.train.batch_size // world
+    if cfg.train.micro_batch_size not in (None, "auto"):
+        return [int(cfg.train.micro_batch_size)]
+    if cfg.train.micro_batch_size is None:
+        return [per_rank]
+    return [m for m in range(1, per_rank + 1) if per_rank % m == 0 or cfg.data.packing]
+
+
+def candidates(cfg: Config, budget: int) -> list[tuple[Candidate, bool]]:
+    """Every setting the auto options allow, with its predicted peak and whether it fits."""
+    from shardtune.model.footprint import model_facts
+    from shardtune.model.meta import DTYPES
+    from shardtune.plan import predict
+    from shardtune.runtime.device import pick_device
+
+    ranks = cfg.parallel.nproc * cfg.parallel.nnodes
+    if cfg.parallel.strategy != "auto":
+        strategies = [cfg.parallel.strategy]
+    elif ranks == 1:
+        strategies = ["single"]
+    else:
+        strategies = ["fsdp2"] if cfg.parallel.cpu_offload else ["ddp", "fsdp2"]
+    micros = {s: _micro_sizes(cfg, 1 if s == "single" else ranks) for s in strategies}
+    auto = cfg.parallel.strategy == "auto" or cfg.train.micro_batch_size == "auto"
+    acs = [True] if cfg.parallel.activation_checkpointing else ([False, True] if auto else [False])
+    device = pick_device(cfg.parallel.device)
+    facts = model_facts(cfg, {m for ms in micros.values() for m in ms}, {DTYPES[cfg.model.dtype]}, device)
+    out = []
+    for strategy in strategies:
+        world = 1 if strategy == "single" else ranks
+        units = (["layer", "part"] if cfg.parallel.fsdp_unit == "auto" else [cfg.parallel.fsdp_unit]) \
+            if strategy == "fsdp2" else ["-"]
+        for micro in micros[strategy]:
+            forwards = -(-(cfg.train.batch_size // world) // micro)
+            for ac in acs:
+                for unit in units:
+                    p = predict(facts, strategy, world, micro, cfg.data.seq_len, ac, cfg.parallel.cpu_offload, device,
+                                cfg.parallel.replicate_groups, unit if unit != "-" else "part")
+                    gathers = _gathers_per_forward(strategy, unit, facts)
+                    c = Candidate(strategy, micro, ac, unit, p.peak_mb, 2 * gathers * forwards, forwards)
+                    out.append((c, p.peak_mb * MB <= budget))
+    return out
+
+
+def _gathers_per_forward(strategy: str, unit: str, facts) -> int:
+    if strategy in ("ddp", "single"):
+        return 0
+    per_layer = 1 if unit == "layer" or strategy == "fsdp1" else len(facts.units_bytes)
+    return facts.layers * per_layer + 1  # + the root
+
+
+def choose(cfg: Config) -> tuple[Config, Candidate | None, str]:
+    """``cfg`` with its auto options decided, the candidate chosen, and why, in words."""
+    if not needs_choice(cfg):
+        return cfg, None, ""
+    budget, where = budget_of(cfg)
+    found = candidates(cfg, budget)
+    fitting = sorted((c for c, fits in found if fits), key=Candidate.key)
+    if fitting:
+        best = fitting[0]
+        why = (f"fastest setting that fits {budget / MB:.0f} MB per rank ({where}): {best.describe()}, predicted "
+               f"peak {best.peak_mb:.0f} MB; {len(fitting)} of {len(found)} settings fit; rule: no activation "
+               f"checkpointing, then fewest weight collectives per step ({best.collectives}), then largest "
+               f"micro-batch")
+    else:
+        best = min((c for c, _ in found), key=lambda c: c.peak_mb)
+        if cfg.parallel.memory_per_rank:
+            raise ConfigError(f"option 'memory-per-rank': no setting fits {budget / MB:.0f} MB per rank; the "
+                              f"smallest predicted peak is {best.peak_mb:.0f} MB ({best.describe()})")
+        why = (f"nothing fits {budget / MB:.0f} MB per rank ({where}); the smallest predicted peak: "
+               f"{best.describe()}, {best.peak_mb:.0f} MB")
+    parallel = dataclasses.replace(
+        cfg.parallel, strategy=best.strategy, activation_checkpointing=best.activation_checkpointing,
+        fsdp_unit=best.fsdp_unit if best.strategy == "fsdp2" else cfg.parallel.fsdp_unit, chosen=why)
+    train = dataclasses.replace(cfg.train, micro_batch_size=best.micro_batch_size)
+    return dataclasses.replace(cfg, parallel=parallel, train=train), best, why

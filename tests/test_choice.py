@@ -1,0 +1,83 @@
+"""--strategy/--micro-batch-size/--fsdp-unit auto: the fastest setting the planner says fits, decided once."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from shardtune import cli
+from shardtune.choice import candidates, choose
+from shardtune.config import ConfigError, build_config
+
+from tiny import instruction_records, make_model, write_jsonl
+
+MB = 1024 * 1024
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("choice")
+    make_model(root / "model", "llama")
+    write_jsonl(root / "train.jsonl", instruction_records(16))
+    return root
+
+
+def _options(root: Path, **extra) -> dict:
+    return {"model": str(root / "model"), "data": str(root / "train.jsonl"), "out": str(root / "out"), "nproc": 2,
+            "batch-size": 8, "seq-len": 64, "strategy": "auto", "micro-batch-size": "auto", **extra}
+
+
+def _cfg(root: Path, **extra):
+    return build_config(_options(root, **extra))
+
+
+def test_roomy_budget_takes_ddp_with_the_largest_micro_batch(root):
+    cfg, best, why = choose(_cfg(root, **{"memory-per-rank": "1TiB"}))
+    # ddp gathers no weights; 4 records per rank in one forward; no recomputation
+    assert (best.strategy, best.micro_batch_size, best.activation_checkpointing) == ("ddp", 4, False)
+    chosen = (cfg.parallel.strategy, cfg.train.micro_batch_size, cfg.parallel.activation_checkpointing)
+    assert chosen == ("ddp", 4, False)
+    assert "fewest weight collectives" in why and cfg.parallel.chosen == why
+
+
+def test_choice_is_the_first_fitting_setting_by_the_speed_rule(root):
+    found = candidates(_cfg(root), 1 << 40)
+    fsdp2 = [c for c, _ in found if c.strategy == "fsdp2"]
+    layer = min((c for c in fsdp2 if c.fsdp_unit == "layer"), key=lambda c: c.peak_mb)
+    part = min((c for c in fsdp2 if c.fsdp_unit == "part"), key=lambda c: c.peak_mb)
+    assert layer.collectives < part.collectives  # whole layers: one gather per layer instead of one per part
+    peaks = sorted({c.peak_mb for c, _ in found})
+    for budget_mb in (peaks[0], peaks[len(peaks) // 2], peaks[-1]):  # only the smallest; about half; all
+        fitting = [c for c, _ in found if c.peak_mb <= budget_mb]
+        cfg, best, _ = choose(_cfg(root, **{"memory-per-rank": f"{budget_mb + 0.001:.3f}MiB"}))
+        assert best in fitting and best.key() == min(c.key() for c in fitting)
+        assert best.peak_mb <= budget_mb + 0.001
+
+
+def test_nothing_fits_names_the_budget_and_the_smallest_peak(root):
+    with pytest.raises(ConfigError, match=r"memory-per-rank.*no setting fits 1 MB per rank; the smallest"):
+        choose(_cfg(root, **{"memory-per-rank": "1MiB"}))
+
+
+def test_explicit_settings_are_kept(root):
+    cfg, best, why = choose(_cfg(root, strategy="fsdp1", **{"micro-batch-size": 2, "fsdp-unit": "part"}))
+    assert best is None and why == "" and cfg.parallel.strategy == "fsdp1" and cfg.train.micro_batch_size == 2
+
+
+def test_plan_shows_the_choice_and_finetune_runs_it_on_every_rank(root, capsys):
+    assert cli.main(["plan", "--model", str(root / "model"), "--nproc", "2", "--batch-size", "8", "--seq-len", "64",
+                     "--micro-batch-size", "auto", "--memory-per-rank", "1TiB"]) == 0
+    out = capsys.readouterr().out
+    assert "finetune would run: fastest setting that fits" in out and "ddp, micro-batch 4" in out
+
+    import shardtune
+
+    summary = shardtune.finetune(_options(root, steps=1, **{"memory-per-rank": "1TiB", "strategy": "fsdp2"}))
+    assert summary["strategy"] == "fsdp2" and summary["fsdp_unit"] == "layer" and summary["micro_batch_size"] == 4
+    assert "fastest setting that fits" in summary["strategy_reason"]
+    written = yaml.safe_load((root / "out" / "config.yaml").read_text())
+    assert written["micro-batch-size"] == 4 and written["fsdp-unit"] == "layer" and written["chosen"]
+    assert json.loads((root / "out" / "summary.json").read_text())["micro_batch_size"] == 4

@@ -1,0 +1,167 @@
+"""--packing: records share sequences, yet every token's loss and every gradient equal the padded ones."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from shardtune.train.data import IGNORE, Example, collate
+from shardtune.train.packing import block_causal_mask, collate_packed, forwards_per_rank, pack_rows
+
+from tiny import instruction_records, make_model, write_jsonl
+
+
+def test_rows_hold_every_record_once_within_capacity_deterministically():
+    lengths = [5, 17, 3, 9, 12, 1, 16, 8, 8]
+    rows = pack_rows(lengths, 20)
+    assert sorted(i for row in rows for i in row) == list(range(len(lengths)))
+    assert all(sum(lengths[i] for i in row) <= 20 for row in rows)
+    assert len(rows) == 5 and rows == pack_rows(lengths, 20)  # ceil(79 / 20) = 4 is the bound; FFD uses 5
+    with pytest.raises(ValueError, match="30 tokens"):
+        pack_rows([30], 20)
+
+
+def test_every_rank_runs_the_same_number_of_forwards():
+    examples = [Example([1] * n, [1] * n) for n in (30, 30, 30, 30, 2, 2, 2, 2)]
+    plans = forwards_per_rank([[0, 1, 2, 3], [4, 5, 6, 7]], examples, capacity=32, rows_per_forward=1)
+    assert [len(p) for p in plans] == [4, 4]
+    assert plans[1][0] == [[4, 5, 6, 7]] and plans[1][1:] == [[], [], []]  # padded with empty forwards
+    empty = collate_packed([], 0, torch.device("cpu"))
+    assert empty.real_tokens == 0 and (empty.labels == IGNORE).all()
+
+
+def test_mask_keeps_records_apart_and_padding_to_itself():
+    segments = torch.tensor([[0, 0, 1, 1, 1, -1]])
+    allowed = block_causal_mask(segments, torch.float32)[0, 0] == 0
+    expected = torch.tensor([
+        [1, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0],
+        [0, 0, 1, 0, 0, 0],
+        [0, 0, 1, 1, 0, 0],
+        [0, 0, 1, 1, 1, 0],
+        [0, 0, 0, 0, 0, 1],
+    ], dtype=torch.bool)
+    assert torch.equal(allowed, expected)
+
+
+def _records(tok, n: int) -> list[Example]:
+    from shardtune.train.data import tokenize
+
+    return [tokenize(tok, r, 128)[0] for r in instruction_records(n, seed=5)]
+
+
+def _token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Per-position loss of predicting labels[t+1] from t; 0 where that is no target."""
+    targets = torch.full_like(labels, IGNORE)
+    targets[:, :-1] = labels[:, 1:]
+    return F.cross_entropy(logits.float().transpose(1, 2), targets, reduction="none", ignore_index=IGNORE)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_packed_token_losses_and_gradients_equal_padded(tmp_path, arch, attention):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = make_model(tmp_path / arch, arch)
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=attention, dtype=torch.float32)
+    examples = _records(tok, 7)
+    cpu = torch.device("cpu")
+
+    padded = collate(examples, 0, cpu)
+    logits = model(input_ids=padded["input_ids"], attention_mask=padded["attention_mask"]).logits
+    want = _token_losses(logits, padded["labels"])
+    want.sum().backward()
+    want_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+
+    rows = [[examples[i] for i in row] for row in pack_rows([len(e.input_ids) for e in examples], 160)]
+    assert len(rows) < len(examples)  # records really share rows
+    packed = collate_packed(rows, 0, cpu)
+    logits = model(**packed.model_inputs(attention, torch.float32)).logits
+    got = _token_losses(logits, packed.labels)
+    got.sum().backward()
+
+    # the same tokens' losses: record by record, in packed order
+    at = {id(e): i for i, e in enumerate(examples)}
+    for r, row in enumerate(rows):
+        start = 0
+        for e in row:
+            n = len(e.input_ids)
+            torch.testing.assert_close(got[r, start:start + n - 1], want[at[id(e)], :n - 1], rtol=1e-5, atol=1e-5)
+            start += n
+    torch.testing.assert_close(got.sum(), want.sum(), rtol=1e-5, atol=1e-5)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want_grads[n], rtol=1e-5, atol=1e-5, msg=n)
+    assert packed.real_tokens == sum(len(e.input_ids) for e in examples)
+
+
+def test_a_model_whose_attention_cannot_keep_records_apart_is_refused(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from shardtune.config import ConfigError
+    from shardtune.train.packing import check_packing
+
+    model = AutoModelForCausalLM.from_pretrained(make_model(tmp_path / "m", "llama"))
+    check_packing(model)
+    model.config._attn_implementation = "flex_attention"
+    with pytest.raises(ConfigError, match="option 'packing'.*'flex_attention'.*supported: sdpa, eager"):
+        check_packing(model)
+
+
+# --- whole runs ----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("packing")
+    make_model(root / "model", "llama", tied=True)
+    write_jsonl(root / "train.jsonl", instruction_records(20))
+    return root
+
+
+def _options(root: Path, out: str, **extra) -> dict:
+    return {"model": str(root / "model"), "data": str(root / "train.jsonl"), "out": str(root / out),
+            "dtype": "fp32", "steps": 4, "batch-size": 8, "seq-len": 200, "lr": 1e-2, "warmup-steps": 1,
+            "seed": 1, **extra}
+
+
+def _metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_packed_runs_train_like_padded_ones_on_any_split_and_resume_exactly(root):
+    import shutil
+
+    import shardtune
+
+    padded = shardtune.finetune(_options(root, "padded", strategy="single"))
+    packed = shardtune.finetune(_options(root, "packed", strategy="single", packing=True))
+    # 2 ranks, one packed row per forward: ranks pack into different numbers of rows, so some run
+    # empty forwards (they would hang otherwise), and gradients are reduced once per step.
+    split = _options(root, "split", strategy="fsdp2", nproc=2, packing=True, **{"micro-batch-size": 1,
+                                                                               "save-every": 2})
+    two = shardtune.finetune(split)
+    runs = {"padded": _metrics(root / "padded"), "packed": _metrics(root / "packed"), "split": _metrics(root / "split")}
+    for name in ("packed", "split"):
+        for key in ("loss", "grad_norm"):  # the loss rule holds however the batch is packed and split
+            torch.testing.assert_close(torch.tensor([m[key] for m in runs[name]]),
+                                       torch.tensor([m[key] for m in runs["padded"]]), rtol=1e-5, atol=1e-6)
+        assert [m["tokens"] for m in runs[name]] == [m["tokens"] for m in runs["padded"]]  # real tokens only
+    assert packed["tokens"] == padded["tokens"] == two["tokens"]
+    assert packed["packing"] and not padded["packing"]
+    assert 0 < padded["fill_ratio"] < packed["fill_ratio"] <= 1
+    assert all(0 < m["fill_ratio"] <= 1 for m in runs["split"])
+
+    # resumed from step 2 of the 2-rank packed run: the same steps 3 and 4, bit for bit
+    out = root / "resumed"
+    (out / "checkpoints").mkdir(parents=True)
+    shutil.copytree(root / "split" / "checkpoints" / "step-2", out / "checkpoints" / "step-2")
+    (out / "metrics.jsonl").write_text("".join((root / "split" / "metrics.jsonl").read_text().splitlines(True)[:2]))
+    resumed = shardtune.finetune({**split, "out": str(out), "resume": True})
+    assert resumed["resumed_from_step"] == 2
+    exact = ("step", "loss", "grad_norm", "tokens", "fill_ratio")
+    assert [{k: m[k] for k in exact} for m in _metrics(out)] == [{k: m[k] for k in exact} for m in runs["split"]]
