@@ -31,6 +31,10 @@ def opt(default: Any, flag: str, help: str, choices: tuple[str, ...] | None = No
 class ModelConfig:
     path: str | None = opt(None, "model", "Hugging Face model directory (config.json + *.safetensors + tokenizer).")
     dtype: str = opt("bf16", "dtype", "Dtype of the frozen base weights and of compute.", ("bf16", "fp32"))
+    quantize: str = opt(
+        "none", "quantize", "Store the frozen decoder-layer Linear weights in 4-bit NormalFloat (QLoRA; needs "
+        "torchao; fsdp2, ddp or single).", ("none", "nf4")
+    )
 
 
 @dataclass
@@ -242,6 +246,9 @@ def validate(cfg: Config, need_data: bool = True) -> None:
         raise ConfigError(f"option 'node-rank' must be in [0, {cfg.parallel.nnodes}), got {cfg.parallel.node_rank}")
     if cfg.parallel.nnodes > 1 and not cfg.parallel.rdzv_endpoint:
         raise ConfigError("option 'rdzv-endpoint' (HOST:PORT of node 0) is required with --nnodes > 1")
+    if cfg.model.quantize == "nf4" and cfg.parallel.strategy == "fsdp1":
+        raise ConfigError("option 'quantize': nf4 is not supported with --strategy fsdp1 (its flat parameters "
+                          "cannot hold 4-bit tensors); use --strategy fsdp2, which gathers the 4-bit data")
     if cfg.parallel.cpu_offload and cfg.parallel.strategy in ("ddp", "single"):
         raise ConfigError(f"option 'cpu-offload' needs an FSDP strategy, not '{cfg.parallel.strategy}'")
 

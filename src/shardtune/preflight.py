@@ -7,6 +7,7 @@ a model; these checks read only config, headers, tokenizer and data, and build t
 from __future__ import annotations
 
 from shardtune.config import Config, validate
+from shardtune.model import quantize
 from shardtune.model.directory import ModelDirError, check_model_dir
 from shardtune.model.lora import inject_lora
 from shardtune.model.meta import DTYPES, build_meta_model
@@ -33,4 +34,8 @@ def preflight(cfg: Config) -> None:
     if cfg.data.val:
         load_dataset(cfg.data.val, tokenizer, cfg.data.seq_len)
     BatchPlan.make(cfg.train.batch_size, cfg.train.micro_batch_size, cfg.parallel.nproc * cfg.parallel.nnodes)
-    inject_lora(build_meta_model(model_dir, DTYPES[cfg.model.dtype]), cfg.lora, cfg.train.seed)
+    if cfg.model.quantize == "nf4":
+        quantize.check_available()
+    model, _ = inject_lora(build_meta_model(model_dir, DTYPES[cfg.model.dtype]), cfg.lora, cfg.train.seed)
+    if cfg.model.quantize == "nf4" and cfg.parallel.strategy == "fsdp2":
+        quantize.check_even_split(quantize.select(model), cfg.parallel.nproc * cfg.parallel.nnodes)
