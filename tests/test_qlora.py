@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from dist_utils import run_ranks
-from test_equivalence import INPUT, _assert_adapters_equal, grads_and_training
-from tiny import instruction_records, make_model, write_jsonl
-
 from shardtune.config import ConfigError, build_config, validate
 from shardtune.model import quantize
+from test_equivalence import INPUT, _assert_adapters_equal, grads_and_training
+
+from dist_utils import run_ranks
+from tiny import instruction_records, make_model, write_jsonl
 
 
 def _rows_of_uneven_scale(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
@@ -48,6 +48,10 @@ def test_row_slices_with_the_shared_mean_equal_the_whole_tensor_bit_for_bit(shap
                     for a in ("quantized_scalers", "quantization_factor", "quantized_data")]
             for g, e in zip(got, want):
                 assert torch.equal(g, e)
+    # The lean dequantization shardtune routes torchao's through gives torchao's values exactly.
+    t = quantize.quantize_whole(w)
+    assert torch.equal(quantize.dequantize(t), t._torchao_get_original_weight())
+    assert torch.equal(t.get_original_weight(), t._torchao_get_original_weight())
     # The trap this avoids: a slice quantized alone (its own mean) differs from the whole tensor's.
     alone = quantize.quantize_whole(w.chunk(2)[0])
     assert (alone.quantized_scalers != whole.quantized_scalers.chunk(2)[0]).float().mean() > 0.3
@@ -85,15 +89,14 @@ def test_fsdp2_shards_equal_the_weight_quantized_whole_on_one_process(tmp_path, 
     make_model(tmp_path / "model", "llama", hidden=192, row_scales=True)  # every row count divides by 2 and 3
     options = {"model": str(tmp_path / "model"), "dtype": "bf16", "quantize": "nf4", "strategy": "fsdp2",
                "lora-targets": "q_proj,v_proj"}
-    ranks = run_ranks(_local_nf4, world, options)
+    ranks = run_ranks(_local_nf4, world, options, timeout=900)
     reference = _quantized_reference(tmp_path / "model", torch.bfloat16)
     whole = {n: m.weight for n, m in quantize.select(reference).quantized.items()}
     assert len(whole) == 14  # 7 projections × 2 layers, LoRA-adapted or not
     names = [n for n in ranks[0] if n != "logits"]
     assert len(names) == 14
     for name in names:
-        module = name.removeprefix("base_model.model.").replace(".base_layer", "").removesuffix(".weight")
-        ref = whole[module]
+        ref = whole[name.removeprefix("base_model.model.").replace(".base_layer", "").removesuffix(".weight")]
         for attr in ("quantized_scalers", "quantization_factor", "quantized_data"):
             gathered = torch.cat([r[name][attr] for r in ranks])
             assert torch.equal(gathered, getattr(ref, attr)), (name, attr)
@@ -120,11 +123,11 @@ def _options(model: Path, data: Path, out: Path, **extra) -> dict:
 def test_two_ranks_equal_one_rank_with_nf4(tmp_path, data_file, arch, tied):
     model = make_model(tmp_path / "model", arch, tied=tied, hidden=64, row_scales=True)
     one = run_ranks(grads_and_training, 1, _options(model, data_file, tmp_path / "one", strategy="single",
-                                                     **{"micro-batch-size": 8}))[0]
+                                                     **{"micro-batch-size": 8}), timeout=900)[0]
     strategies = ["fsdp2", "ddp"] if arch == "llama" else ["fsdp2"]
     for strategy in strategies:
         two = run_ranks(grads_and_training, 2, _options(model, data_file, tmp_path / strategy, strategy=strategy,
-                                                         **{"micro-batch-size": 2}))[0]
+                                                         **{"micro-batch-size": 2}), timeout=900)[0]
         assert one["grads"] and set(one["grads"]) == set(two["grads"])
         for name, g in one["grads"].items():
             torch.testing.assert_close(two["grads"][name], g, rtol=1e-4, atol=1e-6, msg=name)
@@ -154,16 +157,21 @@ def _meta_peft_model(tmp_path: Path, hidden: int):
 def test_uneven_split_is_refused_naming_the_weight(tmp_path):
     selection = quantize.select(_meta_peft_model(tmp_path, 64))
     quantize.check_even_split(selection, 2)
-    with pytest.raises(ConfigError, match=r"q_proj.*64 rows.*3 ranks"):
+    with pytest.raises(ConfigError, match=r"3 ranks, but model.layers.0.self_attn.q_proj \(64 rows\)"):
         quantize.check_even_split(selection, 3)
 
 
 def test_weights_that_are_not_whole_blocks_stay_unquantized_with_a_warning(tmp_path, caplog):
     selection = quantize.select(_meta_peft_model(tmp_path, 32))  # rows of 32 features: half a block
-    assert not selection.quantized and len(selection.kept) == 14
+    assert sorted(selection.quantized) == ["model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"]
+    assert len(selection.kept) == 12
     with caplog.at_level("WARNING", logger="shardtune"):
         quantize.warn_kept(selection)
-    assert "32 input features are not a multiple of 64" in caplog.text
+    assert "12 Linear weight(s) stay in the compute dtype: model.layers.0.self_attn.q_proj (32 input features " \
+           "are not a multiple of 64)" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="shardtune"):
+        quantize.warn_kept(quantize.Selection({}, {"x": "y"}))
     assert "no decoder-layer Linear weight can be quantized" in caplog.text
 
 
