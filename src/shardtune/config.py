@@ -85,6 +85,10 @@ class ParallelConfig:
         False, "activation-checkpointing", "Recompute each decoder layer's activations in backward."
     )
     cpu_offload: bool = opt(False, "cpu-offload", "Keep sharded parameters on CPU (FSDP only).")
+    device: str = opt(
+        "auto", "device", "Where ranks compute: auto (cuda when a GPU is visible), cpu, or cuda (one GPU per rank).",
+        ("auto", "cpu", "cuda"),
+    )
     nnodes: int = opt(1, "nnodes", "Number of nodes (multi-node runs).")
     node_rank: int = opt(0, "node-rank", "This node's index among --nnodes.")
     rdzv_endpoint: str | None = opt(None, "rdzv-endpoint", "HOST:PORT of the rendezvous (node 0) for multi-node runs.")
