@@ -10,7 +10,7 @@ import torch
 
 from shardtune.config import ConfigError, build_config, validate
 from shardtune.model import quantize
-from test_equivalence import INPUT, _assert_adapters_equal, grads_and_training
+from test_equivalence import INPUT, grads_and_training
 
 from dist_utils import run_ranks
 from tiny import instruction_records, make_model, write_jsonl
@@ -84,11 +84,11 @@ def _quantized_reference(model_dir: Path, dtype: torch.dtype):
     return model
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_fsdp2_shards_equal_the_weight_quantized_whole_on_one_process(tmp_path, world):
+@pytest.mark.parametrize("world,offload", [(2, False), (3, True)])
+def test_fsdp2_shards_equal_the_weight_quantized_whole_on_one_process(tmp_path, world, offload):
     make_model(tmp_path / "model", "llama", hidden=192, row_scales=True)  # every row count divides by 2 and 3
     options = {"model": str(tmp_path / "model"), "dtype": "bf16", "quantize": "nf4", "strategy": "fsdp2",
-               "lora-targets": "q_proj,v_proj"}
+               "lora-targets": "q_proj,v_proj", "cpu-offload": offload}
     ranks = run_ranks(_local_nf4, world, options, timeout=900)
     reference = _quantized_reference(tmp_path / "model", torch.bfloat16)
     whole = {n: m.weight for n, m in quantize.select(reference).quantized.items()}
@@ -132,7 +132,7 @@ def test_two_ranks_equal_one_rank_with_nf4(tmp_path, data_file, arch, tied):
         for name, g in one["grads"].items():
             torch.testing.assert_close(two["grads"][name], g, rtol=1e-4, atol=1e-6, msg=name)
         torch.testing.assert_close(torch.tensor(two["losses"]), torch.tensor(one["losses"]), rtol=1e-5, atol=1e-6)
-        _assert_adapters_equal(tmp_path / "one" / "adapter", tmp_path / strategy / "adapter")
+        _assert_adapters_close(tmp_path / "one" / "adapter", tmp_path / strategy / "adapter")
     assert one["losses"][-1] < one["losses"][0]
 
     # The adapter on the same 4-bit base, rebuilt on one process as eval/generate do, gives the trained logits.
@@ -142,6 +142,18 @@ def test_two_ranks_equal_one_rank_with_nf4(tmp_path, data_file, arch, tied):
     with torch.no_grad():
         expected = PeftModel.from_pretrained(base, tmp_path / "one" / "adapter").eval()(input_ids=INPUT).logits
     torch.testing.assert_close(one["logits"], expected, rtol=1e-4, atol=1e-4)
+
+
+def _assert_adapters_close(a: Path, b: Path) -> None:
+    """As test_equivalence's check, with an absolute tolerance for lora_A: its first gradients come at
+    step 2 (B starts at zero) and AdamW's first steps turn rounding-level gradient differences of
+    near-zero entries into differences of up to lr in the weight."""
+    from safetensors.torch import load_file
+
+    ta, tb = load_file(a / "adapter_model.safetensors"), load_file(b / "adapter_model.safetensors")
+    assert set(ta) == set(tb) and ta
+    for k in ta:
+        torch.testing.assert_close(tb[k], ta[k], rtol=1e-3, atol=1e-4, msg=lambda m, k=k: f"{k}: {m}")
 
 
 def _meta_peft_model(tmp_path: Path, hidden: int):
