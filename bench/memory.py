@@ -32,10 +32,12 @@ RECIPES: dict[str, list[str]] = {
     "shardtune-ddp": ["shardtune", "--strategy", "ddp"],
     "shardtune-fsdp2-ac": ["shardtune", "--strategy", "fsdp2", "--activation-checkpointing"],
     "shardtune-fsdp2-offload": ["shardtune", "--strategy", "fsdp2", "--cpu-offload"],
+    "shardtune-fsdp2-nf4": ["shardtune", "--strategy", "fsdp2", "--quantize", "nf4"],
     "naive": ["naive"],
     "broadcast": ["broadcast"],
     "fsdp1-peft": ["fsdp1-peft"],
     "fsdp1-orig-params": ["fsdp1-orig-params"],
+    "torchtune-nf4": ["torchtune-nf4"],  # every rank: whole bf16 state dict, to_nf4, fully_shard
 }
 DEFAULT_RECIPES = "shardtune-fsdp2,shardtune-fsdp1,shardtune-ddp,naive,broadcast,fsdp1-peft"
 # default: glibc as it comes, for every recipe; mmap: the threshold in the environment, for every recipe;
@@ -72,13 +74,17 @@ def predictions(model: Path, args: argparse.Namespace) -> dict[str, dict]:
     from shardtune.config import build_config
     from shardtune.plan import plan
 
-    cfg = build_config({"model": str(model), "nproc": args.nproc, "batch-size": args.nproc, "micro-batch-size": 1,
-                        "seq-len": args.seq_len, "lora-r": 8, "lora-targets": "q_proj,v_proj"})
     out = {}
-    for strategy, preds in plan(cfg).items():
-        for p in preds:
-            name = f"shardtune-{strategy}{'-ac' * p.activation_checkpointing}{'-offload' * p.cpu_offload}"
-            out[name] = p.as_dict()
+    for quantize in ("none", "nf4"):
+        cfg = build_config({"model": str(model), "nproc": args.nproc, "batch-size": args.nproc,
+                            "micro-batch-size": 1, "seq-len": args.seq_len, "lora-r": 8,
+                            "lora-targets": "q_proj,v_proj", "quantize": quantize, "device": "cpu"})
+        for strategy, preds in plan(cfg).items():
+            for p in preds:
+                name = (f"shardtune-{strategy}{'-ac' * p.activation_checkpointing}{'-offload' * p.cpu_offload}"
+                        f"{'-nf4' * (quantize == 'nf4')}")
+                if p.terms:
+                    out[name] = p.as_dict()
     return out
 
 
@@ -92,13 +98,22 @@ def targets(jobs: list[dict], plans: dict[str, dict]) -> list[str]:
             continue
         train, load = max(j["train_peak_mb"]), max(j["load_peak_mb"])
         t = p["terms"]
-        load_bound = t["runtime"] + 1.1 * t["weights"] + p["block_mb"]
-        lines.append(f"{j['recipe']:<24} {j['malloc']:<7} load {load:7.0f} <= runtime+1.1*shard+block "
+        if j["recipe"].endswith("-nf4"):  # runtime + NF4 shard + the largest bf16 slice being quantized, + 10%
+            slice_mb = p.get("quantize_slice_mb", 0.0)
+            load_bound = 1.1 * (t["runtime"] + t["weights"] + slice_mb)
+            what = "1.1*(runtime+nf4 shard+bf16 slice)"
+        else:
+            load_bound = t["runtime"] + 1.1 * t["weights"] + p["block_mb"]
+            what = "runtime+1.1*shard+block"
+        lines.append(f"{j['recipe']:<24} {j['malloc']:<7} load {load:7.0f} <= {what} "
                      f"{load_bound:7.0f}: {'yes' if load <= load_bound else 'NO'}")
         err = (p["peak_mb"] - train) / train
         lines.append(f"{'':<32} train {train:7.0f}; planner {p['peak_mb']:7.0f} ({err:+.1%}) "
                      f"within 10%: {'yes' if abs(err) <= 0.10 else 'NO'}; <= 1.1*planner: "
                      f"{'yes' if train <= 1.1 * p['peak_mb'] else 'NO'}")
+        if j["recipe"].endswith("-nf4"):
+            lines += _nf4_targets(j, jobs, peers)
+            continue
         same = [max(q["train_peak_mb"]) for q in peers if q["malloc"] == j["malloc"]]
         if same:
             best = min(same)
@@ -110,6 +125,25 @@ def targets(jobs: list[dict], plans: dict[str, dict]) -> list[str]:
             best = min(shipped)
             lines.append(f"{'':<32} best peer as shipped (default) {best:7.0f}: ratio {train / best:.2f} "
                          f"<= 0.75: {'yes' if train <= 0.75 * best else 'NO'}")
+    return lines
+
+
+def _nf4_targets(j: dict, jobs: list[dict], peers: list[dict]) -> list[str]:
+    """QLoRA: whole-run peak <= 0.5x the torchtune-style peer's, train peak no higher, tokens/s >= 0.6x bf16."""
+    lines = []
+    whole = max(max(j["train_peak_mb"]), max(j["load_peak_mb"]))
+    for q in peers:
+        if q["recipe"] == "torchtune-nf4" and q["malloc"] == j["malloc"]:
+            peer_whole = max(max(q["train_peak_mb"]), max(q["load_peak_mb"]))
+            lines.append(f"{'':<32} whole-run {whole:7.0f} vs torchtune-nf4 {peer_whole:7.0f}: ratio "
+                         f"{whole / peer_whole:.2f} <= 0.5: {'yes' if whole <= 0.5 * peer_whole else 'NO'}; train "
+                         f"{max(j['train_peak_mb']):.0f} <= {max(q['train_peak_mb']):.0f}: "
+                         f"{'yes' if max(j['train_peak_mb']) <= max(q['train_peak_mb']) else 'NO'}")
+    for b in jobs:
+        if b["recipe"] == j["recipe"].removesuffix("-nf4") and b["malloc"] == j["malloc"] and "error" not in b:
+            ratio = j["tokens_per_second"] / b["tokens_per_second"]
+            lines.append(f"{'':<32} tokens/s {j['tokens_per_second']:.1f} vs bf16 {b['tokens_per_second']:.1f}: "
+                         f"ratio {ratio:.2f} >= 0.6: {'yes' if ratio >= 0.6 else 'NO'}")
     return lines
 
 

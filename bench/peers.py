@@ -169,8 +169,31 @@ def load_fsdp1_orig_params(path: str, rank: int):
     )
 
 
+def load_torchtune_nf4(path: str, rank: int):
+    """torchtune's QLoRA loading: every rank reads the whole bf16 state dict into memory, quantizes the
+    decoder layers' Linear weights with ``to_nf4`` (default blocks 64/256), then ``fully_shard``."""
+    from peft import get_peft_model
+    from safetensors.torch import load_file
+
+    from shardtune.model.quantize import nf4_module
+
+    to_nf4 = nf4_module().to_nf4
+    sd: dict[str, torch.Tensor] = {}
+    for file in sorted(Path(path).glob("*.safetensors")):
+        sd.update(load_file(file))
+    model = meta_model(path)
+    model.load_state_dict(sd, strict=False, assign=True)
+    model.tie_weights()
+    del sd
+    for layer in model.model.layers:
+        for module in layer.modules():
+            if type(module) is torch.nn.Linear:
+                module.weight = torch.nn.Parameter(to_nf4(module.weight.detach()), requires_grad=False)
+    return shard_fsdp2(get_peft_model(model, lora_config()))
+
+
 PEERS = {"naive": load_naive, "broadcast": load_broadcast, "fsdp1-peft": load_fsdp1_peft,
-         "fsdp1-orig-params": load_fsdp1_orig_params}
+         "fsdp1-orig-params": load_fsdp1_orig_params, "torchtune-nf4": load_torchtune_nf4}
 
 
 def run_peer(recipe: str, args: argparse.Namespace, rank: int, world: int) -> dict:
@@ -241,7 +264,8 @@ def run_shardtune(args: argparse.Namespace, rank: int) -> dict:
                         "micro-batch-size": micro, "seq-len": args.seq_len, "lora-r": 8, "lora-alpha": 16,
                         "lora-targets": "q_proj,v_proj", "activation-checkpointing": args.activation_checkpointing,
                         "cpu-offload": args.cpu_offload, "warmup-steps": 0, "packing": args.packing,
-                        "fsdp-unit": args.fsdp_unit, "memory-per-rank": args.memory_per_rank})
+                        "fsdp-unit": args.fsdp_unit, "memory-per-rank": args.memory_per_rank,
+                        "quantize": args.quantize})
     validate(cfg)
     from shardtune.preflight import preflight
 
@@ -269,6 +293,7 @@ def main() -> None:
     parser.add_argument("--packing", action="store_true")
     parser.add_argument("--fsdp-unit", default="part", choices=("auto", "layer", "part"))
     parser.add_argument("--memory-per-rank", default=None)
+    parser.add_argument("--quantize", default="none")
     args = parser.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     # Imported before any counting starts, the same for every recipe: module files are not the model's.

@@ -34,6 +34,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--eval-nproc", type=int, default=1, help="evaluation processes [default: 1]")
     p.add_argument("--show", type=int, default=4, help="answers to show side by side [default: 4]")
     p.add_argument("--max-new-tokens", type=int, default=48, help="longest generated answer [default: 48]")
+    p.add_argument("--quantize", choices=("none", "nf4"), help="QLoRA: train (and evaluate) on the 4-bit NF4 base "
+                   "[default: the config's]")
+    p.add_argument("--out", help="output directory [default: the config's]")
     p.add_argument("--reuse", action="store_true",
                    help="skip the fine-tune when OUT_DIR already holds its summary.json and adapter")
     return p.parse_args(argv)
@@ -46,10 +49,11 @@ def run(args: argparse.Namespace) -> dict:
     from shardtune.tools.evaluate import evaluate
 
     quiet_libraries()
-    cfg = build_config(args.config, {"nproc": args.nproc})
+    overrides = {"nproc": args.nproc, "quantize": args.quantize, "out": args.out}
+    cfg = build_config(args.config, overrides)
     out = Path(cfg.output.out)
     measure = dict(nproc=args.eval_nproc, seq_len=cfg.data.seq_len, max_new_tokens=args.max_new_tokens,
-                   answers=True)
+                   answers=True, quantize=cfg.model.quantize)
 
     print(f"[1/3] base model {cfg.model.path} on {args.heldout}", flush=True)
     before = evaluate(cfg.model.path, args.heldout, **measure)
@@ -58,7 +62,7 @@ def run(args: argparse.Namespace) -> dict:
         summary = json.loads((out / "summary.json").read_text())
     else:
         print(f"[2/3] fine-tune with {args.config} → {out}", flush=True)
-        summary = shardtune.finetune(args.config, nproc=args.nproc)
+        summary = shardtune.finetune(args.config, **overrides)
     print("[3/3] base model + adapter on the held-out questions", flush=True)
     after = evaluate(cfg.model.path, args.heldout, adapter=summary.get("adapter") or out / "adapter", **measure)
 

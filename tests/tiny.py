@@ -31,16 +31,19 @@ def make_tokenizer(chat_template: bool = True):
     return fast
 
 
-def tiny_config(arch: str, tied: bool):
-    from transformers import FalconConfig, GPT2Config, LlamaConfig, Qwen2Config
+def tiny_config(arch: str, tied: bool, hidden: int = 32):
+    """``hidden``: the width (the MLP is twice as wide); NF4 tests need multiples of its 64-blocks."""
+    from transformers import FalconConfig, GPT2Config, LlamaConfig, Phi3Config, Qwen2Config
 
     common = dict(vocab_size=VOCAB, tie_word_embeddings=tied, bos_token_id=256, eos_token_id=257, pad_token_id=258)
+    dims = dict(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=256)
     if arch == "llama":
-        return LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                           num_key_value_heads=2, max_position_embeddings=256, **common)
+        return LlamaConfig(**dims, **common)
     if arch == "qwen2":
-        return Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                           num_key_value_heads=2, max_position_embeddings=256, **common)
+        return Qwen2Config(**dims, **common)
+    if arch == "phi3":
+        return Phi3Config(**dims, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0, **common)
     if arch == "gpt2":
         return GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=256, resid_pdrop=0.0, embd_pdrop=0.0,
                           attn_pdrop=0.0, **common)
@@ -51,16 +54,20 @@ def tiny_config(arch: str, tied: bool):
 
 
 def make_model(path: Path, arch: str = "llama", tied: bool = False, sharded: bool = False, seed: int = 0,
-               chat_template: bool = True) -> Path:
-    """Write a random tiny causal LM in Hugging Face layout (single file or sharded + index)."""
+               chat_template: bool = True, hidden: int = 32, row_scales: bool = False) -> Path:
+    """Write a random tiny causal LM in Hugging Face layout (single file or sharded + index).
+
+    ``row_scales``: matrices' rows scaled 0.5–2× (real weights' rows differ in scale; NF4 tests need that)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(arch, tied))
+    model = AutoModelForCausalLM.from_config(tiny_config(arch, tied, hidden))
     # Larger random weights than the default init make logits differ clearly between models.
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.2)
+            if row_scales and p.dim() == 2:
+                p.mul_(torch.linspace(0.5, 2.0, p.shape[0])[torch.randperm(p.shape[0])][:, None])
     model.save_pretrained(path, max_shard_size="20KB" if sharded else "10GB")
     make_tokenizer(chat_template).save_pretrained(path)
     return path

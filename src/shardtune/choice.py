@@ -55,17 +55,18 @@ def needs_choice(cfg: Config) -> bool:
             or (cfg.parallel.fsdp_unit == "auto" and cfg.parallel.strategy in ("auto", "fsdp2")))
 
 
-def budget_of(cfg: Config) -> tuple[int, str]:
-    """Bytes per rank, and where that number came from."""
-    from shardtune.plan import default_memory_per_rank
-    from shardtune.runtime.device import pick_device
+def budget_of(cfg: Config) -> tuple[int | None, str]:
+    """Bytes per rank, and where that number came from (None: planning for GPUs on a machine without one)."""
+    from shardtune.plan import default_memory_per_rank, plan_device
 
     if cfg.parallel.memory_per_rank:
         return parse_size(cfg.parallel.memory_per_rank), f"--memory-per-rank {cfg.parallel.memory_per_rank}"
-    device = pick_device(cfg.parallel.device)
-    where = ("this GPU's memory" if device.type == "cuda"
+    device, _ = plan_device(cfg.parallel.device)
+    budget = default_memory_per_rank(cfg.parallel.nproc, device)
+    where = ("no GPU here: give --memory-per-rank to judge fits" if budget is None
+             else "this GPU's memory" if device.type == "cuda"
              else f"available RAM / {cfg.parallel.nproc} local rank{'s' * (cfg.parallel.nproc > 1)}")
-    return default_memory_per_rank(cfg.parallel.nproc, device), where
+    return budget, where
 
 
 def _micro_sizes(cfg: Config, world: int) -> list[int]:
@@ -81,8 +82,7 @@ def candidates(cfg: Config, budget: int) -> list[tuple[Candidate, bool]]:
     """Every setting the auto options allow, with its predicted peak and whether it fits."""
     from shardtune.model.footprint import model_facts
     from shardtune.model.meta import DTYPES
-    from shardtune.plan import predict
-    from shardtune.runtime.device import pick_device
+    from shardtune.plan import plan_device, predict
 
     ranks = cfg.parallel.nproc * cfg.parallel.nnodes
     if cfg.parallel.strategy != "auto":
@@ -94,8 +94,8 @@ def candidates(cfg: Config, budget: int) -> list[tuple[Candidate, bool]]:
     micros = {s: _micro_sizes(cfg, 1 if s == "single" else ranks) for s in strategies}
     auto = cfg.parallel.strategy == "auto" or cfg.train.micro_batch_size == "auto"
     acs = [True] if cfg.parallel.activation_checkpointing else ([False, True] if auto else [False])
-    device = pick_device(cfg.parallel.device)
-    facts = model_facts(cfg, {m for ms in micros.values() for m in ms}, {DTYPES[cfg.model.dtype]}, device)
+    device, traced = plan_device(cfg.parallel.device)
+    facts = model_facts(cfg, {m for ms in micros.values() for m in ms}, {DTYPES[cfg.model.dtype]}, traced)
     out = []
     for strategy in strategies:
         world = 1 if strategy == "single" else ranks
@@ -125,6 +125,11 @@ def choose(cfg: Config) -> tuple[Config, Candidate | None, str]:
     if not needs_choice(cfg):
         return cfg, None, ""
     budget, where = budget_of(cfg)
+    if budget is None:  # `plan --device cuda` on a machine without a GPU: every prediction, no choice
+        if cfg.train.micro_batch_size == "auto":
+            raise ConfigError("option 'micro-batch-size': 'auto' needs --memory-per-rank when planning for GPUs "
+                              "on a machine without one")
+        return cfg, None, ""
     found = candidates(cfg, budget)
     fitting = sorted((c for c, fits in found if fits), key=Candidate.key)
     if fitting:

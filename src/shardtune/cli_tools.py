@@ -22,6 +22,9 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
                                      "[default: none, the base model alone]")
     p.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp16", "fp32"),
                    help="weights and compute dtype; auto: bf16 on GPU, fp32 on CPU [default: auto]")
+    p.add_argument("--quantize", default="none", choices=("none", "nf4"),
+                   help="nf4: the decoder-layer Linear weights in 4-bit NF4, as a QLoRA fine-tune "
+                        "(--quantize nf4) trained on them; quantized from bf16 unless --dtype fp32 [default: none]")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -30,7 +33,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     quiet_libraries()
     prompts = [args.prompt] if args.prompt is not None else read_prompts(args.prompts)
-    model, tokenizer = load_model(args.model, args.adapter, args.dtype)
+    model, tokenizer = load_model(args.model, args.adapter, args.dtype, quantize=args.quantize)
     for i, prompt in enumerate(prompts):
         if len(prompts) > 1:
             print(f"{'' if i == 0 else chr(10)}> {prompt_text(prompt)}", flush=True)
@@ -45,7 +48,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     quiet_libraries()
     result = evaluate(args.model, args.data, args.adapter, args.nproc, args.seq_len, args.batch_size,
-                      args.max_new_tokens, args.dtype, answers=args.answers)
+                      args.max_new_tokens, args.dtype, answers=args.answers, quantize=args.quantize)
     if args.json:
         print(json.dumps(result, indent=2))
         return 0

@@ -38,6 +38,10 @@ class ModelConfig:
         "Dtype of the frozen base weights and of compute; fp16 (GPUs without bf16: T4, V100) adds loss scaling.",
         ("bf16", "fp16", "fp32"),
     )
+    quantize: str = opt(
+        "none", "quantize", "Store the frozen decoder-layer Linear weights in 4-bit NormalFloat (QLoRA; needs "
+        "torchao; fsdp2, ddp or single).", ("none", "nf4")
+    )
 
 
 @dataclass
@@ -301,6 +305,9 @@ def validate(cfg: Config, need_data: bool = True) -> None:
             raise ConfigError(f"option 'replicate-groups' needs an FSDP strategy, not '{cfg.parallel.strategy}'")
     if cfg.parallel.memory_per_rank is not None:
         parse_size(cfg.parallel.memory_per_rank)
+    if cfg.model.quantize == "nf4" and cfg.parallel.strategy == "fsdp1":
+        raise ConfigError("option 'quantize': nf4 is not supported with --strategy fsdp1 (its flat parameters "
+                          "cannot hold 4-bit tensors); use --strategy fsdp2, which gathers the 4-bit data")
     if cfg.parallel.cpu_offload and cfg.parallel.strategy in ("ddp", "single"):
         raise ConfigError(f"option 'cpu-offload' needs an FSDP strategy, not '{cfg.parallel.strategy}'")
 

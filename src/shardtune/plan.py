@@ -21,7 +21,6 @@ import torch
 from shardtune.config import Config, build_config, validate
 from shardtune.model.footprint import Facts, model_facts
 from shardtune.model.meta import DTYPES
-from shardtune.runtime.device import pick_device
 from shardtune.runtime.memory import MB
 from shardtune.train.data import BatchPlan, DataError
 from shardtune.train.loss import CHUNK_BYTES
@@ -57,7 +56,12 @@ TERMS: dict[str, str] = {
                    "input, plus one layer's recomputed set), and the backward of one layer",
     "logits": "micro-batch tokens × vocabulary in the compute dtype, and their gradient in backward "
               "(the loss works in fp32 a chunk of tokens at a time)",
+    "dequant": "--quantize nf4: the largest 4-bit weight dequantized to the compute dtype for its matmul "
+               "(forward and backward); while loading, a rank's bf16 slice of it being quantized",
 }
+#: Bytes per weight while a bf16 slice is quantized (the slice, its scaled copy, one code byte per
+#: weight, the packed codes), as a multiple of the slice's bf16 bytes: torchao's to_nf4 steps.
+QUANTIZE_SLICE_COPIES = 2.75
 
 
 @dataclass
@@ -71,6 +75,7 @@ class Prediction:
     host_mb: float = 0.0  # what CPU offload keeps in host RAM instead
     read_mb: float = 0.0  # checkpoint bytes each rank reads while loading
     block_mb: float = 0.0  # the largest decoder layer, unsharded
+    quantize_slice_mb: float = 0.0  # --quantize nf4: the largest weight's bf16 slice a rank quantizes at load
     fits: bool | None = None
     note: str = ""
 
@@ -83,7 +88,8 @@ class Prediction:
                 "activation_checkpointing": self.activation_checkpointing, "cpu_offload": self.cpu_offload,
                 "peak_at": self.moment, "terms": {k: round(v, 3) for k, v in self.terms.items()},
                 "host_mb": round(self.host_mb, 3), "read_mb": round(self.read_mb, 3),
-                "block_mb": round(self.block_mb, 3), "note": self.note}
+                "block_mb": round(self.block_mb, 3), "quantize_slice_mb": round(self.quantize_slice_mb, 3),
+                "note": self.note}
 
 
 def _moments(strategy: str, device: str, f: Facts, n: int, acts: float, workspace: float, logits_fwd: float,
@@ -179,6 +185,12 @@ def predict(f: Facts, strategy: str, ranks: int, micro_batch: int, seq_len: int,
         kept.update(weights=0.0, lora=0.0, grads=0.0, optimizer=0.0)
     moments = _moments(strategy, "cuda" if device.type == "cuda" else "cpu", f, n, acts, workspace, logits,
                        logits_bwd, unit)
+    if f.dequant_bytes:
+        moments["backward through the layers"]["dequant"] = f.dequant_bytes
+        # loading: the shard so far plus one slice being quantized (no gradients or optimizer yet)
+        moments["loading (a weight's slice quantized)"] = {
+            "dequant": QUANTIZE_SLICE_COPIES * f.quantize_slice_bytes / n,
+            "grads": -kept["grads"], "optimizer": -kept["optimizer"]}
     moment, extra = max(moments.items(), key=lambda kv: sum(kv[1].values()))
     terms = {k: kept.get(k, 0.0) + extra.get(k, 0.0) for k in TERMS}
     note = ""
@@ -186,10 +198,26 @@ def predict(f: Facts, strategy: str, ranks: int, micro_batch: int, seq_len: int,
         note = "on CPU, offloading changes nothing: the shards are in RAM already"
     return Prediction(strategy, n, ac, offload, {k: v / MB for k, v in terms.items()}, moment,
                       host_mb=host / MB, read_mb=f.checkpoint_bytes / n / MB, block_mb=f.block_bytes / MB,
+                      quantize_slice_mb=f.quantize_slice_bytes / n / MB,
                       note=note)
 
 
-def default_memory_per_rank(local_ranks: int, device: torch.device) -> int:
+def plan_device(requested: str = "auto") -> tuple[torch.device, torch.device]:
+    """(the device planned for, the device the fake-tensor pass runs on).
+
+    ``--device cuda`` plans for GPUs from any machine: without CUDA here the fake pass runs on the CPU
+    device (a CUDA fake pass needs CUDA: SDPA aborts the process without it) and the CUDA terms
+    (context, gathers, no glibc heap) come from ``predict``.
+    """
+    target = "cuda" if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()) else "cpu"
+    traced = target if target == "cpu" or torch.cuda.is_available() else "cpu"
+    return torch.device(target, 0) if target == "cuda" else torch.device("cpu"), torch.device(traced)
+
+
+def default_memory_per_rank(local_ranks: int, device: torch.device) -> int | None:
+    """This machine's memory per rank; None when planning for GPUs on a machine without one."""
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return None
     from shardtune.parallel.choose import memory_per_rank
     from shardtune.runtime.distributed import Worker
 
@@ -199,7 +227,7 @@ def default_memory_per_rank(local_ranks: int, device: torch.device) -> int:
 def plan(cfg: Config, memory_per_rank: int | None = None) -> dict[str, list[Prediction]]:
     """{strategy: predictions}; the first of each is for the configured checkpointing/offload flags,
     the others vary them. Raises ConfigError/DataError for an impossible configuration."""
-    device = pick_device(cfg.parallel.device)
+    device, traced = plan_device(cfg.parallel.device)
     ranks = cfg.parallel.nproc * cfg.parallel.nnodes
     budget = memory_per_rank or default_memory_per_rank(cfg.parallel.nproc, device)
     batches: dict[str, BatchPlan | str] = {}
@@ -213,7 +241,7 @@ def plan(cfg: Config, memory_per_rank: int | None = None) -> dict[str, list[Pred
     if not micros:
         raise DataError(next(iter(batches.values())))  # type: ignore[arg-type]
     compute = DTYPES[cfg.model.dtype]
-    facts = model_facts(cfg, micros, {compute}, device)
+    facts = model_facts(cfg, micros, {compute}, traced)
     out: dict[str, list[Prediction]] = {}
     for strategy in STRATEGIES:
         batch = batches[strategy]
@@ -221,6 +249,11 @@ def plan(cfg: Config, memory_per_rank: int | None = None) -> dict[str, list[Pred
         if not isinstance(batch, BatchPlan):
             out[strategy] = [Prediction(strategy, world, cfg.parallel.activation_checkpointing,
                                         cfg.parallel.cpu_offload, {}, "", note=batch)]
+            continue
+        if strategy == "fsdp1" and cfg.model.quantize == "nf4":
+            out[strategy] = [Prediction(strategy, world, cfg.parallel.activation_checkpointing,
+                                        cfg.parallel.cpu_offload, {}, "",
+                                        note="--quantize nf4 needs fsdp2, ddp or single")]
             continue
         flags = [(cfg.parallel.activation_checkpointing, cfg.parallel.cpu_offload)]
         offloads = (False, True) if strategy in ("fsdp2", "fsdp1") else (False,)
@@ -233,7 +266,7 @@ def plan(cfg: Config, memory_per_rank: int | None = None) -> dict[str, list[Pred
                 unit = "part" if cfg.parallel.fsdp_unit == "auto" else cfg.parallel.fsdp_unit
                 p = predict(facts, strategy, world, batch.micro_batch_size, cfg.data.seq_len, ac, off, device,
                             cfg.parallel.replicate_groups, unit)
-                p.fits = p.peak_mb * MB <= budget
+                p.fits = None if budget is None else p.peak_mb * MB <= budget
             preds.append(p)
         out[strategy] = preds
     return out
@@ -297,7 +330,7 @@ def run_plan(config: str | Path | None, overrides: dict[str, Any], as_json_outpu
     quiet_libraries()
     cfg = build_config(config, overrides)
     validate(cfg, need_data=False)
-    device = pick_device(cfg.parallel.device)
+    device, traced = plan_device(cfg.parallel.device)
     budget, where = budget_of(cfg)
     cfg, chosen, why = choose(cfg)
     predictions = plan(cfg, budget)
@@ -308,12 +341,17 @@ def run_plan(config: str | Path | None, overrides: dict[str, Any], as_json_outpu
         print(json.dumps(out, indent=2))
         return 0
     ranks = cfg.parallel.nproc * cfg.parallel.nnodes
+    quant = ", base in NF4 (--quantize nf4)" if cfg.model.quantize == "nf4" else ""
+    budget_text = "unknown" if budget is None else f"{budget / MB:.0f} MB"
     header = [
-        f"shardtune plan: {cfg.model.path} ({cfg.model.dtype}), LoRA r={cfg.lora.r} on {cfg.lora.targets}",
+        f"shardtune plan: {cfg.model.path} ({cfg.model.dtype}{quant}), LoRA r={cfg.lora.r} on {cfg.lora.targets}",
         f"{ranks} rank{'s' * (ranks > 1)} (single: 1), global batch {cfg.train.batch_size}, "
-        f"--seq-len {cfg.data.seq_len}, device {device.type}; memory per rank {budget / MB:.0f} MB ({where})",
+        f"--seq-len {cfg.data.seq_len}, device {device.type}; memory per rank {budget_text} ({where})",
     ]
     if why:
         header += [f"finetune would run: {why}"]
+    if traced != device:
+        header.append("activations from a fake-tensor pass on the CPU device (no CUDA here); "
+                      "GPU terms (CUDA context, NCCL gathers) added")
     print(render(predictions, header))
     return 0

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from shardtune.choice import choose
 from shardtune.config import Config, validate
+from shardtune.model import quantize
 from shardtune.model.directory import check_model_dir, load_tokenizer
 from shardtune.model.lora import inject_lora
 from shardtune.model.meta import DTYPES, build_meta_model, vocab_size
@@ -43,6 +44,8 @@ def preflight(cfg: Config) -> Config:
     warn_about_data(cfg.data.train, read_records(cfg.data.train), len(train.examples), cfg.train.batch_size)
     if cfg.data.val:
         load_dataset(cfg.data.val, tokenizer, cfg.data.seq_len, vocab)
+    if cfg.model.quantize == "nf4":
+        quantize.check_available()
     model, _ = inject_lora(build_meta_model(model_dir, DTYPES[cfg.model.dtype]), cfg.lora, cfg.train.seed)
     if cfg.data.packing:
         check_packing(model)
@@ -58,6 +61,8 @@ def preflight(cfg: Config) -> Config:
     cfg, _, why = choose(cfg)
     if why:
         log.info("configuration: %s", why)
+    if cfg.model.quantize == "nf4" and cfg.parallel.strategy == "fsdp2":
+        quantize.check_even_split(quantize.select(model), ranks // cfg.parallel.replicate_groups)
     _batch_plan(cfg, ranks)
     return cfg
 

@@ -10,12 +10,14 @@ layer. plan.py turns these facts into per-rank peaks.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from shardtune.config import Config
-from shardtune.model.directory import ModelDir, check_model_dir
+from shardtune.model import quantize
+from shardtune.model.directory import ModelDir, ModelDirError, check_model_dir
 from shardtune.model.lora import inject_lora
 from shardtune.model.meta import DTYPES, build_meta_model
 from shardtune.model.structure import decoder_layers, embedding_tables, layer_parts, tables_by_rows
@@ -40,6 +42,10 @@ class Facts:
     root_bytes: int  # all weights outside the decoder layers, in the compute dtype
     hidden: int
     checkpoint_bytes: int
+    #: --quantize nf4: the largest NF4 weight in the compute dtype (dequantized for each matmul) and
+    #: the largest weight's slice a rank quantizes while loading; 0 without quantization
+    dequant_bytes: int = 0
+    quantize_slice_bytes: int = 0
     #: {(micro-batch size, LoRA weight dtype): (saved bytes per decoder layer, outside them, vocabulary)}
     saved: dict[tuple[int, torch.dtype], tuple[list[int], int, int]] = field(default_factory=dict)
 
@@ -96,24 +102,49 @@ def _saved_bytes(model: nn.Module, batch: int, seq: int, lora_dtype: torch.dtype
     return per_layer, other[0], int(logits.shape[-1])
 
 
-def _units_bytes(layer: nn.Module, dtype: torch.dtype) -> list[int]:
-    """FSDP2's units of one layer (parallel/fsdp2.py), each holding what its sub-units do not."""
+def _nbytes(p: torch.Tensor, dtype: torch.dtype, nf4: set[int]) -> int:
+    """A weight's size as stored: NF4 (--quantize nf4) or the compute dtype."""
+    if id(p) in nf4:
+        return quantize.nf4_bytes(p.shape[0], p.shape[1], dtype.itemsize)
+    return p.numel() * dtype.itemsize
+
+
+def _units_bytes(layer: nn.Module, dtype: torch.dtype, nf4: set[int]) -> list[int]:
+    """FSDP2's units of one layer (parallel/fsdp2.py), each holding what its sub-units do not (NF4
+    weights are gathered packed)."""
     units, seen, sizes = layer_parts(layer), set(), []
     for unit in units:  # innermost first, so what a unit holds is what earlier ones did not take
         own = [p for p in unit.parameters() if id(p) not in seen]
         seen.update(id(p) for p in own)
-        sizes.append(sum(p.numel() for p in own) * dtype.itemsize)
+        sizes.append(sum(_nbytes(p, dtype, nf4) for p in own))
     return sizes[::-1]  # post-forward order is innermost first; backward runs it in reverse
 
 
+def model_dir_for_plan(path: str | Path) -> ModelDir:
+    """The model directory, or a directory (or file) with only a config.json: plans need no weights."""
+    path = Path(path)
+    if path.is_file() and path.name == "config.json":
+        return ModelDir(path.parent, [], None)
+    try:
+        return check_model_dir(path)
+    except ModelDirError:
+        if (path / "config.json").is_file() and not any(path.glob("*.safetensors")):
+            return ModelDir(path, [], None)  # config.json alone: sizes come from the meta model
+        raise
+
+
 def model_facts(cfg: Config, micro_batches: set[int], lora_dtypes: set[torch.dtype], device: torch.device) -> Facts:
-    model_dir = check_model_dir(cfg.model.path)
+    model_dir = model_dir_for_plan(cfg.model.path)
     dtype = DTYPES[cfg.model.dtype]
     model, _ = inject_lora(build_meta_model(model_dir, dtype), cfg.lora, cfg.train.seed)
     base = model.get_base_model()
     params = _unique_params(model)
     trainable = sum(p.numel() for p in params.values() if p.requires_grad)
-    frozen = sum(p.numel() * p.element_size() for p in params.values() if not p.requires_grad)
+    selected = quantize.select(model).quantized if cfg.model.quantize == "nf4" else {}
+    nf4 = {id(m.weight) for m in selected.values()}
+    frozen = sum(_nbytes(p, dtype, nf4) if id(p) in nf4 else p.numel() * p.element_size()
+                 for p in params.values() if not p.requires_grad)
+    largest_nf4 = max((m.weight for m in selected.values()), key=lambda w: w.numel(), default=None)
     layers = decoder_layers(model)
     in_layers = {i for layer in layers for i in _unique_params(layer)}
     embed, head, tied = embedding_tables(model)
@@ -121,13 +152,18 @@ def model_facts(cfg: Config, micro_batches: set[int], lora_dtypes: set[torch.dty
     facts = Facts(
         total_params=sum(p.numel() for p in params.values()), trainable_params=trainable,
         frozen_bytes=frozen, compute_itemsize=dtype.itemsize, layers=len(layers),
-        block_bytes=sum(p.numel() for p in largest.parameters()) * dtype.itemsize if largest else 0,
+        block_bytes=sum(_nbytes(p, dtype, nf4) for p in largest.parameters()) if largest else 0,
         embed_bytes=sum(p.numel() for p in embed.parameters()) * dtype.itemsize if embed else 0,
         head_bytes=0 if tied or head is None else sum(p.numel() for p in head.parameters()) * dtype.itemsize,
         tables_by_rows=tables_by_rows(embed, head, tied),
-        units_bytes=_units_bytes(largest, dtype) if largest else [],
+        units_bytes=_units_bytes(largest, dtype, nf4) if largest else [],
         root_bytes=sum(p.numel() for i, p in params.items() if i not in in_layers) * dtype.itemsize,
-        hidden=int(base.config.hidden_size), checkpoint_bytes=checkpoint_bytes(model_dir),
+        hidden=int(base.config.hidden_size),
+        # without weights (config.json alone): what a checkpoint in the model dtype would hold
+        checkpoint_bytes=checkpoint_bytes(model_dir) if model_dir.weight_files
+        else sum(p.numel() for p in params.values() if not p.requires_grad) * dtype.itemsize,
+        dequant_bytes=largest_nf4.numel() * dtype.itemsize if largest_nf4 is not None else 0,
+        quantize_slice_bytes=largest_nf4.numel() * dtype.itemsize if largest_nf4 is not None else 0,
     )
     for micro in micro_batches:
         for lora_dtype in lora_dtypes:

@@ -21,6 +21,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from shardtune.model import quantize
 from shardtune.model.directory import ModelDir, ModelDirError
 from shardtune.model.lora import PEFT_PREFIX
 from shardtune.model.structure import base_model
@@ -124,6 +125,7 @@ def load_base_weights(model: nn.Module, model_dir: ModelDir, tensors: dict[str, 
     prefix = getattr(base, "base_model_prefix", "")
     stored = model_dir.weight_names
     lora_free = {n: t for n, t in tensors.items() if "lora_" not in n}
+    four_bit = {}  # {checkpoint key: NF4 parameter}: read and quantized one at a time, after the rest
     aliases = _aliases(base)
     # A tied weight may be stored under its partner's name only. Its names are aliases already, except
     # for copies that are no longer tied: peft's trainable copy of a tied lm_head (modules_to_save).
@@ -139,12 +141,15 @@ def load_base_weights(model: nn.Module, model_dir: ModelDir, tensors: dict[str, 
         if key is None:
             missing.append(base_name)
             continue
-        for round_ in plan:
-            if key not in round_:
-                round_[key] = tensor.detach()
-                break
+        if quantize.is_nf4(tensor):
+            four_bit[key] = tensor
         else:
-            plan.append({key: tensor.detach()})
+            for round_ in plan:
+                if key not in round_:
+                    round_[key] = tensor.detach()
+                    break
+            else:
+                plan.append({key: tensor.detach()})
         # a tied weight stored under both of its names uses both
         used.update(k for a in aliases.get(base_name, []) if (k := checkpoint_key(a)) in stored)
         used.add(key)
@@ -157,7 +162,29 @@ def load_base_weights(model: nn.Module, model_dir: ModelDir, tensors: dict[str, 
     for round_ in plan:
         _check_shapes(round_, model_dir)
         dcp.load(round_, storage_reader=reader_cls(str(model_dir.path)))
+    _load_nf4(four_bit, model_dir)
     return sorted(stored - used)
+
+
+def _load_nf4(params: dict[str, torch.Tensor], model_dir: ModelDir) -> None:
+    """Each NF4 weight: read this rank's slice in the compute dtype, quantize it, free it, next.
+
+    So a rank never holds more than its 4-bit shard plus one bf16 slice. The slice is read through a
+    plain tensor of the same placement (a DTensor when sharded), so DCP reads only its rows.
+    """
+    if params:
+        _check_shapes(params, model_dir)
+    for key, param in params.items():
+        if isinstance(param, DTensor):
+            local = param.to_local()
+            rows = DTensor.from_local(torch.empty(local.shape, dtype=local.dtype, device=local.device),
+                                      param.device_mesh, param.placements, run_check=False)
+            group = param.device_mesh.get_group()
+        else:
+            rows, group = torch.empty(param.shape, dtype=param.dtype, device=param.device), None
+        dcp.load({key: rows}, storage_reader=dcp.HuggingFaceStorageReader(str(model_dir.path)))
+        quantize.fill(param, rows.to_local() if isinstance(rows, DTensor) else rows, group)
+        del rows
 
 
 def _check_shapes(wanted: dict[str, torch.Tensor], model_dir: ModelDir) -> None:

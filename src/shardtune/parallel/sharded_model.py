@@ -8,9 +8,11 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
-from shardtune.config import Config
+from shardtune.config import Config, ConfigError
+from shardtune.model import quantize
 from shardtune.model.directory import check_model_dir
 from shardtune.model.loading import load, take_snapshot
 from shardtune.model.lora import adapter_key_map, count_params, inject_lora, trainable_names
@@ -33,6 +35,8 @@ class Built:
 
 def build_model(cfg: Config, worker: Worker) -> Built:
     model_dir = check_model_dir(cfg.model.path)
+    if cfg.model.quantize == "nf4":
+        quantize.check_available()
     dtype = DTYPES[cfg.model.dtype]
     model = build_meta_model(model_dir, dtype)
     model, lora_init = inject_lora(model, cfg.lora, cfg.train.seed)
@@ -42,14 +46,24 @@ def build_model(cfg: Config, worker: Worker) -> Built:
         if p.requires_grad:
             p.data = p.data.float()  # trainable weights and their optimizer state stay fp32
     total, trainable = count_params(model)
+    selection = None
+    if cfg.model.quantize == "nf4":
+        selection = quantize.select(model)
+        quantize.warn_kept(selection)
     groups = cfg.parallel.replicate_groups
     if groups > 1 and cfg.parallel.strategy == "auto":
         name, why = "fsdp2", f"HSDP: sharded within each of {groups} replica groups"
     else:
-        name, why = choose_strategy(cfg.parallel.strategy, worker, total * dtype.itemsize, worker.local_world_size,
-                                    cfg.parallel.cpu_offload)
+        name, why = choose_strategy(cfg.parallel.strategy, worker, weight_bytes(model, dtype, selection),
+                                    worker.local_world_size, cfg.parallel.cpu_offload)
     why = cfg.parallel.chosen or why  # decided before the workers started (choice.py)
     log.info("strategy %s: %s", name, why)
+    if selection is not None:
+        if name == "fsdp2":
+            quantize.check_even_split(selection, worker.world_size // groups)
+        elif name not in ("ddp", "single"):
+            raise ConfigError(f"option 'quantize': nf4 is not supported with strategy {name}; use fsdp2")
+        quantize.make_meta_nf4(selection)
     strategy = make_strategy(name, worker, dtype, cfg.parallel.cpu_offload, groups, cfg.parallel.fsdp_unit)
     snapshot = take_snapshot(model, lora_init)
     model = parallelize(
@@ -57,3 +71,12 @@ def build_model(cfg: Config, worker: Worker) -> Built:
         cfg.parallel.activation_checkpointing,
     )
     return Built(model, strategy, why, adapter_keys, total, trainable)
+
+
+def weight_bytes(model: nn.Module, dtype: torch.dtype, selection: quantize.Selection | None) -> int:
+    """The base weights' size as stored: NF4 for the selected Linear weights, ``dtype`` for the rest."""
+    total = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()) * dtype.itemsize
+    for module in (selection.quantized.values() if selection else ()):
+        rows, cols = module.weight.shape
+        total += quantize.nf4_bytes(rows, cols, dtype.itemsize) - rows * cols * dtype.itemsize
+    return total

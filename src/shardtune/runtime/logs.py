@@ -24,10 +24,34 @@ _HARMLESS = (
 )
 
 
+def import_quietly(module: str):
+    """Import ``module`` with torchao's import-time noise silenced: it logs a failed load of each CUDA
+    kernel library it ships (on CPU-only torch, all of them) and torch's pytree warns about its enums."""
+    import contextlib
+    import importlib
+    import io
+
+    loggers = [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree")]
+    levels = [lg.level for lg in loggers]
+    try:
+        for lg in loggers:
+            lg.setLevel(logging.ERROR)
+        with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
+            warnings.simplefilter("ignore")
+            return importlib.import_module(module)
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
 def quiet_libraries() -> None:
     for pattern in _HARMLESS:
         warnings.filterwarnings("ignore", message=pattern)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        import_quietly("torchao")  # transformers and peft import it when installed: take the noise here
+    except ImportError:
+        pass
     try:
         from transformers.utils import logging as hf_logging
 

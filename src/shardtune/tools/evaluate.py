@@ -48,6 +48,7 @@ class EvalSpec:
     batch_size: int = 8
     max_new_tokens: int = 64  # 0: loss only, no generation
     dtype: str = "auto"
+    quantize: str = "none"  # "nf4": the 4-bit base a QLoRA adapter was trained on
     answers: bool = False  # include every record's answer in the result
     result: str | None = None  # where rank 0 writes the result (worker processes only)
 
@@ -135,7 +136,7 @@ def _combine(spec: EvalSpec, work: _Work, shares: list[dict], world_size: int, s
 
 def evaluate(model_dir: str | Path, data: str | Path, adapter: str | Path | None = None, nproc: int = 1,
              seq_len: int = _DEFAULT_SEQ_LEN, batch_size: int = 8, max_new_tokens: int = 64, dtype: str = "auto",
-             answers: bool = False) -> dict[str, Any]:
+             answers: bool = False, quantize: str = "none") -> dict[str, Any]:
     """Loss, perplexity and answer accuracy of ``model_dir`` (+ ``adapter``) on ``data``; see the module doc.
 
     ``nproc`` > 1 starts that many worker processes (one per GPU on GPU machines); 1 runs here.
@@ -151,7 +152,7 @@ def evaluate(model_dir: str | Path, data: str | Path, adapter: str | Path | None
         raise ConfigError(f"option 'max-new-tokens' must be at least 0, got {max_new_tokens}")
     check_adapter_dir(adapter)
     spec = EvalSpec(str(model_dir), str(data), str(adapter) if adapter is not None else None, seq_len, batch_size,
-                    max_new_tokens, dtype, answers)
+                    max_new_tokens, dtype, quantize, answers)
     if nproc == 1:
         return _run_here(spec)
     return _run_workers(spec, nproc)
@@ -163,7 +164,7 @@ def _run_here(spec: EvalSpec) -> dict[str, Any]:
 
     quiet_libraries()  # as shardtune.finetune does in the calling process
     started = time.perf_counter()
-    model, tokenizer = load_model(spec.model, spec.adapter, spec.dtype)
+    model, tokenizer = load_model(spec.model, spec.adapter, spec.dtype, quantize=spec.quantize)
     work = _read(spec, tokenizer)
     share = _evaluate_share(model, tokenizer, spec, work, 0, 1)
     return _combine(spec, work, [share], 1, time.perf_counter() - started)
@@ -198,7 +199,7 @@ def worker(spec: EvalSpec) -> None:
     worker = distributed.init_worker()
     setup_logging(worker.rank)
     try:
-        model, tokenizer = load_model(spec.model, spec.adapter, spec.dtype, worker.device)
+        model, tokenizer = load_model(spec.model, spec.adapter, spec.dtype, worker.device, spec.quantize)
         work = _read(spec, tokenizer)
         share = _evaluate_share(model, tokenizer, spec, work, worker.rank, worker.world_size)
         shares = distributed.all_gather_object(share)

@@ -38,16 +38,28 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def load_model(model_dir: str | Path, adapter: str | Path | None = None, dtype: str = "auto",
-               device: torch.device | None = None) -> tuple[nn.Module, object]:
-    """The full model on one device (``from_pretrained``, then ``PeftModel.from_pretrained``), in eval mode."""
+               device: torch.device | None = None, quantize: str = "none") -> tuple[nn.Module, object]:
+    """The full model on one device (``from_pretrained``, then ``PeftModel.from_pretrained``), in eval mode.
+
+    ``quantize="nf4"``: the base as a QLoRA fine-tune trained on it, its decoder-layer Linear weights in
+    4-bit NF4, quantized from bf16 (training's default dtype) unless ``dtype`` is fp32.
+    """
     from transformers import AutoModelForCausalLM
 
+    from shardtune.model import quantize as nf4
+
+    if quantize not in nf4.NF4_CHOICES:
+        raise ConfigError(f"option 'quantize': {quantize!r} is not one of {', '.join(nf4.NF4_CHOICES)}")
+    if quantize == "nf4":
+        nf4.check_available()
     checked = check_model_dir(model_dir)
     path = checked.path
     check_adapter_dir(adapter)
     device = device or pick_device()
     tokenizer = load_tokenizer(checked)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype, device))
+    if quantize == "nf4":
+        nf4.quantize_in_place(model, DTYPES["fp32" if dtype == "fp32" else "bf16"])
     if adapter is not None:
         from peft import PeftModel
 

@@ -215,7 +215,21 @@ def merge(model: str | Path, adapter: str | Path, out: str | Path, dtype: str = 
             index["metadata"] = {**index.get("metadata", {}), "total_size": total}
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     log.info("merged %s into %s: %d tensors changed, %.1f MB written", adapter, out, len(changes), total / 2**20)
+    if _trained_on_nf4(Path(adapter)):
+        log.info("the adapter was trained on the 4-bit NF4 base (--quantize nf4) and is folded into the original "
+                 "weights, as QLoRA usually is: outputs differ from the quantized model's by about the quantization "
+                 "error (`shardtune eval --quantize nf4 --adapter …` reproduces the training-time base instead)")
     return {"out": str(out), "bytes": total, "largest_tensor_bytes": largest, "changed": len(changes)}
+
+
+def _trained_on_nf4(adapter: Path) -> bool:
+    """Whether the fine-tune that wrote ``adapter`` (OUT_DIR/adapter, next to OUT_DIR/config.yaml) used NF4."""
+    import yaml
+
+    try:
+        return (yaml.safe_load((adapter.parent / "config.yaml").read_text()) or {}).get("quantize") == "nf4"
+    except (OSError, yaml.YAMLError, AttributeError):
+        return False
 
 
 def _copy_other_files(src: Path, dst: Path, dtype: torch.dtype | None, untie: bool) -> None:

@@ -1,0 +1,217 @@
+"""--quantize nf4: world-size-independent 4-bit base weights, N ranks = 1 rank, clear refusals."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardtune.config import ConfigError, build_config, validate
+from shardtune.model import quantize
+from test_equivalence import INPUT, grads_and_training
+
+from dist_utils import run_ranks
+from tiny import instruction_records, make_model, write_jsonl
+
+
+def _rows_of_uneven_scale(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(rows, cols, generator=g) * torch.linspace(0.5, 2.0, rows)[:, None]).bfloat16()
+
+
+def test_scaler_block_divides_each_row_and_storage_is_about_4_13_bits():
+    assert quantize.scaler_block_size(4096) == 64  # 64 blocks per row
+    assert quantize.scaler_block_size(576) == 9  # SmolLM2-135M: 5184 blocks are no multiple of 256
+    assert quantize.scaler_block_size(28672) == 224  # Llama-3-70B down_proj input: 448 blocks per row
+    assert quantize.scaler_block_size(100) is None
+    assert 4.12 < quantize.bits_per_weight(4096, 4096) < 4.14
+    # the measured storage of torchao's tensor agrees with the formula
+    t = quantize.quantize_whole(_rows_of_uneven_scale(128, 4096))
+    stored = sum(getattr(t, a).numel() * getattr(t, a).element_size()
+                 for a in ("quantized_data", "quantized_scalers", "quantization_factor", "scaler_mean"))
+    assert stored * 8 / (128 * 4096) == pytest.approx(quantize.bits_per_weight(128, 4096))
+
+
+@pytest.mark.parametrize("shape", [(96, 576), (192, 192), (48, 2048)])
+def test_row_slices_with_the_shared_mean_equal_the_whole_tensor_bit_for_bit(shape):
+    w = _rows_of_uneven_scale(*shape)
+    whole = quantize.quantize_whole(w)
+    for world in (2, 3):
+        parts = w.chunk(world)
+        mean = torch.cat([quantize.block_absmax(p) for p in parts]).mean()  # what the all-gather gives
+        assert torch.equal(mean, whole.scaler_mean)
+        for r, part in enumerate(parts):
+            got = quantize.quantize_rows(part, mean, whole.scaler_block_size)
+            want = [getattr(whole, a).chunk(world)[r]
+                    for a in ("quantized_scalers", "quantization_factor", "quantized_data")]
+            for g, e in zip(got, want):
+                assert torch.equal(g, e)
+    # The lean dequantization shardtune routes torchao's through gives torchao's values exactly.
+    t = quantize.quantize_whole(w)
+    assert torch.equal(quantize.dequantize(t), t._torchao_get_original_weight())
+    assert torch.equal(t.get_original_weight(), t._torchao_get_original_weight())
+    # The trap this avoids: a slice quantized alone (its own mean) differs from the whole tensor's.
+    alone = quantize.quantize_whole(w.chunk(2)[0])
+    assert (alone.quantized_scalers != whole.quantized_scalers.chunk(2)[0]).float().mean() > 0.3
+
+
+def _local_nf4(rank: int, world_size: int, options: dict) -> dict:
+    from shardtune.parallel.sharded_model import build_model
+    from shardtune.runtime import distributed
+
+    worker = distributed.init_worker()
+    built = build_model(build_config(options), worker)
+    out = {}
+    for name, p in built.model.named_parameters():
+        if quantize.is_nf4(p):
+            local = quantize.local_tensor(p)
+            out[name] = {a: getattr(local, a).clone() for a in
+                         ("quantized_scalers", "quantization_factor", "quantized_data", "scaler_mean", "nf4")}
+    built.model.eval()
+    with torch.no_grad():
+        out["logits"] = built.model(input_ids=INPUT).logits
+    distributed.teardown()
+    return out
+
+
+def _quantized_reference(model_dir: Path, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    quantize.quantize_in_place(model)
+    return model
+
+
+@pytest.mark.parametrize("world,offload", [(2, False), (3, True)])
+def test_fsdp2_shards_equal_the_weight_quantized_whole_on_one_process(tmp_path, world, offload):
+    make_model(tmp_path / "model", "llama", hidden=192, row_scales=True)  # every row count divides by 2 and 3
+    options = {"model": str(tmp_path / "model"), "dtype": "bf16", "quantize": "nf4", "strategy": "fsdp2",
+               "lora-targets": "q_proj,v_proj", "cpu-offload": offload}
+    ranks = run_ranks(_local_nf4, world, options, timeout=900)
+    reference = _quantized_reference(tmp_path / "model", torch.bfloat16)
+    whole = {n: m.weight for n, m in quantize.select(reference).quantized.items()}
+    assert len(whole) == 14  # 7 projections × 2 layers, LoRA-adapted or not
+    names = [n for n in ranks[0] if n != "logits"]
+    assert len(names) == 14
+    for name in names:
+        ref = whole[name.removeprefix("base_model.model.").replace(".base_layer", "").removesuffix(".weight")]
+        for attr in ("quantized_scalers", "quantization_factor", "quantized_data"):
+            gathered = torch.cat([r[name][attr] for r in ranks])
+            assert torch.equal(gathered, getattr(ref, attr)), (name, attr)
+        for r in ranks:  # every rank rebuilds the gathered weight with the whole tensor's mean
+            assert torch.equal(r[name]["scaler_mean"], ref.scaler_mean), name
+            assert torch.equal(r[name]["nf4"], ref.nf4)
+    with torch.no_grad():
+        expected = reference(input_ids=INPUT).logits
+    for r in ranks:  # LoRA B is zero: the sharded model computes with exactly the reference base
+        torch.testing.assert_close(r["logits"], expected, rtol=0, atol=0)
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory) -> Path:
+    return write_jsonl(tmp_path_factory.mktemp("qdata") / "train.jsonl", instruction_records(20))
+
+
+def _options(model: Path, data: Path, out: Path, **extra) -> dict:
+    return {"model": str(model), "data": str(data), "out": str(out), "dtype": "fp32", "steps": 3, "batch-size": 8,
+            "lr": 1e-2, "warmup-steps": 1, "seed": 1, "quantize": "nf4", **extra}
+
+
+@pytest.mark.parametrize("arch,tied", [("llama", False), ("qwen2", True), ("phi3", False)])
+def test_two_ranks_equal_one_rank_with_nf4(tmp_path, data_file, arch, tied):
+    model = make_model(tmp_path / "model", arch, tied=tied, hidden=64, row_scales=True)
+    one = run_ranks(grads_and_training, 1, _options(model, data_file, tmp_path / "one", strategy="single",
+                                                     **{"micro-batch-size": 8}), timeout=900)[0]
+    strategies = ["fsdp2", "ddp"] if arch == "llama" else ["fsdp2"]
+    for strategy in strategies:
+        two = run_ranks(grads_and_training, 2, _options(model, data_file, tmp_path / strategy, strategy=strategy,
+                                                         **{"micro-batch-size": 2}), timeout=900)[0]
+        assert one["grads"] and set(one["grads"]) == set(two["grads"])
+        for name, g in one["grads"].items():
+            torch.testing.assert_close(two["grads"][name], g, rtol=1e-4, atol=1e-6, msg=name)
+        torch.testing.assert_close(torch.tensor(two["losses"]), torch.tensor(one["losses"]), rtol=1e-5, atol=1e-6)
+        _assert_adapters_close(tmp_path / "one" / "adapter", tmp_path / strategy / "adapter")
+    assert one["losses"][-1] < one["losses"][0]
+
+    # The adapter on the same 4-bit base, rebuilt on one process as eval/generate do, gives the trained logits.
+    from peft import PeftModel
+
+    base = _quantized_reference(model, torch.float32)
+    with torch.no_grad():
+        expected = PeftModel.from_pretrained(base, tmp_path / "one" / "adapter").eval()(input_ids=INPUT).logits
+    torch.testing.assert_close(one["logits"], expected, rtol=1e-4, atol=1e-4)
+
+
+def _assert_adapters_close(a: Path, b: Path) -> None:
+    """As test_equivalence's check, with an absolute tolerance for lora_A: its first gradients come at
+    step 2 (B starts at zero) and AdamW's first steps turn rounding-level gradient differences of
+    near-zero entries into differences of up to lr in the weight."""
+    from safetensors.torch import load_file
+
+    ta, tb = load_file(a / "adapter_model.safetensors"), load_file(b / "adapter_model.safetensors")
+    assert set(ta) == set(tb) and ta
+    for k in ta:
+        torch.testing.assert_close(tb[k], ta[k], rtol=1e-3, atol=1e-4, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def _meta_peft_model(tmp_path: Path, hidden: int):
+    from shardtune.config import LoraConfig
+    from shardtune.model.directory import check_model_dir
+    from shardtune.model.lora import inject_lora
+    from shardtune.model.meta import build_meta_model
+
+    make_model(tmp_path / "m", "llama", hidden=hidden)
+    return inject_lora(build_meta_model(check_model_dir(tmp_path / "m"), torch.bfloat16), LoraConfig(), 0)[0]
+
+
+def test_uneven_split_is_refused_naming_the_weight(tmp_path):
+    selection = quantize.select(_meta_peft_model(tmp_path, 64))
+    quantize.check_even_split(selection, 2)
+    with pytest.raises(ConfigError, match=r"3 ranks, but model.layers.0.self_attn.q_proj \(64 rows\)"):
+        quantize.check_even_split(selection, 3)
+
+
+def test_weights_that_are_not_whole_blocks_stay_unquantized_with_a_warning(tmp_path, caplog):
+    selection = quantize.select(_meta_peft_model(tmp_path, 32))  # rows of 32 features: half a block
+    assert sorted(selection.quantized) == ["model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"]
+    assert len(selection.kept) == 12
+    with caplog.at_level("WARNING", logger="shardtune"):
+        quantize.warn_kept(selection)
+    assert "12 Linear weight(s) stay in the compute dtype: model.layers.0.self_attn.q_proj (32 input features " \
+           "are not a multiple of 64)" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="shardtune"):
+        quantize.warn_kept(quantize.Selection({}, {"x": "y"}))
+    assert "no decoder-layer Linear weight can be quantized" in caplog.text
+
+
+def test_bad_quantize_options_are_refused_before_loading(monkeypatch):
+    with pytest.raises(ConfigError, match="'quantize': 'int4' is not one of none, nf4"):
+        build_config({"quantize": "int4"})
+    cfg = build_config({"model": "m", "data": "d.jsonl", "out": "o", "quantize": "nf4", "strategy": "fsdp1"})
+    with pytest.raises(ConfigError, match="fsdp1.*use --strategy fsdp2"):
+        validate(cfg)
+    quantize.nf4_module.__globals__["import_quietly"]("torchao")  # imported fine when installed
+    monkeypatch.setitem(sys.modules, "torchao.quantization.quantize_.workflows.nf4.nf4_tensor", None)
+    with pytest.raises(ConfigError, match="nf4 needs torchao.*pip install torchao"):
+        quantize.check_available()
+
+
+def test_plan_counts_nf4_and_plans_for_cuda_from_a_config_json_alone(tmp_path):
+    from shardtune.plan import plan
+
+    make_model(tmp_path / "full", "llama", hidden=64)
+    only = tmp_path / "only-config"
+    only.mkdir()
+    (only / "config.json").write_text((tmp_path / "full" / "config.json").read_text())
+    options = {"model": str(only), "nproc": 2, "batch-size": 2, "seq-len": 32, "device": "cuda"}
+    bf16 = plan(build_config(options), 1 << 30)["fsdp2"][0]
+    nf4 = plan(build_config({**options, "quantize": "nf4"}), 1 << 30)["fsdp2"][0]
+    layers = (2 * 64 * 64 + 2 * 32 * 64 + 3 * 64 * 128) * 2  # q,o + k,v + gate,up,down; 2 layers
+    saved_mb = layers * (2 - quantize.bits_per_weight(64, 64) / 8) / 2 / 2**20  # per rank, 2 ranks
+    assert bf16.terms["weights"] - nf4.terms["weights"] == pytest.approx(saved_mb, rel=0.05)
+    assert nf4.terms["runtime"] == 500 and nf4.fits  # the CUDA context: planned for GPUs on this CPU machine
+    assert nf4.terms["dequant"] == pytest.approx(64 * 128 * 2 / 2**20) and bf16.terms["dequant"] == 0
+    assert "needs fsdp2" in plan(build_config({**options, "quantize": "nf4"}), 1 << 30)["fsdp1"][0].note
