@@ -29,8 +29,14 @@ def opt(default: Any, flag: str, help: str, choices: tuple[str, ...] | None = No
 
 @dataclass
 class ModelConfig:
-    path: str | None = opt(None, "model", "Hugging Face model directory (config.json + *.safetensors + tokenizer).")
+    path: str | None = opt(
+        None, "model", "Hugging Face model directory (config.json + *.safetensors + tokenizer) or Hub id "
+        "org/name[@revision] (local path first, then the HF cache, then a download unless HF_HUB_OFFLINE=1)."
+    )
     dtype: str = opt("bf16", "dtype", "Dtype of the frozen base weights and of compute.", ("bf16", "fp32"))
+    trust_remote_code: bool = opt(
+        False, "trust-remote-code", "Allow a model whose config names its own Python code (auto_map); runs that code."
+    )
 
 
 @dataclass

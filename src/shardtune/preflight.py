@@ -20,9 +20,9 @@ def preflight(cfg: Config) -> None:
 
     quiet_libraries()
     validate(cfg)
-    model_dir = check_model_dir(cfg.model.path)
+    model_dir = check_model_dir(cfg.model.path, cfg.model.trust_remote_code)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(model_dir.path)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir.path, trust_remote_code=model_dir.trust_remote_code)
     except (OSError, ValueError) as err:
         reason = (str(err).strip().splitlines() or [type(err).__name__])[0].rstrip(" :")
         raise ModelDirError(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from shardtune.config import ConfigError
@@ -18,6 +18,9 @@ class ModelDir:
     path: Path
     weight_files: list[Path]
     index: dict | None
+    trust_remote_code: bool = False  # the model's own code (config auto_map) may run: the user opted in
+    #: {weight file name: safetensors header} for a Hub model whose weights were not downloaded (plan)
+    remote_headers: dict[str, dict] = field(default_factory=dict)
 
     @property
     def weight_names(self) -> set[str]:
@@ -33,13 +36,44 @@ class ModelDir:
         return names
 
 
-def check_model_dir(path: str | Path) -> ModelDir:
-    """Check a Hugging Face model directory and say exactly what is missing."""
-    path = Path(path)
+def check_model_dir(path: str | Path, trust_remote_code: bool = False, weights: bool = True) -> ModelDir:
+    """Check a Hugging Face model directory (or Hub id, see hub.py) and say exactly what is missing.
+
+    A model whose config or tokenizer names its own code (``auto_map``) is refused unless
+    ``trust_remote_code``: that code would run in every worker. ``weights=False`` (the planner) lets a
+    Hub model come with its safetensors headers only.
+    """
+    from shardtune.model.hub import resolve
+
+    hub = resolve(str(path), weights=weights, remote_code=trust_remote_code)
+    path = hub.path if hub else Path(path).expanduser()
     if not path.is_dir():
         raise ModelDirError(f"model directory {path} does not exist")
     if not (path / "config.json").is_file():
         raise ModelDirError(f"model directory {path} has no config.json")
+    _check_remote_code(path, trust_remote_code)
+    if hub and hub.remote_headers:
+        return ModelDir(path, [], None, trust_remote_code, hub.remote_headers)
+    found = _weights(path)
+    found.trust_remote_code = trust_remote_code
+    return found
+
+
+def _check_remote_code(path: Path, trust_remote_code: bool) -> None:
+    for name in ("config.json", "tokenizer_config.json"):
+        file = path / name
+        try:
+            auto_map = json.loads(file.read_text()).get("auto_map") if file.is_file() else None
+        except (json.JSONDecodeError, AttributeError, UnicodeDecodeError) as err:
+            raise ModelDirError(f"{file}: not valid JSON ({err})") from None
+        if auto_map and not trust_remote_code:
+            raise ModelDirError(
+                f"{file} names the model's own Python code (auto_map: {', '.join(sorted(auto_map))}); "
+                "it runs only with --trust-remote-code, which executes that code in every worker: read it first"
+            )
+
+
+def _weights(path: Path) -> ModelDir:
     index_file = path / "model.safetensors.index.json"
     if index_file.is_file():
         try:

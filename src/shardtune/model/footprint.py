@@ -58,8 +58,8 @@ def safetensors_header(path: Path) -> dict:
 
 
 def checkpoint_bytes(model_dir: ModelDir) -> int:
-    return sum(t["data_offsets"][1] - t["data_offsets"][0]
-               for f in model_dir.weight_files for t in safetensors_header(f).values())
+    headers = list(model_dir.remote_headers.values()) or [safetensors_header(f) for f in model_dir.weight_files]
+    return sum(t["data_offsets"][1] - t["data_offsets"][0] for h in headers for t in h.values())
 
 
 def _unique_params(module: nn.Module) -> dict[int, nn.Parameter]:
@@ -121,7 +121,7 @@ def _units_bytes(layer: nn.Module, dtype: torch.dtype) -> list[int]:
 
 
 def model_facts(cfg: Config, micro_batches: set[int], lora_dtypes: set[torch.dtype], device: torch.device) -> Facts:
-    model_dir = check_model_dir(cfg.model.path)
+    model_dir = check_model_dir(cfg.model.path, cfg.model.trust_remote_code, weights=False)
     dtype = DTYPES[cfg.model.dtype]
     model, _ = inject_lora(build_meta_model(model_dir, dtype), cfg.lora, cfg.train.seed)
     base = model.get_base_model()

@@ -32,7 +32,7 @@ class Built:
 
 
 def build_model(cfg: Config, worker: Worker) -> Built:
-    model_dir = check_model_dir(cfg.model.path)
+    model_dir = check_model_dir(cfg.model.path, cfg.model.trust_remote_code)
     dtype = DTYPES[cfg.model.dtype]
     model = build_meta_model(model_dir, dtype)
     model, lora_init = inject_lora(model, cfg.lora, cfg.train.seed)

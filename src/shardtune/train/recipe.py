@@ -118,8 +118,8 @@ def evaluate(job: Job) -> float:
 def prepare(cfg: Config, worker: Worker, memory: MemoryMonitor) -> Job:
     from transformers import AutoTokenizer
 
-    model_dir = check_model_dir(cfg.model.path)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir.path)
+    model_dir = check_model_dir(cfg.model.path, cfg.model.trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir.path, trust_remote_code=model_dir.trust_remote_code)
     train_data = load_dataset(cfg.data.train, tokenizer, cfg.data.seq_len)
     val_data = load_dataset(cfg.data.val, tokenizer, cfg.data.seq_len) if cfg.data.val else None
     if train_data.truncated:
