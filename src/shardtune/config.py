@@ -49,6 +49,15 @@ class LoraConfig:
     modules_to_save: str = opt(
         "", "lora-modules-to-save", "Comma-separated modules trained in full (e.g. lm_head)."
     )
+    variant: str = opt(
+        "lora", "lora-variant", "lora, or dora (weight-decomposed LoRA: a trained magnitude per output row).",
+        ("lora", "dora"),
+    )
+    rslora: bool = opt(False, "lora-rslora", "Rank-stabilised scaling: alpha / sqrt(r) instead of alpha / r.")
+    init: str = opt(
+        "default", "lora-init", "LoRA A initialisation: default (Kaiming uniform, as peft) or gaussian; "
+        "B starts at zero either way."
+    )
 
 
 @dataclass
@@ -244,12 +253,43 @@ def validate(cfg: Config, need_data: bool = True) -> None:
         raise ConfigError(f"option 'lr' must be positive, got {cfg.train.lr}")
     if not 0 <= cfg.lora.dropout < 1:
         raise ConfigError(f"option 'lora-dropout' must be in [0, 1), got {cfg.lora.dropout}")
+    validate_lora_init(cfg.lora.init)
+    if cfg.lora.variant == "dora" and cfg.parallel.strategy == "fsdp1":
+        raise ConfigError(DORA_FSDP1)
     if not 0 <= cfg.parallel.node_rank < cfg.parallel.nnodes:
         raise ConfigError(f"option 'node-rank' must be in [0, {cfg.parallel.nnodes}), got {cfg.parallel.node_rank}")
     if cfg.parallel.nnodes > 1 and not cfg.parallel.rdzv_endpoint:
         raise ConfigError("option 'rdzv-endpoint' (HOST:PORT of node 0) is required with --nnodes > 1")
     if cfg.parallel.cpu_offload and cfg.parallel.strategy in ("ddp", "single"):
         raise ConfigError(f"option 'cpu-offload' needs an FSDP strategy, not '{cfg.parallel.strategy}'")
+
+
+LORA_INITS = ("default", "gaussian")
+#: peft initialisations that read or rewrite whole base weights, or need data: impossible shard by shard.
+REFUSED_INITS = {
+    "pissa": "an SVD of each whole base weight, which it also rewrites",
+    "olora": "a QR decomposition of each whole base weight, which it also rewrites",
+    "loftq": "quantizes and decomposes each whole base weight",
+    "corda": "needs data and each whole base weight",
+    "eva": "needs data (activations) before training",
+    "lora_ga": "needs gradients from data before training",
+    "orthogonal": "reads each whole base weight",
+    "mica": "an SVD of each whole base weight",
+}
+DORA_FSDP1 = (
+    "option 'lora-variant': dora does not work under --strategy fsdp1 (DoRA reads its base layer's weight "
+    "outside that layer's FSDP1 unit); use fsdp2, ddp or single"
+)
+
+
+def validate_lora_init(init: str) -> None:
+    name = init.lower()
+    family = next((k for k in REFUSED_INITS if name.startswith(k)), None)
+    if family:
+        raise ConfigError(f"option 'lora-init': {init!r} is not supported: it {REFUSED_INITS[family]}, while every "
+                          f"rank holds only its shard; use one of {', '.join(LORA_INITS)}")
+    if name not in LORA_INITS:
+        raise ConfigError(f"option 'lora-init': {init!r} is not one of {', '.join(LORA_INITS)}")
 
 
 def write_yaml(cfg: Config, path: Path) -> None:
