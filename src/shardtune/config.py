@@ -110,6 +110,10 @@ class OutputConfig:
     keep_last: int = opt(2, "keep-last", "Resumable checkpoints to keep.")
     resume: bool = opt(False, "resume", "Continue from the newest complete checkpoint under --out.")
     log_file: str | None = opt(None, "log-file", "Also write every rank's log lines to this file.")
+    report_to: str = opt(
+        "", "report-to", "Experiment trackers, comma-separated: tensorboard, wandb, mlflow (rank 0 logs each "
+        "step's metrics, the config and the summary; --resume continues the same tracker run)."
+    )
 
 
 @dataclass

@@ -11,6 +11,7 @@ from shardtune.model.directory import ModelDirError, check_model_dir
 from shardtune.model.lora import inject_lora
 from shardtune.model.meta import DTYPES, build_meta_model
 from shardtune.train.data import BatchPlan, load_dataset
+from shardtune.train.trackers import check_installed
 
 
 def preflight(cfg: Config) -> None:
@@ -20,6 +21,7 @@ def preflight(cfg: Config) -> None:
 
     quiet_libraries()
     validate(cfg)
+    check_installed(cfg.output.report_to)
     model_dir = check_model_dir(cfg.model.path, cfg.model.trust_remote_code)
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir.path, trust_remote_code=model_dir.trust_remote_code)

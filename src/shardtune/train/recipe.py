@@ -32,6 +32,7 @@ from shardtune.train.data import BatchPlan, Dataset, Sampler, collate, load_data
 from shardtune.train.loss import next_token_loss_sum
 from shardtune.train.metrics import MetricsLog, Progress, write_json_atomic
 from shardtune.train.stop import GracefulStop, stop_message
+from shardtune.train.trackers import Trackers
 
 log = logging.getLogger("shardtune")
 
@@ -150,6 +151,18 @@ def train(job: Job, memory: MemoryMonitor, out: Path) -> dict:
     state = checkpoints.resume() if cfg.output.resume else TrainState()
     first_step = state.step
     metrics = MetricsLog(out / "metrics.jsonl", job.worker.is_main, resume_from_step=state.step)
+    trackers = Trackers(cfg.output.report_to, cfg.flat(), out, job.worker.is_main, resume_from_step=state.step)
+    try:
+        result = _loop(job, memory, optimizer, scheduler, checkpoints, state, metrics, trackers)
+    except BaseException:
+        trackers.finish(None, failed=True)
+        raise
+    return {**result, "first_step": first_step, "trackers": trackers}
+
+
+def _loop(job: Job, memory: MemoryMonitor, optimizer, scheduler, checkpoints: Checkpointer, state: TrainState,
+          metrics: MetricsLog, trackers: Trackers) -> dict:
+    cfg = job.cfg
     progress = Progress(job.steps, state.step, job.worker.is_main)
     losses, stopped_by = [], 0
     with memory.phase("train"), GracefulStop(job.worker.device) as stop:
@@ -170,6 +183,7 @@ def train(job: Job, memory: MemoryMonitor, out: Path) -> dict:
                 state.val_loss = record["val_loss"] = evaluate(job)
                 progress.write(f"step {step + 1}: val_loss {state.val_loss:.4f}")
             metrics.write(record)
+            trackers.log(record)
             progress.update(record)
             stopped_by = stop.agreed()  # SIGTERM/SIGINT on any rank: all save, then all stop
             if stopped_by or checkpoints.due(state.step):
@@ -177,7 +191,7 @@ def train(job: Job, memory: MemoryMonitor, out: Path) -> dict:
             if stopped_by:
                 break
     progress.close()
-    return {"losses": losses, "state": state, "first_step": first_step, "stopped_by": stopped_by}
+    return {"losses": losses, "state": state, "stopped_by": stopped_by}
 
 
 def run(cfg: Config) -> dict:
@@ -194,6 +208,7 @@ def run(cfg: Config) -> dict:
         result = train(job, memory, out)
         state: TrainState = result["state"]
         if result["stopped_by"]:
+            result["trackers"].finish(None)  # the run goes on after --resume
             if worker.is_main:
                 log.warning("%s", stop_message(result["stopped_by"], out))
             raise SystemExit(128 + result["stopped_by"])
@@ -218,6 +233,7 @@ def run(cfg: Config) -> dict:
         }
         if worker.is_main:
             write_json_atomic(out / "summary.json", summary)
+        result["trackers"].finish(summary)
         return summary
     finally:
         memory.close()
