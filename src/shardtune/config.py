@@ -62,9 +62,16 @@ class LoraConfig:
 
 @dataclass
 class DataConfig:
-    train: str | None = opt(None, "data", "Training data: .jsonl or .json (instruction/messages/text records).")
+    train: str | None = opt(
+        None, "data", "Training data: .jsonl/.json, .parquet, .csv, a save_to_disk directory or a cached Hub "
+        "dataset name; instruction, messages, text or ShareGPT (conversations) records."
+    )
     val: str | None = opt(None, "val-data", "Validation data in the same formats.")
     seq_len: int = opt(512, "seq-len", "Tokens per record; longer records are truncated (and counted).")
+    fields: str = opt(
+        "", "data-fields", "Column mapping onto the record fields, e.g. prompt=question,response=answer "
+        "(fields: prompt, input, response, messages, text, conversations)."
+    )
 
 
 @dataclass
@@ -258,6 +265,7 @@ def validate(cfg: Config, need_data: bool = True) -> None:
     if not 0 <= cfg.lora.dropout < 1:
         raise ConfigError(f"option 'lora-dropout' must be in [0, 1), got {cfg.lora.dropout}")
     validate_lora_init(cfg.lora.init)
+    parse_fields(cfg.data.fields)
     if cfg.lora.variant == "dora" and cfg.parallel.strategy == "fsdp1":
         raise ConfigError(DORA_FSDP1)
     if not 0 <= cfg.parallel.node_rank < cfg.parallel.nnodes:
@@ -266,6 +274,24 @@ def validate(cfg: Config, need_data: bool = True) -> None:
         raise ConfigError("option 'rdzv-endpoint' (HOST:PORT of node 0) is required with --nnodes > 1")
     if cfg.parallel.cpu_offload and cfg.parallel.strategy in ("ddp", "single"):
         raise ConfigError(f"option 'cpu-offload' needs an FSDP strategy, not '{cfg.parallel.strategy}'")
+
+
+#: --data-fields names → the record field they fill
+FIELDS = {"prompt": "instruction", "instruction": "instruction", "input": "input", "response": "output",
+          "output": "output", "messages": "messages", "text": "text", "conversations": "conversations"}
+
+def parse_fields(spec: str | None) -> dict[str, str]:
+    """{record field: column} from ``prompt=question,response=answer``."""
+    mapping: dict[str, str] = {}
+    for part in (spec or "").split(","):
+        if not part.strip():
+            continue
+        name, sep, column = (s.strip() for s in part.partition("="))
+        if not sep or not column or name not in FIELDS:
+            raise ConfigError(f"option 'data-fields': {part.strip()!r} is not FIELD=COLUMN with FIELD one of "
+                              f"{', '.join(FIELDS)}")
+        mapping[FIELDS[name]] = column
+    return mapping
 
 
 LORA_INITS = ("default", "gaussian")

@@ -31,8 +31,8 @@ def preflight(cfg: Config) -> None:
             f"model directory {model_dir.path} has no usable tokenizer "
             f"(tokenizer.json, tokenizer_config.json): {reason}"
         ) from None
-    load_dataset(cfg.data.train, tokenizer, cfg.data.seq_len)
+    load_dataset(cfg.data.train, tokenizer, cfg.data.seq_len, cfg.data.fields)
     if cfg.data.val:
-        load_dataset(cfg.data.val, tokenizer, cfg.data.seq_len)
+        load_dataset(cfg.data.val, tokenizer, cfg.data.seq_len, cfg.data.fields)
     BatchPlan.make(cfg.train.batch_size, cfg.train.micro_batch_size, cfg.parallel.nproc * cfg.parallel.nnodes)
     inject_lora(build_meta_model(model_dir, DTYPES[cfg.model.dtype]), cfg.lora, cfg.train.seed)

@@ -1,6 +1,7 @@
 """Records → tokens → the micro-batches each rank feeds, in a seeded order.
 
-Three record forms (JSON Lines or one JSON array):
+Three record forms (JSON Lines or one JSON array; Parquet, CSV, saved datasets, Hub datasets and
+ShareGPT records through datasets_io.py):
   {"instruction", "input"?, "output"}   loss on the output only
   {"messages": [{"role", "content"}, …]} loss on assistant turns only
   {"text"}                              loss on every token
@@ -21,7 +22,9 @@ from pathlib import Path
 
 import torch
 
+from shardtune.config import parse_fields
 from shardtune.errors import ShardtuneError
+from shardtune.train.datasets_io import is_datasets_source, location, normalize, read_rows
 
 IGNORE = -100
 
@@ -48,8 +51,11 @@ class Dataset:
     without_targets: int  # records with no target token left after truncation
 
 
-def read_records(path: str | Path) -> list[tuple[int, dict]]:
-    """(line number, record) pairs from a .jsonl file or a JSON array file."""
+def read_records(path: str | Path, fields: str = "") -> list[tuple[int, dict]]:
+    """(line number, record) pairs from a .jsonl file or a JSON array file, or (record index, record)
+    from a source the ``datasets`` library reads (datasets_io.py); ``fields``: the --data-fields mapping."""
+    if is_datasets_source(path):
+        return _checked(read_rows(path), path, fields)
     path = Path(path)
     if not path.is_file():
         raise DataError(f"data file {path} does not exist")
@@ -73,13 +79,19 @@ def read_records(path: str | Path) -> list[tuple[int, dict]]:
                 raise DataError(f"{path}:{lineno}: not valid JSON: {err.msg} (column {err.colno})") from None
     if not records:
         raise DataError(f"{path}: no records")
+    return _checked(records, path, fields)
+
+
+def _checked(records: list[tuple[int, object]], path: str | Path, fields: str) -> list[tuple[int, dict]]:
+    mapping = parse_fields(fields)
+    records = [(n, normalize(r, mapping, location(path, n))) for n, r in records]
     for lineno, record in records:
         _check_record(record, path, lineno)
     return records  # type: ignore[return-value]
 
 
-def _check_record(record: object, path: Path, lineno: int) -> None:
-    where = f"{path}:{lineno}"
+def _check_record(record: object, path: str | Path, lineno: int) -> None:
+    where = location(path, lineno)
     if not isinstance(record, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
     if "messages" in record:
@@ -175,13 +187,13 @@ def tokenize(tokenizer, record: dict, seq_len: int) -> tuple[Example, bool]:
     return Example(ids[:seq_len], labels[:seq_len]), cut
 
 
-def load_dataset(path: str | Path, tokenizer, seq_len: int) -> Dataset:
+def load_dataset(path: str | Path, tokenizer, seq_len: int, fields: str = "") -> Dataset:
     examples, truncated, empty = [], 0, 0
-    for lineno, record in read_records(path):
+    for lineno, record in read_records(path, fields):
         try:
             ex, cut = tokenize(tokenizer, record, seq_len)
         except DataError as err:
-            raise DataError(f"{path}:{lineno}: {err}") from None
+            raise DataError(f"{location(path, lineno)}: {err}") from None
         truncated += cut
         if ex.targets == 0:
             empty += 1

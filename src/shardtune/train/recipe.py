@@ -121,8 +121,8 @@ def prepare(cfg: Config, worker: Worker, memory: MemoryMonitor) -> Job:
 
     model_dir = check_model_dir(cfg.model.path, cfg.model.trust_remote_code)
     tokenizer = AutoTokenizer.from_pretrained(model_dir.path, trust_remote_code=model_dir.trust_remote_code)
-    train_data = load_dataset(cfg.data.train, tokenizer, cfg.data.seq_len)
-    val_data = load_dataset(cfg.data.val, tokenizer, cfg.data.seq_len) if cfg.data.val else None
+    train_data = load_dataset(cfg.data.train, tokenizer, cfg.data.seq_len, cfg.data.fields)
+    val_data = load_dataset(cfg.data.val, tokenizer, cfg.data.seq_len, cfg.data.fields) if cfg.data.val else None
     if train_data.truncated:
         log.warning("%d of %d training records were cut to --seq-len %d", train_data.truncated,
                     len(train_data.examples) + train_data.without_targets, cfg.data.seq_len)

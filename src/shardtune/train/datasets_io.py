@@ -1,0 +1,119 @@
+"""Data beyond our JSON Lines: what the ``datasets`` library loads, column mapping, ShareGPT records.
+
+Sources read with ``datasets`` (an optional extra: ``pip install 'shardtune[datasets]'``):
+  a directory written by ``Dataset.save_to_disk`` (a DatasetDict: its "train" split),
+  ``.parquet``, ``.csv`` and ``.arrow`` files, and a Hub dataset name (``org/name``) already in the
+  local Hugging Face cache. ``.json``/``.jsonl`` files stay with data.py's reader, whose errors name
+  the line.
+``--data-fields prompt=question,response=answer`` maps other column names onto the record shapes
+(prompt/instruction, input, response/output, messages, text, conversations).
+ShareGPT records ``{"conversations": [{"from": "human"|"gpt"|"system", "value": …}]}`` become chat
+messages (loss on the assistant turns only).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from shardtune.config import FIELDS, ConfigError
+
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "chatgpt": "assistant", "model": "assistant", "system": "system"}
+_FILE_BUILDERS = {".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
+
+
+def is_datasets_source(path: str | Path) -> bool:
+    """Whether ``path`` is read with ``datasets``: a saved dataset, a Parquet/CSV/Arrow file, or a Hub name."""
+    p = Path(path)
+    if p.is_dir():
+        return any((p / f).is_file() for f in ("dataset_info.json", "state.json", "dataset_dict.json"))
+    if p.suffix.lower() in _FILE_BUILDERS:
+        return True
+    from shardtune.model.hub import parse_hub_id
+
+    return not p.exists() and p.suffix == "" and parse_hub_id(str(path)) is not None
+
+
+def location(path: str | Path, index: int) -> str:
+    """How an error names a record: file:line for JSON Lines, 'record N' for datasets sources."""
+    return f"{path}, record {index}" if is_datasets_source(path) else f"{path}:{index}"
+
+
+def read_rows(path: str | Path) -> list[tuple[int, dict]]:
+    """(record index from 1, row) pairs of a datasets source; None values (empty CSV cells) dropped."""
+    from shardtune.train.data import DataError
+
+    try:
+        import datasets
+    except ImportError:
+        raise ConfigError(f"{path}: reading this needs the datasets library: pip install 'shardtune[datasets]'") \
+            from None
+    datasets.disable_progress_bars()
+    p = Path(path)
+    try:
+        if p.is_dir():
+            ds = datasets.load_from_disk(str(p))
+        elif p.suffix.lower() in _FILE_BUILDERS:
+            if not p.is_file():
+                raise DataError(f"data file {p} does not exist")
+            ds = datasets.load_dataset(_FILE_BUILDERS[p.suffix.lower()], data_files=str(p), split="train")
+        else:
+            ds = _from_hub_cache(str(path))
+    except DataError:
+        raise
+    except Exception as err:  # noqa: BLE001 - datasets raises many kinds; the user needs the file and reason
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise DataError(f"{path}: datasets could not read it: {reason}") from None
+    if isinstance(ds, datasets.DatasetDict):
+        if "train" not in ds:
+            raise DataError(f"{path}: a dataset with splits {', '.join(ds)}; save or give one split (no 'train')")
+        ds = ds["train"]
+    if len(ds) == 0:
+        raise DataError(f"{path}: no records")
+    return [(i + 1, {k: v for k, v in row.items() if v is not None}) for i, row in enumerate(ds)]
+
+
+def _from_hub_cache(name: str):
+    """A Hub dataset from the local cache only: training never waits on (or fails for) the network here."""
+    import datasets
+
+    from shardtune.train.data import DataError
+
+    config = datasets.DownloadConfig(local_files_only=True)
+    try:
+        return datasets.load_dataset(name, split="train", download_config=config)
+    except Exception:  # noqa: BLE001
+        raise DataError(
+            f"dataset '{name}' is neither a file nor in the local Hugging Face datasets cache "
+            f"({datasets.config.HF_DATASETS_CACHE}); download it first (datasets.load_dataset('{name}'))"
+        ) from None
+
+
+def normalize(record: object, fields: dict[str, str], where: str) -> object:
+    """Apply the column mapping, then turn a ShareGPT record into chat messages."""
+    from shardtune.train.data import DataError
+
+    if not isinstance(record, dict):
+        return record  # data.py names the wrong type
+    if fields:
+        missing = [c for c in fields.values() if c not in record]
+        if missing:
+            raise DataError(f"{where}: no column {', '.join(repr(m) for m in missing)} (from --data-fields); "
+                            f"found: {', '.join(sorted(record)) or 'none'}")
+        mapped = {field: record[column] for field, column in fields.items()}
+        record = {k: v for k, v in record.items() if k not in fields.values() and k not in FIELDS.values()} | mapped
+    if "conversations" in record and "messages" not in record:
+        turns = record["conversations"]
+        if not isinstance(turns, list) or not turns:
+            raise DataError(f"{where}: 'conversations' must be a non-empty list")
+        messages = []
+        for i, turn in enumerate(turns):
+            if not (isinstance(turn, dict) and isinstance(turn.get("value"), str)):
+                raise DataError(f"{where}: conversations[{i}] must be an object with a string 'value'")
+            role = SHAREGPT_ROLES.get(str(turn.get("from", "")).lower())
+            if role is None:
+                raise DataError(f"{where}: conversations[{i}].from is {turn.get('from')!r}; expected one of "
+                                f"{', '.join(SHAREGPT_ROLES)}")
+            messages.append({"role": role, "content": turn["value"]})
+        record = {k: v for k, v in record.items() if k != "conversations"} | {"messages": messages}
+    return record
