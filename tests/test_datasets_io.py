@@ -77,3 +77,22 @@ def test_hub_dataset_name_not_in_cache_is_a_clear_error(tmp_path: Path, tok, mon
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     with pytest.raises(DataError, match="dataset 'nobody/none' is neither a file nor in the local"):
         load_dataset("nobody/none", tok, 128)
+
+
+def test_tokenized_once_then_memory_mapped(tmp_path: Path, tok) -> None:
+    from shardtune.train.datasets_io import TokenizedExamples
+
+    data = write_jsonl(tmp_path / "d.jsonl", instruction_records(9))
+    plain = load_dataset(data, tok, 100)
+    first = load_dataset(data, tok, 100, cache_dir=tmp_path / "cache")
+    assert len(list((tmp_path / "cache").glob("tokens-*.pt"))) == 1
+    second = load_dataset(data, tok, 100, cache_dir=tmp_path / "cache")
+    assert isinstance(second.examples, TokenizedExamples)
+    for got in (first, second):
+        assert len(got.examples) == len(plain.examples) and got.truncated == plain.truncated
+        assert [e.input_ids for e in got.examples] == [e.input_ids for e in plain.examples]
+        assert [e.labels for e in got.examples[2:5]] == [e.labels for e in plain.examples[2:5]]
+    write_jsonl(data, instruction_records(4))  # changed data: a new key, never stale tokens
+    assert len(load_dataset(data, tok, 100, cache_dir=tmp_path / "cache").examples) == 4
+    assert len(load_dataset(data, tok, 128, cache_dir=tmp_path / "cache").examples) == 4
+    assert len(list((tmp_path / "cache").glob("tokens-*.pt"))) == 3

@@ -10,7 +10,7 @@ from shardtune.config import Config, validate
 from shardtune.model.directory import ModelDirError, check_model_dir
 from shardtune.model.lora import inject_lora
 from shardtune.model.meta import DTYPES, build_meta_model
-from shardtune.train.data import BatchPlan, load_dataset
+from shardtune.train.data import BatchPlan, load_dataset, token_cache
 from shardtune.train.trackers import check_installed
 
 
@@ -31,8 +31,8 @@ def preflight(cfg: Config) -> None:
             f"model directory {model_dir.path} has no usable tokenizer "
             f"(tokenizer.json, tokenizer_config.json): {reason}"
         ) from None
-    load_dataset(cfg.data.train, tokenizer, cfg.data.seq_len, cfg.data.fields)
+    load_dataset(cfg.data.train, tokenizer, cfg.data.seq_len, cfg.data.fields, token_cache(cfg))
     if cfg.data.val:
-        load_dataset(cfg.data.val, tokenizer, cfg.data.seq_len, cfg.data.fields)
+        load_dataset(cfg.data.val, tokenizer, cfg.data.seq_len, cfg.data.fields, token_cache(cfg))
     BatchPlan.make(cfg.train.batch_size, cfg.train.micro_batch_size, cfg.parallel.nproc * cfg.parallel.nnodes)
     inject_lora(build_meta_model(model_dir, DTYPES[cfg.model.dtype]), cfg.lora, cfg.train.seed)

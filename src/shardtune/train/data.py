@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,7 +24,16 @@ import torch
 
 from shardtune.config import parse_fields
 from shardtune.errors import ShardtuneError
-from shardtune.train.datasets_io import is_datasets_source, location, normalize, read_rows
+from shardtune.train.datasets_io import (
+    TokenizedExamples,
+    cache_key,
+    is_datasets_source,
+    load_cached,
+    location,
+    normalize,
+    read_rows,
+    save_cached,
+)
 
 IGNORE = -100
 
@@ -46,7 +55,7 @@ class Example:
 
 @dataclass
 class Dataset:
-    examples: list[Example]
+    examples: Sequence[Example]  # a list, or TokenizedExamples when cached
     truncated: int  # records cut to --seq-len
     without_targets: int  # records with no target token left after truncation
 
@@ -187,7 +196,16 @@ def tokenize(tokenizer, record: dict, seq_len: int) -> tuple[Example, bool]:
     return Example(ids[:seq_len], labels[:seq_len]), cut
 
 
-def load_dataset(path: str | Path, tokenizer, seq_len: int, fields: str = "") -> Dataset:
+def token_cache(cfg) -> Path | None:
+    """Where a run keeps its tokenized data: OUT/.tokenized (preflight writes it, every rank maps it)."""
+    return Path(cfg.output.out) / ".tokenized" if cfg.output.out else None
+
+
+def load_dataset(path: str | Path, tokenizer, seq_len: int, fields: str = "", cache_dir: Path | None = None) -> Dataset:
+    """The tokenized records; with ``cache_dir`` tokenized once (preflight) and memory-mapped by every rank."""
+    key = cache_key(path, tokenizer, seq_len, fields) if cache_dir is not None else None
+    if key and (cached := load_cached(cache_dir, key)) is not None:
+        return cached
     examples, truncated, empty = [], 0, 0
     for lineno, record in read_records(path, fields):
         try:
@@ -201,7 +219,11 @@ def load_dataset(path: str | Path, tokenizer, seq_len: int, fields: str = "") ->
         examples.append(ex)
     if not examples:
         raise DataError(f"{path}: no record has a target token within --seq-len {seq_len}")
-    return Dataset(examples, truncated, empty)
+    if key is None:
+        return Dataset(examples, truncated, empty)
+    dataset = Dataset(TokenizedExamples.build(examples), truncated, empty)
+    save_cached(cache_dir, key, dataset)
+    return dataset
 
 
 @dataclass(frozen=True)

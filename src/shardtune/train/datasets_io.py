@@ -13,7 +13,13 @@ messages (loss on the assistant turns only).
 
 from __future__ import annotations
 
+import hashlib
+import os
+from array import array
+from collections.abc import Iterable, Sequence
 from pathlib import Path
+
+import torch
 
 from shardtune.config import FIELDS, ConfigError
 
@@ -117,3 +123,78 @@ def normalize(record: object, fields: dict[str, str], where: str) -> object:
             messages.append({"role": role, "content": turn["value"]})
         record = {k: v for k, v in record.items() if k != "conversations"} | {"messages": messages}
     return record
+
+
+class TokenizedExamples(Sequence):
+    """Tokenized records as three flat tensors (ids, labels, offsets) instead of one Python list per record.
+
+    About 8 bytes per token instead of about 70 in lists of ints, and, loaded from the cache with
+    ``mmap=True``, shared by every rank of the machine through the page cache. Indexing gives the
+    same ``Example`` objects the training loop always used.
+    """
+
+    def __init__(self, ids: torch.Tensor, labels: torch.Tensor, offsets: torch.Tensor) -> None:
+        self.ids, self.labels, self.offsets = ids, labels, offsets
+
+    @classmethod
+    def build(cls, examples: Iterable) -> TokenizedExamples:
+        ids, labels, offsets = array("i"), array("i"), array("q", [0])
+        for ex in examples:
+            ids.extend(ex.input_ids)
+            labels.extend(ex.labels)
+            offsets.append(len(ids))
+        return cls(torch.frombuffer(ids, dtype=torch.int32).clone() if ids else torch.zeros(0, dtype=torch.int32),
+                   torch.frombuffer(labels, dtype=torch.int32).clone() if labels else torch.zeros(0, dtype=torch.int32),
+                   torch.frombuffer(offsets, dtype=torch.int64).clone())
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, index):
+        from shardtune.train.data import Example
+
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        a, b = int(self.offsets[index]), int(self.offsets[index + 1])
+        return Example(self.ids[a:b].tolist(), self.labels[a:b].tolist())
+
+
+def cache_key(path: str | Path, tokenizer, seq_len: int, fields: str) -> str:
+    """What the tokenized records depend on: the data (path, size, mtime), tokenizer, chat template, options."""
+    p = Path(path)
+    stat = [str(p.stat().st_size), str(p.stat().st_mtime_ns)] if p.is_file() else []
+    if p.is_dir():
+        stat = [f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in sorted(p.rglob("*")) if f.is_file()]
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    parts = [str(p.resolve()) if p.exists() else str(path), *stat, str(seq_len), fields,
+             backend.to_str() if backend is not None else repr(tokenizer), str(tokenizer.chat_template),
+             str(tokenizer.bos_token_id), str(tokenizer.eos_token_id), CACHE_VERSION]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:24]
+
+
+CACHE_VERSION = "1"
+
+
+def load_cached(cache_dir: Path, key: str):
+    """The Dataset tokenized before (by preflight or another rank), memory-mapped; None when absent."""
+    from shardtune.train.data import Dataset
+
+    file = cache_dir / f"tokens-{key}.pt"
+    if not file.is_file():
+        return None
+    saved = torch.load(file, mmap=True, weights_only=True)
+    return Dataset(TokenizedExamples(saved["ids"], saved["labels"], saved["offsets"]),
+                   int(saved["truncated"]), int(saved["without_targets"]))
+
+
+def save_cached(cache_dir: Path, key: str, dataset) -> None:
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    ex = dataset.examples
+    file, tmp = cache_dir / f"tokens-{key}.pt", cache_dir / f"tokens-{key}.pt.{os.getpid()}.tmp"
+    torch.save({"ids": ex.ids, "labels": ex.labels, "offsets": ex.offsets,
+                "truncated": dataset.truncated, "without_targets": dataset.without_targets}, tmp)
+    os.replace(tmp, file)  # several ranks may write it at once: each file is complete

@@ -28,7 +28,7 @@ from shardtune.runtime.logs import setup_logging
 from shardtune.runtime.memory import MemoryMonitor, tune_malloc
 from shardtune.train.adapter import save_adapter
 from shardtune.train.checkpoint import Checkpointer, TrainState
-from shardtune.train.data import BatchPlan, Dataset, Sampler, collate, load_dataset, pad_id
+from shardtune.train.data import BatchPlan, Dataset, Sampler, collate, load_dataset, pad_id, token_cache
 from shardtune.train.loss import next_token_loss_sum
 from shardtune.train.metrics import MetricsLog, Progress, write_json_atomic
 from shardtune.train.stop import GracefulStop, stop_message
@@ -121,8 +121,9 @@ def prepare(cfg: Config, worker: Worker, memory: MemoryMonitor) -> Job:
 
     model_dir = check_model_dir(cfg.model.path, cfg.model.trust_remote_code)
     tokenizer = AutoTokenizer.from_pretrained(model_dir.path, trust_remote_code=model_dir.trust_remote_code)
-    train_data = load_dataset(cfg.data.train, tokenizer, cfg.data.seq_len, cfg.data.fields)
-    val_data = load_dataset(cfg.data.val, tokenizer, cfg.data.seq_len, cfg.data.fields) if cfg.data.val else None
+    cache = token_cache(cfg)  # written by preflight: each rank maps it instead of tokenizing again
+    train_data = load_dataset(cfg.data.train, tokenizer, cfg.data.seq_len, cfg.data.fields, cache)
+    val_data = load_dataset(cfg.data.val, tokenizer, cfg.data.seq_len, cfg.data.fields, cache) if cfg.data.val else None
     if train_data.truncated:
         log.warning("%d of %d training records were cut to --seq-len %d", train_data.truncated,
                     len(train_data.examples) + train_data.without_targets, cfg.data.seq_len)
