@@ -26,4 +26,13 @@ def finetune(config: str | Path | dict[str, Any] | None = None, nproc: int | Non
     return launch(cfg)
 
 
-__all__ = ["finetune", "__version__"]
+def __getattr__(name: str) -> Any:
+    # The library loader imports torch and transformers: only when asked for, so `import shardtune` stays light.
+    if name == "load_sharded":
+        from shardtune.parallel.sharded_model import load_sharded
+
+        return load_sharded
+    raise AttributeError(f"module 'shardtune' has no attribute {name!r}")
+
+
+__all__ = ["finetune", "load_sharded", "__version__"]

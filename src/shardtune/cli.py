@@ -110,7 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_import_gguf)
 
     p = sub.add_parser("merge", help="Fold a LoRA adapter into the base weights (streamed, tensor by tensor).")
-    p.add_argument("--model", required=True, help="base model directory (Hugging Face layout, safetensors)")
+    p.add_argument("--model", required=True, help="base model directory (Hugging Face layout, safetensors) "
+                   "or Hub id org/name[@revision]")
     p.add_argument("--adapter", required=True, help="peft adapter directory, e.g. OUT_DIR/adapter")
     p.add_argument("--out", required=True, help="output directory: same weight files and index as --model")
     p.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32"),

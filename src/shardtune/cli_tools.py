@@ -17,7 +17,8 @@ SEQ_LEN = DataConfig().seq_len
 
 
 def _model_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="Hugging Face model directory (the base the adapter was trained on)")
+    p.add_argument("--model", required=True, help="Hugging Face model directory or Hub id org/name[@revision] "
+                   "(the base the adapter was trained on)")
     p.add_argument("--adapter", help="LoRA adapter directory in peft format, e.g. OUT_DIR/adapter of a fine-tune "
                                      "[default: none, the base model alone]")
     p.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp16", "fp32"),

@@ -32,7 +32,10 @@ def opt(default: Any, flag: str, help: str, choices: tuple[str, ...] | None = No
 
 @dataclass
 class ModelConfig:
-    path: str | None = opt(None, "model", "Hugging Face model directory (config.json + *.safetensors + tokenizer).")
+    path: str | None = opt(
+        None, "model", "Hugging Face model directory (config.json + *.safetensors + tokenizer) or Hub id "
+        "org/name[@revision] (local path first, then the HF cache, then a download unless HF_HUB_OFFLINE=1)."
+    )
     dtype: str = opt(
         "bf16", "dtype",
         "Dtype of the frozen base weights and of compute; fp16 (GPUs without bf16: T4, V100) adds loss scaling.",
@@ -41,6 +44,9 @@ class ModelConfig:
     quantize: str = opt(
         "none", "quantize", "Store the frozen decoder-layer Linear weights in 4-bit NormalFloat (QLoRA; needs "
         "torchao; fsdp2, ddp or single).", ("none", "nf4")
+    )
+    trust_remote_code: bool = opt(
+        False, "trust-remote-code", "Allow a model whose config names its own Python code (auto_map); runs that code."
     )
 
 
@@ -54,16 +60,32 @@ class LoraConfig:
     modules_to_save: str = opt(
         "", "lora-modules-to-save", "Comma-separated modules trained in full (e.g. lm_head)."
     )
+    variant: str = opt(
+        "lora", "lora-variant", "lora, or dora (weight-decomposed LoRA: a trained magnitude per output row).",
+        ("lora", "dora"),
+    )
+    rslora: bool = opt(False, "lora-rslora", "Rank-stabilised scaling: alpha / sqrt(r) instead of alpha / r.")
+    init: str = opt(
+        "default", "lora-init", "LoRA A initialisation: default (Kaiming uniform, as peft) or gaussian; "
+        "B starts at zero either way."
+    )
 
 
 @dataclass
 class DataConfig:
-    train: str | None = opt(None, "data", "Training data: .jsonl or .json (instruction/messages/text records).")
+    train: str | None = opt(
+        None, "data", "Training data: .jsonl/.json, .parquet, .csv, a save_to_disk directory or a cached Hub "
+        "dataset name; instruction, messages, text or ShareGPT (conversations) records."
+    )
     val: str | None = opt(None, "val-data", "Validation data in the same formats.")
     seq_len: int = opt(512, "seq-len", "Tokens per record; longer records are truncated (and counted).")
     packing: bool = opt(
         False, "packing", "Pack several records into each sequence of up to --seq-len tokens (attention and "
         "positions stay per record); --micro-batch-size then counts packed sequences per forward."
+    )
+    fields: str = opt(
+        "", "data-fields", "Column mapping onto the record fields, e.g. prompt=question,response=answer "
+        "(fields: prompt, input, response, messages, text, conversations)."
     )
 
 
@@ -134,6 +156,10 @@ class OutputConfig:
         "With --resume: continue although the training data file changed since the checkpoint (size or SHA-256).",
     )
     log_file: str | None = opt(None, "log-file", "Also write every rank's log lines to this file.")
+    report_to: str = opt(
+        "", "report-to", "Experiment trackers, comma-separated: tensorboard, wandb, mlflow (rank 0 logs each "
+        "step's metrics, the config and the summary; --resume continues the same tracker run)."
+    )
 
 
 @dataclass
@@ -292,6 +318,10 @@ def validate(cfg: Config, need_data: bool = True) -> None:
         raise ConfigError(f"option 'lr' must be positive, got {cfg.train.lr}")
     if not 0 <= cfg.lora.dropout < 1:
         raise ConfigError(f"option 'lora-dropout' must be in [0, 1), got {cfg.lora.dropout}")
+    validate_lora_init(cfg.lora.init)
+    parse_fields(cfg.data.fields)
+    if cfg.lora.variant == "dora" and cfg.parallel.strategy == "fsdp1":
+        raise ConfigError(DORA_FSDP1)
     if not 0 <= cfg.parallel.node_rank < cfg.parallel.nnodes:
         raise ConfigError(f"option 'node-rank' must be in [0, {cfg.parallel.nnodes}), got {cfg.parallel.node_rank}")
     if cfg.parallel.nnodes > 1 and not cfg.parallel.rdzv_endpoint:
@@ -323,6 +353,52 @@ def parse_size(text: str) -> int:
     if match is None or unit not in _UNITS:
         raise ConfigError(f"option 'memory-per-rank': cannot read {text!r} as a size (e.g. 8GiB, 8000MB, 16G)")
     return int(float(match.group(1)) * _UNITS[unit])
+
+
+#: --data-fields names → the record field they fill
+FIELDS = {"prompt": "instruction", "instruction": "instruction", "input": "input", "response": "output",
+          "output": "output", "messages": "messages", "text": "text", "conversations": "conversations"}
+
+def parse_fields(spec: str | None) -> dict[str, str]:
+    """{record field: column} from ``prompt=question,response=answer``."""
+    mapping: dict[str, str] = {}
+    for part in (spec or "").split(","):
+        if not part.strip():
+            continue
+        name, sep, column = (s.strip() for s in part.partition("="))
+        if not sep or not column or name not in FIELDS:
+            raise ConfigError(f"option 'data-fields': {part.strip()!r} is not FIELD=COLUMN with FIELD one of "
+                              f"{', '.join(FIELDS)}")
+        mapping[FIELDS[name]] = column
+    return mapping
+
+
+LORA_INITS = ("default", "gaussian")
+#: peft initialisations that read or rewrite whole base weights, or need data: impossible shard by shard.
+REFUSED_INITS = {
+    "pissa": "an SVD of each whole base weight, which it also rewrites",
+    "olora": "a QR decomposition of each whole base weight, which it also rewrites",
+    "loftq": "quantizes and decomposes each whole base weight",
+    "corda": "needs data and each whole base weight",
+    "eva": "needs data (activations) before training",
+    "lora_ga": "needs gradients from data before training",
+    "orthogonal": "reads each whole base weight",
+    "mica": "an SVD of each whole base weight",
+}
+DORA_FSDP1 = (
+    "option 'lora-variant': dora does not work under --strategy fsdp1 (DoRA reads its base layer's weight "
+    "outside that layer's FSDP1 unit); use fsdp2, ddp or single"
+)
+
+
+def validate_lora_init(init: str) -> None:
+    name = init.lower()
+    family = next((k for k in REFUSED_INITS if name.startswith(k)), None)
+    if family:
+        raise ConfigError(f"option 'lora-init': {init!r} is not supported: it {REFUSED_INITS[family]}, while every "
+                          f"rank holds only its shard; use one of {', '.join(LORA_INITS)}")
+    if name not in LORA_INITS:
+        raise ConfigError(f"option 'lora-init': {init!r} is not one of {', '.join(LORA_INITS)}")
 
 
 def write_yaml(cfg: Config, path: Path) -> None:

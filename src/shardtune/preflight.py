@@ -20,9 +20,10 @@ from shardtune.runtime.device import check_local_ranks, device_type
 from shardtune.runtime.files import OutputError, check_writable
 from shardtune.runtime.versions import check_apis
 from shardtune.train.checkpoint import resume_point
-from shardtune.train.data import BatchPlan, load_dataset, read_records
+from shardtune.train.data import BatchPlan, load_dataset, read_records, token_cache
 from shardtune.train.data_checks import warn_about_data
 from shardtune.train.packing import check_packing, packed_plan
+from shardtune.train.trackers import check_installed
 
 log = logging.getLogger("shardtune")
 
@@ -37,13 +38,23 @@ def preflight(cfg: Config) -> Config:
     validate(cfg)
     # Before any worker starts: a missing GPU, or more ranks than GPUs, is a config error, not an NCCL hang.
     check_local_ranks(device_type(cfg.parallel.device), cfg.parallel.nproc)
-    model_dir = check_model_dir(cfg.model.path)
+    check_installed(cfg.output.report_to)
+    out = Path(cfg.output.out)
+    if out.exists() and not out.is_dir():
+        raise OutputError(f"option 'out': {out} is an existing file, not a directory")
+    check_writable(out)
+    if cfg.output.resume:
+        resume_point(cfg)  # a refused resume must not get as far as touching --out
+    model_dir = check_model_dir(cfg.model.path, cfg.model.trust_remote_code)
     tokenizer = load_tokenizer(model_dir)
     vocab = vocab_size(model_dir)
-    train = load_dataset(cfg.data.train, tokenizer, cfg.data.seq_len, vocab)
-    warn_about_data(cfg.data.train, read_records(cfg.data.train), len(train.examples), cfg.train.batch_size)
+    # Tokenized once, here: the workers map the cache instead of each tokenizing every record again.
+    cache = token_cache(cfg)
+    train = load_dataset(cfg.data.train, tokenizer, cfg.data.seq_len, vocab, cfg.data.fields, cache)
+    warn_about_data(cfg.data.train, read_records(cfg.data.train, cfg.data.fields), len(train.examples),
+                    cfg.train.batch_size)
     if cfg.data.val:
-        load_dataset(cfg.data.val, tokenizer, cfg.data.seq_len, vocab)
+        load_dataset(cfg.data.val, tokenizer, cfg.data.seq_len, vocab, cfg.data.fields, cache)
     if cfg.model.quantize == "nf4":
         quantize.check_available()
     model, _ = inject_lora(build_meta_model(model_dir, DTYPES[cfg.model.dtype]), cfg.lora, cfg.train.seed)
@@ -52,12 +63,6 @@ def preflight(cfg: Config) -> Config:
     ranks = cfg.parallel.nproc * cfg.parallel.nnodes
     if cfg.train.micro_batch_size != "auto":  # checked before the choice: its error names the user's value
         _batch_plan(cfg, ranks)
-    out = Path(cfg.output.out)
-    if out.exists() and not out.is_dir():
-        raise OutputError(f"option 'out': {out} is an existing file, not a directory")
-    check_writable(out)
-    if cfg.output.resume:
-        resume_point(cfg)  # a refused resume must not get as far as touching --out
     cfg, _, why = choose(cfg)
     if why:
         log.info("configuration: %s", why)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from shardtune.config import ConfigError
@@ -18,6 +18,9 @@ class ModelDir:
     path: Path
     weight_files: list[Path]
     index: dict | None
+    trust_remote_code: bool = False  # the model's own code (config auto_map) may run: the user opted in
+    #: {weight file name: safetensors header} for a Hub model whose weights were not downloaded (plan)
+    remote_headers: dict[str, dict] = field(default_factory=dict)
 
     @property
     def weight_names(self) -> set[str]:
@@ -87,7 +90,7 @@ def load_tokenizer(model_dir: ModelDir):
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(model_dir.path)
+        return AutoTokenizer.from_pretrained(model_dir.path, trust_remote_code=model_dir.trust_remote_code)
     except (OSError, ValueError, KeyError, TypeError) as err:
         reason = (str(err).strip().splitlines() or [type(err).__name__])[0].rstrip(" :")
         raise ModelDirError(
@@ -117,15 +120,17 @@ def check_adapter_dir(path: str | Path) -> dict:
     return config
 
 
-def check_model_dir(path: str | Path) -> ModelDir:
-    """Check a Hugging Face model directory and say exactly what is missing or damaged."""
-    model_dir = _find_weights(Path(path))
-    for file in model_dir.weight_files:
-        check_safetensors(file)
-    return model_dir
+def check_model_dir(path: str | Path, trust_remote_code: bool = False, weights: bool = True) -> ModelDir:
+    """Check a Hugging Face model directory (or Hub id, see hub.py) and say exactly what is missing.
 
+    A model whose config or tokenizer names its own code (``auto_map``) is refused unless
+    ``trust_remote_code``: that code would run in every worker. ``weights=False`` (the planner) lets a
+    Hub model come with its safetensors headers only.
+    """
+    from shardtune.model.hub import resolve
 
-def _find_weights(path: Path) -> ModelDir:
+    hub = resolve(str(path), weights=weights, remote_code=trust_remote_code)
+    path = hub.path if hub else Path(path).expanduser()
     if not path.exists():
         raise ModelDirError(f"model directory {path} does not exist")
     if not path.is_dir():
@@ -133,6 +138,31 @@ def _find_weights(path: Path) -> ModelDir:
     if not (path / "config.json").is_file():
         raise ModelDirError(f"model directory {path} has no config.json")
     read_json(path / "config.json")
+    _check_remote_code(path, trust_remote_code)
+    if hub and hub.remote_headers:
+        return ModelDir(path, [], None, trust_remote_code, hub.remote_headers)
+    found = _weights(path)
+    found.trust_remote_code = trust_remote_code
+    for file in found.weight_files:
+        check_safetensors(file)  # a truncated copy fails here, naming the file, not in the workers
+    return found
+
+
+def _check_remote_code(path: Path, trust_remote_code: bool) -> None:
+    for name in ("config.json", "tokenizer_config.json"):
+        file = path / name
+        try:
+            auto_map = json.loads(file.read_text()).get("auto_map") if file.is_file() else None
+        except (json.JSONDecodeError, AttributeError, UnicodeDecodeError) as err:
+            raise ModelDirError(f"{file}: not valid JSON ({err})") from None
+        if auto_map and not trust_remote_code:
+            raise ModelDirError(
+                f"{file} names the model's own Python code (auto_map: {', '.join(sorted(auto_map))}); "
+                "it runs only with --trust-remote-code, which executes that code in every worker: read it first"
+            )
+
+
+def _weights(path: Path) -> ModelDir:
     index_file = path / "model.safetensors.index.json"
     if index_file.is_file():
         try:

@@ -51,8 +51,8 @@ class Facts:
 
 
 def checkpoint_bytes(model_dir: ModelDir) -> int:
-    return sum(t["data_offsets"][1] - t["data_offsets"][0]
-               for f in model_dir.weight_files for t in read_header(f).values())
+    headers = list(model_dir.remote_headers.values()) or [read_header(f) for f in model_dir.weight_files]
+    return sum(t["data_offsets"][1] - t["data_offsets"][0] for h in headers for t in h.values())
 
 
 def _unique_params(module: nn.Module) -> dict[int, nn.Parameter]:
@@ -120,21 +120,22 @@ def _units_bytes(layer: nn.Module, dtype: torch.dtype, nf4: set[int]) -> list[in
     return sizes[::-1]  # post-forward order is innermost first; backward runs it in reverse
 
 
-def model_dir_for_plan(path: str | Path) -> ModelDir:
-    """The model directory, or a directory (or file) with only a config.json: plans need no weights."""
-    path = Path(path)
-    if path.is_file() and path.name == "config.json":
-        return ModelDir(path.parent, [], None)
+def model_dir_for_plan(path: str | Path, trust_remote_code: bool = False) -> ModelDir:
+    """The model directory (a Hub id brings its safetensors headers only), or a directory (or file) with
+    only a config.json: plans need no weights."""
+    if Path(path).is_file() and Path(path).name == "config.json":
+        return ModelDir(Path(path).parent, [], None, trust_remote_code)
     try:
-        return check_model_dir(path)
+        return check_model_dir(path, trust_remote_code, weights=False)
     except ModelDirError:
+        path = Path(path)
         if (path / "config.json").is_file() and not any(path.glob("*.safetensors")):
-            return ModelDir(path, [], None)  # config.json alone: sizes come from the meta model
+            return ModelDir(path, [], None, trust_remote_code)  # config.json alone: sizes come from the meta model
         raise
 
 
 def model_facts(cfg: Config, micro_batches: set[int], lora_dtypes: set[torch.dtype], device: torch.device) -> Facts:
-    model_dir = model_dir_for_plan(cfg.model.path)
+    model_dir = model_dir_for_plan(cfg.model.path, cfg.model.trust_remote_code)
     dtype = DTYPES[cfg.model.dtype]
     model, _ = inject_lora(build_meta_model(model_dir, dtype), cfg.lora, cfg.train.seed)
     base = model.get_base_model()

@@ -6,7 +6,7 @@ The order matters and lives here alone:
 3. re-tie tied weights, put the buffers back,
 4. read the base weights with torch.distributed.checkpoint's ``HuggingFaceStorageReader``, which
    reads from the safetensors files only the slices this rank's (possibly sharded) tensors cover,
-5. write LoRA's initial values into the local shards,
+5. write LoRA's initial values into the local shards, and DoRA's magnitudes (norms of the loaded rows),
 6. fail loudly if anything is unmapped or still on meta.
 """
 
@@ -207,6 +207,34 @@ def init_lora(tensors: dict[str, torch.Tensor], snapshot: Snapshot) -> None:
         fill_from_full(tensors[name], value)
 
 
+def init_dora_magnitudes(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """DoRA's magnitude: the L2 norm of each output row of W + scale·B@A, with B = 0 at init, so of W.
+
+    peft computes it when the adapter is injected, from weights that are on meta then; here it comes
+    from the loaded weights. FSDP2 shards a weight and its magnitude alike by rows (dim 0), so each
+    rank's norms come from its own rows without communication. GPT-2's Conv1D stores W transposed:
+    a row of W is then spread over ranks, so that weight is gathered, one at a time.
+    """
+    from shardtune.model.lora import is_dora_magnitude
+
+    with torch.no_grad():
+        for name, magnitude in tensors.items():
+            if not is_dora_magnitude(name):
+                continue
+            module_name = name.split(".lora_magnitude_vector.", 1)[0]
+            layer = model.get_submodule(module_name)
+            weight = layer.get_base_layer().weight
+            transposed = getattr(layer, "fan_in_fan_out", False)
+            if not transposed and isinstance(weight, DTensor) and isinstance(magnitude, DTensor) \
+                    and weight.placements == magnitude.placements:
+                local = weight.to_local().float()
+                magnitude.to_local().copy_(torch.linalg.norm(local, dim=1).to(magnitude.dtype))
+                continue
+            full = weight.full_tensor() if isinstance(weight, DTensor) else weight
+            full = full.float().T if transposed else full.float()
+            fill_from_full(magnitude, torch.linalg.norm(full, dim=1))
+
+
 def assert_nothing_on_meta(model: nn.Module) -> None:
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type == "meta"]
     if left:
@@ -229,6 +257,7 @@ def load(
     tensors = targets(model) if targets else dict(model.named_parameters())
     unused = load_base_weights(model, model_dir, tensors)
     init_lora(tensors, snapshot)
+    init_dora_magnitudes(model, tensors)
     assert_nothing_on_meta(model)
     if unused:
         log.warning("checkpoint tensors not used by the model: %s", ", ".join(unused[:8]))

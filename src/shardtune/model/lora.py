@@ -10,7 +10,7 @@ import math
 import torch
 from torch import nn
 
-from shardtune.config import ConfigError, LoraConfig
+from shardtune.config import ConfigError, LoraConfig, validate_lora_init
 from shardtune.runtime.compat import record_lora_init
 
 #: What peft puts before a base model's parameter names (``PeftModel.base_model.model``).
@@ -37,6 +37,7 @@ def inject_lora(model: nn.Module, lora: LoraConfig, seed: int) -> tuple[nn.Modul
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 
+    validate_lora_init(lora.init)
     targets: str | list[str] = lora.targets.strip()
     if targets != "all-linear":
         targets = _split(targets)
@@ -56,6 +57,8 @@ def inject_lora(model: nn.Module, lora: LoraConfig, seed: int) -> tuple[nn.Modul
     peft_config = PeftLoraConfig(
         r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets,
         bias=lora.bias, modules_to_save=modules_to_save, task_type="CAUSAL_LM",
+        use_dora=lora.variant == "dora", use_rslora=lora.rslora,
+        init_lora_weights=True if lora.init == "default" else lora.init,
     )
 
     initial: dict[int, dict[str, torch.Tensor]] = {}
@@ -70,10 +73,16 @@ def inject_lora(model: nn.Module, lora: LoraConfig, seed: int) -> tuple[nn.Modul
     for module_name, module in peft_model.named_modules():
         for name, tensor in initial.get(id(module), {}).items():
             values[f"{module_name}.{name}"] = tensor
-    missing = [n for n, p in peft_model.named_parameters() if "lora_" in n and n not in values]
+    # DoRA's magnitude is the norm of each base weight row: loading computes it from the real shards.
+    missing = [n for n, p in peft_model.named_parameters()
+               if "lora_" in n and n not in values and not is_dora_magnitude(n)]
     if missing:
         raise RuntimeError(f"LoRA initial values were not captured for {missing[:3]} (peft changed?)")
     return peft_model, values
+
+
+def is_dora_magnitude(name: str) -> bool:
+    return ".lora_magnitude_vector." in name
 
 
 def trainable_names(model: nn.Module) -> list[str]:

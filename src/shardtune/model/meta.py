@@ -19,10 +19,11 @@ def build_meta_model(model_dir: ModelDir, dtype: torch.dtype) -> nn.Module:
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(model_dir.path)
+    config = AutoConfig.from_pretrained(model_dir.path, trust_remote_code=model_dir.trust_remote_code)
     try:
         with init_empty_weights(include_buffers=False):
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype,
+                                                     trust_remote_code=model_dir.trust_remote_code)
     except ValueError as err:
         raise ModelDirError(
             f"{model_dir.path / 'config.json'}: not a causal LM transformers can build ({err})"

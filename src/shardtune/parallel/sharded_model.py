@@ -5,19 +5,23 @@ Used by the training recipe and by anything else that runs the model on N ranks 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
-from shardtune.config import Config, ConfigError
+from shardtune.config import Config, ConfigError, LoraConfig, ModelConfig, ParallelConfig, TrainConfig
 from shardtune.model import quantize
-from shardtune.model.directory import check_model_dir
+from shardtune.model.directory import ModelDir, check_model_dir
 from shardtune.model.loading import load, take_snapshot
 from shardtune.model.lora import adapter_key_map, count_params, inject_lora, trainable_names
 from shardtune.model.meta import DTYPES, build_meta_model
 from shardtune.parallel import Strategy, choose_strategy, make_strategy, parallelize
+from shardtune.runtime import distributed
 from shardtune.runtime.distributed import Worker
 
 log = logging.getLogger("shardtune")
@@ -34,11 +38,15 @@ class Built:
 
 
 def build_model(cfg: Config, worker: Worker) -> Built:
-    model_dir = check_model_dir(cfg.model.path)
+    model_dir = check_model_dir(cfg.model.path, cfg.model.trust_remote_code)
+    return _build(model_dir, None, cfg, worker)
+
+
+def _build(model_dir: ModelDir, meta_model: nn.Module | None, cfg: Config, worker: Worker) -> Built:
     if cfg.model.quantize == "nf4":
         quantize.check_available()
     dtype = DTYPES[cfg.model.dtype]
-    model = build_meta_model(model_dir, dtype)
+    model = meta_model if meta_model is not None else build_meta_model(model_dir, dtype)
     model, lora_init = inject_lora(model, cfg.lora, cfg.train.seed)
     # Named before sharding: FSDP1's wrappers hide the module names peft needs to name adapter tensors.
     adapter_keys = adapter_key_map(model, trainable_names(model))
@@ -80,3 +88,68 @@ def weight_bytes(model: nn.Module, dtype: torch.dtype, selection: quantize.Selec
         rows, cols = module.weight.shape
         total += quantize.nf4_bytes(rows, cols, dtype.itemsize) - rows * cols * dtype.itemsize
     return total
+
+
+def load_sharded(
+    model: str | Path,
+    lora: LoraConfig | dict[str, Any] | None = None,
+    *,
+    meta_model: nn.Module | None = None,
+    dtype: str = "bf16",
+    seed: int = 0,
+    activation_checkpointing: bool = False,
+    cpu_offload: bool = False,
+    trust_remote_code: bool = False,
+) -> nn.Module:
+    """An FSDP2-sharded peft LoRA model with its weights loaded, each rank reading only its shard.
+
+    For your own FSDP2 training loop. Call it on every rank after ``torch.distributed`` is set up
+    (torchrun + ``init_process_group``; without a process group a one-process group is made).
+
+    Args:
+        model: a Hugging Face model directory or Hub id (``org/name[@revision]``, see ``--model``);
+            the weights are read from its safetensors files.
+        lora: a :class:`shardtune.config.LoraConfig` or a dict of its fields (``r``, ``alpha``,
+            ``dropout``, ``targets``, ``bias``, ``modules_to_save``, ``variant`` ("lora" or "dora"),
+            ``rslora``, ``init``); default: ``LoraConfig()``.
+        meta_model: a plain (not peft) transformers model built on the meta device from the same
+            config, e.g. with your own changes; default: built from ``model``'s config.json.
+        dtype: "bf16" or "fp32": frozen base weights and compute. LoRA weights are fp32.
+        seed: LoRA's initial values; the same on every rank and equal to ``get_peft_model`` after
+            ``torch.manual_seed(seed)`` on a full model.
+        activation_checkpointing, cpu_offload: as the fine-tune options of the same names.
+        trust_remote_code: allow a model whose config names its own code.
+
+    Returns:
+        The peft model, sharded with ``fully_shard`` per decoder-layer part and at the root. Its
+        trainable parameters (``requires_grad``) are the LoRA weights, as DTensors: give them to any
+        optimizer; ``torch.nn.utils.clip_grad_norm_`` works on them.
+
+    Every rank must call the model's forward (and backward) the same number of times, also in
+    evaluation: FSDP2 all-gathers each unit's weights, and the frozen embedding tables are row-
+    sharded (each rank keeps a slice of the vocabulary), so looking up tokens and computing logits
+    run collectives. A rank with no data of its own should run a dummy batch.
+    """
+    import torch.distributed as dist
+
+    from shardtune.config import ConfigError
+
+    if isinstance(lora, dict):
+        known = {f.name for f in dataclasses.fields(LoraConfig)}
+        unknown = sorted(set(lora) - known)
+        if unknown:
+            raise ConfigError(f"load_sharded: unknown LoRA option(s) {', '.join(unknown)}; "
+                              f"known: {', '.join(sorted(known))}")
+        lora = LoraConfig(**lora)
+    lora = lora or LoraConfig()
+    if dtype not in DTYPES:
+        raise ConfigError(f"load_sharded: dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    worker = distributed.init_worker()
+    if dist.get_world_size() != worker.world_size:  # a process group the caller set up without env
+        worker = dataclasses.replace(worker, rank=dist.get_rank(), world_size=dist.get_world_size())
+    model_dir = check_model_dir(model, trust_remote_code)
+    cfg = Config(model=ModelConfig(path=str(model), dtype=dtype, trust_remote_code=trust_remote_code),
+                 lora=lora, train=TrainConfig(seed=seed),
+                 parallel=ParallelConfig(strategy="fsdp2", activation_checkpointing=activation_checkpointing,
+                                         cpu_offload=cpu_offload))
+    return _build(model_dir, meta_model, cfg, worker).model

@@ -9,6 +9,7 @@ What peft's ``merge_and_unload`` would do, per adapter tensor:
   LoRA pair on a linear layer     W += scale · B @ A      (transposed for GPT-2's Conv1D: fan_in_fan_out)
   LoRA pair on an embedding       W += scale · (B @ A)ᵀ
   ``lora_B.bias`` (lora_bias)     b += scale · lora_B.bias
+  DoRA magnitude m (use_dora)     W ← m / ‖W + ΔW‖ · (W + ΔW), the norm per output row (peft's merge)
   anything else                   replaces the base tensor (modules_to_save, biases with bias="all"/"lora_only")
 with scale = alpha / r, or alpha / √r under rslora, and rank_pattern / alpha_pattern honoured.
 """
@@ -37,6 +38,7 @@ from shardtune.runtime.versions import tied_weights_keys
 log = logging.getLogger("shardtune")
 
 _LORA = re.compile(r"^(?P<module>.+)\.(?P<kind>lora_(?:embedding_)?[AB])\.(?P<what>weight|bias)$")
+_DORA = re.compile(r"^(?P<module>.+)\.lora_magnitude_vector(?:\.weight)?$")
 # Weights in other formats are not carried over: the output's weights are its safetensors files.
 _NOT_COPIED = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".h5", ".msgpack")
 
@@ -53,6 +55,10 @@ class Change:
     # (A-side, B-side, scale): W += scale · left @ right
     products: list[tuple[torch.Tensor, torch.Tensor, float]] = field(default_factory=list)
     bias: torch.Tensor | None = None  # added as is (already scaled)
+    # DoRA: each output row is rescaled to this norm after the products; dim 1 of the stored weight is
+    # the input dimension, or dim 0 for GPT-2's Conv1D (stored transposed).
+    magnitude: torch.Tensor | None = None
+    norm_dim: int = 1
 
 
 def read_adapter(adapter: Path) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -64,8 +70,6 @@ def read_adapter(adapter: Path) -> tuple[dict, dict[str, torch.Tensor]]:
         raise MergeError(f"adapter directory {adapter} has no {weights.name}")
     if config.get("peft_type", "LORA") != "LORA":
         raise MergeError(f"{config_file}: peft_type {config['peft_type']!r}; only LoRA adapters can be merged")
-    if config.get("use_dora"):
-        raise MergeError(f"{config_file}: DoRA adapters (use_dora) are not supported by this merge")
     return config, load_file(str(weights))
 
 
@@ -78,13 +82,18 @@ def plan_changes(config: dict, tensors: dict[str, torch.Tensor]) -> dict[str, Ch
     for key, value in tensors.items():
         name = key.removeprefix(PEFT_PREFIX)
         m = _LORA.match(name)
-        if m:
+        dora = _DORA.match(name)
+        if dora:
+            pairs.setdefault(dora["module"], {})["magnitude"] = value.float()
+        elif m:
             pairs.setdefault(m["module"], {})[f"{m['kind']}.{m['what']}"] = value.float()
         elif "lora_" in name:
             raise MergeError(f"adapter tensor {key}: a LoRA variant this merge does not know")
         else:
             changes.setdefault(checkpoint_key(name), Change()).replacement = value
     for module, parts in pairs.items():
+        if set(parts) == {"magnitude"}:
+            raise MergeError(f"adapter module {module}: a DoRA magnitude without its LoRA matrices")
         embedding = "lora_embedding_A.weight" in parts
         a = parts.get("lora_embedding_A.weight" if embedding else "lora_A.weight")
         b = parts.get("lora_embedding_B.weight" if embedding else "lora_B.weight")
@@ -101,6 +110,11 @@ def plan_changes(config: dict, tensors: dict[str, torch.Tensor]) -> dict[str, Ch
         changes.setdefault(f"{base}.weight", Change()).products.append(product)
         if "lora_B.bias" in parts:
             changes.setdefault(f"{base}.bias", Change()).bias = parts["lora_B.bias"] * scale
+        if "magnitude" in parts:
+            if embedding:
+                raise MergeError(f"adapter module {module}: DoRA on an embedding is not supported by this merge")
+            change = changes[f"{base}.weight"]
+            change.magnitude, change.norm_dim = parts["magnitude"], 0 if transposed else 1
     return changes
 
 
@@ -119,6 +133,9 @@ def apply(name: str, weight: torch.Tensor, change: Change) -> torch.Tensor:
             raise MergeError(f"{name}: LoRA update of shape {[left.shape[0], right.shape[1]]} "
                              f"does not fit the weight of shape {list(merged.shape)}")
         merged.addmm_(left, right, alpha=scale)  # no temporary of the weight's size
+    if change.magnitude is not None:
+        norms = torch.linalg.norm(merged, dim=change.norm_dim, keepdim=True)
+        merged *= change.magnitude.view_as(norms) / norms
     if change.bias is not None:
         merged += change.bias
     return merged

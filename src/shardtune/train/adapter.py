@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardtune.model.hub import base_model_name
 from shardtune.parallel import Strategy
 from shardtune.runtime.files import staged_dir
 
@@ -27,7 +28,7 @@ def write_adapter(tensors: dict[str, torch.Tensor], config: dict, out: Path) -> 
 def peft_config_dict(model: nn.Module, strategy: Strategy, base_model_path: str) -> dict:
     """What peft writes to adapter_config.json (its sets as sorted lists: the same file on every run)."""
     config = strategy.unwrap(model).peft_config["default"]
-    config.base_model_name_or_path = str(Path(base_model_path).resolve())
+    config.base_model_name_or_path = base_model_name(base_model_path)
     return {k: sorted(v) if isinstance(v, set) else v for k, v in config.to_dict().items()}
 
 

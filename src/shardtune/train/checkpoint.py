@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from shardtune.config import Config
 from shardtune.errors import ShardtuneError
+from shardtune.model.hub import base_model_name
 from shardtune.parallel import Strategy
 from shardtune.runtime.files import check_output_dir, fingerprint, output_error, replace_dir
 from shardtune.train.adapter import peft_config_dict, write_adapter
@@ -325,7 +326,7 @@ def adapter_from_checkpoint(path: Path, out: Path, model: str | Path | None = No
         dcp.load(tensors, storage_reader=reader, no_dist=True)
     config = json.loads((path / "adapter_config.json").read_text())
     if model is not None:
-        config["base_model_name_or_path"] = str(Path(model).resolve())
+        config["base_model_name_or_path"] = base_model_name(model)
     return write_adapter({a: tensors[k] for a, k in keys.items()}, config, Path(out))
 
 

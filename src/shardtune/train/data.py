@@ -1,6 +1,7 @@
 """Records → tokens → the micro-batches each rank feeds, in a seeded order.
 
-Three record forms (JSON Lines or one JSON array):
+Three record forms (JSON Lines or one JSON array; Parquet, CSV, saved datasets, Hub datasets and
+ShareGPT records through datasets_io.py):
   {"instruction", "input"?, "output"}   loss on the output only
   {"messages": [{"role", "content"}, …]} loss on assistant turns only
   {"text"}                              loss on every token
@@ -15,14 +16,25 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from shardtune.config import parse_fields
 from shardtune.errors import ShardtuneError
 from shardtune.runtime.files import read_text
+from shardtune.train.datasets_io import (
+    TokenizedExamples,
+    cache_key,
+    is_datasets_source,
+    load_cached,
+    location,
+    normalize,
+    read_rows,
+    save_cached,
+)
 
 IGNORE = -100
 
@@ -44,13 +56,16 @@ class Example:
 
 @dataclass
 class Dataset:
-    examples: list[Example]
+    examples: Sequence[Example]  # a list, or TokenizedExamples when cached
     truncated: int  # records cut to --seq-len
     without_targets: int  # records with no target token left after truncation
 
 
-def read_records(path: str | Path) -> list[tuple[int, dict]]:
-    """(line number, record) pairs from a .jsonl file or a JSON array file."""
+def read_records(path: str | Path, fields: str = "") -> list[tuple[int, dict]]:
+    """(line number, record) pairs from a .jsonl file or a JSON array file, or (record index, record)
+    from a source the ``datasets`` library reads (datasets_io.py); ``fields``: the --data-fields mapping."""
+    if is_datasets_source(path):
+        return _checked(read_rows(path), path, fields)
     path = Path(path)
     text = read_text(path, "data file", DataError)
     if not text.strip():
@@ -72,13 +87,19 @@ def read_records(path: str | Path) -> list[tuple[int, dict]]:
                 raise DataError(f"{path}:{lineno}: not valid JSON: {err.msg} (column {err.colno})") from None
     if not records:
         raise DataError(f"{path}: no records")
+    return _checked(records, path, fields)
+
+
+def _checked(records: list[tuple[int, object]], path: str | Path, fields: str) -> list[tuple[int, dict]]:
+    mapping = parse_fields(fields)
+    records = [(n, normalize(r, mapping, location(path, n))) for n, r in records]
     for lineno, record in records:
         _check_record(record, path, lineno)
     return records  # type: ignore[return-value]
 
 
-def _check_record(record: object, path: Path, lineno: int) -> None:
-    where = f"{path}:{lineno}"
+def _check_record(record: object, path: str | Path, lineno: int) -> None:
+    where = location(path, lineno)
     if not isinstance(record, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
     if "messages" in record:
@@ -186,19 +207,31 @@ def tokenize(tokenizer, record: dict, seq_len: int) -> tuple[Example, bool]:
     return Example(ids[:seq_len], labels[:seq_len]), cut
 
 
-def load_dataset(path: str | Path, tokenizer, seq_len: int, vocab_size: int | None = None) -> Dataset:
-    """Tokenized records; with ``vocab_size``, every token id is checked against the model's embedding
-    here, once, so that training never checks ids on the device (a host sync per lookup)."""
+def token_cache(cfg) -> Path | None:
+    """Where a run keeps its tokenized data: OUT/.tokenized (preflight writes it, every rank maps it)."""
+    return Path(cfg.output.out) / ".tokenized" if cfg.output.out else None
+
+
+def load_dataset(path: str | Path, tokenizer, seq_len: int, vocab_size: int | None = None, fields: str = "",
+                 cache_dir: Path | None = None) -> Dataset:
+    """The tokenized records; with ``cache_dir`` tokenized once (preflight) and memory-mapped by every rank.
+
+    With ``vocab_size``, every token id is checked against the model's embedding here, once, so that
+    training never checks ids on the device (a host sync per lookup); a cache is only written after it.
+    """
+    key = cache_key(path, tokenizer, seq_len, fields) if cache_dir is not None else None
+    if key and (cached := load_cached(cache_dir, key)) is not None:
+        return cached
     examples, truncated, empty = [], 0, 0
-    for lineno, record in read_records(path):
+    for lineno, record in read_records(path, fields):
         try:
             ex, cut = tokenize(tokenizer, record, seq_len)
         except DataError as err:
-            raise DataError(f"{path}:{lineno}: {err}") from None
+            raise DataError(f"{location(path, lineno)}: {err}") from None
         if vocab_size is not None and ex.input_ids and not 0 <= min(ex.input_ids) <= max(ex.input_ids) < vocab_size:
             bad = next(i for i in ex.input_ids if not 0 <= i < vocab_size)
-            raise DataError(f"{path}:{lineno}: token id {bad} is outside the model's {vocab_size} embedding rows "
-                            f"(does the tokenizer match the model?)")
+            raise DataError(f"{location(path, lineno)}: token id {bad} is outside the model's {vocab_size} "
+                            f"embedding rows (does the tokenizer match the model?)")
         truncated += cut
         if ex.targets == 0:
             empty += 1
@@ -206,7 +239,11 @@ def load_dataset(path: str | Path, tokenizer, seq_len: int, vocab_size: int | No
         examples.append(ex)
     if not examples:
         raise DataError(f"{path}: no record has a target token within --seq-len {seq_len}")
-    return Dataset(examples, truncated, empty)
+    if key is None:
+        return Dataset(examples, truncated, empty)
+    dataset = Dataset(TokenizedExamples.build(examples), truncated, empty)
+    save_cached(cache_dir, key, dataset)
+    return dataset
 
 
 @dataclass(frozen=True)

@@ -32,13 +32,14 @@ from shardtune.runtime.workers import Stopped
 from shardtune.train import validation
 from shardtune.train.adapter import save_adapter
 from shardtune.train.checkpoint import Checkpointer, TrainState
-from shardtune.train.data import BatchPlan, Dataset, Sampler, collate, load_dataset, pad_id
+from shardtune.train.data import BatchPlan, Dataset, Sampler, collate, load_dataset, pad_id, token_cache
 from shardtune.train.guard import TrainingGuard
 from shardtune.train.loss import next_token_loss_sum
 from shardtune.train.metrics import MetricsLog, Progress, write_json_atomic
 from shardtune.train.packing import VARLEN, attention_of, check_packing, packed_forwards, packed_plan
 from shardtune.train.scaling import ShardedGradScaler, make_scaler
 from shardtune.train.stop import GracefulStop, stop_message
+from shardtune.train.trackers import Trackers
 
 log = logging.getLogger("shardtune")
 
@@ -151,12 +152,14 @@ def evaluate(job: Job) -> float:
 def prepare(cfg: Config, worker: Worker, memory: MemoryMonitor) -> Job:
     from transformers import AutoTokenizer
 
-    model_dir = check_model_dir(cfg.model.path)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir.path)
+    model_dir = check_model_dir(cfg.model.path, cfg.model.trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir.path, trust_remote_code=model_dir.trust_remote_code)
     # Before any collective: a bad token id stops every rank here, with the record named.
     vocab = vocab_size(model_dir)
-    train_data = load_dataset(cfg.data.train, tokenizer, cfg.data.seq_len, vocab)
-    val_data = load_dataset(cfg.data.val, tokenizer, cfg.data.seq_len, vocab) if cfg.data.val else None
+    cache = token_cache(cfg)  # written by preflight: each rank maps it instead of tokenizing again
+    train_data = load_dataset(cfg.data.train, tokenizer, cfg.data.seq_len, vocab, cfg.data.fields, cache)
+    val_data = (load_dataset(cfg.data.val, tokenizer, cfg.data.seq_len, vocab, cfg.data.fields, cache)
+                if cfg.data.val else None)
     if train_data.truncated:
         log.warning("%d of %d training records were cut to --seq-len %d", train_data.truncated,
                     len(train_data.examples) + train_data.without_targets, cfg.data.seq_len)
@@ -192,6 +195,19 @@ def train(job: Job, memory: MemoryMonitor, out: Path) -> dict:
     state = checkpoints.resume() if cfg.output.resume else TrainState()
     first_step = state.step
     metrics = MetricsLog(out / "metrics.jsonl", job.worker.is_main, resume_from_step=state.step)
+    trackers = Trackers(cfg.output.report_to, cfg.flat(), out, job.worker.is_main, resume_from_step=state.step)
+    try:
+        result = _loop(job, memory, optimizer, scheduler, checkpoints, state, metrics, trackers)
+    except BaseException:
+        trackers.finish(None, failed=True)
+        raise
+    return {**result, "first_step": first_step, "trackers": trackers}
+
+
+def _loop(job: Job, memory: MemoryMonitor, optimizer, scheduler, checkpoints: Checkpointer, state: TrainState,
+          metrics: MetricsLog, trackers: Trackers) -> dict:
+    cfg = job.cfg
+    out = Path(cfg.output.out)
     progress = Progress(job.steps, state.step, job.worker.is_main)
     losses, fills, stopped_by = [], [], 0
     guard = TrainingGuard(out, cfg.train.lr, job.worker.is_main)
@@ -218,6 +234,7 @@ def train(job: Job, memory: MemoryMonitor, out: Path) -> dict:
                 state.val_loss = record["val_loss"] = evaluate(job)
                 progress.write(f"step {step + 1}: val_loss {state.val_loss:.4f}")
             metrics.write(record)
+            trackers.log(record)
             progress.update(record)
             stopped_by = stop.agreed()  # SIGTERM/SIGINT on any rank: all save, then all stop
             if stopped_by or checkpoints.due(state.step):
@@ -225,7 +242,7 @@ def train(job: Job, memory: MemoryMonitor, out: Path) -> dict:
             if stopped_by:
                 break
     progress.close()
-    return {"losses": losses, "fills": fills, "state": state, "first_step": first_step, "stopped_by": stopped_by}
+    return {"losses": losses, "fills": fills, "state": state, "stopped_by": stopped_by}
 
 
 def run(cfg: Config) -> dict:
@@ -250,6 +267,7 @@ def run(cfg: Config) -> dict:
         result = train(job, memory, out)
         state: TrainState = result["state"]
         if result["stopped_by"]:
+            result["trackers"].finish(None)  # the run goes on after --resume
             message = stop_message(result["stopped_by"], out, cfg.parallel.nnodes, cfg.parallel.node_rank)
             if worker.is_main:
                 log.warning("%s", message)
@@ -288,6 +306,7 @@ def run(cfg: Config) -> dict:
         }
         if worker.is_main:
             write_json_atomic(out / "summary.json", summary)
+        result["trackers"].finish(summary)
         return summary
     finally:
         # The process group is left to the process's exit (workers leave through exit_worker). Destroying it

@@ -1,0 +1,153 @@
+"""``--model`` as a Hugging Face Hub id (``org/name`` or ``org/name@revision``), resolved to a local directory.
+
+Order: an existing local path always wins; then the local Hugging Face cache (``HF_HOME`` /
+``HF_HUB_CACHE``, the layout huggingface_hub writes); then, when online, a download of only what a
+fine-tune reads: config, tokenizer and safetensors files (never ``*.bin``, GGUF or other formats;
+``HF_TOKEN`` is used for gated models as huggingface_hub does). Offline (``HF_HUB_OFFLINE=1``) a
+model missing from the cache is an error that says so. The planner asks for ``weights=False``: then
+only the config is fetched and the safetensors headers are read over HTTP, never the weights.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from shardtune.config import ConfigError
+
+_HUB_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<revision>[\w./-]+))?$")
+
+#: Everything a run reads besides the weights: config, generation config, tokenizer, weight index.
+META_PATTERNS = [
+    "config.json", "generation_config.json", "model.safetensors.index.json",
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "tokenizer.model", "*.tiktoken", "vocab.json", "vocab.txt", "merges.txt", "chat_template.json",
+    "chat_template.jinja",
+]
+
+
+class HubModelError(ConfigError):
+    """A Hub model id that cannot be resolved: not cached while offline, not found, gated, ..."""
+
+
+@dataclass
+class HubModel:
+    """A Hub id resolved to a local snapshot directory."""
+
+    repo_id: str
+    revision: str | None
+    path: Path
+    #: {weight file name: safetensors header} when the weights were not downloaded (the planner's case)
+    remote_headers: dict[str, dict] = field(default_factory=dict)
+
+
+def base_model_name(spec: str) -> str:
+    """What adapter_config.json records as the base model: a Hub id as given, a local path made absolute."""
+    local = Path(spec).expanduser()
+    return spec if not local.exists() and parse_hub_id(spec) else str(local.resolve())
+
+
+def parse_hub_id(spec: str) -> tuple[str, str | None] | None:
+    """(repo id, revision) when ``spec`` reads as a Hub id, else None (then it is a local path)."""
+    if spec.startswith((".", "/", "~")) or "\\" in spec:
+        return None
+    match = _HUB_ID.match(spec)
+    return (match["repo"], match["revision"]) if match else None
+
+
+def resolve(spec: str, weights: bool = True, remote_code: bool = False) -> HubModel | None:
+    """The local directory for Hub id ``spec`` (cache first, then download); None when ``spec`` is a local path.
+
+    ``weights=False`` fetches only config, tokenizer and index files and reads the safetensors headers
+    remotely. ``remote_code`` also fetches the repository's ``*.py`` files (trust_remote_code opted in).
+    """
+    if Path(spec).expanduser().exists():
+        return None
+    parsed = parse_hub_id(spec)
+    if parsed is None:
+        return None
+    repo_id, revision = parsed
+    from huggingface_hub import constants, is_offline_mode, snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    extra = ["*.py"] if remote_code else []
+    cached = _cached_snapshot(repo_id, revision, weights)
+    if cached is not None:
+        return HubModel(repo_id, revision, cached)
+    if is_offline_mode():
+        raise HubModelError(
+            f"model '{spec}' is not in the local Hugging Face cache ({constants.HF_HUB_CACHE}) and "
+            f"HF_HUB_OFFLINE is set: download it while online (or unset HF_HUB_OFFLINE), or give a local directory"
+        )
+    try:
+        path = Path(snapshot_download(repo_id, revision=revision, allow_patterns=META_PATTERNS + extra))
+        headers: dict[str, dict] = {}
+        wanted = _weight_files(path)
+        if weights:
+            if wanted:
+                snapshot_download(repo_id, revision=revision, allow_patterns=wanted)
+        else:
+            headers = _remote_headers(repo_id, revision)
+    except GatedRepoError:
+        raise HubModelError(
+            f"model '{spec}' is gated: accept its terms on huggingface.co and set HF_TOKEN (or `hf auth login`)"
+        ) from None
+    except RevisionNotFoundError:
+        raise HubModelError(f"model '{repo_id}' has no revision '{revision}' on the Hub") from None
+    except RepositoryNotFoundError:
+        raise HubModelError(
+            f"model '{spec}' is neither a local directory nor a Hub repository (private ones need HF_TOKEN)"
+        ) from None
+    except (LocalEntryNotFoundError, OSError) as err:
+        raise HubModelError(f"model '{spec}': could not download from the Hugging Face Hub ({err})") from None
+    if not wanted and weights:
+        raise HubModelError(f"model '{spec}' on the Hub has no safetensors weights (model.safetensors or an index)")
+    return HubModel(repo_id, revision, path, headers)
+
+
+def _weight_files(path: Path) -> list[str]:
+    """The safetensors files a snapshot's index names, or model.safetensors when it has no index."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            return sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
+            raise HubModelError(f"{index}: not a valid safetensors index") from None
+    return ["model.safetensors"]
+
+
+def _cached_snapshot(repo_id: str, revision: str | None, weights: bool) -> Path | None:
+    """The cached snapshot when it holds config.json and (if ``weights``) every weight file."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        path = Path(snapshot_download(repo_id, revision=revision, local_files_only=True))
+    except (LocalEntryNotFoundError, OSError, ValueError):
+        return None
+    if not (path / "config.json").is_file():
+        return None
+    if weights and not all((path / name).is_file() for name in _weight_files(path)):
+        return None
+    if not weights and not any(path.glob("*.safetensors")):
+        return None  # headers are read from local files; without them they come over HTTP
+    return path
+
+
+def _remote_headers(repo_id: str, revision: str | None) -> dict[str, dict]:
+    """{file: safetensors header} read with HTTP range requests: the weights are never downloaded."""
+    from huggingface_hub import get_safetensors_metadata
+
+    meta = get_safetensors_metadata(repo_id, revision=revision)
+    return {
+        name: {key: {"dtype": info.dtype, "shape": info.shape, "data_offsets": list(info.data_offsets)}
+               for key, info in file_meta.tensors.items()}
+        for name, file_meta in meta.files_metadata.items()
+    }
