@@ -13,8 +13,9 @@ from types import SimpleNamespace
 import pytest
 
 from shardtune.model.directory import ModelDirError, check_model_dir
-from shardtune.model.footprint import checkpoint_bytes, safetensors_header
+from shardtune.model.footprint import checkpoint_bytes
 from shardtune.model.hub import HubModelError, parse_hub_id
+from shardtune.runtime.safetensors_header import read_header
 
 from tiny import instruction_records, make_model, write_jsonl
 
@@ -145,7 +146,7 @@ def test_plan_on_an_id_reads_headers_not_weights(source: Path, offline_cache: Pa
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     calls: list = []
     _fake_hub(monkeypatch, shutil.copytree(source, tmp_path / "remote"), calls)
-    headers = {f.name: safetensors_header(f) for f in source.glob("*.safetensors")}
+    headers = {f.name: read_header(f) for f in source.glob("*.safetensors")}
 
     def metadata(repo_id, revision=None):
         files = {name: SimpleNamespace(tensors={k: SimpleNamespace(**v) for k, v in h.items()})
