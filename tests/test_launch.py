@@ -10,20 +10,16 @@ from pathlib import Path
 
 import pytest
 
+from shardtune.runtime.distributed import COLLECTIVE_TIMEOUT
 from shardtune.runtime.workers import free_port
-
-from tiny import instruction_records, make_model, write_jsonl
 
 TESTS = Path(__file__).parent
 REPO = TESTS.parent
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("launch")
-    make_model(root / "model", "llama", tied=True)
-    write_jsonl(root / "train.jsonl", instruction_records(16))
-    return root
+def tiny(run_root) -> Path:
+    return run_root
 
 
 def _options(root: Path, out: str) -> dict[str, str]:
@@ -43,8 +39,9 @@ def test_worker_exception_names_the_rank_and_stops_the_others(monkeypatch):
     started = time.monotonic()
     with pytest.raises(WorkerError, match=r"rank 1 failed.*rank one broke on purpose"):
         launch_workers(ParallelConfig(nproc=2), "failing_worker", [])
-    # Rank 0 sat in a barrier: the launcher, not the 5-minute collective timeout, ended it.
-    assert time.monotonic() - started < 60
+    # Rank 0 sat in a barrier: the launcher, not the collective timeout, ended it. The time is the
+    # guarantee here; the bound is generous, for a busy 2-core machine.
+    assert time.monotonic() - started < COLLECTIVE_TIMEOUT.total_seconds() / 2
 
 
 def test_a_rank_that_only_lost_its_peer_is_not_named_the_cause(tmp_path):
@@ -82,7 +79,7 @@ def test_two_nodes_on_loopback_and_torchrun_give_the_single_node_adapter(tiny):
     runs.append([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                  "-m", "shardtune", "finetune", *_flags(tiny, "torchrun")])
     procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for cmd in runs]
-    logs = [p.communicate(timeout=300)[0] for p in procs]
+    logs = [p.communicate(timeout=900)[0] for p in procs]  # only ends a hang: a busy machine is slow
     assert [p.returncode for p in procs] == [0, 0, 0], logs
     assert logs[2].count("train_loss_last") == 1, logs[2]  # rank 0 alone prints the result
     summary = shardtune.finetune(_options(tiny, "one-node"), nproc=2)
