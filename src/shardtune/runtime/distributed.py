@@ -35,7 +35,7 @@ class Worker:
         return self.rank == 0
 
 
-# Set by our launcher for its workers: the process whose death must end them.
+# Set by our launcher for its workers, as "PID:RUN_ID": the process whose death must end them.
 LAUNCHER_PID = "SHARDTUNE_LAUNCHER_PID"
 
 
@@ -57,8 +57,9 @@ def die_with_parent() -> None:
     parent = os.getppid()
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    launcher = os.environ.get(LAUNCHER_PID)
-    if os.getppid() != parent or parent == 1 or (launcher and launcher.isdigit() and int(launcher) != parent):
+    launcher, _, run = os.environ.get(LAUNCHER_PID, "").partition(":")
+    ours = launcher.isdigit() and run == os.environ.get("TORCHELASTIC_RUN_ID")  # a worker of our launcher's
+    if os.getppid() != parent or parent == 1 or (ours and int(launcher) != parent):
         print("the launcher of this worker is gone: exiting", file=sys.stderr)
         os._exit(1)
 

@@ -184,7 +184,10 @@ def launch_workers(parallel: ParallelConfig, module: str, args: list[str], run: 
     )
     from shardtune.runtime.distributed import LAUNCHER_PID
 
-    os.environ[LAUNCHER_PID] = str(os.getpid())  # workers die with this process (distributed.die_with_parent)
+    # Workers die with this process (distributed.die_with_parent). Tied to this run's id, so that the value,
+    # inherited by anything this process starts later (a torchrun, say), is never taken for its launcher.
+    previous_launcher = os.environ.get(LAUNCHER_PID)
+    os.environ[LAUNCHER_PID] = f"{os.getpid()}:{launch_config.run_id}"
     os.environ.setdefault("PYTHONUNBUFFERED", "1")  # worker output is a file: flush it line by line
     # Each worker would otherwise start one compute thread per core: N workers on C cores then
     # oversubscribe them, which made a 2-rank CPU run 5x slower than 1 rank. (torchrun sets 1.)
@@ -207,3 +210,7 @@ def launch_workers(parallel: ParallelConfig, module: str, args: list[str], run: 
                 signal.signal(sig, handler)
         relay.stop()
         shutil.rmtree(log_dir, ignore_errors=True)
+        if previous_launcher is None:
+            os.environ.pop(LAUNCHER_PID, None)
+        else:
+            os.environ[LAUNCHER_PID] = previous_launcher
