@@ -224,7 +224,10 @@ def _coerce(flag: str, value: Any) -> Any:
 
 
 def _unknown(key: str, where: str) -> ConfigError:
-    close = difflib.get_close_matches(key.replace("_", "-"), list(FLAGS) + sorted(SECTIONS), n=1)
+    name = key.replace("_", "-").replace(".", "-")
+    # A flag the key starts with ('lora-r' for 'lora-rank') beats a merely similar one ('lora-variant').
+    close = sorted((f for f in FLAGS if name.startswith(f)), key=len)[-1:] or \
+        difflib.get_close_matches(name, list(FLAGS) + sorted(SECTIONS), n=1)
     hint = f" (did you mean '{close[0]}'?)" if close else ""
     return ConfigError(f"{where}: unknown option '{key}'{hint}")
 

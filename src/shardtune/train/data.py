@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -207,9 +208,14 @@ def tokenize(tokenizer, record: dict, seq_len: int) -> tuple[Example, bool]:
     return Example(ids[:seq_len], labels[:seq_len]), cut
 
 
-def token_cache(cfg) -> Path | None:
-    """Where a run keeps its tokenized data: OUT/.tokenized (preflight writes it, every rank maps it)."""
-    return Path(cfg.output.out) / ".tokenized" if cfg.output.out else None
+def token_cache(cfg) -> Path:
+    """Where tokenized data is kept: $SHARDTUNE_CACHE/tokenized (default ~/.cache/shardtune/tokenized).
+
+    Not under --out: preflight writes it, and nothing may appear in --out before the run starts.
+    Entries are keyed by content (cache_key), so runs share them safely.
+    """
+    root = os.environ.get("SHARDTUNE_CACHE") or Path.home() / ".cache" / "shardtune"
+    return Path(root) / "tokenized"
 
 
 def load_dataset(path: str | Path, tokenizer, seq_len: int, vocab_size: int | None = None, fields: str = "",
