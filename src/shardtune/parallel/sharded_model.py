@@ -52,7 +52,7 @@ def build_model(cfg: Config, worker: Worker) -> Built:
     strategy = make_strategy(name, worker, dtype, cfg.parallel.cpu_offload, groups)
     snapshot = take_snapshot(model, lora_init)
     model = parallelize(
-        model, strategy, lambda m, targets: load(m, model_dir, worker.device, snapshot, targets),
+        model, strategy, lambda m, targets: load(m, model_dir, worker.device, snapshot, targets, strategy.host_params),
         cfg.parallel.activation_checkpointing,
     )
     return Built(model, strategy, why, adapter_keys, total, trainable)
