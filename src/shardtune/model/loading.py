@@ -105,11 +105,28 @@ def retie(model: nn.Module, snapshot: Snapshot) -> None:
             setattr(holder, attr, shared)
 
 
-def materialize(model: nn.Module, device: torch.device, snapshot: Snapshot) -> None:
-    """Allocate the (local shards of the) parameters and restore what is not in the checkpoint."""
+def materialize(model: nn.Module, device: torch.device, snapshot: Snapshot,
+                host_params: Callable[[nn.Module], set[int]] | None = None) -> None:
+    """Allocate the (local shards of the) parameters and restore what is not in the checkpoint.
+
+    ``host_params``: with CPU offload, gives the ids of the parameters that stay in host memory
+    (FSDP2 refuses offloaded shards allocated on the GPU); the rest and the buffers go to ``device``.
+    """
     if not any(p.is_meta for p in model.parameters()):
         return  # the strategy allocated its shards while sharding (FSDP1's param_init_fn); buffers untouched
-    model.to_empty(device=device)
+    if host_params is None or device.type == "cpu":
+        model.to_empty(device=device)
+    else:
+        model.to_empty(device="cpu")  # as torchtitan does for CPU offload
+        on_host = host_params(model)
+        with torch.no_grad():
+            for module in model.modules():
+                for name, p in module._parameters.items():
+                    if p is not None and id(p) not in on_host:
+                        module._parameters[name] = nn.Parameter(p.to(device), requires_grad=p.requires_grad)
+                for name, b in module._buffers.items():
+                    if b is not None:
+                        module._buffers[name] = b.to(device)
     retie(model, snapshot)
     with torch.no_grad():
         for name, value in snapshot.buffers.items():
@@ -247,13 +264,14 @@ def load(
     device: torch.device,
     snapshot: Snapshot,
     targets: Callable[[nn.Module], dict[str, torch.Tensor]] | None = None,
+    host_params: Callable[[nn.Module], set[int]] | None = None,
 ) -> list[str]:
     """Steps 2–6 of the module docstring; returns checkpoint keys the model did not use.
 
     ``targets`` maps the model to {parameter name: tensor to fill} when the strategy's view differs
     from the parameters (FSDP1: views into each flat parameter's local slice).
     """
-    materialize(model, device, snapshot)
+    materialize(model, device, snapshot, host_params)
     tensors = targets(model) if targets else dict(model.named_parameters())
     unused = load_base_weights(model, model_dir, tensors)
     init_lora(tensors, snapshot)

@@ -18,6 +18,8 @@ class Strategy:
     name = "single"
     #: a callable giving {parameter name: tensor to load into}, when that differs from the parameters
     load_targets: Callable[[nn.Module], dict[str, torch.Tensor]] | None = None
+    #: with CPU offload on a GPU: ids of the parameters to allocate in host memory (the rest go to the GPU)
+    host_params: Callable[[nn.Module], set[int]] | None = None
 
     def __init__(self, worker: Worker, compute_dtype: torch.dtype | None = None) -> None:
         self.worker = worker

@@ -35,6 +35,9 @@ class FSDP2(Strategy):
         # fp32 so that summing over ranks loses nothing.
         self.mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
         self.offload = CPUOffloadPolicy(pin_memory=worker.device.type == "cuda") if cpu_offload else OffloadPolicy()
+        if cpu_offload and worker.device.type == "cuda":
+            self.host_params = _fsdp_managed
+
 
     def shard(self, model: nn.Module) -> nn.Module:
         layers = decoder_layers(model)
@@ -112,6 +115,14 @@ class FSDP2(Strategy):
                 p = p.full_tensor()
             out[n] = p.to("cpu", copy=True)
         return out
+
+
+def _fsdp_managed(model: nn.Module) -> set[int]:
+    """Ids of the parameters FSDP2 shards (offloaded to the CPU): all but the row-sharded embeddings'."""
+    outside = {id(p) for m in model.modules()
+               if isinstance(m, (sharded_embeddings.ShardedEmbedding, sharded_embeddings.ShardedHead))
+               for p in m.parameters()}
+    return {id(p) for p in model.parameters() if id(p) not in outside}
 
 
 def _replace(model: nn.Module, old: nn.Module, new: nn.Module) -> nn.Module:

@@ -75,7 +75,7 @@ def _build(model_dir: ModelDir, meta_model: nn.Module | None, cfg: Config, worke
     strategy = make_strategy(name, worker, dtype, cfg.parallel.cpu_offload, groups, cfg.parallel.fsdp_unit)
     snapshot = take_snapshot(model, lora_init)
     model = parallelize(
-        model, strategy, lambda m, targets: load(m, model_dir, worker.device, snapshot, targets),
+        model, strategy, lambda m, targets: load(m, model_dir, worker.device, snapshot, targets, strategy.host_params),
         cfg.parallel.activation_checkpointing,
     )
     return Built(model, strategy, why, adapter_keys, total, trainable)

@@ -55,7 +55,7 @@ def check_apis() -> None:
         missing.append(f"transformers {transformers.__version__} lacks all_tied_weights_keys (transformers 5)")
     if missing:
         raise MissingAPIError("; ".join(missing) + ". Install the versions pyproject.toml requires: "
-                              "pip install 'torch>=2.13' 'transformers>=5.0' 'peft>=0.18'")
+                              "pip install 'torch>=2.13' 'transformers>=5.0' 'peft>=0.19'")
 
 
 def tied_weights_keys(model: object) -> dict[str, str]:
