@@ -26,6 +26,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -95,12 +96,21 @@ def run_job(name: str, argv: list[str], model: Path, data: Path, args: argparse.
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(HERE / "peers.py"),
            *argv, "--model", str(model), "--data", str(data), "--out", str(out), "--steps", str(args.steps)]
     started = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+    # A session of its own: on timeout the workers go too (torchrun's children outlive a killed torchrun,
+    # and shardtune's workers wait for the step's end on SIGTERM).
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        return {"name": name, "argv": argv, "error": f"ran past --timeout {args.timeout} s"}
     job = {"name": name, "argv": argv, "wall_seconds": round(time.perf_counter() - started, 1)}
     ranks = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
     if proc.returncode or len(ranks) != 2:
-        (out / "log.txt").write_text(proc.stdout + proc.stderr)
-        tail = [ln for ln in proc.stderr.splitlines() if ln.strip()][-8:]
+        (out / "log.txt").write_text(stdout + stderr)
+        tail = [ln for ln in stderr.splitlines() if ln.strip()][-8:]
         return {**job, "error": "\n".join(tail), "log": str(out / "log.txt")}
     job["train_peak_mb"] = [round(r["train_peak_mb"], 1) for r in ranks]
     job["tokens_per_second"] = round(max(r["tokens_per_second"] for r in ranks), 2)

@@ -57,9 +57,12 @@ def grads_and_training(rank: int, world_size: int, options: dict) -> dict:
 
 
 def test_two_ranks_fsdp2_equal_one_rank_gradients_losses_adapter(setup_dir):
-    one = run_ranks(grads_and_training, 1, _options(setup_dir, "one", strategy="single", **{"micro-batch-size": 8}))
+    # timeouts: a loaded 2-core CI machine took 165 s for the 2-rank run
+    one = run_ranks(grads_and_training, 1, _options(setup_dir, "one", strategy="single", **{"micro-batch-size": 8}),
+                    timeout=600)
     # 2 ranks × micro-batch 1 × 4 accumulation steps: the same 8 records per step, split differently.
-    two = run_ranks(grads_and_training, 2, _options(setup_dir, "two", strategy="fsdp2", **{"micro-batch-size": 1}))
+    two = run_ranks(grads_and_training, 2, _options(setup_dir, "two", strategy="fsdp2", **{"micro-batch-size": 1}),
+                    timeout=600)
     assert one[0]["grads"] and set(one[0]["grads"]) == set(two[0]["grads"])
     for name, g in one[0]["grads"].items():
         # A gradient summed instead of averaged over ranks (or over micro-batches) would be 2× or 4× off.

@@ -53,10 +53,11 @@ def test_single_computes_lora_in_bf16_with_fp32_master_weights(setup_dir):
 
 def test_bf16_single_ddp_fsdp2_agree(setup_dir):
     runs = {
-        "single": run_ranks(grads_and_training, 1, _options(setup_dir, "single", strategy="single"))[0],
-        "ddp": run_ranks(grads_and_training, 2, _options(setup_dir, "ddp", strategy="ddp"))[0],
+        "single": run_ranks(grads_and_training, 1, _options(setup_dir, "single", strategy="single"),
+                             timeout=600)[0],
+        "ddp": run_ranks(grads_and_training, 2, _options(setup_dir, "ddp", strategy="ddp"), timeout=600)[0],
         "fsdp2": run_ranks(grads_and_training, 2, _options(setup_dir, "fsdp2", strategy="fsdp2",
-                                                           **{"micro-batch-size": 1}))[0],
+                                                           **{"micro-batch-size": 1}), timeout=600)[0],
     }
     single = runs["single"]
     for name in ("ddp", "fsdp2"):
