@@ -56,7 +56,13 @@ def test_valid_tiny_config_passes_preflight(monkeypatch, model_dir, data, tmp_pa
     read, built = [], []
     load_dataset, inject_lora = pre.load_dataset, pre.inject_lora
     monkeypatch.setattr(pre, "load_dataset", lambda path, *a: read.append(path) or load_dataset(path, *a))
-    monkeypatch.setattr(pre, "inject_lora", lambda *a: built.append(inject_lora(*a)[0]) or built[-1])
+
+    def spy_inject_lora(*a):
+        result = inject_lora(*a)
+        built.append(result[0])
+        return result
+
+    monkeypatch.setattr(pre, "inject_lora", spy_inject_lora)
     cfg = build_config({"model": str(model_dir), "data": str(data), "val-data": str(data), "out": str(tmp_path / "o"),
                         "batch-size": 4, "nproc": 2, "lora-targets": "q_proj,v_proj", "seq-len": 64})
     preflight(cfg)
