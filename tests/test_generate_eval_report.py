@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -214,3 +215,18 @@ def test_report_fails_clearly_without_metrics(tmp_path, capsys):
         write_report(tmp_path / "run")
     assert cli_main(["report", str(tmp_path / "nowhere")]) == 2
     assert "nowhere" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("name", "content", "message"), [
+    ("metrics.jsonl", b'{"step": 1, "loss": 2.0}\nnot json\n', r"metrics.jsonl:2: not a metrics record"),
+    ("metrics.jsonl", b'{"step": 1, "loss": 2.0}\n\xff\n', r"metrics.jsonl:2: not valid UTF-8"),
+    ("summary.json", b"{\n  oops", r"summary.json:2: not valid JSON"),
+    ("summary.json", b"\xfe{}", r"summary.json:1: not valid UTF-8"),
+    ("summary.json", b"[1, 2]", r"summary.json: expected a JSON object"),
+])
+def test_report_names_the_damaged_file_and_line(tmp_path, capsys, name, content, message):
+    _fake_run(tmp_path / "run")
+    (tmp_path / "run" / name).write_bytes(content)
+    assert cli_main(["report", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert re.search(message, err) and "Traceback" not in err

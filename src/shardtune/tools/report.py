@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from shardtune.errors import ShardtuneError
+from shardtune.runtime.files import read_text
 
 PHASES = ("load", "train", "save")
 # Summary fields worth a line in report.md, in order, with how to show them.
@@ -40,7 +41,7 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     if not path.is_file():
         raise ReportError(f"{path} does not exist: give the --out directory of a fine-tune that ran at least one step")
     by_step: dict[int, dict] = {}
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    for n, line in enumerate(read_text(path, "metrics file", ReportError).splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -57,9 +58,12 @@ def read_summary(path: Path) -> dict[str, Any] | None:
     if not path.is_file():
         return None
     try:
-        return json.loads(path.read_text())
+        summary = json.loads(read_text(path, "summary file", ReportError))
     except json.JSONDecodeError as err:
-        raise ReportError(f"{path}: not valid JSON: {err.msg}") from None
+        raise ReportError(f"{path}:{err.lineno}: not valid JSON: {err.msg}") from None
+    if not isinstance(summary, dict):
+        raise ReportError(f"{path}: expected a JSON object (a fine-tune's summary), got {type(summary).__name__}")
+    return summary
 
 
 def _series(metrics: list[dict], key: str) -> tuple[list[int], list[float]]:
