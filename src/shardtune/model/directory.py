@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shardtune.config import ConfigError
+from shardtune.runtime.safetensors_header import header_with_length
 
 
 class ModelDirError(ConfigError):
@@ -44,18 +45,11 @@ def check_safetensors(file: Path, error: type[ConfigError] = ModelDirError) -> d
     """
     try:
         size = file.stat().st_size
-        with file.open("rb") as f:
-            head = f.read(8)
-            length = int.from_bytes(head, "little") if len(head) == 8 else -1
-            if not 0 < length <= size - 8:
-                raise error(f"{file} is not a safetensors file, or is truncated ({size} bytes, no complete header)")
-            header = json.loads(f.read(length))
+        header, length = header_with_length(file)
     except OSError as err:
         raise error(f"cannot read {file}: {err.strerror or err}") from None
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise error(f"{file}: its safetensors header is not valid JSON (the file is damaged)") from None
-    if not isinstance(header, dict):
-        raise error(f"{file}: its safetensors header is not a mapping (the file is damaged)")
+    except ValueError as err:
+        raise error(str(err)) from None
     available = size - 8 - length
     for name, info in header.items():
         if name == "__metadata__":

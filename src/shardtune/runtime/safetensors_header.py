@@ -41,17 +41,28 @@ def encode_header(entries: Iterable[tuple[str, torch.dtype, Iterable[int]]],
     return struct.pack("<Q", len(raw)) + raw
 
 
-def read_header(path: Path) -> dict[str, dict]:
-    """{tensor name: {"dtype", "shape", "data_offsets"}} of a safetensors file (``__metadata__`` left out)."""
-    with Path(path).open("rb") as f:
+def header_with_length(path: Path) -> tuple[dict, int]:
+    """The header as stored (``__metadata__`` included) and its length in bytes. ``ValueError`` names
+    the file when it is too short for its header or the header is not a JSON mapping."""
+    path = Path(path)
+    size = path.stat().st_size
+    with path.open("rb") as f:
         raw = f.read(8)
-        if len(raw) < 8:
-            raise ValueError(f"{path}: too short for a safetensors file")
-        (n,) = struct.unpack("<Q", raw)
-        text = f.read(n)
+        length = struct.unpack("<Q", raw)[0] if len(raw) == 8 else -1
+        if not 0 < length <= size - 8:
+            raise ValueError(f"{path} is not a safetensors file, or is truncated ({size} bytes, no complete header)")
+        text = f.read(length)
     try:
         header = json.loads(text)
-    except ValueError as err:
-        raise ValueError(f"{path}: not a safetensors file (its header is not JSON: {err})") from None
+    except ValueError:  # UnicodeDecodeError and JSONDecodeError alike
+        raise ValueError(f"{path}: its safetensors header is not valid JSON (the file is damaged)") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: its safetensors header is not a mapping (the file is damaged)")
+    return header, length
+
+
+def read_header(path: Path) -> dict[str, dict]:
+    """{tensor name: {"dtype", "shape", "data_offsets"}} of a safetensors file (``__metadata__`` left out)."""
+    header, _ = header_with_length(path)
     header.pop("__metadata__", None)
     return header
