@@ -8,15 +8,12 @@ import pytest
 import torch
 
 from dist_utils import run_ranks
-from tiny import instruction_records, make_model, write_jsonl
+from tiny import make_run_dir, run_options
 
 
 @pytest.fixture(scope="module")
 def setup_dir(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("fp16")
-    make_model(root / "model", "llama", tied=True)
-    write_jsonl(root / "train.jsonl", instruction_records(16))
-    return root
+    return make_run_dir(tmp_path_factory.mktemp("fp16"), tied=True, records=16)
 
 
 def fp16_training(rank: int, world_size: int, options: dict) -> dict:
@@ -61,8 +58,8 @@ def fp16_training(rank: int, world_size: int, options: dict) -> dict:
 
 
 def _options(root: Path, out: str, **extra) -> dict:
-    return {"model": str(root / "model"), "data": str(root / "train.jsonl"), "out": str(root / out),
-            "dtype": "fp16", "steps": 3, "batch-size": 4, "lr": 1e-2, "warmup-steps": 1, "seed": 1, **extra}
+    return run_options(root, out, **{"dtype": "fp16", "steps": 3, "batch-size": 4, "lr": 1e-2,
+                                     "warmup-steps": 1, "seed": 1, **extra})
 
 
 def test_fp16_two_ranks_fsdp2_match_one_rank_and_skip_inf_steps_on_every_rank(setup_dir):

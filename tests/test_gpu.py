@@ -15,23 +15,19 @@ import pytest
 import torch
 
 from dist_utils import run_ranks
-from tiny import instruction_records, make_model, write_jsonl
+from tiny import make_run_dir, run_options
 
 INPUT = torch.arange(1, 31).reshape(2, 15) * 11 % 250
 
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("gpu")
-    make_model(root / "model", "llama", tied=True)
-    write_jsonl(root / "train.jsonl", instruction_records(24))
-    return root
+    return make_run_dir(tmp_path_factory.mktemp("gpu"), tied=True, records=24)
 
 
 def _options(root: Path, out: str, **extra) -> dict:
-    return {"model": str(root / "model"), "data": str(root / "train.jsonl"), "out": str(root / out),
-            "device": "cuda", "dtype": "bf16", "steps": 4, "batch-size": 8, "lr": 1e-2, "warmup-steps": 1,
-            "seed": 1, **extra}
+    return run_options(root, out, **{"device": "cuda", "dtype": "bf16", "steps": 4, "batch-size": 8,
+                                     "lr": 1e-2, "warmup-steps": 1, "seed": 1, **extra})
 
 
 def _metrics(out: Path) -> list[dict]:

@@ -13,20 +13,17 @@ import torch
 from test_equivalence import grads_and_training
 
 from dist_utils import free_port, run_ranks
-from tiny import instruction_records, make_model, write_jsonl
+from tiny import make_run_dir, run_options
 
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("hsdp")
-    make_model(root / "model", "llama", tied=True)
-    write_jsonl(root / "train.jsonl", instruction_records(20))
-    return root
+    return make_run_dir(tmp_path_factory.mktemp("hsdp"))
 
 
 def _options(root: Path, out: str, **extra) -> dict:
-    return {"model": str(root / "model"), "data": str(root / "train.jsonl"), "out": str(root / out),
-            "dtype": "fp32", "steps": 4, "batch-size": 8, "lr": 1e-2, "warmup-steps": 1, "seed": 1, **extra}
+    return run_options(root, out, **{"dtype": "fp32", "steps": 4, "batch-size": 8, "lr": 1e-2,
+                                     "warmup-steps": 1, "seed": 1, **extra})
 
 
 def hsdp_training(rank: int, world_size: int, options: dict) -> dict:

@@ -10,20 +10,17 @@ import torch
 from test_equivalence import grads_and_training
 
 from dist_utils import run_ranks
-from tiny import instruction_records, make_model, write_jsonl
+from tiny import make_run_dir, run_options
 
 
 @pytest.fixture(scope="module")
 def setup_dir(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("numerics")
-    make_model(root / "model", "llama", tied=False)
-    write_jsonl(root / "train.jsonl", instruction_records(16))
-    return root
+    return make_run_dir(tmp_path_factory.mktemp("numerics"), tied=False, records=16)
 
 
 def _options(root: Path, out: str, **extra) -> dict:
-    return {"model": str(root / "model"), "data": str(root / "train.jsonl"), "out": str(root / out),
-            "dtype": "bf16", "steps": 3, "batch-size": 4, "lr": 1e-2, "warmup-steps": 1, "seed": 3, **extra}
+    return run_options(root, out, **{"dtype": "bf16", "steps": 3, "batch-size": 4, "lr": 1e-2,
+                                     "warmup-steps": 1, "seed": 3, **extra})
 
 
 def lora_dtypes_single(rank: int, world_size: int, options: dict) -> dict:

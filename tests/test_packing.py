@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from shardtune.train.data import IGNORE, Example, collate
 from shardtune.train.packing import block_causal_mask, collate_packed, forwards_per_rank, pack_rows
 
-from tiny import instruction_records, make_model, write_jsonl
+from tiny import instruction_records, make_model, make_run_dir, run_options
 
 
 def test_rows_hold_every_record_once_within_capacity_deterministically():
@@ -117,16 +117,12 @@ def test_a_model_whose_attention_cannot_keep_records_apart_is_refused(tmp_path):
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("packing")
-    make_model(root / "model", "llama", tied=True)
-    write_jsonl(root / "train.jsonl", instruction_records(20))
-    return root
+    return make_run_dir(tmp_path_factory.mktemp("packing"))
 
 
 def _options(root: Path, out: str, **extra) -> dict:
-    return {"model": str(root / "model"), "data": str(root / "train.jsonl"), "out": str(root / out),
-            "dtype": "fp32", "steps": 4, "batch-size": 8, "seq-len": 200, "lr": 1e-2, "warmup-steps": 1,
-            "seed": 1, **extra}
+    return run_options(root, out, **{"dtype": "fp32", "steps": 4, "batch-size": 8, "seq-len": 200, "lr": 1e-2,
+                                     "warmup-steps": 1, "seed": 1, **extra})
 
 
 def _metrics(out: Path) -> list[dict]:

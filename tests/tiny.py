@@ -87,3 +87,16 @@ def instruction_records(n: int = 24, seed: int = 0) -> list[dict]:
         picked = [words[int(j)] for j in torch.randint(0, len(words), (k,), generator=g)]
         out.append({"instruction": f"Repeat {i}: " + " ".join(picked), "output": " ".join(reversed(picked))})
     return out
+
+
+def make_run_dir(root: Path, tied: bool = True, records: int = 20) -> Path:
+    """``root`` holding a tiny Llama (``model/``) and ``records`` instruction records (``train.jsonl``):
+    what a test module's whole runs share."""
+    make_model(root / "model", "llama", tied=tied)
+    write_jsonl(root / "train.jsonl", instruction_records(records))
+    return root
+
+
+def run_options(root: Path, out: str, **options) -> dict:
+    """Fine-tune options for a run on ``make_run_dir(root)``'s model and data, writing to ``root / out``."""
+    return {"model": str(root / "model"), "data": str(root / "train.jsonl"), "out": str(root / out), **options}
