@@ -24,7 +24,7 @@ def _options(root: Path, out: str, **extra) -> dict:
 
 
 def grads_and_training(rank: int, world_size: int, options: dict) -> dict:
-    """One step's full LoRA gradients, then a short training run, its adapter and logits."""
+    """Logits before training, one step's full LoRA gradients, then a short run, its adapter and logits."""
     from torch.distributed.tensor import DTensor
 
     from shardtune.config import build_config
@@ -37,6 +37,10 @@ def grads_and_training(rank: int, world_size: int, options: dict) -> dict:
     worker = distributed.init_worker()
     memory = MemoryMonitor(worker.device)
     job = prepare(cfg, worker, memory)
+    job.model.eval()
+    with torch.no_grad():
+        before = job.model(input_ids=INPUT).logits
+    job.model.train()
     train_step(job, 0)
     grads = {}
     params = dict(job.strategy.unwrap(job.model).named_parameters())
@@ -53,7 +57,7 @@ def grads_and_training(rank: int, world_size: int, options: dict) -> dict:
         logits = job.model(input_ids=INPUT).logits
     memory.close()
     distributed.teardown()
-    return {"grads": grads, "losses": result["losses"], "logits": logits}
+    return {"before": before, "grads": grads, "losses": result["losses"], "logits": logits}
 
 
 def test_two_ranks_fsdp2_equal_one_rank_gradients_losses_adapter(setup_dir):
