@@ -21,9 +21,28 @@ def finetune(config: str | Path | dict[str, Any] | None = None, nproc: int | Non
     overrides = dict(options)
     if nproc is not None:
         overrides["nproc"] = nproc
+    overrides.update(_torchrun_layout())
     cfg = build_config(config, overrides)
     cfg = preflight(cfg)  # with the auto options decided, once, for every rank
     return launch(cfg)
+
+
+def _torchrun_layout() -> dict[str, Any]:
+    """Under plain torchrun, the ranks torchrun started replace --nproc/--nnodes: the checks and the
+    automatic choice before training must count the ranks that will really train."""
+    import os
+
+    from shardtune.runtime.workers import under_torchrun
+
+    if not under_torchrun():
+        return {}
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    layout: dict = {"nproc": local, "nnodes": max(1, world // max(1, local))}
+    if layout["nnodes"] > 1:  # torchrun did the rendezvous; the endpoint is recorded for the config only
+        layout["rdzv-endpoint"] = f"{os.environ.get('MASTER_ADDR', 'localhost')}:{os.environ.get('MASTER_PORT', 0)}"
+        layout["node-rank"] = int(os.environ.get("GROUP_RANK", int(os.environ.get("RANK", "0")) // local))
+    return layout
 
 
 def __getattr__(name: str) -> Any:

@@ -70,8 +70,8 @@ def launch(cfg: Config) -> dict:
             raise Stopped(err.signum, message) from None
         finally:
             shutil.rmtree(private, ignore_errors=True)
+    if cfg.parallel.node_rank > 0:
+        return {}  # rank 0, on node 0, writes the summary (into an --out the nodes may share)
     if _identity(summary_path) in (None, before):  # never report an older run's result as this one's
-        if cfg.parallel.node_rank > 0:
-            return {}  # rank 0, on node 0, writes the summary
         raise WorkerError(f"the workers finished but wrote no new {summary_path}")
     return json.loads(summary_path.read_text())
