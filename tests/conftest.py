@@ -61,3 +61,14 @@ def run_root(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path, train_j
     (root / "model").symlink_to(tiny_llama, target_is_directory=True)
     (root / "train.jsonl").symlink_to(train_jsonl)
     return root
+
+
+@pytest.fixture
+def no_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fail the test if a fine-tune would start workers: for tests of what must be refused before that."""
+    import shardtune.launch
+
+    def launch(cfg):  # pragma: no cover - reached only when bad input got past the checks
+        raise AssertionError("the checks passed: workers would have been started")
+
+    monkeypatch.setattr(shardtune.launch, "launch", launch)

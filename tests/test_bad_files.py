@@ -8,11 +8,13 @@ from pathlib import Path
 
 import pytest
 
-import shardtune.launch
 from shardtune.cli import main
 from test_merge import _random_adapter
 
 from tiny import instruction_records, make_model, write_jsonl
+
+# Everything here must be refused before any worker starts.
+pytestmark = pytest.mark.usefixtures("no_workers")
 
 
 @pytest.fixture(scope="module")
@@ -22,14 +24,6 @@ def files(tmp_path_factory) -> Path:
     _random_adapter(root / "model", root / "adapter", {})
     write_jsonl(root / "train.jsonl", instruction_records(8))
     return root
-
-
-@pytest.fixture(autouse=True)
-def no_workers(monkeypatch):
-    def launch(cfg):  # pragma: no cover - reached only when a bad file got through
-        raise AssertionError("the checks passed: workers would have been started")
-
-    monkeypatch.setattr(shardtune.launch, "launch", launch)
 
 
 def _fails(capsys, argv: list[str], *expected: str) -> str:

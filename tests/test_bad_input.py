@@ -18,18 +18,13 @@ from shardtune.preflight import preflight
 
 from tiny import write_jsonl
 
+# Everything here must be refused before any worker starts.
+pytestmark = pytest.mark.usefixtures("no_workers")
+
 
 @pytest.fixture
 def model_dir(tiny_llama):
     return tiny_llama
-
-
-@pytest.fixture(autouse=True)
-def no_workers(monkeypatch):
-    def launch(cfg):  # pragma: no cover - reached only when preflight let bad input through
-        raise AssertionError("preflight passed: workers would have been started")
-
-    monkeypatch.setattr(shardtune.launch, "launch", launch)
 
 
 @pytest.fixture

@@ -12,17 +12,14 @@ from shardtune import cli
 from shardtune.choice import candidates, choose
 from shardtune.config import ConfigError, build_config
 
-from tiny import instruction_records, make_model, write_jsonl
+from tiny import make_run_dir
 
 MB = 1024 * 1024
 
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("choice")
-    make_model(root / "model", "llama")
-    write_jsonl(root / "train.jsonl", instruction_records(16))
-    return root
+    return make_run_dir(tmp_path_factory.mktemp("choice"), tied=False, records=16)
 
 
 def _options(root: Path, **extra) -> dict:

@@ -18,15 +18,12 @@ from shardtune.cli import main
 from shardtune.errors import ShardtuneError
 from shardtune.runtime.lock import RunLock
 
-from tiny import instruction_records, make_model, write_jsonl
+from tiny import make_run_dir
 
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("runfolder")
-    make_model(root / "model", "llama")
-    write_jsonl(root / "train.jsonl", instruction_records(12))
-    return root
+    return make_run_dir(tmp_path_factory.mktemp("runfolder"), tied=False, records=12)
 
 
 def _options(root: Path, out: Path, **extra) -> dict:
