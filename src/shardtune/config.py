@@ -199,6 +199,8 @@ def _field_type(f: dataclasses.Field) -> type:
 def _coerce(flag: str, value: Any) -> Any:
     _, f = FLAGS[flag]
     if value is None:
+        if "None" not in str(f.type):  # `lora-dropout:` left empty in YAML: no number to validate later
+            raise ConfigError(f"option '{flag}': expected {_field_type(f).__name__}, got nothing (null)")
         return None
     if f.metadata.get("auto") and isinstance(value, str) and value.strip().lower() == "auto":
         return "auto"
