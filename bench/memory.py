@@ -52,7 +52,7 @@ def run_job(recipe: str, malloc: str, model: Path, data: Path, args: argparse.Na
     env.update(MALLOC_ENV[malloc])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
            str(HERE / "peers.py"), *RECIPES[recipe], "--model", str(model), "--data", str(data),
-           "--out", str(out), "--steps", str(args.steps), "--seq-len", str(args.seq_len)]
+           "--out", str(out), "--steps", str(args.steps), "--seq-len", str(args.seq_len), "--dtype", args.dtype]
     started = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
     job = {"recipe": recipe, "malloc": malloc, "wall_seconds": round(time.perf_counter() - started, 1)}
@@ -78,7 +78,8 @@ def predictions(model: Path, args: argparse.Namespace) -> dict[str, dict]:
     for quantize in ("none", "nf4"):
         cfg = build_config({"model": str(model), "nproc": args.nproc, "batch-size": args.nproc,
                             "micro-batch-size": 1, "seq-len": args.seq_len, "lora-r": 8,
-                            "lora-targets": "q_proj,v_proj", "quantize": quantize, "device": "cpu"})
+                            "lora-targets": "q_proj,v_proj", "quantize": quantize, "device": "cpu",
+                            "dtype": args.dtype})
         for strategy, preds in plan(cfg).items():
             for p in preds:
                 name = (f"shardtune-{strategy}{'-ac' * p.activation_checkpointing}{'-offload' * p.cpu_offload}"
@@ -174,6 +175,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per job")
+    parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"),
+                        help="compute dtype of every recipe (the checkpoint stays bf16): fp32 on CPUs without "
+                             "bf16 matmul (AVX2 only: bf16 gemm runs at 0.2-6 GFLOP/s there, fp32 at 24-38)")
     parser.add_argument("--out", type=Path, help="JSON results [default: bench/results/memory-<size>.json]")
     args = parser.parse_args()
     recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
@@ -194,7 +198,7 @@ def main() -> None:
     print(report)
     out = args.out or HERE / "results" / f"memory-{args.size}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"size": args.size, "ranks": args.nproc, "steps": args.steps,
+    out.write_text(json.dumps({"size": args.size, "ranks": args.nproc, "steps": args.steps, "dtype": args.dtype,
                                "seq_len": args.seq_len, "jobs": jobs, "planner": plans, "table": report}, indent=2))
     print(f"wrote {out}", file=sys.stderr)
 

@@ -82,45 +82,48 @@ def lora_config():
     return LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
 
 
-def full_model(path: str):
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def full_model(path: str, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
 
 
-def meta_model(path: str):
+def meta_model(path: str, dtype: torch.dtype):
     """What transformers builds on non-main ranks under accelerate: weights on meta, buffers real."""
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
     with init_empty_weights(include_buffers=False):
-        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.bfloat16)
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype)
 
 
-def shard_fsdp2(model):
+def shard_fsdp2(model, dtype: torch.dtype):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     for layer in decoder_layers(model):
         fully_shard(layer, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
     return model
 
 
-def load_naive(path: str, rank: int):
+def load_naive(path: str, rank: int, dtype: torch.dtype):
     from peft import get_peft_model
 
-    return shard_fsdp2(get_peft_model(full_model(path), lora_config()))
+    return shard_fsdp2(get_peft_model(full_model(path, dtype), lora_config()), dtype)
 
 
-def load_broadcast(path: str, rank: int):
+def load_broadcast(path: str, rank: int, dtype: torch.dtype):
     from peft import get_peft_model
     from torch.distributed.tensor import distribute_tensor
 
-    model = get_peft_model(full_model(path) if rank == 0 else meta_model(path), lora_config())
+    model = get_peft_model(full_model(path, dtype) if rank == 0 else meta_model(path, dtype), lora_config())
     full_sd = model.state_dict() if rank == 0 else None
     buffers = {n: b.clone() for n, b in model.named_buffers()}  # non-persistent: not in the state dict
-    model = shard_fsdp2(model.to("meta"))
+    model = shard_fsdp2(model.to("meta"), dtype)
     sharded = {}
     for name, meta in model.state_dict().items():
         full = full_sd[name].detach() if rank == 0 else torch.empty(meta.shape, dtype=meta.dtype)
@@ -135,7 +138,7 @@ def load_broadcast(path: str, rank: int):
     return model
 
 
-def load_fsdp1_peft(path: str, rank: int):
+def load_fsdp1_peft(path: str, rank: int, dtype: torch.dtype):
     from peft import get_peft_model
     from peft.utils.other import fsdp_auto_wrap_policy
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -143,15 +146,15 @@ def load_fsdp1_peft(path: str, rank: int):
 
     # Every rank loads: accelerate's rank-0-only variant (sync_module_states=True) refuses CPU
     # parameters ("requires them to be on GPU").
-    model = get_peft_model(full_model(path), lora_config())
+    model = get_peft_model(full_model(path, dtype), lora_config())
     return FSDP(
         model, auto_wrap_policy=fsdp_auto_wrap_policy(model), use_orig_params=True,
         device_id=torch.device("cpu"), limit_all_gathers=True,
-        mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+        mixed_precision=MixedPrecision(param_dtype=dtype, reduce_dtype=torch.float32),
     )
 
 
-def load_fsdp1_orig_params(path: str, rank: int):
+def load_fsdp1_orig_params(path: str, rank: int, dtype: torch.dtype):
     from peft import get_peft_model
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp import MixedPrecision
@@ -159,17 +162,17 @@ def load_fsdp1_orig_params(path: str, rank: int):
 
     # The usual way around "Must flatten tensors with uniform requires_grad": a plain decoder-layer
     # policy with use_orig_params=True, which keeps gradients for whole flat parameters, frozen included.
-    model = get_peft_model(full_model(path), lora_config())
+    model = get_peft_model(full_model(path, dtype), lora_config())
     # One flat parameter must have one dtype: peft's fp32 LoRA weights go bf16 with the layer they sit in.
-    model.to(torch.bfloat16)
+    model.to(dtype)
     return FSDP(
         model, auto_wrap_policy=ModuleWrapPolicy(layer_classes(model)), use_orig_params=True,
         device_id=torch.device("cpu"), limit_all_gathers=True,
-        mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+        mixed_precision=MixedPrecision(param_dtype=dtype, reduce_dtype=torch.float32),
     )
 
 
-def load_torchtune_nf4(path: str, rank: int):
+def load_torchtune_nf4(path: str, rank: int, dtype: torch.dtype):
     """torchtune's QLoRA loading: every rank reads the whole bf16 state dict into memory, quantizes the
     decoder layers' Linear weights with ``to_nf4`` (default blocks 64/256), then ``fully_shard``."""
     from peft import get_peft_model
@@ -181,15 +184,15 @@ def load_torchtune_nf4(path: str, rank: int):
     sd: dict[str, torch.Tensor] = {}
     for file in sorted(Path(path).glob("*.safetensors")):
         sd.update(load_file(file))
-    model = meta_model(path)
-    model.load_state_dict(sd, strict=False, assign=True)
+    model = meta_model(path, dtype)
+    model.load_state_dict({k: v.to(dtype) for k, v in sd.items()}, strict=False, assign=True)
     model.tie_weights()
     del sd
     for layer in model.model.layers:
         for module in layer.modules():
             if type(module) is torch.nn.Linear:
                 module.weight = torch.nn.Parameter(to_nf4(module.weight.detach()), requires_grad=False)
-    return shard_fsdp2(get_peft_model(model, lora_config()))
+    return shard_fsdp2(get_peft_model(model, lora_config()), dtype)
 
 
 PEERS = {"naive": load_naive, "broadcast": load_broadcast, "fsdp1-peft": load_fsdp1_peft,
@@ -210,7 +213,7 @@ def run_peer(recipe: str, args: argparse.Namespace, rank: int, world: int) -> di
     reads = FileReads(args.model)
     started = time.perf_counter()
     with memory.phase("load"):
-        model = PEERS[recipe](args.model, rank)
+        model = PEERS[recipe](args.model, rank, DTYPES[args.dtype])
     load_seconds = time.perf_counter() - started
     read_mb = reads.mb()
     model.train()
@@ -223,7 +226,8 @@ def run_peer(recipe: str, args: argparse.Namespace, rank: int, world: int) -> di
             batch = collate(records, tokenizer.pad_token_id, d.device)
             # accelerate runs FSDP1's bf16 mixed precision under autocast: peft casts LoRA's input to the
             # fp32 weight's dtype outside the LoRA unit, and FSDP1 computes the unit in bf16
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=recipe.startswith("fsdp1")):
+            autocast = recipe.startswith("fsdp1") and args.dtype == "bf16"
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
                 loss = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                              labels=batch["labels"]).loss
             loss.backward()
@@ -265,7 +269,7 @@ def run_shardtune(args: argparse.Namespace, rank: int) -> dict:
                         "lora-targets": "q_proj,v_proj", "activation-checkpointing": args.activation_checkpointing,
                         "cpu-offload": args.cpu_offload, "warmup-steps": 0, "packing": args.packing,
                         "fsdp-unit": args.fsdp_unit, "memory-per-rank": args.memory_per_rank,
-                        "quantize": args.quantize})
+                        "quantize": args.quantize, "dtype": args.dtype})
     validate(cfg)
     from shardtune.preflight import preflight
 
@@ -294,6 +298,8 @@ def main() -> None:
     parser.add_argument("--fsdp-unit", default="part", choices=("auto", "layer", "part"))
     parser.add_argument("--memory-per-rank", default=None)
     parser.add_argument("--quantize", default="none")
+    parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES),
+                        help="compute dtype (and the peers' weights); fp32 on CPUs without bf16 matmul (AVX2 only)")
     args = parser.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     # Imported before any counting starts, the same for every recipe: module files are not the model's.

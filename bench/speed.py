@@ -94,7 +94,8 @@ def run_job(name: str, argv: list[str], model: Path, data: Path, args: argparse.
     env = {k: v for k, v in os.environ.items() if k not in ("MALLOC_MMAP_THRESHOLD_", "SHARDTUNE_MALLOC")}
     env["MALLOC_MMAP_THRESHOLD_"] = "131072"  # the same allocator setting for every recipe (shardtune's own)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(HERE / "peers.py"),
-           *argv, "--model", str(model), "--data", str(data), "--out", str(out), "--steps", str(args.steps)]
+           *argv, "--model", str(model), "--data", str(data), "--out", str(out), "--steps", str(args.steps),
+           "--dtype", args.dtype]
     started = time.perf_counter()
     # A session of its own: on timeout the workers go too (torchrun's children outlive a killed torchrun,
     # and shardtune's workers wait for the step's end on SIGTERM).
@@ -169,6 +170,8 @@ def main() -> None:
     parser.add_argument("--cache", type=Path, default=HERE / ".cache")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--timeout", type=int, default=1800)
+    parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"),
+                        help="compute dtype of every job: fp32 on CPUs without bf16 matmul (AVX2 only)")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "speed-1.1b.json")
     args = parser.parse_args()
     model = make_checkpoint("1.1b", args.cache)
@@ -203,6 +206,7 @@ def main() -> None:
     print(report)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"model": "llama-1.1b (random, bf16)", "ranks": 2, "steps": args.steps,
+                                    "dtype": args.dtype,
                                     "jobs": ordered, "table": report}, indent=2))
     print(f"wrote {args.out}", file=sys.stderr)
 
