@@ -102,3 +102,31 @@ def test_cuda_peaks_per_phase_for_the_summary():
                      "train": {"rss_anon_mb": 9.0}}
     assert monitor.cuda_peaks_mb() == {"load": {"allocated": 100.0, "reserved": 128.0},
                                        "train": {"allocated": None, "reserved": None}}
+
+
+def test_auto_dtype_is_bf16_only_where_the_hardware_computes_in_it(gpus, monkeypatch):
+    monkeypatch.setattr(device, "cpu_has_fast_bf16", lambda: False)  # AVX2 only: bf16 matmul ~50x slower
+    assert device.auto_dtype("cpu") == "fp32"
+    monkeypatch.setattr(device, "cpu_has_fast_bf16", lambda: True)  # AVX512 / AMX
+    assert device.auto_dtype("cpu") == "bf16"
+    gpus(1)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)  # T4, V100
+    assert device.auto_dtype("cuda") == "fp16"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    assert device.auto_dtype("cuda") == "bf16"
+    gpus(0)
+    assert device.auto_dtype("cuda") == "bf16"  # plan --device cuda on a CPU machine: a recent GPU
+
+
+def test_decide_dtype_replaces_auto_once_and_keeps_a_given_dtype(gpus, monkeypatch):
+    gpus(0)
+    monkeypatch.setattr(device, "cpu_has_fast_bf16", lambda: False)
+    cfg = build_config({"model": "m", "data": "d"})
+    assert cfg.model.dtype == "auto"
+    assert device.decide_dtype(cfg).model.dtype == "fp32"
+    assert device.decide_dtype(build_config({"model": "m", "dtype": "bf16"})).model.dtype == "bf16"
+    assert device.decide_dtype(build_config({"model": "m", "device": "cuda"})).model.dtype == "bf16"
+
+
+def test_the_cpu_check_matches_torchs_own():
+    assert device.cpu_has_fast_bf16() == bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())

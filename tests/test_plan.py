@@ -91,7 +91,7 @@ def test_checkpointing_cuts_activations_and_longer_sequences_cost_more(model_dir
 
 
 def test_offload_moves_shards_off_the_gpu(model_dir: Path) -> None:
-    facts = model_facts(_cfg(model_dir), {1}, {torch.bfloat16}, torch.device("cpu"))
+    facts = model_facts(_cfg(model_dir, dtype="bf16"), {1}, {torch.bfloat16}, torch.device("cpu"))
     cuda = torch.device("cuda", 0)  # predict() only reads the device's type
     kept = predict(facts, "fsdp2", 2, 1, 64, ac=False, offload=False, device=cuda)
     offloaded = predict(facts, "fsdp2", 2, 1, 64, ac=False, offload=True, device=cuda)

@@ -81,7 +81,7 @@ def _micro_sizes(cfg: Config, world: int) -> list[int]:
 def candidates(cfg: Config, budget: int) -> list[tuple[Candidate, bool]]:
     """Every setting the auto options allow, with its predicted peak and whether it fits."""
     from shardtune.model.footprint import model_facts
-    from shardtune.model.meta import DTYPES
+    from shardtune.model.meta import compute_dtype
     from shardtune.plan import plan_device, predict
 
     ranks = cfg.parallel.nproc * cfg.parallel.nnodes
@@ -95,7 +95,7 @@ def candidates(cfg: Config, budget: int) -> list[tuple[Candidate, bool]]:
     auto = cfg.parallel.strategy == "auto" or cfg.train.micro_batch_size == "auto"
     acs = [True] if cfg.parallel.activation_checkpointing else ([False, True] if auto else [False])
     device, traced = plan_device(cfg.parallel.device)
-    facts = model_facts(cfg, {m for ms in micros.values() for m in ms}, {DTYPES[cfg.model.dtype]}, traced)
+    facts = model_facts(cfg, {m for ms in micros.values() for m in ms}, {compute_dtype(cfg)}, traced)
     out = []
     for strategy in strategies:
         world = 1 if strategy == "single" else ranks

@@ -37,9 +37,11 @@ class ModelConfig:
         "org/name[@revision] (local path first, then the HF cache, then a download unless HF_HUB_OFFLINE=1)."
     )
     dtype: str = opt(
-        "bf16", "dtype",
-        "Dtype of the frozen base weights and of compute; fp16 (GPUs without bf16: T4, V100) adds loss scaling.",
-        ("bf16", "fp16", "fp32"),
+        "auto", "dtype",
+        "Dtype of the frozen base weights and of compute; fp16 (GPUs without bf16: T4, V100) adds loss scaling. "
+        "auto: bf16 where the hardware computes in it natively (Ampere+ GPUs, CPUs with AVX512/AMX), else fp16 "
+        "on GPUs and fp32 on CPUs.",
+        ("auto", "bf16", "fp16", "fp32"),
     )
     quantize: str = opt(
         "none", "quantize", "Store the frozen decoder-layer Linear weights in 4-bit NormalFloat (QLoRA; needs "

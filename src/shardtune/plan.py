@@ -20,7 +20,8 @@ import torch
 
 from shardtune.config import Config, build_config, validate
 from shardtune.model.footprint import Facts, model_facts
-from shardtune.model.meta import DTYPES
+from shardtune.model.meta import compute_dtype
+from shardtune.runtime.device import decide_dtype
 from shardtune.runtime.memory import MB
 from shardtune.train.data import BatchPlan, DataError
 from shardtune.train.loss import CHUNK_BYTES
@@ -240,7 +241,7 @@ def plan(cfg: Config, memory_per_rank: int | None = None) -> dict[str, list[Pred
     micros = {b.micro_batch_size for b in batches.values() if isinstance(b, BatchPlan)}
     if not micros:
         raise DataError(next(iter(batches.values())))  # type: ignore[arg-type]
-    compute = DTYPES[cfg.model.dtype]
+    compute = compute_dtype(cfg)
     facts = model_facts(cfg, micros, {compute}, traced)
     out: dict[str, list[Prediction]] = {}
     for strategy in STRATEGIES:
@@ -330,6 +331,7 @@ def run_plan(config: str | Path | None, overrides: dict[str, Any], as_json_outpu
     quiet_libraries()
     cfg = build_config(config, overrides)
     validate(cfg, need_data=False)
+    cfg = decide_dtype(cfg)  # --dtype auto: for the device planned for
     device, traced = plan_device(cfg.parallel.device)
     budget, where = budget_of(cfg)
     cfg, chosen, why = choose(cfg)

@@ -15,8 +15,8 @@ from shardtune.config import Config, validate
 from shardtune.model import quantize
 from shardtune.model.directory import check_model_dir, load_tokenizer
 from shardtune.model.lora import inject_lora
-from shardtune.model.meta import DTYPES, build_meta_model, vocab_size
-from shardtune.runtime.device import check_local_ranks, device_type
+from shardtune.model.meta import build_meta_model, compute_dtype, vocab_size
+from shardtune.runtime.device import check_local_ranks, decide_dtype, device_type
 from shardtune.runtime.files import OutputError, check_writable
 from shardtune.runtime.versions import check_apis
 from shardtune.train.checkpoint import resume_point
@@ -38,6 +38,7 @@ def preflight(cfg: Config) -> Config:
     validate(cfg)
     # Before any worker starts: a missing GPU, or more ranks than GPUs, is a config error, not an NCCL hang.
     check_local_ranks(device_type(cfg.parallel.device), cfg.parallel.nproc)
+    cfg = decide_dtype(cfg)  # --dtype auto: for this machine's device, the same for every rank
     check_installed(cfg.output.report_to)
     out = Path(cfg.output.out)
     if out.exists() and not out.is_dir():
@@ -57,7 +58,7 @@ def preflight(cfg: Config) -> Config:
         load_dataset(cfg.data.val, tokenizer, cfg.data.seq_len, vocab, cfg.data.fields, cache)
     if cfg.model.quantize == "nf4":
         quantize.check_available()
-    model, _ = inject_lora(build_meta_model(model_dir, DTYPES[cfg.model.dtype]), cfg.lora, cfg.train.seed)
+    model, _ = inject_lora(build_meta_model(model_dir, compute_dtype(cfg)), cfg.lora, cfg.train.seed)
     if cfg.data.packing:
         check_packing(model)
     ranks = cfg.parallel.nproc * cfg.parallel.nnodes

@@ -19,7 +19,7 @@ from shardtune.config import Config
 from shardtune.model import quantize
 from shardtune.model.directory import ModelDir, ModelDirError, check_model_dir
 from shardtune.model.lora import inject_lora
-from shardtune.model.meta import DTYPES, build_meta_model
+from shardtune.model.meta import build_meta_model, compute_dtype
 from shardtune.model.structure import decoder_layers, embedding_tables, layer_parts, tables_by_rows
 from shardtune.runtime.compat import fake_mode, storage_id
 from shardtune.runtime.safetensors_header import read_header
@@ -136,7 +136,7 @@ def model_dir_for_plan(path: str | Path, trust_remote_code: bool = False) -> Mod
 
 def model_facts(cfg: Config, micro_batches: set[int], lora_dtypes: set[torch.dtype], device: torch.device) -> Facts:
     model_dir = model_dir_for_plan(cfg.model.path, cfg.model.trust_remote_code)
-    dtype = DTYPES[cfg.model.dtype]
+    dtype = compute_dtype(cfg)
     model, _ = inject_lora(build_meta_model(model_dir, dtype), cfg.lora, cfg.train.seed)
     base = model.get_base_model()
     params = _unique_params(model)

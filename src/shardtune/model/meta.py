@@ -9,9 +9,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from shardtune.config import Config
 from shardtune.model.directory import ModelDir, ModelDirError
+from shardtune.runtime.device import decide_dtype
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def compute_dtype(cfg: Config) -> torch.dtype:
+    """The run's frozen-weight and compute dtype (``--dtype``, auto decided for the run's device)."""
+    return DTYPES[decide_dtype(cfg).model.dtype]
 
 
 def build_meta_model(model_dir: ModelDir, dtype: torch.dtype) -> nn.Module:

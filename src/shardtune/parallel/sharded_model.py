@@ -19,9 +19,10 @@ from shardtune.model import quantize
 from shardtune.model.directory import ModelDir, check_model_dir
 from shardtune.model.loading import load, take_snapshot
 from shardtune.model.lora import adapter_key_map, count_params, inject_lora, trainable_names
-from shardtune.model.meta import DTYPES, build_meta_model
+from shardtune.model.meta import DTYPES, build_meta_model, compute_dtype
 from shardtune.parallel import Strategy, choose_strategy, make_strategy, parallelize
 from shardtune.runtime import distributed
+from shardtune.runtime.device import auto_dtype
 from shardtune.runtime.distributed import Worker
 
 log = logging.getLogger("shardtune")
@@ -45,7 +46,7 @@ def build_model(cfg: Config, worker: Worker) -> Built:
 def _build(model_dir: ModelDir, meta_model: nn.Module | None, cfg: Config, worker: Worker) -> Built:
     if cfg.model.quantize == "nf4":
         quantize.check_available()
-    dtype = DTYPES[cfg.model.dtype]
+    dtype = compute_dtype(cfg)
     model = meta_model if meta_model is not None else build_meta_model(model_dir, dtype)
     model, lora_init = inject_lora(model, cfg.lora, cfg.train.seed)
     # Named before sharding: FSDP1's wrappers hide the module names peft needs to name adapter tensors.
@@ -95,7 +96,7 @@ def load_sharded(
     lora: LoraConfig | dict[str, Any] | None = None,
     *,
     meta_model: nn.Module | None = None,
-    dtype: str = "bf16",
+    dtype: str = "auto",
     seed: int = 0,
     activation_checkpointing: bool = False,
     cpu_offload: bool = False,
@@ -114,7 +115,9 @@ def load_sharded(
             ``rslora``, ``init``); default: ``LoraConfig()``.
         meta_model: a plain (not peft) transformers model built on the meta device from the same
             config, e.g. with your own changes; default: built from ``model``'s config.json.
-        dtype: "bf16" or "fp32": frozen base weights and compute. LoRA weights are fp32.
+        dtype: "bf16", "fp32" or "auto" (as ``--dtype auto``: bf16 where the device computes in it
+            natively, else fp32 on CPUs, fp16 on older GPUs): frozen base weights and compute. LoRA
+            weights are fp32.
         seed: LoRA's initial values; the same on every rank and equal to ``get_peft_model`` after
             ``torch.manual_seed(seed)`` on a full model.
         activation_checkpointing, cpu_offload: as the fine-tune options of the same names.
@@ -142,9 +145,11 @@ def load_sharded(
                               f"known: {', '.join(sorted(known))}")
         lora = LoraConfig(**lora)
     lora = lora or LoraConfig()
-    if dtype not in DTYPES:
-        raise ConfigError(f"load_sharded: dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    if dtype not in ("auto", *DTYPES):
+        raise ConfigError(f"load_sharded: dtype {dtype!r} is not one of auto, {', '.join(DTYPES)}")
     worker = distributed.init_worker()
+    if dtype == "auto":
+        dtype = auto_dtype(worker.device.type)
     if dist.get_world_size() != worker.world_size:  # a process group the caller set up without env
         worker = dataclasses.replace(worker, rank=dist.get_rank(), world_size=dist.get_world_size())
     model_dir = check_model_dir(model, trust_remote_code)

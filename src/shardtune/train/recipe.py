@@ -20,11 +20,11 @@ from torch import nn
 
 from shardtune.config import Config, ConfigError, build_config, validate
 from shardtune.model.directory import check_model_dir
-from shardtune.model.meta import DTYPES, vocab_size
+from shardtune.model.meta import compute_dtype, vocab_size
 from shardtune.parallel import Strategy
 from shardtune.parallel.sharded_model import Built, build_model
 from shardtune.runtime import distributed
-from shardtune.runtime.device import device_type
+from shardtune.runtime.device import decide_dtype, device_type
 from shardtune.runtime.distributed import Worker
 from shardtune.runtime.logs import setup_logging
 from shardtune.runtime.memory import MemoryMonitor, tune_malloc
@@ -98,7 +98,7 @@ def forwards(job: Job, step: int) -> list[Forward]:
         attention = attention_of(job.model)
         packed = packed_forwards(job.sampler.global_batch(step), examples, job.sampler.plan, job.cfg.data.seq_len,
                                  job.worker.rank, job.pad_id, device, one_row=attention in VARLEN)
-        dtype = DTYPES[job.cfg.model.dtype]
+        dtype = compute_dtype(job.cfg)
         return [Forward(p.model_inputs(attention, dtype), p.labels, p.real_tokens, p.positions) for p in packed]
     out = []
     for micro in job.sampler.micro_batches(step, job.worker.rank):
@@ -252,6 +252,7 @@ def run(cfg: Config) -> dict:
     if device_type(cfg.parallel.device) == "cpu":
         tune_malloc()  # before anything large is allocated: see memory.py (CPU memory only)
     worker = distributed.init_worker(cfg.parallel.device, cfg.parallel.cpu_offload)
+    cfg = decide_dtype(cfg)  # already decided by preflight, unless started as `python -m shardtune.train`
     if worker.world_size > 1:
         # Under plain torchrun every rank made the automatic choice (preflight); rank 0's is the one.
         cfg = distributed.all_gather_object(cfg)[0]
@@ -278,7 +279,7 @@ def run(cfg: Config) -> dict:
         peaks = distributed.all_gather_object({k: memory.peak_mb(k) for k in phases})
         cuda_peaks = distributed.all_gather_object(memory.cuda_peaks_mb()) if worker.device.type == "cuda" else None
         summary = {
-            "world_size": worker.world_size, "strategy": job.strategy.name,
+            "world_size": worker.world_size, "strategy": job.strategy.name, "dtype": cfg.model.dtype,
             "device": worker.device.type, "backend": str(torch.distributed.get_backend()),
             "strategy_reason": job.built.strategy_reason,
             "micro_batch_size": job.sampler.plan.micro_batch_size,
