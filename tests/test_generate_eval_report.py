@@ -138,6 +138,47 @@ def test_eval_json_loss_is_the_mean_over_target_tokens(root, capsys):
     assert result["perplexity"] == pytest.approx(math.exp(result["loss"]), rel=1e-9)
 
 
+def test_eval_maps_columns_with_data_fields(root, tmp_path, capsys):
+    """Other column names, mapped with --data-fields: the same loss and questions as the usual fields."""
+    records = instruction_records(5)
+    write_jsonl(tmp_path / "usual.jsonl", records)
+    write_jsonl(tmp_path / "other.jsonl", [{"question": r["instruction"], "answer": r["output"]} for r in records])
+    common = ["eval", "--model", str(root / "model"), "--json", "--max-new-tokens", "4"]
+    assert cli_main([*common, "--data", str(tmp_path / "usual.jsonl")]) == 0
+    usual = json.loads(capsys.readouterr().out)
+    assert cli_main([*common, "--data", str(tmp_path / "other.jsonl"), "--data-fields",
+                     "prompt=question,response=answer"]) == 0
+    mapped = json.loads(capsys.readouterr().out)
+    assert mapped["questions"] == usual["questions"] == 5
+    assert mapped["loss"] == pytest.approx(usual["loss"], rel=1e-6)
+    assert mapped["exact_match"] == usual["exact_match"]
+    assert cli_main([*common, "--data", str(tmp_path / "other.jsonl")]) == 2  # unmapped: a clear data error
+    assert "other.jsonl" in capsys.readouterr().err
+
+
+def test_tools_run_a_models_own_code_only_when_trusted(root, tmp_path, capsys):
+    """generate, eval and merge refuse a model that names its own code, and run it with --trust-remote-code."""
+    import shutil
+
+    model = shutil.copytree(root / "model", tmp_path / "remote")
+    (model / "modeling_x.py").write_text(
+        "from transformers import LlamaForCausalLM\n\n\nclass XForCausalLM(LlamaForCausalLM):\n    pass\n")
+    config = json.loads((model / "config.json").read_text())
+    config["auto_map"] = {"AutoModelForCausalLM": "modeling_x.XForCausalLM"}
+    (model / "config.json").write_text(json.dumps(config))
+    generate = ["generate", "--model", str(model), "--prompt", "hi", "--max-new-tokens", "2"]
+    evaluate = ["eval", "--model", str(model), "--data", str(root / "data.jsonl"), "--max-new-tokens", "0"]
+    merge = ["merge", "--model", str(model), "--adapter", str(root / "adapter"), "--out", str(tmp_path / "m")]
+    for argv in (generate, evaluate, merge):
+        assert cli_main(argv) == 2
+        assert "auto_map" in capsys.readouterr().err and not (tmp_path / "m").exists()
+    for argv in (generate, evaluate, merge):
+        assert cli_main([*argv, "--trust-remote-code"]) == 0
+    loaded, _ = load_model(model, trust_remote_code=True)
+    assert type(loaded).__name__ == "XForCausalLM"
+    assert (tmp_path / "m" / "config.json").is_file()
+
+
 def test_eval_on_two_processes_equals_one(root):
     kwargs = dict(adapter=root / "adapter", max_new_tokens=6, answers=True, batch_size=2)
     one = evaluate(root / "model", root / "data.jsonl", nproc=1, **kwargs)

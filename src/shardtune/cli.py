@@ -74,7 +74,8 @@ def cmd_import_gguf(args: argparse.Namespace) -> int:
 def cmd_merge(args: argparse.Namespace) -> int:
     from shardtune.tools.merge import merge
 
-    result = merge(args.model, args.adapter, args.out, args.dtype, overwrite=args.overwrite)
+    result = merge(args.model, args.adapter, args.out, args.dtype, overwrite=args.overwrite,
+                   trust_remote_code=args.trust_remote_code)
     print(f"wrote {result['out']} ({result['changed']} tensors changed, {result['bytes'] / 2**20:.1f} MB)")
     return 0
 
@@ -118,6 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dtype of the merged floating-point weights; auto keeps each tensor's [default: auto]")
     p.add_argument("--overwrite", action="store_true",
                    help="replace --out when it exists and is not empty (never when it is or holds an input)")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="allow a model whose config names its own Python code (auto_map); runs that code")
     p.set_defaults(func=cmd_merge)
 
     p = sub.add_parser("adapter-from-checkpoint", help="Write a peft adapter from a resumable checkpoint.")

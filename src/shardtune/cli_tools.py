@@ -22,10 +22,14 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--adapter", help="LoRA adapter directory in peft format, e.g. OUT_DIR/adapter of a fine-tune "
                                      "[default: none, the base model alone]")
     p.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp16", "fp32"),
-                   help="weights and compute dtype; auto: bf16 on GPU, fp32 on CPU [default: auto]")
+                   help="weights and compute dtype; auto: bf16 where the device computes in it natively "
+                        "(Ampere+ GPUs, AVX512/AMX CPUs), else fp16 on GPUs, fp32 on CPUs [default: auto]")
     p.add_argument("--quantize", default="none", choices=("none", "nf4"),
                    help="nf4: the decoder-layer Linear weights in 4-bit NF4, as a QLoRA fine-tune "
-                        "(--quantize nf4) trained on them; quantized from bf16 unless --dtype fp32 [default: none]")
+                        "(--quantize nf4) trained on them, quantized from --dtype as training does: give the "
+                        "fine-tune's dtype (its config.yaml) [default: none]")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="allow a model whose config names its own Python code (auto_map); runs that code")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -34,7 +38,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     quiet_libraries()
     prompts = [args.prompt] if args.prompt is not None else read_prompts(args.prompts)
-    model, tokenizer = load_model(args.model, args.adapter, args.dtype, quantize=args.quantize)
+    model, tokenizer = load_model(args.model, args.adapter, args.dtype, quantize=args.quantize,
+                                  trust_remote_code=args.trust_remote_code)
     for i, prompt in enumerate(prompts):
         if len(prompts) > 1:
             print(f"{'' if i == 0 else chr(10)}> {prompt_text(prompt)}", flush=True)
@@ -49,7 +54,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     quiet_libraries()
     result = evaluate(args.model, args.data, args.adapter, args.nproc, args.seq_len, args.batch_size,
-                      args.max_new_tokens, args.dtype, answers=args.answers, quantize=args.quantize)
+                      args.max_new_tokens, args.dtype, answers=args.answers, quantize=args.quantize,
+                      data_fields=args.data_fields, trust_remote_code=args.trust_remote_code)
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
@@ -113,7 +119,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                     "example:\n  shardtune eval --model models/smollm2-135m --adapter runs/zarnovia/adapter \\\n"
                     "      --data examples/zarnovia_heldout.jsonl --json")
     _model_flags(p)
-    p.add_argument("--data", required=True, help=".jsonl or .json file of instruction, messages or text records")
+    p.add_argument("--data", required=True, help="data as finetune's --data takes it: .jsonl/.json of instruction, "
+                   "messages, text or ShareGPT records, Parquet, CSV, a save_to_disk directory or a cached Hub dataset")
+    p.add_argument("--data-fields", default="", metavar="prompt=COL,response=COL",
+                   help="column mapping onto the record fields, as finetune's --data-fields [default: none]")
     p.add_argument("--json", action="store_true", help="print one JSON object: loss, perplexity, records, "
                    "target_tokens, questions, exact_match, contains_match (fractions 0..1, null without questions)")
     p.add_argument("--answers", action="store_true",

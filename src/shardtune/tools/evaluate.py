@@ -50,6 +50,8 @@ class EvalSpec:
     dtype: str = "auto"
     quantize: str = "none"  # "nf4": the 4-bit base a QLoRA adapter was trained on
     answers: bool = False  # include every record's answer in the result
+    data_fields: str = ""  # --data-fields: column mapping onto the record fields
+    trust_remote_code: bool = False
     result: str | None = None  # where rank 0 writes the result (worker processes only)
 
 
@@ -85,8 +87,8 @@ def _read(spec: EvalSpec, tokenizer) -> _Work:
     from shardtune.tools.generate import split_record
     from shardtune.train.data import load_dataset, read_records
 
-    data = load_dataset(spec.data, tokenizer, spec.seq_len)
-    records = read_records(spec.data)
+    data = load_dataset(spec.data, tokenizer, spec.seq_len, fields=spec.data_fields)
+    records = read_records(spec.data, spec.data_fields)
     questions = [(p, e) for p, e in (split_record(r) for _, r in records) if e is not None]
     return _Work(data.examples, questions, len(records), data.truncated, data.without_targets)
 
@@ -136,11 +138,13 @@ def _combine(spec: EvalSpec, work: _Work, shares: list[dict], world_size: int, s
 
 def evaluate(model_dir: str | Path, data: str | Path, adapter: str | Path | None = None, nproc: int = 1,
              seq_len: int = _DEFAULT_SEQ_LEN, batch_size: int = 8, max_new_tokens: int = 64, dtype: str = "auto",
-             answers: bool = False, quantize: str = "none") -> dict[str, Any]:
+             answers: bool = False, quantize: str = "none", data_fields: str = "",
+             trust_remote_code: bool = False) -> dict[str, Any]:
     """Loss, perplexity and answer accuracy of ``model_dir`` (+ ``adapter``) on ``data``; see the module doc.
 
     ``nproc`` > 1 starts that many worker processes (one per GPU on GPU machines); 1 runs here.
     ``max_new_tokens=0`` measures the loss only. ``answers=True`` adds every question's answer.
+    ``data_fields``: column mapping as finetune's ``--data-fields`` (``prompt=question,response=answer``).
     """
     from shardtune.config import ConfigError
     from shardtune.tools.generate import check_adapter_dir
@@ -152,7 +156,7 @@ def evaluate(model_dir: str | Path, data: str | Path, adapter: str | Path | None
         raise ConfigError(f"option 'max-new-tokens' must be at least 0, got {max_new_tokens}")
     check_adapter_dir(adapter)
     spec = EvalSpec(str(model_dir), str(data), str(adapter) if adapter is not None else None, seq_len, batch_size,
-                    max_new_tokens, dtype, quantize, answers)
+                    max_new_tokens, dtype, quantize, answers, data_fields, trust_remote_code)
     if nproc == 1:
         return _run_here(spec)
     return _run_workers(spec, nproc)
@@ -164,7 +168,8 @@ def _run_here(spec: EvalSpec) -> dict[str, Any]:
 
     quiet_libraries()  # as shardtune.finetune does in the calling process
     started = time.perf_counter()
-    model, tokenizer = load_model(spec.model, spec.adapter, spec.dtype, quantize=spec.quantize)
+    model, tokenizer = load_model(spec.model, spec.adapter, spec.dtype, quantize=spec.quantize,
+                                  trust_remote_code=spec.trust_remote_code)
     work = _read(spec, tokenizer)
     share = _evaluate_share(model, tokenizer, spec, work, 0, 1)
     return _combine(spec, work, [share], 1, time.perf_counter() - started)
@@ -177,7 +182,7 @@ def _run_workers(spec: EvalSpec, nproc: int) -> dict[str, Any]:
     from shardtune.runtime.workers import WorkerError, launch_workers
 
     # Bad paths or data fail here in a second, not in N workers after they have loaded the model.
-    tokenizer = load_tokenizer(check_model_dir(spec.model))
+    tokenizer = load_tokenizer(check_model_dir(spec.model, spec.trust_remote_code))
     _read(spec, tokenizer)
     with tempfile.TemporaryDirectory(prefix="shardtune-eval-") as tmp:
         spec_path, result_path = Path(tmp) / "spec.json", Path(tmp) / "result.json"
@@ -199,7 +204,8 @@ def worker(spec: EvalSpec) -> None:
     worker = distributed.init_worker()
     setup_logging(worker.rank)
     try:
-        model, tokenizer = load_model(spec.model, spec.adapter, spec.dtype, worker.device, spec.quantize)
+        model, tokenizer = load_model(spec.model, spec.adapter, spec.dtype, worker.device, spec.quantize,
+                                      spec.trust_remote_code)
         work = _read(spec, tokenizer)
         share = _evaluate_share(model, tokenizer, spec, work, worker.rank, worker.world_size)
         shares = distributed.all_gather_object(share)

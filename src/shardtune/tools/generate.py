@@ -20,7 +20,7 @@ from shardtune.config import ConfigError
 from shardtune.model.directory import AdapterDirError, check_model_dir, load_tokenizer
 from shardtune.model.directory import check_adapter_dir as check_peft_dir
 from shardtune.model.meta import DTYPES
-from shardtune.runtime.device import pick_device
+from shardtune.runtime.device import auto_dtype, pick_device
 from shardtune.runtime.files import read_text
 from shardtune.train.data import DataError, as_messages, pad_id, render_prompt
 
@@ -29,20 +29,23 @@ Prompt = str | list[dict]
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """``auto``: bf16 on GPU, fp32 on CPU (where bf16 matmuls are slower and less exact)."""
+    """``auto``: as a fine-tune's ``--dtype auto`` on ``device`` (bf16 where it computes in it natively)."""
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return DTYPES[auto_dtype(device.type)]
     if name not in DTYPES:
         raise ConfigError(f"option 'dtype': {name!r} is not one of auto, {', '.join(DTYPES)}")
     return DTYPES[name]
 
 
 def load_model(model_dir: str | Path, adapter: str | Path | None = None, dtype: str = "auto",
-               device: torch.device | None = None, quantize: str = "none") -> tuple[nn.Module, object]:
+               device: torch.device | None = None, quantize: str = "none",
+               trust_remote_code: bool = False) -> tuple[nn.Module, object]:
     """The full model on one device (``from_pretrained``, then ``PeftModel.from_pretrained``), in eval mode.
 
     ``quantize="nf4"``: the base as a QLoRA fine-tune trained on it, its decoder-layer Linear weights in
-    4-bit NF4, quantized from bf16 (training's default dtype) unless ``dtype`` is fp32.
+    4-bit NF4, quantized from ``dtype`` as training quantizes from its ``--dtype`` (auto: the same
+    choice as training's auto on the same kind of machine).
+    ``trust_remote_code``: a model that names its own code (config ``auto_map``) may run it.
     """
     from transformers import AutoModelForCausalLM
 
@@ -52,14 +55,15 @@ def load_model(model_dir: str | Path, adapter: str | Path | None = None, dtype: 
         raise ConfigError(f"option 'quantize': {quantize!r} is not one of {', '.join(nf4.NF4_CHOICES)}")
     if quantize == "nf4":
         nf4.check_available()
-    checked = check_model_dir(model_dir)
+    checked = check_model_dir(model_dir, trust_remote_code)
     path = checked.path
     check_adapter_dir(adapter)
     device = device or pick_device()
     tokenizer = load_tokenizer(checked)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype, device))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype, device),
+                                                 trust_remote_code=trust_remote_code)
     if quantize == "nf4":
-        nf4.quantize_in_place(model, DTYPES["fp32" if dtype == "fp32" else "bf16"])
+        nf4.quantize_in_place(model, resolve_dtype(dtype, device))
     if adapter is not None:
         from peft import PeftModel
 

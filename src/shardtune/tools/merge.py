@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from shardtune.errors import ShardtuneError
-from shardtune.model.directory import check_adapter_dir, check_model_dir
+from shardtune.model.directory import ModelDir, check_adapter_dir, check_model_dir
 from shardtune.model.loading import checkpoint_key
 from shardtune.model.lora import PEFT_PREFIX
 from shardtune.model.meta import DTYPES
@@ -153,11 +153,11 @@ def _resolve(changes: dict[str, Change], stored: dict[str, str], tied: dict[str,
     return out
 
 
-def _tied_sources(model_dir: Path) -> dict[str, str]:
+def _tied_sources(model_dir: ModelDir) -> dict[str, str]:
     """{tied parameter: the parameter stored in its place}, from the model class (built on meta)."""
     from shardtune.model.meta import build_meta_model
 
-    model = build_meta_model(check_model_dir(model_dir), torch.float32)
+    model = build_meta_model(model_dir, torch.float32)
     return tied_weights_keys(model)
 
 
@@ -196,12 +196,14 @@ def merge_file(src: Path, dst: Path, changes: dict[str, Change], extra: dict[str
 
 
 def merge(model: str | Path, adapter: str | Path, out: str | Path, dtype: str = "auto",
-          overwrite: bool = False) -> dict:
+          overwrite: bool = False, trust_remote_code: bool = False) -> dict:
     """Write ``out``: the model with the adapter folded in. Returns sizes: total and largest tensor bytes.
 
     A non-empty ``out`` is replaced only with ``overwrite=True``, and never when it is (or holds) an input.
+    ``trust_remote_code``: a model that names its own code (config ``auto_map``) may run it (its class
+    is built on meta to find tied weights).
     """
-    model_dir = check_model_dir(model)
+    model_dir = check_model_dir(model, trust_remote_code)
     out = check_output_dir(out, overwrite=overwrite, inputs=(model, adapter))
     config, tensors = read_adapter(Path(adapter))
     wanted = None if dtype == "auto" else DTYPES[dtype]
@@ -213,7 +215,7 @@ def merge(model: str | Path, adapter: str | Path, out: str | Path, dtype: str = 
             file_of = {k: model_dir.weight_files[0].name for k in f.keys()}
     changes = plan_changes(config, tensors)
     unstored = [n for n in changes if n not in file_of and n.split(".", 1)[-1] not in file_of]
-    tied = _tied_sources(model_dir.path) if unstored else {}
+    tied = _tied_sources(model_dir) if unstored else {}
     changes = _resolve(changes, file_of, tied)
     # A tied weight the adapter changes gets a tensor of its own, next to the one it was tied to.
     extra = {name: tied[name] for name in changes if name not in file_of}
