@@ -57,6 +57,27 @@ def test_row_slices_with_the_shared_mean_equal_the_whole_tensor_bit_for_bit(shap
     assert (alone.quantized_scalers != whole.quantized_scalers.chunk(2)[0]).float().mean() > 0.3
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fast_code_search_gives_torchaos_codes_bit_for_bit(dtype):
+    """shardtune's nearest-code search (routed into torchao) picks what torchao's own picks, ties included."""
+    cls = quantize.nf4_module().NF4Tensor
+    original = cls._torchao_quantize_tensor_nearest
+    lut = quantize.nf4_lut(dtype, torch.device("cpu"))
+    mids = (lut[1:] + lut[:-1]) / 2
+    g = torch.Generator().manual_seed(1)
+    values = torch.cat([lut, mids, torch.nextafter(mids, mids + 1), torch.nextafter(mids, mids - 1),
+                        (torch.rand(200_000, generator=g) * 2 - 1).to(dtype)])
+    assert torch.equal(quantize.nearest_code(values, lut), original(values, lut))
+    w = _rows_of_uneven_scale(64, 1024).to(dtype)
+    ours = quantize.norm_float_codes(w, lut)
+    cls.quantize_tensor_nearest = staticmethod(original)
+    try:
+        theirs = cls.convert_to_norm_float_weight(w, w.numel() // quantize.BLOCK, quantize.BLOCK, lut)
+    finally:
+        cls.quantize_tensor_nearest = staticmethod(quantize.nearest_code)
+    assert torch.equal(ours, theirs)
+
+
 def _local_nf4(rank: int, world_size: int, options: dict) -> dict:
     from shardtune.parallel.sharded_model import build_model
     from shardtune.runtime import distributed
