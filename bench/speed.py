@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from fake_model import make_checkpoint, make_data
+from fake_model import SIZES, make_checkpoint, make_data
 
 HERE = Path(__file__).resolve().parent
 GIB = 1024**3
@@ -172,9 +172,12 @@ def main() -> None:
     parser.add_argument("--timeout", type=int, default=1800)
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"),
                         help="compute dtype of every job: fp32 on CPUs without bf16 matmul (AVX2 only)")
-    parser.add_argument("--out", type=Path, default=HERE / "results" / "speed-1.1b.json")
+    parser.add_argument("--size", default="1.1b", choices=sorted(SIZES),
+                        help="the random Llama-shape checkpoint (the budget group's 3 GiB is sized for 1.1b)")
+    parser.add_argument("--out", type=Path, help="[default: bench/results/speed-<size>.json]")
     args = parser.parse_args()
-    model = make_checkpoint("1.1b", args.cache)
+    args.out = args.out or HERE / "results" / f"speed-{args.size}.json"
+    model = make_checkpoint(args.size, args.cache)
     data = {"mixed": mixed_data(args.cache / "data-mixed.jsonl"),
             "fixed128": make_data(args.cache / "data-128.jsonl", seq_len=128),
             "fixed512": make_data(args.cache / "data-512.jsonl", seq_len=512)}
@@ -205,7 +208,7 @@ def main() -> None:
     report = table(ordered) + "\n\n" + "\n".join(ratios(ordered))
     print(report)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"model": "llama-1.1b (random, bf16)", "ranks": 2, "steps": args.steps,
+    args.out.write_text(json.dumps({"model": f"llama-{args.size} (random, bf16)", "ranks": 2, "steps": args.steps,
                                     "dtype": args.dtype,
                                     "jobs": ordered, "table": report}, indent=2))
     print(f"wrote {args.out}", file=sys.stderr)

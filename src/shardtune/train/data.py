@@ -228,27 +228,33 @@ def load_dataset(path: str | Path, tokenizer, seq_len: int, vocab_size: int | No
     key = cache_key(path, tokenizer, seq_len, fields) if cache_dir is not None else None
     if key and (cached := load_cached(cache_dir, key)) is not None:
         return cached
-    examples, truncated, empty = [], 0, 0
-    for lineno, record in read_records(path, fields):
-        try:
-            ex, cut = tokenize(tokenizer, record, seq_len)
-        except DataError as err:
-            raise DataError(f"{location(path, lineno)}: {err}") from None
-        if vocab_size is not None and ex.input_ids and not 0 <= min(ex.input_ids) <= max(ex.input_ids) < vocab_size:
-            bad = next(i for i in ex.input_ids if not 0 <= i < vocab_size)
-            raise DataError(f"{location(path, lineno)}: token id {bad} is outside the model's {vocab_size} "
-                            f"embedding rows (does the tokenizer match the model?)")
-        truncated += cut
-        if ex.targets == 0:
-            empty += 1
-            continue
-        examples.append(ex)
-    if not examples:
+    counts = {"truncated": 0, "empty": 0}
+
+    def tokenized() -> Iterator[Example]:
+        for lineno, record in read_records(path, fields):
+            try:
+                ex, cut = tokenize(tokenizer, record, seq_len)
+            except DataError as err:
+                raise DataError(f"{location(path, lineno)}: {err}") from None
+            if vocab_size is not None and ex.input_ids and \
+                    not 0 <= min(ex.input_ids) <= max(ex.input_ids) < vocab_size:
+                bad = next(i for i in ex.input_ids if not 0 <= i < vocab_size)
+                raise DataError(f"{location(path, lineno)}: token id {bad} is outside the model's {vocab_size} "
+                                f"embedding rows (does the tokenizer match the model?)")
+            counts["truncated"] += cut
+            if ex.targets == 0:
+                counts["empty"] += 1
+                continue
+            yield ex
+
+    # With a cache the records go straight into flat int32 arrays (~8 bytes a token), never into a
+    # list of Python int lists (~70 bytes a token): a million records stay a few hundred MB.
+    examples = list(tokenized()) if key is None else TokenizedExamples.build(tokenized())
+    if not len(examples):
         raise DataError(f"{path}: no record has a target token within --seq-len {seq_len}")
-    if key is None:
-        return Dataset(examples, truncated, empty)
-    dataset = Dataset(TokenizedExamples.build(examples), truncated, empty)
-    save_cached(cache_dir, key, dataset)
+    dataset = Dataset(examples, counts["truncated"], counts["empty"])
+    if key is not None:
+        save_cached(cache_dir, key, dataset)
     return dataset
 
 
