@@ -90,7 +90,7 @@ def test_out_that_is_a_file_or_read_only(files, tmp_path, capsys, monkeypatch):
 def test_config_file_with_invalid_utf8_or_a_directory(tmp_path, capsys):
     config = tmp_path / "job.yaml"
     config.write_bytes(b"lora-r: 8\nmodel: \xff\n")
-    _fails(capsys, ["finetune", "--config", str(config)], f"{config}: not valid UTF-8")
+    _fails(capsys, ["finetune", "--config", str(config)], f"{config}:2: not valid UTF-8 (byte 0xff at column 8)")
     _fails(capsys, ["finetune", "--config", str(tmp_path)], "is a directory, not a file")
 
 

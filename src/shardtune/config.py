@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from shardtune.errors import ShardtuneError
+from shardtune.errors import ShardtuneError, read_text
 
 
 class ConfigError(ShardtuneError, ValueError):
@@ -258,17 +258,7 @@ def flatten(raw: dict[str, Any], where: str) -> dict[str, Any]:
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
-    path = Path(path)
-    if path.is_dir():
-        raise ConfigError(f"config file {path} is a directory, not a file")
-    if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist")
-    try:
-        text = path.read_bytes().decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise ConfigError(f"{path}: not valid UTF-8 (byte {err.start}); save the config file as UTF-8") from None
-    except OSError as err:
-        raise ConfigError(f"cannot read config file {path}: {err.strerror or err}") from None
+    text = read_text(path, "config file", ConfigError)
     try:
         raw = yaml.safe_load(text) or {}
     except yaml.YAMLError as err:

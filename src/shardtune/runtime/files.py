@@ -123,30 +123,6 @@ def staged_dir(final: Path) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-class InputError(ShardtuneError, ValueError):
-    """A file the user pointed us at cannot be read; the message names it (and the line)."""
-
-
-def read_text(path: str | Path, what: str, error: type[ShardtuneError] = InputError) -> str:
-    """The UTF-8 text of ``path``; ``error`` (naming ``what``, the file and the line) when it has none."""
-    path = Path(path)
-    if path.is_dir():
-        raise error(f"{what} {path} is a directory, not a file")
-    if not path.exists():
-        raise error(f"{what} {path} does not exist")
-    try:
-        raw = path.read_bytes()
-    except OSError as err:
-        raise error(f"cannot read {what} {path}: {err.strerror or err}") from None
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as err:
-        line = raw.count(b"\n", 0, err.start) + 1
-        column = err.start - (raw.rfind(b"\n", 0, err.start) + 1) + 1
-        raise error(f"{path}:{line}: not valid UTF-8 (byte 0x{raw[err.start]:02x} at column {column}); "
-                    f"save the {what} as UTF-8") from None
-
-
 def fingerprint(path: str | Path) -> dict:
     """Size and SHA-256 of a file: what tells a resumed run that its data is still the data it started on."""
     path = Path(path)

@@ -17,11 +17,11 @@ import torch
 from torch import nn
 
 from shardtune.config import ConfigError
+from shardtune.errors import read_text
 from shardtune.model.directory import AdapterDirError, check_model_dir, load_tokenizer
 from shardtune.model.directory import check_adapter_dir as check_peft_dir
 from shardtune.model.meta import DTYPES
 from shardtune.runtime.device import auto_dtype, pick_device
-from shardtune.runtime.files import read_text
 from shardtune.train.data import DataError, as_messages, pad_id, render_prompt
 
 # A prompt is a user message's text, or a whole conversation whose next turn is the assistant's.

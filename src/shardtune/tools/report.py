@@ -17,8 +17,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from shardtune.errors import ShardtuneError
-from shardtune.runtime.files import read_text
+from shardtune.errors import ShardtuneError, read_text
 
 PHASES = ("load", "train", "save")
 # Summary fields worth a line in report.md, in order, with how to show them.

@@ -24,8 +24,7 @@ from pathlib import Path
 import torch
 
 from shardtune.config import parse_fields
-from shardtune.errors import ShardtuneError
-from shardtune.runtime.files import read_text
+from shardtune.errors import ShardtuneError, read_text
 from shardtune.train.datasets_io import (
     TokenizedExamples,
     cache_key,
