@@ -185,13 +185,19 @@ def load_torchtune_nf4(path: str, rank: int, dtype: torch.dtype):
     for file in sorted(Path(path).glob("*.safetensors")):
         sd.update(load_file(file))
     model = meta_model(path, dtype)
-    model.load_state_dict({k: v.to(dtype) for k, v in sd.items()}, strict=False, assign=True)
-    model.tie_weights()
+    model.load_state_dict(sd, strict=False, assign=True)  # the stored bf16 tensors
     del sd
-    for layer in model.model.layers:
-        for module in layer.modules():
-            if type(module) is torch.nn.Linear:
-                module.weight = torch.nn.Parameter(to_nf4(module.weight.detach()), requires_grad=False)
+    linears = {id(m) for layer in model.model.layers for m in layer.modules() if type(m) is torch.nn.Linear}
+    # One tensor at a time (a whole fp32 copy of a 7B model would not fit two ranks): the layers' Linear
+    # weights quantized from the compute dtype, everything else cast to it.
+    for name, param in list(model.named_parameters()):
+        owner_name, _, attr = name.rpartition(".")
+        owner = model.get_submodule(owner_name)
+        value = param.detach().to(dtype)
+        if attr == "weight" and id(owner) in linears:
+            value = to_nf4(value)
+        setattr(owner, attr, torch.nn.Parameter(value, requires_grad=False))
+    model.tie_weights()
     return shard_fsdp2(get_peft_model(model, lora_config()), dtype)
 
 
