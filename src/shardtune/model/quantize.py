@@ -102,29 +102,61 @@ def nearest_code(value: torch.Tensor, nf4: torch.Tensor) -> torch.Tensor:
     first on a tie), bit for bit, without its (n, 16) distance matrix (which made a 1.1B model's NF4
     load take 256 s against 10 s for bf16).
 
-    The codes are sorted, so a bucket search against the midpoints between them gives the nearest
-    code, except where rounding in torchao's ``|value - code|`` could decide otherwise: within a few
-    ulps of a midpoint. Those elements (few in fp32, more in bf16) are decided as torchao decides them,
-    from the same differences of their candidate codes, the lower index winning a tie.
+    16-bit values (bf16, fp16) have 65536 bit patterns: a table of torchao's answer for each, looked
+    up. Wider values (fp32; scaled to [-1, 1] by their block's absmax) go through a grid of 2^16 bins:
+    a bin far from every midpoint between two codes has one nearest code, looked up; values in the
+    few bins near a midpoint, where rounding in ``|value - code|`` can decide, are decided as torchao
+    decides them, from the same differences, the lower index winning a tie.
     """
-    mids = (nf4[1:] + nf4[:-1]) / 2
-    codes = torch.bucketize(value, mids)
-    band = 4 * torch.finfo(value.dtype).eps  # scaled values lie in [-1, 1]: differences round by less
-    last = mids.numel() - 1
-    below = mids.index_select(0, (codes - 1).clamp(min=0))  # the midpoints either side of each element
-    above = mids.index_select(0, codes.clamp(max=last))
-    near = (((value - below).abs() <= band) | ((value - above).abs() <= band)).nonzero().squeeze(1)
+    if value.element_size() == 2:
+        bits = value.contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
+        return _pattern_codes(value.dtype, nf4).index_select(0, bits.flatten()).view(value.shape)
+    codes_of_bin, near_bin = _grid(nf4)
+    flat = value.flatten()
+    # clamped after the cast too: a NaN casts to INT_MIN (non-finite values go to torchao's rule below)
+    bins = ((flat.clamp(-1, 1) + 1) * GRID_HALF).to(torch.int32).clamp_(0, 2 * GRID_HALF)
+    codes = codes_of_bin.index_select(0, bins)
+    near = (near_bin.index_select(0, bins) | ~torch.isfinite(flat)).nonzero().squeeze(1)
     if near.numel():
-        v, i = value[near], codes[near]
-        best = (i - 1).clamp(min=0)
-        best_diff = (v - nf4[best]).abs()
-        for candidate in (i, (i + 1).clamp(max=nf4.numel() - 1)):
-            diff = (v - nf4[candidate]).abs()
-            closer = diff < best_diff  # strictly: on a tie the lower index stays, as torch.min's first index
-            best = torch.where(closer, candidate, best)
-            best_diff = torch.where(closer, diff, best_diff)
-        codes[near] = best
-    return codes
+        codes[near] = _torchao_nearest(flat[near], nf4)
+    return codes.view(value.shape)
+
+
+GRID_HALF = 1 << 15  # bins per unit: 2^16 bins over [-1, 1]
+
+
+def _torchao_nearest(value: torch.Tensor, nf4: torch.Tensor) -> torch.Tensor:
+    """torchao's definition itself (for the few values the fast paths leave open)."""
+    return (value.unsqueeze(-1) - nf4).abs().min(dim=-1).indices
+
+
+@functools.cache
+def _pattern_codes_cached(dtype: torch.dtype, nf4: tuple[float, ...]) -> torch.Tensor:
+    patterns = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(dtype)
+    order = torch.argsort(patterns.view(torch.int16).to(torch.int32) & 0xFFFF)
+    return _torchao_nearest(patterns[order], torch.tensor(nf4, dtype=dtype))
+
+
+def _pattern_codes(dtype: torch.dtype, nf4: torch.Tensor) -> torch.Tensor:
+    """Code of every 16-bit pattern, indexed by the pattern as an unsigned number."""
+    return _pattern_codes_cached(dtype, tuple(nf4.tolist())).to(nf4.device)
+
+
+def _grid(nf4: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(nearest code of each grid bin, whether a midpoint between codes lies within two bins of it)."""
+    return tuple(t.to(nf4.device) for t in _grid_cached(tuple(nf4.double().tolist())))
+
+
+@functools.cache
+def _grid_cached(nf4: tuple[float, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    edges = torch.arange(2 * GRID_HALF + 2, dtype=torch.float64) / GRID_HALF - 1  # bin b: [edges[b], edges[b+1])
+    lut = torch.tensor(nf4, dtype=torch.float64)
+    centers = (edges[:-1] + edges[1:]) / 2
+    codes = (centers.unsqueeze(-1) - lut).abs().argmin(dim=-1)
+    mids = (lut[1:] + lut[:-1]) / 2
+    margin = 2.0 / GRID_HALF  # two bins: float rounding of the bin index, and of the midpoints
+    near = ((mids >= edges[:-1, None] - margin) & (mids <= edges[1:, None] + margin)).any(dim=-1)
+    return codes, near
 
 
 def _use_fast_nearest(cls: type) -> None:
@@ -137,7 +169,8 @@ def _use_fast_nearest(cls: type) -> None:
         lut = cls.from_tensor(nf4, BLOCK, 2).nf4
         mids = (lut[1:] + lut[:-1]) / 2
         probe = torch.cat([lut, mids, torch.nextafter(mids, mids + 1), torch.nextafter(mids, mids - 1),
-                           torch.linspace(-1.2, 1.2, 4001, dtype=dtype), torch.rand(4096).to(dtype) * 2 - 1])
+                           torch.linspace(-1.2, 1.2, 4001, dtype=dtype), torch.rand(4096).to(dtype) * 2 - 1,
+                           torch.tensor([float("inf"), -float("inf"), float("nan")], dtype=dtype)])
         if not torch.equal(nearest_code(probe, lut), cls.quantize_tensor_nearest(probe, lut)):
             raise RuntimeError("torchao's NF4Tensor picks codes differently than shardtune expects: "
                                "shardtune's NF4 support needs updating for this torchao version")
