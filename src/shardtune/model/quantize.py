@@ -99,7 +99,7 @@ def _use_lean_dequantization(cls: type) -> None:
 
 def nearest_code(value: torch.Tensor, nf4: torch.Tensor) -> torch.Tensor:
     """``NF4Tensor.quantize_tensor_nearest``: the index of the NF4 value closest to each element (the
-    first on a tie), bit for bit, without its (n, 16) distance matrix (which made a 1.1B model's NF4
+    first on a tie; as uint8, what torchao stores it as), bit for bit, without its (n, 16) distance matrix (which made a 1.1B model's NF4
     load take 256 s against 10 s for bf16).
 
     16-bit values (bf16, fp16) have 65536 bit patterns: a table of torchao's answer for each, looked
@@ -118,7 +118,7 @@ def nearest_code(value: torch.Tensor, nf4: torch.Tensor) -> torch.Tensor:
     codes = codes_of_bin.index_select(0, bins)
     near = (near_bin.index_select(0, bins) | ~torch.isfinite(flat)).nonzero().squeeze(1)
     if near.numel():
-        codes[near] = _torchao_nearest(flat[near], nf4)
+        codes[near] = _torchao_nearest(flat[near], nf4).to(torch.uint8)
     return codes.view(value.shape)
 
 
@@ -134,7 +134,7 @@ def _torchao_nearest(value: torch.Tensor, nf4: torch.Tensor) -> torch.Tensor:
 def _pattern_codes_cached(dtype: torch.dtype, nf4: tuple[float, ...]) -> torch.Tensor:
     patterns = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(dtype)
     order = torch.argsort(patterns.view(torch.int16).to(torch.int32) & 0xFFFF)
-    return _torchao_nearest(patterns[order], torch.tensor(nf4, dtype=dtype))
+    return _torchao_nearest(patterns[order], torch.tensor(nf4, dtype=dtype)).to(torch.uint8)
 
 
 def _pattern_codes(dtype: torch.dtype, nf4: torch.Tensor) -> torch.Tensor:
@@ -152,7 +152,7 @@ def _grid_cached(nf4: tuple[float, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     edges = torch.arange(2 * GRID_HALF + 2, dtype=torch.float64) / GRID_HALF - 1  # bin b: [edges[b], edges[b+1])
     lut = torch.tensor(nf4, dtype=torch.float64)
     centers = (edges[:-1] + edges[1:]) / 2
-    codes = (centers.unsqueeze(-1) - lut).abs().argmin(dim=-1)
+    codes = (centers.unsqueeze(-1) - lut).abs().argmin(dim=-1).to(torch.uint8)
     mids = (lut[1:] + lut[:-1]) / 2
     margin = 2.0 / GRID_HALF  # two bins: float rounding of the bin index, and of the midpoints
     near = ((mids >= edges[:-1, None] - margin) & (mids <= edges[1:, None] + margin)).any(dim=-1)
@@ -171,7 +171,7 @@ def _use_fast_nearest(cls: type) -> None:
         probe = torch.cat([lut, mids, torch.nextafter(mids, mids + 1), torch.nextafter(mids, mids - 1),
                            torch.linspace(-1.2, 1.2, 4001, dtype=dtype), torch.rand(4096).to(dtype) * 2 - 1,
                            torch.tensor([float("inf"), -float("inf"), float("nan")], dtype=dtype)])
-        if not torch.equal(nearest_code(probe, lut), cls.quantize_tensor_nearest(probe, lut)):
+        if not torch.equal(nearest_code(probe, lut).long(), cls.quantize_tensor_nearest(probe, lut)):
             raise RuntimeError("torchao's NF4Tensor picks codes differently than shardtune expects: "
                                "shardtune's NF4 support needs updating for this torchao version")
     cls._torchao_quantize_tensor_nearest = cls.quantize_tensor_nearest
@@ -290,8 +290,17 @@ def is_nf4(t: torch.Tensor) -> bool:
     return type(local_tensor(t)).__name__ == "NF4Tensor"
 
 
+QUANT_CHUNK = 1 << 20  # weights quantized at a time: temporaries stay a few MB, not a few slices
+
+
 def block_absmax(rows: torch.Tensor) -> torch.Tensor:
-    return rows.reshape(-1, BLOCK).abs().max(dim=1).values
+    """Each 64-weight block's largest magnitude (``get_block_absmax``), without a whole ``abs`` copy."""
+    blocks = rows.reshape(-1, BLOCK)
+    out = torch.empty(blocks.shape[0], dtype=rows.dtype, device=rows.device)
+    step = QUANT_CHUNK // BLOCK
+    for first in range(0, blocks.shape[0], step):
+        torch.amax(blocks[first:first + step].abs(), dim=1, out=out[first:first + step])
+    return out
 
 
 def shared_scaler_mean(absmax: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -307,29 +316,35 @@ def shared_scaler_mean(absmax: torch.Tensor, group: dist.ProcessGroup | None) ->
     return torch.cat(parts).mean()
 
 
-def quantize_rows(rows: torch.Tensor, scaler_mean: torch.Tensor, scaler_block: int
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_rows(rows: torch.Tensor, scaler_mean: torch.Tensor, scaler_block: int,
+                  absmax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(quantized_scalers, quantization_factor, quantized_data) of whole rows of a weight, given the
     whole tensor's scaler mean: ``NF4Tensor.double_quantize_scalers`` step for step, with the mean
-    passed in instead of computed from these rows alone."""
+    passed in instead of computed from these rows alone. ``absmax``: ``block_absmax(rows)`` if known."""
     m = nf4_module()
-    scalers = block_absmax(rows) - scaler_mean
+    block_max = block_absmax(rows) if absmax is None else absmax
+    scalers = block_max - scaler_mean
     n_scaler_blocks = scalers.numel() // scaler_block
     blocks = scalers.view(n_scaler_blocks, scaler_block)
     absmax = m.get_block_absmax(scalers, scaler_block).unsqueeze(-1).expand(n_scaler_blocks, scaler_block)
     factor = 256 / (2 * absmax)
     quantized_scalers = (blocks * factor).round().clamp(-128, 127).flatten().to(torch.int8)
     factor = factor[:, 0].contiguous()
-    data = norm_float_codes(rows, nf4_lut(rows.dtype, rows.device))
+    data = norm_float_codes(rows, nf4_lut(rows.dtype, rows.device), block_max)
     return quantized_scalers, factor, data
 
 
-def norm_float_codes(rows: torch.Tensor, lut: torch.Tensor) -> torch.Tensor:
+def norm_float_codes(rows: torch.Tensor, lut: torch.Tensor, absmax: torch.Tensor | None = None) -> torch.Tensor:
     """``NF4Tensor.convert_to_norm_float_weight``: each weight over its block's absmax, the nearest
-    code, two codes a byte; the same operations (so the same bytes), one pass, no chunk loop."""
+    code, two codes a byte; the same elementwise operations (so the same bytes), a chunk at a time
+    (torchao's holds the whole scaled copy and int64 codes: ~3 slices more at load)."""
     blocks = rows.reshape(-1, BLOCK)
-    scaled = blocks / block_absmax(rows).unsqueeze(-1)
-    codes = nearest_code(scaled.flatten(), lut).to(torch.uint8)
+    absmax = block_absmax(rows) if absmax is None else absmax
+    codes = torch.empty(blocks.numel(), dtype=torch.uint8, device=rows.device)
+    step = QUANT_CHUNK // BLOCK
+    for first in range(0, blocks.shape[0], step):
+        scaled = blocks[first:first + step] / absmax[first:first + step].unsqueeze(-1)
+        codes[first * BLOCK:(first + step) * BLOCK] = nearest_code(scaled.flatten(), lut)
     return codes[::2] << 4 | codes[1::2]
 
 
@@ -347,8 +362,9 @@ def fill(target: torch.Tensor, rows: torch.Tensor, group: dist.ProcessGroup | No
     if tuple(rows.shape) != tuple(local.shape):
         raise RuntimeError(f"NF4 fill: slice {tuple(rows.shape)} does not match the shard {tuple(local.shape)}")
     with torch.no_grad():
-        mean = shared_scaler_mean(block_absmax(rows), group)
-        scalers, factor, data = quantize_rows(rows, mean, local.scaler_block_size)
+        absmax = block_absmax(rows)
+        mean = shared_scaler_mean(absmax, group)
+        scalers, factor, data = quantize_rows(rows, mean, local.scaler_block_size, absmax)
         local.quantized_scalers.copy_(scalers)
         local.quantization_factor.copy_(factor)
         local.quantized_data.copy_(data)
