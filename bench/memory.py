@@ -115,13 +115,14 @@ def targets(jobs: list[dict], plans: dict[str, dict]) -> list[str]:
         if j["recipe"].endswith("-nf4"):
             lines += _nf4_targets(j, jobs, peers)
             continue
-        same = [max(q["train_peak_mb"]) for q in peers if q["malloc"] == j["malloc"]]
+        bf16_peers = [q for q in peers if not q["recipe"].endswith("-nf4")]  # like for like: unquantized
+        same = [max(q["train_peak_mb"]) for q in bf16_peers if q["malloc"] == j["malloc"]]
         if same:
             best = min(same)
             lines.append(f"{'':<32} best peer ({j['malloc']}) {best:7.0f}: ratio {train / best:.2f} <= 0.75: "
                          f"{'yes' if train <= 0.75 * best else 'NO'}")
         # shardtune sets the mmap threshold itself; peers run glibc's defaults unless told otherwise.
-        shipped = [max(q["train_peak_mb"]) for q in peers if q["malloc"] == "default"]
+        shipped = [max(q["train_peak_mb"]) for q in bf16_peers if q["malloc"] == "default"]
         if j["malloc"] == "mmap" and shipped:
             best = min(shipped)
             lines.append(f"{'':<32} best peer as shipped (default) {best:7.0f}: ratio {train / best:.2f} "
