@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from dataclasses import dataclass
 
 from shardtune.config import Config, ConfigError, parse_size
@@ -69,17 +70,28 @@ def budget_of(cfg: Config) -> tuple[int | None, str]:
     return budget, where
 
 
-def _micro_sizes(cfg: Config, world: int) -> list[int]:
+def rows_per_rank(cfg: Config, world: int, tokens_per_record: float | None) -> int:
+    """Sequences a rank runs per step: its records, or under --packing about as many packed rows as its
+    records' tokens fill (``tokens_per_record``: the data's mean; unknown: one row per record)."""
     per_rank = cfg.train.batch_size // world
+    if not cfg.data.packing or not tokens_per_record:
+        return per_rank
+    return max(1, min(per_rank, math.ceil(per_rank * tokens_per_record / cfg.data.seq_len)))
+
+
+def _micro_sizes(cfg: Config, world: int, rows: int) -> list[int]:
     if cfg.train.micro_batch_size not in (None, "auto"):
         return [int(cfg.train.micro_batch_size)]
     if cfg.train.micro_batch_size is None:
-        return [per_rank]
-    return [m for m in range(1, per_rank + 1) if per_rank % m == 0 or cfg.data.packing]
+        return [rows]
+    return [m for m in range(1, rows + 1) if rows % m == 0 or cfg.data.packing]
 
 
-def candidates(cfg: Config, budget: int) -> list[tuple[Candidate, bool]]:
-    """Every setting the auto options allow, with its predicted peak and whether it fits."""
+def candidates(cfg: Config, budget: int, tokens_per_record: float | None = None) -> list[tuple[Candidate, bool]]:
+    """Every setting the auto options allow, with its predicted peak and whether it fits.
+
+    ``tokens_per_record``: the training data's mean record length (preflight knows it); under
+    --packing it sets how many packed rows, so forwards, a step takes."""
     from shardtune.model.footprint import model_facts
     from shardtune.model.meta import compute_dtype
     from shardtune.plan import plan_device, predict
@@ -91,7 +103,8 @@ def candidates(cfg: Config, budget: int) -> list[tuple[Candidate, bool]]:
         strategies = ["single"]
     else:
         strategies = ["fsdp2"] if cfg.parallel.cpu_offload else ["ddp", "fsdp2"]
-    micros = {s: _micro_sizes(cfg, 1 if s == "single" else ranks) for s in strategies}
+    rows = {s: rows_per_rank(cfg, 1 if s == "single" else ranks, tokens_per_record) for s in strategies}
+    micros = {s: _micro_sizes(cfg, 1 if s == "single" else ranks, rows[s]) for s in strategies}
     auto = cfg.parallel.strategy == "auto" or cfg.train.micro_batch_size == "auto"
     acs = [True] if cfg.parallel.activation_checkpointing else ([False, True] if auto else [False])
     device, traced = plan_device(cfg.parallel.device)
@@ -102,7 +115,7 @@ def candidates(cfg: Config, budget: int) -> list[tuple[Candidate, bool]]:
         units = (["layer", "part"] if cfg.parallel.fsdp_unit == "auto" else [cfg.parallel.fsdp_unit]) \
             if strategy == "fsdp2" else ["-"]
         for micro in micros[strategy]:
-            forwards = -(-(cfg.train.batch_size // world) // micro)
+            forwards = -(-rows[strategy] // micro)
             for ac in acs:
                 for unit in units:
                     p = predict(facts, strategy, world, micro, cfg.data.seq_len, ac, cfg.parallel.cpu_offload, device,
@@ -120,8 +133,9 @@ def _gathers_per_forward(strategy: str, unit: str, facts) -> int:
     return facts.layers * per_layer + 1  # + the root
 
 
-def choose(cfg: Config) -> tuple[Config, Candidate | None, str]:
-    """``cfg`` with its auto options decided, the candidate chosen, and why, in words."""
+def choose(cfg: Config, tokens_per_record: float | None = None) -> tuple[Config, Candidate | None, str]:
+    """``cfg`` with its auto options decided, the candidate chosen, and why, in words
+    (``tokens_per_record``: see ``candidates``)."""
     if not needs_choice(cfg):
         return cfg, None, ""
     budget, where = budget_of(cfg)
@@ -130,7 +144,7 @@ def choose(cfg: Config) -> tuple[Config, Candidate | None, str]:
             raise ConfigError("option 'micro-batch-size': 'auto' needs --memory-per-rank when planning for GPUs "
                               "on a machine without one")
         return cfg, None, ""
-    found = candidates(cfg, budget)
+    found = candidates(cfg, budget, tokens_per_record)
     fitting = sorted((c for c, fits in found if fits), key=Candidate.key)
     if fitting:
         best = fitting[0]

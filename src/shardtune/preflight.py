@@ -20,7 +20,7 @@ from shardtune.runtime.device import check_local_ranks, decide_dtype, device_typ
 from shardtune.runtime.files import OutputError, check_writable
 from shardtune.runtime.versions import check_apis
 from shardtune.train.checkpoint import resume_point
-from shardtune.train.data import BatchPlan, load_dataset, read_records, token_cache
+from shardtune.train.data import BatchPlan, load_dataset, mean_tokens, read_records, token_cache
 from shardtune.train.data_checks import warn_about_data
 from shardtune.train.packing import check_packing, packed_plan
 from shardtune.train.trackers import check_installed
@@ -64,7 +64,7 @@ def preflight(cfg: Config) -> Config:
     ranks = cfg.parallel.nproc * cfg.parallel.nnodes
     if cfg.train.micro_batch_size != "auto":  # checked before the choice: its error names the user's value
         _batch_plan(cfg, ranks)
-    cfg, _, why = choose(cfg)
+    cfg, _, why = choose(cfg, mean_tokens(train.examples))
     if why:
         log.info("configuration: %s", why)
     if cfg.model.quantize == "nf4" and cfg.parallel.strategy == "fsdp2":

@@ -99,8 +99,8 @@ def _use_lean_dequantization(cls: type) -> None:
 
 def nearest_code(value: torch.Tensor, nf4: torch.Tensor) -> torch.Tensor:
     """``NF4Tensor.quantize_tensor_nearest``: the index of the NF4 value closest to each element (the
-    first on a tie; as uint8, what torchao stores it as), bit for bit, without its (n, 16) distance matrix (which made a 1.1B model's NF4
-    load take 256 s against 10 s for bf16).
+    first on a tie; as uint8, what torchao stores it as), bit for bit, without its (n, 16) distance
+    matrix (which made a 1.1B model's NF4 load take 256 s against 10 s for bf16).
 
     16-bit values (bf16, fp16) have 65536 bit patterns: a table of torchao's answer for each, looked
     up. Wider values (fp32; scaled to [-1, 1] by their block's absmax) go through a grid of 2^16 bins:

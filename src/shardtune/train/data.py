@@ -257,6 +257,13 @@ def load_dataset(path: str | Path, tokenizer, seq_len: int, vocab_size: int | No
     return dataset
 
 
+def mean_tokens(examples: Sequence[Example]) -> float:
+    """The mean record length in tokens (what packing fills rows with)."""
+    if isinstance(examples, TokenizedExamples):
+        return examples.ids.numel() / max(1, len(examples))
+    return sum(len(e.input_ids) for e in examples) / max(1, len(examples))
+
+
 @dataclass(frozen=True)
 class BatchPlan:
     """How one global batch of ``batch_size`` records splits over ranks and micro-steps."""
