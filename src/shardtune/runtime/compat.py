@@ -329,3 +329,14 @@ def storage_id(t: torch.Tensor) -> int:
     storage = t.untyped_storage()
     _need(storage, "torch.UntypedStorage", "_cdata")
     return storage._cdata
+
+
+def cpu_has_fast_bf16() -> bool:
+    """Whether oneDNN multiplies bf16 natively on this CPU (AVX512 or AMX), as torch itself decides it
+    (``torch.ops.mkldnn._is_mkldnn_bf16_supported``, private): False when the op is gone, so a torch
+    change costs speed (fp32 on such CPUs under ``--dtype auto``), never correctness."""
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    try:
+        return bool(check()) if check is not None else False
+    except RuntimeError:  # a torch build without oneDNN
+        return False

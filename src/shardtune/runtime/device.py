@@ -17,6 +17,7 @@ import os
 import torch
 
 from shardtune.config import Config, ConfigError
+from shardtune.runtime.compat import cpu_has_fast_bf16
 
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -81,15 +82,6 @@ def auto_dtype(kind: str) -> str:
     if kind == "cuda":
         return "bf16" if not torch.cuda.is_available() or torch.cuda.is_bf16_supported() else "fp16"
     return "bf16" if cpu_has_fast_bf16() else "fp32"
-
-
-def cpu_has_fast_bf16() -> bool:
-    """Whether oneDNN multiplies bf16 natively on this CPU (AVX512 or AMX), as torch decides it."""
-    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
-    try:
-        return bool(check()) if check is not None else False
-    except RuntimeError:  # a torch build without oneDNN
-        return False
 
 
 def decide_dtype(cfg: Config) -> Config:
