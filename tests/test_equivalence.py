@@ -91,8 +91,9 @@ def test_two_ranks_fsdp2_equal_one_rank_gradients_losses_adapter(setup_dir):
 
 
 def test_two_ranks_fsdp2_equal_one_rank_in_bf16(setup_dir):
-    """The default dtype: the same split to bf16's precision (relative error of each gradient and of
-    the losses; a gradient summed instead of averaged over ranks or micro-batches is 100 %+ off)."""
+    """bf16 (what --dtype auto picks on GPUs): the same split to bf16's precision (relative error of
+    each gradient and of the losses; a gradient summed instead of averaged over ranks or micro-batches
+    is 100 %+ off)."""
     bf16 = {"dtype": "bf16", "steps": 2}
     one = run_ranks(grads_and_training, 1, _options(setup_dir, "one-bf16", strategy="single",
                                                     **{"micro-batch-size": 8}, **bf16))
