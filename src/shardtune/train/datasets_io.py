@@ -143,9 +143,13 @@ class TokenizedExamples(Sequence):
             ids.extend(ex.input_ids)
             labels.extend(ex.labels)
             offsets.append(len(ids))
-        return cls(torch.frombuffer(ids, dtype=torch.int32).clone() if ids else torch.zeros(0, dtype=torch.int32),
-                   torch.frombuffer(labels, dtype=torch.int32).clone() if labels else torch.zeros(0, dtype=torch.int32),
-                   torch.frombuffer(offsets, dtype=torch.int64).clone())
+        # The tensors view the arrays' memory (no copy: for a million records that is ~0.8 GB less at
+        # the peak); the instance keeps the arrays, which own it.
+        out = cls(torch.frombuffer(ids, dtype=torch.int32) if ids else torch.zeros(0, dtype=torch.int32),
+                  torch.frombuffer(labels, dtype=torch.int32) if labels else torch.zeros(0, dtype=torch.int32),
+                  torch.frombuffer(offsets, dtype=torch.int64))
+        out._arrays = (ids, labels, offsets)
+        return out
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
