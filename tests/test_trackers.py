@@ -43,6 +43,9 @@ def test_finetune_reports_to_all_three_and_resume_continues_the_runs(tmp_path: P
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    started_in = tmp_path / "cwd"
+    started_in.mkdir()
+    monkeypatch.chdir(started_in)
     model = make_model(tmp_path / "model", "llama")
     data = write_jsonl(tmp_path / "train.jsonl", instruction_records(8))
     out = tmp_path / "out"
@@ -70,6 +73,9 @@ def test_finetune_reports_to_all_three_and_resume_continues_the_runs(tmp_path: P
     run = client.get_run(ids["mlflow"])
     assert run.data.params["lora-r"] == "8" and run.info.status == "FINISHED"
     assert "final_train_loss_last" in run.data.metrics
+    # everything the trackers write stays in OUT: nothing lands where the user started shardtune
+    assert list(started_in.iterdir()) == []
+    assert list((out / "mlflow-artifacts").rglob("summary.json"))
 
 
 def test_other_ranks_log_nothing(tmp_path: Path) -> None:

@@ -91,8 +91,14 @@ class Trackers:
         if "mlflow" in self.names:
             import mlflow
 
-            mlflow.set_tracking_uri(os.environ.get("MLFLOW_TRACKING_URI") or mlflow_store(out))
-            mlflow.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME", "shardtune"))
+            uri = os.environ.get("MLFLOW_TRACKING_URI")
+            mlflow.set_tracking_uri(uri or mlflow_store(out))
+            experiment = os.environ.get("MLFLOW_EXPERIMENT_NAME", "shardtune")
+            if not uri and mlflow.get_experiment_by_name(experiment) is None:
+                # A SQLite store puts artifacts under ./mlruns of the current directory unless told:
+                # the run's summary.json belongs in OUT, not wherever the user started shardtune.
+                mlflow.create_experiment(experiment, artifact_location=(out / "mlflow-artifacts").resolve().as_uri())
+            mlflow.set_experiment(experiment)
             run = mlflow.start_run(run_id=ids.get("mlflow"), run_name=None if "mlflow" in ids else out.name)
             if "mlflow" not in ids:
                 mlflow.log_params({k: "" if v is None else v for k, v in config.items()})
