@@ -322,15 +322,15 @@ def quantize_rows(rows: torch.Tensor, scaler_mean: torch.Tensor, scaler_block: i
     whole tensor's scaler mean: ``NF4Tensor.double_quantize_scalers`` step for step, with the mean
     passed in instead of computed from these rows alone. ``absmax``: ``block_absmax(rows)`` if known."""
     m = nf4_module()
-    block_max = block_absmax(rows) if absmax is None else absmax
-    scalers = block_max - scaler_mean
+    absmax = block_absmax(rows) if absmax is None else absmax
+    scalers = absmax - scaler_mean
     n_scaler_blocks = scalers.numel() // scaler_block
     blocks = scalers.view(n_scaler_blocks, scaler_block)
-    absmax = m.get_block_absmax(scalers, scaler_block).unsqueeze(-1).expand(n_scaler_blocks, scaler_block)
-    factor = 256 / (2 * absmax)
+    scaler_absmax = m.get_block_absmax(scalers, scaler_block).unsqueeze(-1).expand(n_scaler_blocks, scaler_block)
+    factor = 256 / (2 * scaler_absmax)
     quantized_scalers = (blocks * factor).round().clamp(-128, 127).flatten().to(torch.int8)
     factor = factor[:, 0].contiguous()
-    data = norm_float_codes(rows, nf4_lut(rows.dtype, rows.device), block_max)
+    data = norm_float_codes(rows, nf4_lut(rows.dtype, rows.device), absmax)
     return quantized_scalers, factor, data
 
 
