@@ -33,6 +33,7 @@ RECIPES: dict[str, list[str]] = {
     "shardtune-fsdp2-ac": ["shardtune", "--strategy", "fsdp2", "--activation-checkpointing"],
     "shardtune-fsdp2-offload": ["shardtune", "--strategy", "fsdp2", "--cpu-offload"],
     "shardtune-fsdp2-nf4": ["shardtune", "--strategy", "fsdp2", "--quantize", "nf4"],
+    "shardtune-fsdp2-ac-nf4": ["shardtune", "--strategy", "fsdp2", "--quantize", "nf4", "--activation-checkpointing"],
     "naive": ["naive"],
     "broadcast": ["broadcast"],
     "fsdp1-peft": ["fsdp1-peft"],
@@ -158,12 +159,25 @@ def table(jobs: list[dict], plans: dict[str, dict]) -> str:
             rows.append(f"{j['recipe']:<24} {j['malloc']:<7} failed: {j['error'].splitlines()[-1][:80]}")
             continue
         plan = plans.get(j["recipe"], {}).get("peak_mb")
+        name = j["recipe"] + " *" * ("earlier" in j)
         rows.append(
-            f"{j['recipe']:<24} {j['malloc']:<7} {'/'.join(f'{v:.0f}' for v in j['load_peak_mb']):>15} "
+            f"{name:<24} {j['malloc']:<7} {'/'.join(f'{v:.0f}' for v in j['load_peak_mb']):>15} "
             f"{'/'.join(f'{v:.0f}' for v in j['train_peak_mb']):>15} {j['load_seconds']:7.1f} "
             f"{j['tokens_per_second']:6.1f} {'/'.join(f'{v:.0f}' for v in j['read_mb']):>13} "
             f"{f'{plan:.0f}' if plan else '-':>8}")
     return "\n".join(rows)
+
+
+def earlier_jobs(path: Path, args: argparse.Namespace) -> list[dict]:
+    """The jobs of an earlier run, refused unless it measured the same configuration."""
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        sys.exit(f"--with {path}: cannot read it ({e})")
+    for key, value in (("size", args.size), ("ranks", args.nproc), ("dtype", args.dtype), ("seq_len", args.seq_len)):
+        if old.get(key) != value:
+            sys.exit(f"--with {path}: it measured {key}={old.get(key)!r}, this run {value!r}")
+    return [j for j in old["jobs"] if "error" not in j]
 
 
 def main() -> None:
@@ -180,6 +194,9 @@ def main() -> None:
                         help="compute dtype of every recipe (the checkpoint stays bf16): fp32 on CPUs without "
                              "bf16 matmul (AVX2 only: bf16 gemm runs at 0.2-6 GFLOP/s there, fp32 at 24-38)")
     parser.add_argument("--out", type=Path, help="JSON results [default: bench/results/memory-<size>.json]")
+    parser.add_argument("--with", dest="earlier", type=Path, action="append", default=[],
+                        help="an earlier results file of the same size, ranks, dtype and seq-len: its jobs join "
+                             "this table and its targets (a 7B job takes up to an hour; rerun only what changed)")
     args = parser.parse_args()
     recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
     unknown = [r for r in recipes if r not in RECIPES]
@@ -189,13 +206,15 @@ def main() -> None:
     data = make_data(args.cache / f"data-{args.seq_len}.jsonl", seq_len=args.seq_len)
     plans = predictions(model, args)
     mallocs = ("default", "mmap") if args.malloc == "both" else (args.malloc,)
-    jobs = []
+    jobs = [dict(job, earlier=str(path)) for path in args.earlier for job in earlier_jobs(path, args)]
     for malloc in mallocs:
         for recipe in recipes:
             print(f"running {recipe} ({malloc} malloc) ...", file=sys.stderr, flush=True)
             jobs.append(run_job(recipe, malloc, model, data, args))
             print(table(jobs[-1:], plans).splitlines()[-1], file=sys.stderr, flush=True)
     report = table(jobs, plans) + "\n\ntargets:\n" + "\n".join(targets(jobs, plans))
+    if args.earlier:
+        report += "\n\n* measured earlier: " + ", ".join(str(p) for p in args.earlier)
     print(report)
     out = args.out or HERE / "results" / f"memory-{args.size}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
