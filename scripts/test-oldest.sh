@@ -12,12 +12,16 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-/tmp/shardtune-oldest}
 TORCH_INDEX=${TORCH_INDEX:-https://download.pytorch.org/whl/cpu}
+# Every floor is pinned: the package's own and each feature extra's (torchao, datasets, trackers, gguf...);
+# the test tools alone (pytest, ruff, hypothesis, ...) come at their newest.
 mapfile -t PINS < <(python3 - <<'PY'
 import re, tomllib
 project = tomllib.load(open("pyproject.toml", "rb"))["project"]
-for dep in project["dependencies"] + project["optional-dependencies"]["test"]:
-    print(re.sub(r">=", "==", dep) if dep.split(">=")[0] in
-          {d.split(">=")[0] for d in project["dependencies"]} else dep)
+extras = project["optional-dependencies"]
+floors = project["dependencies"] + [d for name, deps in extras.items() if name != "test" for d in deps]
+names = {d.split(">=")[0] for d in floors}
+for dep in dict.fromkeys(floors + extras["test"]):
+    print(re.sub(r">=", "==", dep) if dep.split(">=")[0] in names else dep)
 PY
 )
 TORCH_PIN=$(printf '%s\n' "${PINS[@]}" | grep '^torch==')

@@ -175,3 +175,16 @@ def test_cli_plan_table_and_bad_size(model_dir: Path, capsys) -> None:
     assert "fsdp2" in out and "peak at" in out and "activ" in out
     assert cli.main(["plan", "--model", str(model_dir), "--memory-per-rank", "lots"]) == 2
     assert "memory-per-rank" in capsys.readouterr().err
+
+
+def test_runtime_counts_scikit_learn_where_transformers_imports_it_eagerly(monkeypatch):
+    """transformers before 5.2x imports scikit-learn (and pandas) at import whenever it is installed:
+    51 MB more in every worker, which the floor-version run of the planner tests measured."""
+    from transformers.generation import candidate_generator
+
+    from shardtune.plan import EAGER_SKLEARN_MB, RUNTIME_CPU_MB, runtime_cpu_mb
+
+    monkeypatch.delattr(candidate_generator, "roc_curve", raising=False)
+    assert runtime_cpu_mb() == RUNTIME_CPU_MB
+    monkeypatch.setattr(candidate_generator, "roc_curve", object(), raising=False)
+    assert runtime_cpu_mb() == RUNTIME_CPU_MB + EAGER_SKLEARN_MB

@@ -23,7 +23,7 @@ def test_model_without_all_tied_weights_keys_is_an_error_not_untied_weights():
     class OldModel(nn.Module):  # what transformers 4.x models look like: no all_tied_weights_keys
         pass
 
-    with pytest.raises(MissingAPIError, match="OldModel has no all_tied_weights_keys.*transformers>=5.0"):
+    with pytest.raises(MissingAPIError, match="OldModel has no all_tied_weights_keys.*transformers>=5.1"):
         tied_weights_keys(OldModel())
 
 

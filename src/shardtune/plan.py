@@ -29,6 +29,18 @@ from shardtune.train.loss import CHUNK_BYTES
 STRATEGIES = ("fsdp2", "fsdp1", "ddp", "single")
 #: A worker's private memory before loading (CPU): torch, transformers, peft, gloo, tokenizer, data.
 RUNTIME_CPU_MB = 275
+#: transformers before 5.2x imports scikit-learn (and with it pandas) whenever it is installed, from
+#: ``generation/candidate_generator.py``: measured +51 MB in every worker (transformers 5.0, on the floors).
+EAGER_SKLEARN_MB = 51
+
+
+def runtime_cpu_mb() -> float:
+    """A CPU worker's private memory before loading, on the transformers release installed here."""
+    from transformers.generation import candidate_generator
+
+    return RUNTIME_CPU_MB + (EAGER_SKLEARN_MB if hasattr(candidate_generator, "roc_curve") else 0)
+
+
 #: On GPU: the CUDA context, which ``max_memory_allocated`` does not count but the GPU must hold.
 CUDA_CONTEXT_MB = 500
 #: Copies of a unit held while it is all-gathered. FSDP2 gathers into a buffer, then copies out
@@ -174,7 +186,7 @@ def predict(f: Facts, strategy: str, ranks: int, micro_batch: int, seq_len: int,
     logits_bwd = 2 * logits + min(CHUNK_BYTES, micro_tokens * vocab * 4)
     lora = 4 * f.trainable_params / n
     kept = {
-        "runtime": (CUDA_CONTEXT_MB if device.type == "cuda" else RUNTIME_CPU_MB) * MB,
+        "runtime": (CUDA_CONTEXT_MB if device.type == "cuda" else runtime_cpu_mb()) * MB,
         "weights": f.frozen_bytes / n,
         "lora": lora,
         "grads": lora * (2 if strategy == "ddp" else 1),

@@ -79,10 +79,18 @@ def read_json(file: Path, error: type[ConfigError] = ModelDirError) -> dict:
     return value
 
 
+#: files a tokenizer is built from; transformers 5.0 builds an empty 8-token tokenizer from none of them
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model", "tokenizer.tiktoken")
+
+
 def load_tokenizer(model_dir: ModelDir):
     """The model directory's tokenizer, or a ModelDirError naming the directory and the reason."""
     from transformers import AutoTokenizer
 
+    if not any((Path(model_dir.path) / name).is_file() for name in TOKENIZER_FILES):
+        raise ModelDirError(f"model directory {model_dir.path} has no tokenizer: none of "
+                            f"{', '.join(TOKENIZER_FILES)}")
     try:
         return AutoTokenizer.from_pretrained(model_dir.path, trust_remote_code=model_dir.trust_remote_code)
     except (OSError, ValueError, KeyError, TypeError) as err:

@@ -55,7 +55,7 @@ def check_apis() -> None:
         missing.append(f"transformers {transformers.__version__} lacks all_tied_weights_keys (transformers 5)")
     if missing:
         raise MissingAPIError("; ".join(missing) + ". Install the versions pyproject.toml requires: "
-                              "pip install 'torch>=2.13' 'transformers>=5.0' 'peft>=0.19'")
+                              "pip install 'torch>=2.13' 'transformers>=5.1' 'peft>=0.19'")
 
 
 def tied_weights_keys(model: object) -> dict[str, str]:
@@ -66,6 +66,6 @@ def tied_weights_keys(model: object) -> dict[str, str]:
 
         raise MissingAPIError(
             f"{type(model).__name__} has no all_tied_weights_keys: transformers {transformers.__version__} is "
-            "older than 5.0, and its tied weights would be left untied. pip install 'transformers>=5.0'"
+            "older than 5.0, and its tied weights would be left untied. pip install 'transformers>=5.1'"
         )
     return dict(keys)
