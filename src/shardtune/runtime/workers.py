@@ -182,7 +182,9 @@ def launch_workers(parallel: ParallelConfig, module: str, args: list[str], run: 
         monitor_interval=0.2, start_method="spawn", shutdown_timeout=STOP_TIMEOUT,
         logs_specs=DefaultLogsSpecs(log_dir=str(log_dir), redirects=Std.ALL),
     )
+    from shardtune.runtime.device import device_type
     from shardtune.runtime.distributed import LAUNCHER_PID
+    from shardtune.runtime.memory import worker_malloc_env
 
     # Workers die with this process (distributed.die_with_parent). Tied to this run's id, so that the value,
     # inherited by anything this process starts later (a torchrun, say), is never taken for its launcher.
@@ -192,6 +194,9 @@ def launch_workers(parallel: ParallelConfig, module: str, args: list[str], run: 
     # Each worker would otherwise start one compute thread per core: N workers on C cores then
     # oversubscribe them, which made a 2-rank CPU run 5x slower than 1 rank. (torchrun sets 1.)
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // p.nproc)))
+    malloc_env = worker_malloc_env(device_type(p.device))
+    previous_tunables = os.environ.get("GLIBC_TUNABLES")
+    os.environ.update(malloc_env)
     relay = _Relay(log_dir)
     relay.start()
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
@@ -210,7 +215,8 @@ def launch_workers(parallel: ParallelConfig, module: str, args: list[str], run: 
                 signal.signal(sig, handler)
         relay.stop()
         shutil.rmtree(log_dir, ignore_errors=True)
-        if previous_launcher is None:
-            os.environ.pop(LAUNCHER_PID, None)
-        else:
-            os.environ[LAUNCHER_PID] = previous_launcher
+        for name, previous in ((LAUNCHER_PID, previous_launcher), ("GLIBC_TUNABLES", previous_tunables)):
+            if previous is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = previous
