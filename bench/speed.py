@@ -14,7 +14,7 @@ Job groups:
   small   1 × 128 tokens per rank (fixed-length records): fsdp2 with per-part units (before this
           change) and whole-layer units, against ddp.
   large   4 × 512 tokens per rank: fsdp2 (whole-layer units) against ddp.
-  budget  --memory-per-rank 3GiB: shardtune's automatic choice (packing, --strategy auto,
+  budget  --memory-per-rank (--budget-gib, 3 at 1.1B): shardtune's automatic choice (packing, --strategy auto,
           --micro-batch-size auto) on the mixed data, against each peer's largest micro-batch
           that the same budget holds (measured peak <= 3 GiB; tried from 8 down).
 Writes bench/results/speed-1.1b.json and prints the table with the issue's ratios.
@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from fake_model import SIZES, make_checkpoint, make_data
+from shardtune.runtime.memory import worker_malloc_env
 
 HERE = Path(__file__).resolve().parent
 GIB = 1024**3
@@ -63,11 +64,7 @@ JOBS: dict[str, list[tuple[str, list[str], str]]] = {
                                "--micro-batch-size", "4"], "fixed512"),
         ("ddp 4x512", ["shardtune", "--strategy", "ddp", "--seq-len", "512", "--micro-batch-size", "4"], "fixed512"),
     ],
-    "budget": [
-        ("shardtune auto 3GiB packed", ["shardtune", "--strategy", "auto", "--packing", "--micro-batch-size", "0",
-                                        "--batch-per-rank", "8", "--fsdp-unit", "auto", "--memory-per-rank", "3GiB",
-                                        "--seq-len", "512"], "mixed"),
-    ],
+    "budget": [],  # made in main(): the budget is --budget-gib
 }
 
 
@@ -91,8 +88,12 @@ def mixed_data(path: Path, n: int = 96, seed: int = 0) -> Path:
 
 def run_job(name: str, argv: list[str], model: Path, data: Path, args: argparse.Namespace) -> dict:
     out = Path(tempfile.mkdtemp(prefix="speed-"))
-    env = {k: v for k, v in os.environ.items() if k not in ("MALLOC_MMAP_THRESHOLD_", "SHARDTUNE_MALLOC")}
-    env["MALLOC_MMAP_THRESHOLD_"] = "131072"  # the same allocator setting for every recipe (shardtune's own)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MALLOC_MMAP_THRESHOLD_", "SHARDTUNE_MALLOC", "GLIBC_TUNABLES")}
+    # The same allocator settings for every recipe: shardtune's own (its launcher's, which torchrun
+    # here is not): the mmap threshold and, unless --no-huge-pages, glibc's huge pages.
+    env["MALLOC_MMAP_THRESHOLD_"] = "131072"
+    env.update(worker_malloc_env("cpu", {}) if args.huge_pages else {})
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(HERE / "peers.py"),
            *argv, "--model", str(model), "--data", str(data), "--out", str(out), "--steps", str(args.steps),
            "--dtype", args.dtype]
@@ -107,7 +108,8 @@ def run_job(name: str, argv: list[str], model: Path, data: Path, args: argparse.
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
         return {"name": name, "argv": argv, "error": f"ran past --timeout {args.timeout} s"}
-    job = {"name": name, "argv": argv, "wall_seconds": round(time.perf_counter() - started, 1)}
+    job = {"name": name, "argv": argv, "wall_seconds": round(time.perf_counter() - started, 1),
+           "huge_pages": args.huge_pages}
     ranks = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
     if proc.returncode or len(ranks) != 2:
         (out / "log.txt").write_text(stdout + stderr)
@@ -133,7 +135,13 @@ def table(jobs: list[dict]) -> str:
     return "\n".join(rows)
 
 
-def ratios(jobs: list[dict]) -> list[str]:
+def budget_jobs(gib: float) -> list[tuple[str, list[str], str]]:
+    return [(f"shardtune auto {gib:g}GiB packed",
+             ["shardtune", "--strategy", "auto", "--packing", "--micro-batch-size", "0", "--batch-per-rank", "8",
+              "--fsdp-unit", "auto", "--memory-per-rank", f"{gib:g}GiB", "--seq-len", "512"], "mixed")]
+
+
+def ratios(jobs: list[dict], budget_gib: float = 3.0) -> list[str]:
     speed = {j["name"]: j["tokens_per_second"] for j in jobs if "error" not in j}
     peak = {j["name"]: max(j["train_peak_mb"]) for j in jobs if "error" not in j}
     lines = []
@@ -148,16 +156,19 @@ def ratios(jobs: list[dict]) -> list[str]:
     ratio("fsdp2-layer 1x128", "ddp 1x128", 0.5, "fsdp2 vs ddp at 1 x 128")
     ratio("fsdp2-part 1x128", "ddp 1x128", 0.0, "fsdp2 per-part units (before) vs ddp at 1 x 128")
     ratio("fsdp2-layer 4x512", "ddp 4x512", 0.95, "fsdp2 vs ddp at 4 x 512")
+    gib = budget_gib
     if "fsdp2-layer 1x128" in peak and "fsdp2-part 1x128" in peak:
         r = peak["fsdp2-layer 1x128"] / peak["fsdp2-part 1x128"]
         lines.append(f"fsdp2 peak at 1 x 128, layer / part units = {r:.2f} "
                      f"(target <= 1.10: {'yes' if r <= 1.1 else 'NO'})")
-    auto = "shardtune auto 3GiB packed"
-    # every peer job runs the mixed data at --seq-len 512: the padded ones (m8) count when they fit too
-    peers = [n for n in speed if n.startswith("peer") and peak[n] <= 3 * 1024]
+    auto = f"shardtune auto {gib:g}GiB packed"
+    # every peer job runs the mixed data at --seq-len 512: the padded ones (m8) count when they fit too;
+    # the peers' budget jobs of another budget do not
+    peers = [n for n in speed if n.startswith("peer") and peak[n] <= gib * 1024
+             and ("GiB" not in n or f" {gib:g}GiB " in n)]
     if auto in speed and peers:
         best = max(peers, key=lambda n: speed[n])
-        ratio(auto, best, 1.5, "at 3 GiB per rank, shardtune's choice vs the best peer that fits")
+        ratio(auto, best, 1.5, f"at {gib:g} GiB per rank, shardtune's choice vs the best peer that fits")
     return lines
 
 
@@ -166,7 +177,9 @@ def main() -> None:
     parser.add_argument("--jobs", default="small,mixed,large,budget", help="job groups: " + ", ".join(JOBS))
     parser.add_argument("--only", default="", help="comma-separated job names to run (default: all in the groups)")
     parser.add_argument("--peer-budget", default="4,2,1",
-                        help="micro-batch sizes tried for the peers at 3 GiB, largest first (8: the mixed group's)")
+                        help="micro-batch sizes tried for the peers at the budget, largest first (8: mixed group)")
+    parser.add_argument("--budget-gib", type=float, default=3.0,
+                        help="the budget group's memory per rank (3 GiB is sized for 1.1b; scale it with --size)")
     parser.add_argument("--cache", type=Path, default=HERE / ".cache")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--timeout", type=int, default=1800)
@@ -174,6 +187,8 @@ def main() -> None:
                         help="compute dtype of every job: fp32 on CPUs without bf16 matmul (AVX2 only)")
     parser.add_argument("--size", default="1.1b", choices=sorted(SIZES),
                         help="the random Llama-shape checkpoint (the budget group's 3 GiB is sized for 1.1b)")
+    parser.add_argument("--no-huge-pages", dest="huge_pages", action="store_false",
+                        help="run every job without glibc's huge pages (shardtune's launcher sets them on CPU)")
     parser.add_argument("--out", type=Path, help="[default: bench/results/speed-<size>.json]")
     args = parser.parse_args()
     args.out = args.out or HERE / "results" / f"speed-{args.size}.json"
@@ -186,30 +201,32 @@ def main() -> None:
     jobs = {j["name"]: j for j in previous}  # a partial run keeps the other jobs' last results
     for group in [g.strip() for g in args.jobs.split(",") if g.strip()]:
         planned = list(JOBS[group])
+        gib = args.budget_gib
         if group == "budget":
+            planned = budget_jobs(gib)
             for peer in ("naive", "fsdp1-peft"):
                 for m in [int(x) for x in args.peer_budget.split(",")]:
-                    planned.append((f"peer {peer} 3GiB m{m}", [peer, "--seq-len", "512", "--micro-batch-size", str(m)],
-                                    "mixed"))
+                    planned.append((f"peer {peer} {gib:g}GiB m{m}",
+                                    [peer, "--seq-len", "512", "--micro-batch-size", str(m)], "mixed"))
         fitted: set[str] = set()  # peers whose largest micro-batch within the budget is found
         for name, argv, which in planned:
             peer = name.rsplit(" m", 1)[0] if group == "budget" and name.startswith("peer") else None
-            padded = f"{peer.replace(' 3GiB', '')} padded" if peer else ""  # the same peer at m8 (mixed group)
-            if padded in jobs and "error" not in jobs[padded] and max(jobs[padded]["train_peak_mb"]) <= 3 * 1024:
+            padded = f"{peer.replace(f' {gib:g}GiB', '')} padded" if peer else ""  # the same peer at m8 (mixed)
+            if padded in jobs and "error" not in jobs[padded] and max(jobs[padded]["train_peak_mb"]) <= gib * 1024:
                 fitted.add(peer)
             if (only and name not in only) or peer in fitted:
                 continue
             print(f"running {name} ...", file=sys.stderr, flush=True)
             jobs[name] = run_job(name, argv, model, data[which], args)
             print(table([jobs[name]]).splitlines()[-1], file=sys.stderr, flush=True)
-            if peer and "error" not in jobs[name] and max(jobs[name]["train_peak_mb"]) <= 3 * 1024:
+            if peer and "error" not in jobs[name] and max(jobs[name]["train_peak_mb"]) <= gib * 1024:
                 fitted.add(peer)
     ordered = list(jobs.values())
-    report = table(ordered) + "\n\n" + "\n".join(ratios(ordered))
+    report = table(ordered) + "\n\n" + "\n".join(ratios(ordered, args.budget_gib))
     print(report)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"model": f"llama-{args.size} (random, bf16)", "ranks": 2, "steps": args.steps,
-                                    "dtype": args.dtype,
+                                    "dtype": args.dtype, "budget_gib": args.budget_gib,
                                     "jobs": ordered, "table": report}, indent=2))
     print(f"wrote {args.out}", file=sys.stderr)
 

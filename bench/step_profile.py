@@ -1,12 +1,16 @@
 """Where one training step's time goes: torch.profiler over a step of shardtune on 2 ranks.
 
-    flock /tmp/bigrun.lock .venv/bin/python -m torch.distributed.run --standalone --nproc-per-node 2 \\
-        bench/step_profile.py --strategy fsdp2 --fsdp-unit part --seq-len 128
+    .venv/bin/python -m torch.distributed.run --standalone --nproc-per-node 2 \\
+        bench/step_profile.py --size 1.1b --dtype fp32 --strategy fsdp2 --fsdp-unit part --seq-len 128
 
-Uses the 1.1B random Llama-shape checkpoint and the fixed-length data of bench/speed.py (made under
-bench/.cache). One warm-up step, then one profiled step; rank 0 prints the operators with the most
-self time, the number of collectives and the time spent in them, and writes
-bench/results/profile-<strategy>-<unit>-<micro>x<seq>.json.
+Uses a random Llama-shape checkpoint of bench/fake_model.py and fixed-length data (both made once under
+bench/.cache). One warm-up step, then one profiled step. Rank 0 prints where the profiled step's wall
+time went, by kind (matrix products, the rest of the model's operators, copies in and out of FSDP's
+flat buffers, waiting on collectives, and the Python the profiler does not see: the step's wall time
+less all operators' self time), then the operators with the most self time, and writes
+bench/results/profile-<size>-<strategy>-<unit>-<micro>x<seq>[-glibc].json (-glibc: run with
+SHARDTUNE_MALLOC=default, glibc's own allocator settings, instead of shardtune's mmap threshold).
+Gloo's collectives run on its own threads: the main thread's time in them is its wait.
 """
 
 from __future__ import annotations
@@ -19,7 +23,31 @@ from pathlib import Path
 
 import torch
 
+from fake_model import SIZES, make_checkpoint, make_data
+
 HERE = Path(__file__).resolve().parent
+
+
+KINDS = ("matrix products", "other operators", "copies (FSDP buffers, casts)", "FSDP hooks", "collectives (wait)")
+# FSDP2 waits for a gather inside all_gather_copy_out (its copy is fsdp::split_with_sizes_copy), and for
+# the gradients' reduce-scatter inside post_backward_reduce: those two are waits, not copies.
+COLLECTIVE = ("c10d::", "FSDP::all_gather_copy_out", "FSDP::post_backward_reduce", "gloo", "record_param_comms")
+MATMUL = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_dot_product", "aten::matmul",
+          "aten::linear")
+COPY = ("aten::copy_", "aten::cat", "aten::split_with_sizes_copy", "aten::_foreach_copy", "aten::clone",
+        "aten::_to_copy", "aten::chunk_cat", "aten::empty", "fsdp::")
+
+
+def kind_of(op: str) -> str:
+    if op.startswith(COLLECTIVE):
+        return "collectives (wait)"
+    if op.startswith(COPY):
+        return "copies (FSDP buffers, casts)"
+    if op.startswith("FSDP::"):
+        return "FSDP hooks"
+    if op.startswith(MATMUL):
+        return "matrix products"
+    return "other operators"
 
 
 def main() -> None:
@@ -29,21 +57,31 @@ def main() -> None:
     parser.add_argument("--micro-batch-size", type=int, default=1)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--cache", type=Path, default=HERE / ".cache")
+    parser.add_argument("--size", default="1.1b", choices=sorted(SIZES))
+    parser.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32"),
+                        help="compute dtype (fp32 on CPUs without bf16 matmul, as --dtype auto decides)")
     args = parser.parse_args()
     torch.set_num_threads(1)  # as bench/peers.py: 2 ranks on 2 cores
 
     from shardtune.config import build_config
     from shardtune.runtime import distributed
+    from shardtune.runtime.device import decide_dtype
     from shardtune.runtime.memory import MemoryMonitor, tune_malloc
     from shardtune.train.recipe import prepare, train_step
 
-    tune_malloc()
+    malloc = tune_malloc()
     world = int(os.environ["WORLD_SIZE"])
-    cfg = build_config({"model": str(args.cache / "llama-1.1b"), "data": str(args.cache / f"data-{args.seq_len}.jsonl"),
+    worker = distributed.init_worker()
+    if worker.is_main:  # made once; the other rank waits at the barrier below
+        make_checkpoint(args.size, args.cache)
+        make_data(args.cache / f"data-{args.seq_len}.jsonl", seq_len=args.seq_len)
+    torch.distributed.barrier()
+    cfg = build_config({"model": str(args.cache / f"llama-{args.size}"),
+                        "data": str(args.cache / f"data-{args.seq_len}.jsonl"),
                         "out": "/tmp/step-profile", "strategy": args.strategy, "fsdp-unit": args.fsdp_unit,
                         "batch-size": world * args.micro_batch_size, "micro-batch-size": args.micro_batch_size,
-                        "seq-len": args.seq_len, "lora-targets": "q_proj,v_proj", "steps": 3})
-    worker = distributed.init_worker()
+                        "seq-len": args.seq_len, "lora-targets": "q_proj,v_proj", "steps": 3, "dtype": args.dtype})
+    cfg = decide_dtype(cfg)  # as preflight decides it before the workers start
     job = prepare(cfg, worker, MemoryMonitor(worker.device))
     params = list(job.strategy.trainable(job.model).values())
 
@@ -58,25 +96,35 @@ def main() -> None:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         seconds = step(1)
     events = prof.key_averages()
-    top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:20]
-    rows = [{"op": e.key, "calls": e.count, "self_s": round(e.self_cpu_time_total / 1e6, 3),
-             "total_s": round(e.cpu_time_total / 1e6, 3)} for e in top]
-    comm = [e for e in events if any(k in e.key for k in ("broadcast", "all_gather", "reduce_scatter", "allreduce",
-                                                          "all_reduce", "gloo", "wait"))]
-    result = {"strategy": args.strategy, "fsdp_unit": args.fsdp_unit, "micro": args.micro_batch_size,
-              "seq_len": args.seq_len, "warmup_step_s": round(warm, 3), "profiled_step_s": round(seconds, 3),
-              "top_self": rows,
-              "collectives": [{"op": e.key, "calls": e.count, "self_s": round(e.self_cpu_time_total / 1e6, 3),
-                               "total_s": round(e.cpu_time_total / 1e6, 3)} for e in comm]}
+    kinds = {kind: 0.0 for kind in KINDS}
+    for e in events:
+        kinds[kind_of(e.key)] += e.self_cpu_time_total / 1e6
+    kinds["python (not in any operator)"] = max(0.0, seconds - sum(kinds.values()))
+    by_op: dict[str, list[float]] = {}  # FSDP's events carry the module's name: one row per operator
+    for e in events:
+        row = by_op.setdefault(e.key.split(" (")[0], [0, 0.0])
+        row[0] += e.count
+        row[1] += e.self_cpu_time_total / 1e6
+    top = sorted(by_op.items(), key=lambda kv: kv[1][1], reverse=True)[:20]
+    rows = [{"op": op, "kind": kind_of(op), "calls": calls, "self_s": round(self_s, 3)} for op, (calls, self_s) in top]
+    collectives = [e for e in events if e.key.startswith("c10d::") and not e.key.startswith("c10d::wait")]
+    result = {"size": args.size, "dtype": str(cfg.model.dtype), "strategy": args.strategy, "fsdp_unit": args.fsdp_unit,
+              "micro": args.micro_batch_size, "seq_len": args.seq_len, "malloc": malloc,
+              "warmup_step_s": round(warm, 3),
+              "profiled_step_s": round(seconds, 3), "by_kind_s": {k: round(v, 3) for k, v in kinds.items()},
+              "collective_calls": sum(e.count for e in collectives),
+              "top_self": rows}
     if worker.is_main:
-        print(f"step {seconds:.2f} s (warm-up {warm:.2f} s)")
+        print(f"{args.size} {args.strategy} ({args.fsdp_unit} units) {args.micro_batch_size} x {args.seq_len}: "
+              f"step {seconds:.2f} s (warm-up {warm:.2f} s), {result['collective_calls']} collective calls")
+        for kind, value in kinds.items():
+            print(f"  {kind:<32} {value:8.3f} s  {value / seconds:6.1%}")
+        print("operators with the most self time:")
         for r in rows:
-            print(f"  {r['op'][:60]:<60} {r['calls']:6d} self {r['self_s']:7.3f} s  total {r['total_s']:7.3f} s")
-        print("collectives:")
-        for r in result["collectives"]:
-            print(f"  {r['op'][:60]:<60} {r['calls']:6d} self {r['self_s']:7.3f} s  total {r['total_s']:7.3f} s")
-        out = HERE / "results" / (f"profile-{args.strategy}-{args.fsdp_unit}-{args.micro_batch_size}x"
-                                  f"{args.seq_len}.json")
+            print(f"  {r['op'][:56]:<56} {r['kind'][:12]:<12} {r['calls']:6d} self {r['self_s']:7.3f} s")
+        glibc = "-glibc" * malloc.startswith("glibc defaults")
+        out = HERE / "results" / (f"profile-{args.size}-{args.strategy}-{args.fsdp_unit}-{args.micro_batch_size}x"
+                                  f"{args.seq_len}{glibc}.json")
         out.write_text(json.dumps(result, indent=2))
     distributed.teardown()
     distributed.exit_worker(0)
