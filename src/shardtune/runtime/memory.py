@@ -55,8 +55,9 @@ def worker_malloc_env(device_type: str, environ: dict[str, str] | None = None) -
 
     Why: under the mmap threshold every buffer FSDP2 gathers into is a fresh mapping, and the first
     write to each 4 KiB page faults and zeroes it. On a 1.1B fp32 step (2 ranks, 1 x 128 tokens)
-    FSDP2's copies took 16 s of 52, at 0.36 GB/s against 1.4 GB/s into a reused buffer; with huge
-    pages (512x fewer faults) the whole step ran 2x faster, at the same peak (bench/speed.py).
+    FSDP2's copies took 16 s of 52 (a fresh 46 MB buffer fills at 0.94 GB/s, a reused one at 4.8:
+    bench/page_faults.py); with huge pages (512x fewer faults) the whole step ran 2x faster, at the
+    same peak (bench/speed.py).
     Only on CPU, only where the tunable is not set already, and never with ``SHARDTUNE_MALLOC=default``.
     """
     env = os.environ if environ is None else environ
