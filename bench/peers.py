@@ -274,10 +274,11 @@ def run_shardtune(args: argparse.Namespace, rank: int) -> dict:
     shardtune.train.recipe.build_model = counted_build_model
 
     micro = "auto" if args.micro_batch_size == 0 else args.micro_batch_size
+    world = int(os.environ["WORLD_SIZE"])
     # nproc as `shardtune finetune --nproc` sets it: --strategy auto chooses for this many ranks
     cfg = build_config({"model": args.model, "data": args.data, "out": str(Path(args.out) / "run"),
-                        "nproc": int(os.environ["WORLD_SIZE"]), "strategy": args.strategy, "steps": args.steps,
-                        "batch-size": int(os.environ["WORLD_SIZE"]) * (args.batch_per_rank or args.micro_batch_size),
+                        "nproc": world, "strategy": args.strategy, "steps": args.steps,
+                        "batch-size": world * (args.batch_per_rank or args.micro_batch_size),
                         "micro-batch-size": micro, "seq-len": args.seq_len, "lora-r": 8, "lora-alpha": 16,
                         "lora-targets": "q_proj,v_proj", "activation-checkpointing": args.activation_checkpointing,
                         "cpu-offload": args.cpu_offload, "warmup-steps": 0, "packing": args.packing,

@@ -16,7 +16,7 @@ Job groups:
   large   4 × 512 tokens per rank: fsdp2 (whole-layer units) against ddp.
   budget  --memory-per-rank (--budget-gib, 3 at 1.1B): shardtune's automatic choice (packing, --strategy auto,
           --micro-batch-size auto) on the mixed data, against each peer's largest micro-batch
-          that the same budget holds (measured peak <= 3 GiB; tried from 8 down).
+          that the same budget holds (measured peak <= the budget; tried from 8 down).
 Writes bench/results/speed-1.1b.json and prints the table with the issue's ratios.
 """
 
@@ -141,7 +141,7 @@ def budget_jobs(gib: float) -> list[tuple[str, list[str], str]]:
               "--fsdp-unit", "auto", "--memory-per-rank", f"{gib:g}GiB", "--seq-len", "512"], "mixed")]
 
 
-def ratios(jobs: list[dict], budget_gib: float = 3.0) -> list[str]:
+def ratios(jobs: list[dict], gib: float = 3.0) -> list[str]:
     speed = {j["name"]: j["tokens_per_second"] for j in jobs if "error" not in j}
     peak = {j["name"]: max(j["train_peak_mb"]) for j in jobs if "error" not in j}
     lines = []
@@ -156,7 +156,6 @@ def ratios(jobs: list[dict], budget_gib: float = 3.0) -> list[str]:
     ratio("fsdp2-layer 1x128", "ddp 1x128", 0.5, "fsdp2 vs ddp at 1 x 128")
     ratio("fsdp2-part 1x128", "ddp 1x128", 0.0, "fsdp2 per-part units (before) vs ddp at 1 x 128")
     ratio("fsdp2-layer 4x512", "ddp 4x512", 0.95, "fsdp2 vs ddp at 4 x 512")
-    gib = budget_gib
     if "fsdp2-layer 1x128" in peak and "fsdp2-part 1x128" in peak:
         r = peak["fsdp2-layer 1x128"] / peak["fsdp2-part 1x128"]
         lines.append(f"fsdp2 peak at 1 x 128, layer / part units = {r:.2f} "
@@ -199,9 +198,9 @@ def main() -> None:
     only = {n.strip() for n in args.only.split(",") if n.strip()}
     previous = json.loads(args.out.read_text())["jobs"] if args.out.is_file() else []
     jobs = {j["name"]: j for j in previous}  # a partial run keeps the other jobs' last results
+    gib = args.budget_gib
     for group in [g.strip() for g in args.jobs.split(",") if g.strip()]:
         planned = list(JOBS[group])
-        gib = args.budget_gib
         if group == "budget":
             planned = budget_jobs(gib)
             for peer in ("naive", "fsdp1-peft"):

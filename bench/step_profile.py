@@ -8,8 +8,10 @@ bench/.cache). One warm-up step, then one profiled step. Rank 0 prints where the
 time went, by kind (matrix products, the rest of the model's operators, copies in and out of FSDP's
 flat buffers, waiting on collectives, and the Python the profiler does not see: the step's wall time
 less all operators' self time), then the operators with the most self time, and writes
-bench/results/profile-<size>-<strategy>-<unit>-<micro>x<seq>[-glibc].json (-glibc: run with
-SHARDTUNE_MALLOC=default, glibc's own allocator settings, instead of shardtune's mmap threshold).
+bench/results/profile-<size>-<strategy>-<unit>-<micro>x<seq>[-glibc][-hugepages].json (-glibc: run with
+SHARDTUNE_MALLOC=default, glibc's own allocator settings, instead of shardtune's mmap threshold;
+-hugepages: run with GLIBC_TUNABLES=glibc.malloc.hugetlb=1, which shardtune's launcher sets and
+torchrun does not).
 Gloo's collectives run on its own threads: the main thread's time in them is its wait.
 """
 
@@ -70,6 +72,7 @@ def main() -> None:
     from shardtune.train.recipe import prepare, train_step
 
     malloc = tune_malloc()
+    huge_pages = "glibc.malloc.hugetlb=1" in os.environ.get("GLIBC_TUNABLES", "")
     world = int(os.environ["WORLD_SIZE"])
     worker = distributed.init_worker()
     if worker.is_main:  # made once; the other rank waits at the barrier below
@@ -109,7 +112,7 @@ def main() -> None:
     rows = [{"op": op, "kind": kind_of(op), "calls": calls, "self_s": round(self_s, 3)} for op, (calls, self_s) in top]
     collectives = [e for e in events if e.key.startswith("c10d::") and not e.key.startswith("c10d::wait")]
     result = {"size": args.size, "dtype": str(cfg.model.dtype), "strategy": args.strategy, "fsdp_unit": args.fsdp_unit,
-              "micro": args.micro_batch_size, "seq_len": args.seq_len, "malloc": malloc,
+              "micro": args.micro_batch_size, "seq_len": args.seq_len, "malloc": malloc, "huge_pages": huge_pages,
               "warmup_step_s": round(warm, 3),
               "profiled_step_s": round(seconds, 3), "by_kind_s": {k: round(v, 3) for k, v in kinds.items()},
               "collective_calls": sum(e.count for e in collectives),
@@ -122,9 +125,9 @@ def main() -> None:
         print("operators with the most self time:")
         for r in rows:
             print(f"  {r['op'][:56]:<56} {r['kind'][:12]:<12} {r['calls']:6d} self {r['self_s']:7.3f} s")
-        glibc = "-glibc" * malloc.startswith("glibc defaults")
+        suffix = "-glibc" * malloc.startswith("glibc defaults") + "-hugepages" * huge_pages
         out = HERE / "results" / (f"profile-{args.size}-{args.strategy}-{args.fsdp_unit}-{args.micro_batch_size}x"
-                                  f"{args.seq_len}{glibc}.json")
+                                  f"{args.seq_len}{suffix}.json")
         out.write_text(json.dumps(result, indent=2))
     distributed.teardown()
     distributed.exit_worker(0)

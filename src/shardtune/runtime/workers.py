@@ -194,9 +194,8 @@ def launch_workers(parallel: ParallelConfig, module: str, args: list[str], run: 
     # Each worker would otherwise start one compute thread per core: N workers on C cores then
     # oversubscribe them, which made a 2-rank CPU run 5x slower than 1 rank. (torchrun sets 1.)
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // p.nproc)))
-    malloc_env = worker_malloc_env(device_type(p.device))
     previous_tunables = os.environ.get("GLIBC_TUNABLES")
-    os.environ.update(malloc_env)
+    os.environ.update(worker_malloc_env(device_type(p.device)))
     relay = _Relay(log_dir)
     relay.start()
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
