@@ -149,8 +149,7 @@ def _fsdp2_moments(device: str, f: Facts, n: int, copies: int, acts: float, work
     else:  # gathered: in a unit of its own when untied, else in the root with the tied head
         embed = copies * (f.embed_bytes if f.head_bytes else f.root_bytes)
     if f.tables_by_rows["head"]:
-        head_fwd = head_bwd = (f.head_bytes or f.embed_bytes) / n
-        logits_fwd += logits_fwd / n  # one rank's slice of the logits before it is copied in
+        head_fwd = head_bwd = (f.head_bytes or f.embed_bytes) / n  # each rank's rows written in place
     elif f.head_bytes:  # its own unit, kept from the end of forward into backward
         head_fwd, head_bwd = copies * f.head_bytes, f.head_bytes
     else:
