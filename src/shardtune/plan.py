@@ -111,7 +111,9 @@ def _moments(strategy: str, device: str, f: Facts, n: int, acts: float, workspac
     copies = GATHER_COPIES.get((strategy, device), 0)
     if strategy == "fsdp2":
         units = f.units_bytes if unit == "part" else [f.block_bytes]
-        return _fsdp2_moments(device, f, n, copies, acts, workspace, logits_fwd, logits_bwd, units)
+        # whole-layer units keep the last layer gathered from its forward into its backward
+        last_kept = f.block_bytes if unit == "layer" else 0.0
+        return _fsdp2_moments(device, f, n, copies, acts, workspace, logits_fwd, logits_bwd, units, last_kept)
     blocks = BACKWARD_BLOCKS.get((strategy, device), 0) * f.block_bytes
     if strategy == "fsdp1" and f.head_bytes:  # untied tables are units of their own (parallel/fsdp1.py)
         return {
@@ -135,7 +137,8 @@ def _moments(strategy: str, device: str, f: Facts, n: int, acts: float, workspac
 
 
 def _fsdp2_moments(device: str, f: Facts, n: int, copies: int, acts: float, workspace: float,
-                   logits_fwd: float, logits_bwd: float, units: list[int]) -> dict[str, dict[str, float]]:
+                   logits_fwd: float, logits_bwd: float, units: list[int],
+                   last_kept: float = 0.0) -> dict[str, dict[str, float]]:
     """FSDP2 as parallel/fsdp2.py applies it: ``units`` per decoder layer (whole layers, or their
     parts); frozen embeddings used from row shards (one rank's rows in a buffer at a time), others
     gathered in units."""
@@ -157,8 +160,10 @@ def _fsdp2_moments(device: str, f: Facts, n: int, copies: int, acts: float, work
     root_kept = 0.0 if f.tables_by_rows["embed"] or f.head_bytes else f.root_bytes
     return {
         "start of forward (input embedding)": {"root": embed},
-        "end of forward (output embedding)": {"root": head_fwd, "activations": acts, "logits": logits_fwd},
-        "start of backward (logits)": {"root": head_bwd, "activations": acts, "logits": logits_bwd},
+        "end of forward (output embedding)": {"root": head_fwd, "blocks": last_kept, "activations": acts,
+                                              "logits": logits_fwd},
+        "start of backward (logits)": {"root": head_bwd, "blocks": last_kept, "activations": acts,
+                                       "logits": logits_bwd},
         "backward through the layers": {"root": root_kept, "blocks": gathered, "activations": acts + workspace},
     }
 

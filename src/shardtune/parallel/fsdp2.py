@@ -43,8 +43,13 @@ class FSDP2(Strategy):
         layers = decoder_layers(model)
         if not layers:
             raise ValueError(f"{type(model).__name__}: found no decoder layers to shard (_no_split_modules)")
-        parts = (lambda layer: [layer]) if self.unit == "layer" else layer_parts
-        units: list[FSDPModule] = [self._unit(part) for layer in layers for part in parts(layer)]
+        if self.unit == "layer":
+            # Backward starts with the last layer right after forward: resharding it would only gather it
+            # again at once (torchtitan keeps it too). Per-part units are chosen to fit, so they reshard.
+            units: list[FSDPModule] = [self._unit(layer, reshard_after_forward=layer is not layers[-1])
+                                       for layer in layers]
+        else:
+            units = [self._unit(part) for layer in layers for part in layer_parts(layer)]
         ignored, own_units = self._shard_embeddings(model)
         units += [self._unit(module, reshard_after_forward=reshard) for module, reshard in own_units]
         # The root holds what is left (final norm; embeddings not sharded by rows), needed again at the start
