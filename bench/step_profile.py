@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -50,6 +51,19 @@ def kind_of(op: str) -> str:
     if op.startswith(MATMUL):
         return "matrix products"
     return "other operators"
+
+
+def thread_cpu_seconds() -> dict[int, float]:
+    """CPU seconds (user + system) each thread of this process has used so far, by thread id."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended meanwhile
+            continue
+        out[int(task.name)] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return out
 
 
 def main() -> None:
@@ -96,8 +110,15 @@ def main() -> None:
         return time.perf_counter() - started
 
     warm = step(0)
+    before = thread_cpu_seconds()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         seconds = step(1)
+    after = thread_cpu_seconds()
+    used = {tid: after[tid] - before.get(tid, 0.0) for tid in after}
+    main_cpu = used.pop(threading.get_native_id(), 0.0)
+    # gloo's threads (and the profiler's, a few ms): what moving the gathered bytes cost in CPU time,
+    # taken from the same cores the ranks compute on
+    cpu = {"main thread": round(main_cpu, 3), "other threads": round(sum(used.values()), 3)}
     events = prof.key_averages()
     kinds = {kind: 0.0 for kind in KINDS}
     for e in events:
@@ -115,13 +136,15 @@ def main() -> None:
               "micro": args.micro_batch_size, "seq_len": args.seq_len, "malloc": malloc, "huge_pages": huge_pages,
               "warmup_step_s": round(warm, 3),
               "profiled_step_s": round(seconds, 3), "by_kind_s": {k: round(v, 3) for k, v in kinds.items()},
-              "collective_calls": sum(e.count for e in collectives),
+              "collective_calls": sum(e.count for e in collectives), "thread_cpu_s": cpu,
               "top_self": rows}
     if worker.is_main:
         print(f"{args.size} {args.strategy} ({args.fsdp_unit} units) {args.micro_batch_size} x {args.seq_len}: "
               f"step {seconds:.2f} s (warm-up {warm:.2f} s), {result['collective_calls']} collective calls")
         for kind, value in kinds.items():
             print(f"  {kind:<32} {value:8.3f} s  {value / seconds:6.1%}")
+        print(f"CPU time in the step: main thread {cpu['main thread']:.2f} s, other threads (gloo) "
+              f"{cpu['other threads']:.2f} s")
         print("operators with the most self time:")
         for r in rows:
             print(f"  {r['op'][:56]:<56} {r['kind'][:12]:<12} {r['calls']:6d} self {r['self_s']:7.3f} s")
