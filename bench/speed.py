@@ -97,6 +97,8 @@ def run_job(name: str, argv: list[str], model: Path, data: Path, args: argparse.
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(HERE / "peers.py"),
            *argv, "--model", str(model), "--data", str(data), "--out", str(out), "--steps", str(args.steps),
            "--dtype", args.dtype]
+    if args.activation_checkpointing and argv[0] == "shardtune":
+        cmd.append("--activation-checkpointing")
     started = time.perf_counter()
     # A session of its own: on timeout the workers go too (torchrun's children outlive a killed torchrun,
     # and shardtune's workers wait for the step's end on SIGTERM).
@@ -109,7 +111,7 @@ def run_job(name: str, argv: list[str], model: Path, data: Path, args: argparse.
         proc.communicate()
         return {"name": name, "argv": argv, "error": f"ran past --timeout {args.timeout} s"}
     job = {"name": name, "argv": argv, "wall_seconds": round(time.perf_counter() - started, 1),
-           "huge_pages": args.huge_pages}
+           "huge_pages": args.huge_pages, "activation_checkpointing": args.activation_checkpointing}
     ranks = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
     if proc.returncode or len(ranks) != 2:
         (out / "log.txt").write_text(stdout + stderr)
@@ -186,6 +188,9 @@ def main() -> None:
                         help="compute dtype of every job: fp32 on CPUs without bf16 matmul (AVX2 only)")
     parser.add_argument("--size", default="1.1b", choices=sorted(SIZES),
                         help="the random Llama-shape checkpoint (the budget group's 3 GiB is sized for 1.1b)")
+    parser.add_argument("--activation-checkpointing", action="store_true",
+                        help="every shardtune job checkpoints activations (padded 8 x 512 micro-batches of the "
+                             "1.1B model do not fit 2 ranks of a 24 GiB machine otherwise)")
     parser.add_argument("--no-huge-pages", dest="huge_pages", action="store_false",
                         help="run every job without glibc's huge pages (shardtune's launcher sets them on CPU)")
     parser.add_argument("--out", type=Path, help="[default: bench/results/speed-<size>.json]")
