@@ -189,8 +189,8 @@ def main() -> None:
     parser.add_argument("--size", default="1.1b", choices=sorted(SIZES),
                         help="the random Llama-shape checkpoint (the budget group's 3 GiB is sized for 1.1b)")
     parser.add_argument("--activation-checkpointing", action="store_true",
-                        help="every shardtune job checkpoints activations (padded 8 x 512 micro-batches of the "
-                             "1.1B model do not fit 2 ranks of a 24 GiB machine otherwise)")
+                        help="every shardtune job checkpoints activations (for batches whose activations "
+                             "would not fit otherwise; the peers never do)")
     parser.add_argument("--no-huge-pages", dest="huge_pages", action="store_false",
                         help="run every job without glibc's huge pages (shardtune's launcher sets them on CPU)")
     parser.add_argument("--out", type=Path, help="[default: bench/results/speed-<size>.json]")
