@@ -16,6 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from shardtune.runtime.memory import MMAP_THRESHOLD, worker_malloc_env
+
 HERE = Path(__file__).resolve().parent
 CHILD = """
 import json, time, torch
@@ -35,10 +37,10 @@ print(json.dumps({"fresh_gb_s": rate(True), "reused_gb_s": rate(False)}))
 
 def main() -> None:
     rows = {}
-    for name, extra in (("mmap threshold", {}), ("mmap threshold + huge pages",
-                                                 {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"})):
+    # the huge-page setting exactly as shardtune's launcher gives it to CPU workers
+    for name, extra in (("mmap threshold", {}), ("mmap threshold + huge pages", worker_malloc_env("cpu", {}))):
         env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
-        env.update({"MALLOC_MMAP_THRESHOLD_": "131072", **extra})
+        env.update({"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD), **extra})
         out = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, check=True)
         rows[name] = json.loads(out.stdout.strip().splitlines()[-1])
     print(f"{'allocator':<30} {'fresh GB/s':>10} {'reused GB/s':>12}")

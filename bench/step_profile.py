@@ -82,11 +82,11 @@ def main() -> None:
     from shardtune.config import build_config
     from shardtune.runtime import distributed
     from shardtune.runtime.device import decide_dtype
-    from shardtune.runtime.memory import MemoryMonitor, tune_malloc
+    from shardtune.runtime.memory import HUGE_PAGES, MemoryMonitor, tune_malloc
     from shardtune.train.recipe import prepare, train_step
 
     malloc = tune_malloc()
-    huge_pages = "glibc.malloc.hugetlb=1" in os.environ.get("GLIBC_TUNABLES", "")
+    huge_pages = HUGE_PAGES in os.environ.get("GLIBC_TUNABLES", "")
     world = int(os.environ["WORLD_SIZE"])
     worker = distributed.init_worker()
     if worker.is_main:  # made once; the other rank waits at the barrier below
@@ -116,8 +116,8 @@ def main() -> None:
     after = thread_cpu_seconds()
     used = {tid: after[tid] - before.get(tid, 0.0) for tid in after}
     main_cpu = used.pop(threading.get_native_id(), 0.0)
-    # gloo's threads (and the profiler's, a few ms): what moving the gathered bytes cost in CPU time,
-    # taken from the same cores the ranks compute on
+    # gloo's threads move the gathered bytes on the cores the ranks compute on; the profiler's and
+    # torch's own threads count here too (a ddp step, with almost no collectives, shows their share)
     cpu = {"main thread": round(main_cpu, 3), "other threads": round(sum(used.values()), 3)}
     events = prof.key_averages()
     kinds = {kind: 0.0 for kind in KINDS}
