@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import logging
 import os
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -90,8 +92,56 @@ def init_worker(device: str = "auto", cpu_offload: bool = False) -> Worker:
         dist.init_process_group(
             backend=name, store=dist.HashStore(), rank=0, world_size=1, timeout=COLLECTIVE_TIMEOUT
         )
+    if name != "nccl" and let_gloo_threads_settle not in _at_exit:
+        _at_exit.append(let_gloo_threads_settle)
+        atexit.register(let_gloo_threads_settle)
     return Worker(rank=rank, world_size=world_size, local_rank=local_rank, device=where,
                   local_world_size=local_ranks)
+
+
+_at_exit: list[Callable[[], None]] = []
+
+
+def let_gloo_threads_settle(timeout: float = 2.0) -> None:
+    """At interpreter exit, wait (GIL released) until gloo's worker threads are idle.
+
+    A gloo thread drops its last reference to a finished collective's tensors only after the caller
+    has seen it finish; when that tensor is a Python one, the drop takes the GIL. If the interpreter
+    is already finalizing by then, the thread is made to exit inside C++ and the process aborts
+    ("terminate called without an active exception", SIGABRT after a run that finished). The
+    process group cannot be destroyed here instead: DTensors and their device meshes, in the user's
+    model and in torch's caches, keep it alive until finalization. atexit runs before finalization,
+    so a thread still waiting for the GIL gets it while this sleeps. Idle: every such thread
+    sleeping, its CPU time unchanged over two polls. Our own workers leave by ``exit_worker``.
+    """
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        time.sleep(0.01)
+        now = _gloo_thread_times()
+        if now is None or (now == last and all(state == "S" for state, _ in now.values())):
+            return
+        last = now
+
+
+def _gloo_thread_times() -> dict[str, tuple[str, str]] | None:
+    """{thread id: (state, user + system CPU ticks)} of this process's gloo worker threads (Linux)."""
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    out = {}
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:  # the thread has just exited
+            continue
+        name, _, rest = stat.partition("(")[2].rpartition(")")
+        if name.startswith("pt_gloo"):
+            fields = rest.split()
+            out[tid] = (fields[0], fields[11] + "+" + fields[12])  # state, utime, stime
+    return out
 
 
 def teardown() -> None:
