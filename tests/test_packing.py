@@ -25,6 +25,18 @@ def test_rows_hold_every_record_once_within_capacity_deterministically():
         pack_rows([30], 20)
 
 
+def test_records_spread_over_the_rows_so_that_forwards_carry_little_padding():
+    # First fit: rows of 510, 460 and 75 tokens, a forward 3 x 510 wide (fill 0.68); spread: 375 wide.
+    lengths = [200, 180, 130, 130, 120, 110, 100, 75]
+    rows = pack_rows(lengths, 512)
+    widths = [sum(lengths[i] for i in row) for row in rows]
+    assert sorted(i for row in rows for i in row) == list(range(len(lengths)))
+    assert len(rows) == 3 and max(widths) == 375 and widths == sorted(widths, reverse=True)
+    # Spreading would overfill a row (5 + 3 | 4 + 3 + 3 = 10 > 9): first fit's rows stay.
+    rows = pack_rows([5, 4, 3, 3, 3], 9)
+    assert len(rows) == 2 and all(sum([5, 4, 3, 3, 3][i] for i in row) <= 9 for row in rows)
+
+
 def test_every_rank_runs_the_same_number_of_forwards():
     examples = [Example([1] * n, [1] * n) for n in (30, 30, 30, 30, 2, 2, 2, 2)]
     plans = forwards_per_rank([[0, 1, 2, 3], [4, 5, 6, 7]], examples, capacity=32, rows_per_forward=1)
