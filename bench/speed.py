@@ -17,7 +17,12 @@ Job groups:
   budget  --memory-per-rank (--budget-gib, 3 at 1.1B): shardtune's automatic choice (packing, --strategy auto,
           --micro-batch-size auto) on the mixed data, against each peer's largest micro-batch
           that the same budget holds (measured peak <= the budget; tried from 8 down).
-Writes bench/results/speed-1.1b.json and prints the table with the issue's ratios.
+  rule    the check of auto's speed rule: the --rule-top settings that fit the same budget, in the
+          order the rule ranks them (choice.py), each run as fixed options on the budget job's data;
+          the rule holds where the measured tokens/s fall in that order.
+Writes bench/results/speed-1.1b.json and prints the table with the issue's ratios. --repeat N runs
+the chosen jobs N times, in turn (A B A B ...), so that a drift of the machine's speed hits each
+alike; a job's tokens/s is then the median of its runs, and each pair's per-round ratio is listed.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import json
 import math
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -65,6 +71,7 @@ JOBS: dict[str, list[tuple[str, list[str], str]]] = {
         ("ddp 4x512", ["shardtune", "--strategy", "ddp", "--seq-len", "512", "--micro-batch-size", "4"], "fixed512"),
     ],
     "budget": [],  # made in main(): the budget is --budget-gib
+    "rule": [],  # made in main(): the settings that fit --budget-gib
 }
 
 
@@ -125,6 +132,29 @@ def run_job(name: str, argv: list[str], model: Path, data: Path, args: argparse.
     return job
 
 
+def merge_runs(runs: list[dict]) -> dict:
+    """One job's repeated runs: the median tokens/s, the highest peak of each rank, every run's figures."""
+    ok = [r for r in runs if "error" not in r]
+    if len(runs) == 1 or not ok:
+        return runs[0]
+    job = dict(ok[0])
+    job["tokens_per_second"] = round(statistics.median(r["tokens_per_second"] for r in ok), 2)
+    job["train_peak_mb"] = [max(r["train_peak_mb"][i] for r in ok) for i in range(len(ok[0]["train_peak_mb"]))]
+    job["runs"] = [{k: r.get(k) for k in ("tokens_per_second", "train_peak_mb", "wall_seconds", "error")
+                    if k in r} for r in runs]
+    return job
+
+
+def paired(jobs: list[dict], a: str, b: str) -> str | None:
+    """Per-round ratios of two repeated jobs (run in turn, so each round's pair saw the same machine)."""
+    by_name = {j["name"]: j for j in jobs}
+    if a not in by_name or b not in by_name or "runs" not in by_name[a] or "runs" not in by_name[b]:
+        return None
+    pairs = [x["tokens_per_second"] / y["tokens_per_second"] for x, y in zip(by_name[a]["runs"], by_name[b]["runs"])
+             if "error" not in x and "error" not in y]
+    return f"  per round: {', '.join(f'{r:.3f}' for r in pairs)} (median {statistics.median(pairs):.3f})"
+
+
 def table(jobs: list[dict]) -> str:
     rows = [f"{'job':<28} {'real tok/s':>10} {'peak MB r0/r1':>15} {'fill':>5}  chosen", "-" * 80]
     for j in jobs:
@@ -143,6 +173,28 @@ def budget_jobs(gib: float) -> list[tuple[str, list[str], str]]:
               "--fsdp-unit", "auto", "--memory-per-rank", f"{gib:g}GiB", "--seq-len", "512"], "mixed")]
 
 
+def rule_jobs(model: Path, data: Path, gib: float, dtype: str, top: int) -> list[tuple[str, list[str], str]]:
+    """The budget job's setting and the next ones the speed rule ranks, best first, as fixed options."""
+    from shardtune.choice import Candidate, candidates
+    from shardtune.config import build_config
+    from shardtune.model.directory import check_model_dir, load_tokenizer
+    from shardtune.train.data import load_dataset, mean_tokens
+
+    cfg = build_config({"model": str(model), "data": str(data), "nproc": 2, "strategy": "auto", "packing": True,
+                        "batch-size": 16, "micro-batch-size": "auto", "fsdp-unit": "auto", "seq-len": 512,
+                        "lora-r": 8, "lora-alpha": 16, "lora-targets": "q_proj,v_proj", "dtype": dtype})
+    tokenizer = load_tokenizer(check_model_dir(str(model)))
+    mean = mean_tokens(load_dataset(str(data), tokenizer, 512).examples)
+    fitting = sorted((c for c, fits in candidates(cfg, int(gib * GIB), mean) if fits), key=Candidate.key)
+    jobs = []
+    for i, c in enumerate(fitting[:top], 1):
+        argv = ["shardtune", "--strategy", c.strategy, "--fsdp-unit", c.fsdp_unit if c.fsdp_unit != "-" else "part",
+                "--packing", "--micro-batch-size", str(c.micro_batch_size), "--batch-per-rank", "8", "--seq-len", "512"]
+        jobs.append((f"rule {i}: {c.describe()} ({c.collectives} gathers, {c.peak_mb:.0f} MB predicted)",
+                     argv + ["--activation-checkpointing"] * c.activation_checkpointing, "mixed"))
+    return jobs
+
+
 def ratios(jobs: list[dict], gib: float = 3.0) -> list[str]:
     speed = {j["name"]: j["tokens_per_second"] for j in jobs if "error" not in j}
     peak = {j["name"]: max(j["train_peak_mb"]) for j in jobs if "error" not in j}
@@ -151,7 +203,10 @@ def ratios(jobs: list[dict], gib: float = 3.0) -> list[str]:
     def ratio(a: str, b: str, target: float, what: str) -> None:
         if a in speed and b in speed:
             r = speed[a] / speed[b]
-            lines.append(f"{what}: {a} / {b} = {r:.2f} (target >= {target}: {'yes' if r >= target else 'NO'})")
+            lines.append(f"{what}: {a} / {b} = {r:.3f} (target >= {target}: {'yes' if r >= target else 'NO'})")
+            rounds = paired(jobs, a, b)
+            if rounds:
+                lines.append(rounds)
 
     ratio("fsdp2 packed", "fsdp2 padded", 2.0, "packing vs padding (fsdp2)")
     ratio("ddp packed", "ddp padded", 2.0, "packing vs padding (ddp)")
@@ -170,6 +225,13 @@ def ratios(jobs: list[dict], gib: float = 3.0) -> list[str]:
     if auto in speed and peers:
         best = max(peers, key=lambda n: speed[n])
         ratio(auto, best, 1.5, f"at {gib:g} GiB per rank, shardtune's choice vs the best peer that fits")
+    ranked = sorted((n for n in speed if n.startswith("rule ")), key=lambda n: int(n.split()[1].rstrip(":")))
+    if len(ranked) > 1:
+        order = [speed[n] for n in ranked]
+        held = all(a >= b for a, b in zip(order, order[1:]))
+        lines.append(f"speed rule at {gib:g} GiB: measured tokens/s in the rule's order "
+                     f"{', '.join(f'{v:.2f}' for v in order)} ({'holds' if held else 'does NOT hold'}; "
+                     f"first is fastest: {'yes' if order[0] == max(order) else 'NO'})")
     return lines
 
 
@@ -183,6 +245,8 @@ def main() -> None:
                         help="the budget group's memory per rank (3 GiB is sized for 1.1b; scale it with --size)")
     parser.add_argument("--cache", type=Path, default=HERE / ".cache")
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--rule-top", type=int, default=4, help="how many settings the rule group runs")
+    parser.add_argument("--repeat", type=int, default=1, help="run the chosen jobs this many times, in turn")
     parser.add_argument("--timeout", type=int, default=1800)
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"),
                         help="compute dtype of every job: fp32 on CPUs without bf16 matmul (AVX2 only)")
@@ -206,6 +270,8 @@ def main() -> None:
     gib = args.budget_gib
     for group in [g.strip() for g in args.jobs.split(",") if g.strip()]:
         planned = list(JOBS[group])
+        if group == "rule":
+            planned = rule_jobs(model, data["mixed"], gib, args.dtype, args.rule_top)
         if group == "budget":
             planned = budget_jobs(gib)
             for peer in ("naive", "fsdp1-peft"):
@@ -213,6 +279,7 @@ def main() -> None:
                     planned.append((f"peer {peer} {gib:g}GiB m{m}",
                                     [peer, "--seq-len", "512", "--micro-batch-size", str(m)], "mixed"))
         fitted: set[str] = set()  # peers whose largest micro-batch within the budget is found
+        ran: list[tuple[str, list[str], str]] = []
         for name, argv, which in planned:
             peer = name.rsplit(" m", 1)[0] if group == "budget" and name.startswith("peer") else None
             padded = f"{peer.replace(f' {gib:g}GiB', '')} padded" if peer else ""  # the same peer at m8 (mixed)
@@ -222,15 +289,24 @@ def main() -> None:
                 continue
             print(f"running {name} ...", file=sys.stderr, flush=True)
             jobs[name] = run_job(name, argv, model, data[which], args)
+            ran.append((name, argv, which))
             print(table([jobs[name]]).splitlines()[-1], file=sys.stderr, flush=True)
             if peer and "error" not in jobs[name] and max(jobs[name]["train_peak_mb"]) <= gib * 1024:
                 fitted.add(peer)
+        runs = {name: [jobs[name]] for name, _, _ in ran}
+        for round_ in range(2, args.repeat + 1):  # the same jobs again, in the same order
+            for name, argv, which in ran:
+                print(f"running {name} (round {round_}) ...", file=sys.stderr, flush=True)
+                runs[name].append(run_job(name, argv, model, data[which], args))
+                print(table([runs[name][-1]]).splitlines()[-1], file=sys.stderr, flush=True)
+        for name, done in runs.items():
+            jobs[name] = merge_runs(done)
     ordered = list(jobs.values())
     report = table(ordered) + "\n\n" + "\n".join(ratios(ordered, args.budget_gib))
     print(report)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"model": f"llama-{args.size} (random, bf16)", "ranks": 2, "steps": args.steps,
-                                    "dtype": args.dtype, "budget_gib": args.budget_gib,
+                                    "repeat": args.repeat, "dtype": args.dtype, "budget_gib": args.budget_gib,
                                     "jobs": ordered, "table": report}, indent=2))
     print(f"wrote {args.out}", file=sys.stderr)
 

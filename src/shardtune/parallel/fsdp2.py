@@ -4,6 +4,7 @@ sharded by rows outside FSDP. All applied on the meta device."""
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from contextlib import AbstractContextManager as ContextManager
 
 import torch
@@ -28,6 +29,8 @@ class FSDP2(Strategy):
         # "layer": one unit per decoder layer, one gather each way per layer (fewer, larger collectives);
         # "part": units for a layer's attention and MLP projections and the rest (model/structure.py)
         self.unit = unit
+        self.replicate_groups, self.cpu_offload = replicate_groups, cpu_offload
+        self.reduce: compat.DeferredReduceScatter | None = None  # gloo: reduce-scatters finished per step
         # 2-D under HSDP: fully_shard then shards over dim 1 and replicates over dim 0.
         self.mesh = data_parallel_mesh(worker, replicate_groups)
         # LoRA weights are fp32 while a bf16 base is not; FSDP2 needs one dtype per unit for its
@@ -59,6 +62,10 @@ class FSDP2(Strategy):
             gather = compat.BroadcastAllGather()
             for unit in units:
                 compat.set_fsdp2_all_gather(unit, gather)
+            if self.replicate_groups == 1 and not self.cpu_offload:
+                self.reduce = compat.DeferredReduceScatter()
+                for unit in units:
+                    compat.set_fsdp2_reduce_scatter(unit, self.reduce)
         if self.unit == "layer":
             # Each layer's forward starts the next layer's gather, which then moves while this one
             # computes (backward prefetches the same way by default). Costs one more gathered layer
@@ -105,7 +112,18 @@ class FSDP2(Strategy):
         # Without sync every unit keeps its unsharded gradient (only LoRA's are trainable: small)
         # and skips its reduce-scatter; the last micro-batch reduces the sum.
         model.set_requires_gradient_sync(enabled)
-        return contextlib.nullcontext()
+        if not enabled or self.reduce is None:
+            return contextlib.nullcontext()
+        return self._reduced(model)
+
+    @contextlib.contextmanager
+    def _reduced(self, model: nn.Module) -> Iterator[None]:
+        """The reducing micro-batch, whose reduce-scatters are all finished when it ends (gloo)."""
+        self.reduce.arm(all(p.grad is None for p in model.parameters() if p.requires_grad))
+        try:
+            yield
+        finally:
+            self.reduce.wait()
 
     def full_tensors(self, model: nn.Module, names: list[str]) -> dict[str, torch.Tensor]:
         params = dict(model.named_parameters())
