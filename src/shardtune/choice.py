@@ -14,9 +14,11 @@ The planner predicts memory only. Among the candidates that fit, the speed rule 
    whole-layer units beat per-projection ones, and a larger micro-batch means fewer forwards);
 3. the largest micro-batch (fewer, larger matmuls).
 
-bench/speed.py measures the settings this rule orders (bench/results/speed-1.1b.json): on this
-machine's gloo a step's time at small micro-batches is set by the number of collectives, not by
-the bytes they move (see README, "Speed").
+On CPU machines (gloo) a step's time at small micro-batches is set by the number of collectives,
+not by the bytes they move (see README, "Speed"). ``bench/speed.py --jobs rule`` runs the settings
+this rule ranks best at a budget: at 1.1B bf16 and 3 GiB its first choice was the fastest, but a
+packed ddp micro-batch of 3 rows ran 12% slower than one of 2 (more padding), so the order below
+the first does not always hold (bench/results/speed-1.1b-bf16-rule.json).
 """
 
 from __future__ import annotations
