@@ -82,24 +82,24 @@ def test_peft_hook_fails_loudly_when_peft_renames_it(monkeypatch) -> None:
 def test_all_gather_interface_check(monkeypatch) -> None:
     from torch.distributed.fsdp._fully_shard import _fsdp_api
 
-    compat._check_all_gather_interface.__wrapped__("FSDP2")  # this torch: passes
+    compat.check_fsdp2_comm_interface.__wrapped__("FSDP2", "AllGather")  # this torch: passes
 
     def changed(self, output_tensor, input_tensor, group, stream, async_op=False):
         return None
 
     monkeypatch.setattr(_fsdp_api.AllGather, "__call__", changed)
     with pytest.raises(PrivateAPIChanged, match="stream"):
-        compat._check_all_gather_interface.__wrapped__("FSDP2")
+        compat.check_fsdp2_comm_interface.__wrapped__("FSDP2", "AllGather")
 
 
 def test_reduce_scatter_interface_check(monkeypatch) -> None:
     from torch.distributed.fsdp._fully_shard import _fsdp_api
 
-    compat._check_reduce_scatter_interface.__wrapped__("FSDP2")  # this torch: passes
+    compat.check_fsdp2_comm_interface.__wrapped__("FSDP2", "ReduceScatter")  # this torch: passes
 
     def changed(self, output_tensor, input_tensor, group, op, stream, async_op=False):
         return None
 
     monkeypatch.setattr(_fsdp_api.ReduceScatter, "__call__", changed)
     with pytest.raises(PrivateAPIChanged, match="stream"):
-        compat._check_reduce_scatter_interface.__wrapped__("FSDP2")
+        compat.check_fsdp2_comm_interface.__wrapped__("FSDP2", "ReduceScatter")

@@ -218,29 +218,47 @@ def piece_boxes(target: torch.Tensor) -> Iterator[tuple[tuple[slice, ...], torch
         yield (), target
 
 
-# --- FSDP2 custom all-gather -----------------------------------------------------------------------
+# --- FSDP2 custom collectives (gloo) -------------------------------------------------------------
 
 
 def set_fsdp2_all_gather(unit: nn.Module, comm: object) -> None:
     """``unit.set_custom_all_gather(comm)``, after checking that FSDP2 still calls ``comm`` as
     ``allocate(size, *, dtype, device)`` and ``comm(output_tensor, input_tensor, group, async_op)``."""
-    what = "FSDP2's custom all-gather (set_custom_all_gather, AllGather)"
-    _check_all_gather_interface(what)
-    _need(unit, what, "set_custom_all_gather")
-    unit.set_custom_all_gather(comm)
+    _set_fsdp2_comm(unit, comm, "set_custom_all_gather", "AllGather")
+
+
+def set_fsdp2_reduce_scatter(unit: nn.Module, comm: object) -> None:
+    """``unit.set_custom_reduce_scatter(comm)``, after checking that FSDP2 still calls ``comm`` as
+    ``allocate(size, *, dtype, device)`` and ``comm(output_tensor, input_tensor, group, op, async_op)``."""
+    _set_fsdp2_comm(unit, comm, "set_custom_reduce_scatter", "ReduceScatter")
+
+
+#: the parameters FSDP2 calls each custom collective's ``__call__`` with (after self)
+FSDP2_COMM_CALLS = {"AllGather": ["output_tensor", "input_tensor", "group", "async_op"],
+                    "ReduceScatter": ["output_tensor", "input_tensor", "group", "op", "async_op"]}
+
+
+def _set_fsdp2_comm(unit: nn.Module, comm: object, setter: str, interface: str) -> None:
+    what = f"FSDP2's custom collective ({setter}, {interface})"
+    check_fsdp2_comm_interface(what, interface)
+    _need(unit, what, setter)
+    getattr(unit, setter)(comm)
 
 
 @functools.cache
-def _check_all_gather_interface(what: str) -> None:
+def check_fsdp2_comm_interface(what: str, interface: str) -> None:
+    """That FSDP2's ``interface`` class still has ``allocate(size, dtype, device)`` and the ``__call__``
+    of ``FSDP2_COMM_CALLS``."""
     try:
-        from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
-    except ImportError as err:
+        from torch.distributed.fsdp._fully_shard import _fsdp_api
+
+        cls = getattr(_fsdp_api, interface)
+    except (ImportError, AttributeError) as err:
         raise PrivateAPIChanged(what, str(err)) from err
-    call = list(inspect.signature(AllGather.__call__).parameters)
-    allocate = list(inspect.signature(AllGather.allocate).parameters)
-    if call != ["self", "output_tensor", "input_tensor", "group", "async_op"] \
-            or allocate != ["self", "size", "dtype", "device"]:
-        raise PrivateAPIChanged(what, f"AllGather is called as __call__{call[1:]}, allocate{allocate[1:]}")
+    call = list(inspect.signature(cls.__call__).parameters)
+    allocate = list(inspect.signature(cls.allocate).parameters)
+    if call != ["self", *FSDP2_COMM_CALLS[interface]] or allocate != ["self", "size", "dtype", "device"]:
+        raise PrivateAPIChanged(what, f"{interface} is called as __call__{call[1:]}, allocate{allocate[1:]}")
 
 
 class BroadcastAllGather:
@@ -330,28 +348,6 @@ class DeferredReduceScatter:
         for work in self.pending:
             work.wait()
         self.pending.clear()
-
-
-def set_fsdp2_reduce_scatter(unit: nn.Module, comm: object) -> None:
-    """``unit.set_custom_reduce_scatter(comm)``, after checking that FSDP2 still calls ``comm`` as
-    ``allocate(size, *, dtype, device)`` and ``comm(output_tensor, input_tensor, group, op, async_op)``."""
-    what = "FSDP2's custom reduce-scatter (set_custom_reduce_scatter, ReduceScatter)"
-    _check_reduce_scatter_interface(what)
-    _need(unit, what, "set_custom_reduce_scatter")
-    unit.set_custom_reduce_scatter(comm)
-
-
-@functools.cache
-def _check_reduce_scatter_interface(what: str) -> None:
-    try:
-        from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
-    except ImportError as err:
-        raise PrivateAPIChanged(what, str(err)) from err
-    call = list(inspect.signature(ReduceScatter.__call__).parameters)
-    allocate = list(inspect.signature(ReduceScatter.allocate).parameters)
-    if call != ["self", "output_tensor", "input_tensor", "group", "op", "async_op"] \
-            or allocate != ["self", "size", "dtype", "device"]:
-        raise PrivateAPIChanged(what, f"ReduceScatter is called as __call__{call[1:]}, allocate{allocate[1:]}")
 
 
 # --- peft: LoRA's initial values ------------------------------------------------------------------
