@@ -29,7 +29,6 @@ class FSDP2(Strategy):
         # "layer": one unit per decoder layer, one gather each way per layer (fewer, larger collectives);
         # "part": units for a layer's attention and MLP projections and the rest (model/structure.py)
         self.unit = unit
-        self.replicate_groups, self.cpu_offload = replicate_groups, cpu_offload
         self.reduce: compat.DeferredReduceScatter | None = None  # gloo: reduce-scatters finished per step
         # 2-D under HSDP: fully_shard then shards over dim 1 and replicates over dim 0.
         self.mesh = data_parallel_mesh(worker, replicate_groups)
@@ -62,7 +61,7 @@ class FSDP2(Strategy):
             gather = compat.BroadcastAllGather()
             for unit in units:
                 compat.set_fsdp2_all_gather(unit, gather)
-            if self.replicate_groups == 1 and not self.cpu_offload:
+            if self.mesh.ndim == 1 and not isinstance(self.offload, CPUOffloadPolicy):  # not HSDP, no offload
                 self.reduce = compat.DeferredReduceScatter()
                 for unit in units:
                     compat.set_fsdp2_reduce_scatter(unit, self.reduce)

@@ -330,12 +330,12 @@ class DeferredReduceScatter:
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op: object, async_op: bool = False) -> dist.Work | None:
         work = dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=True)
-        if self.deferred and not async_op:
-            self.pending.append(work)
-            return None
         if async_op:
             return work
-        work.wait()
+        if self.deferred:
+            self.pending.append(work)
+        else:
+            work.wait()
         return None
 
     def arm(self, gradients_empty: bool) -> None:
