@@ -55,15 +55,9 @@ def kind_of(op: str) -> str:
 
 def thread_cpu_seconds() -> dict[int, float]:
     """CPU seconds (user + system) each thread of this process has used so far, by thread id."""
-    tick = os.sysconf("SC_CLK_TCK")
-    out = {}
-    for task in Path("/proc/self/task").iterdir():
-        try:
-            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:  # the thread ended meanwhile
-            continue
-        out[int(task.name)] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
-    return out
+    from shardtune.runtime.distributed import threads
+
+    return {tid: cpu for tid, (_, _, cpu) in threads().items()}
 
 
 def main() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import functools
 import logging
 import os
 import sys
@@ -92,14 +93,15 @@ def init_worker(device: str = "auto", cpu_offload: bool = False) -> Worker:
         dist.init_process_group(
             backend=name, store=dist.HashStore(), rank=0, world_size=1, timeout=COLLECTIVE_TIMEOUT
         )
-    if name != "nccl" and let_gloo_threads_settle not in _at_exit:
-        _at_exit.append(let_gloo_threads_settle)
-        atexit.register(let_gloo_threads_settle)
+    if name != "nccl":
+        _settle_gloo_threads_at_exit()
     return Worker(rank=rank, world_size=world_size, local_rank=local_rank, device=where,
                   local_world_size=local_ranks)
 
 
-_at_exit: list[Callable[[], None]] = []
+@functools.cache
+def _settle_gloo_threads_at_exit() -> None:
+    atexit.register(let_gloo_threads_settle)  # once, however many times a process joins a group
 
 
 def let_gloo_threads_settle(timeout: float = 2.0) -> None:
@@ -118,18 +120,19 @@ def let_gloo_threads_settle(timeout: float = 2.0) -> None:
     last = None
     while time.monotonic() < deadline:
         time.sleep(0.01)
-        now = _gloo_thread_times()
-        if now is None or (now == last and all(state == "S" for state, _ in now.values())):
+        now = {tid: (state, cpu) for tid, (name, state, cpu) in threads().items() if name.startswith("pt_gloo")}
+        if now == last and all(state == "S" for state, _ in now.values()):
             return
         last = now
 
 
-def _gloo_thread_times() -> dict[str, tuple[str, str]] | None:
-    """{thread id: (state, user + system CPU ticks)} of this process's gloo worker threads (Linux)."""
+def threads() -> dict[int, tuple[str, str, float]]:
+    """{thread id: (name, state, user + system CPU seconds)} of this process's threads (Linux; else {})."""
     try:
         tids = os.listdir("/proc/self/task")
     except OSError:
-        return None
+        return {}
+    tick = os.sysconf("SC_CLK_TCK")
     out = {}
     for tid in tids:
         try:
@@ -138,9 +141,8 @@ def _gloo_thread_times() -> dict[str, tuple[str, str]] | None:
         except OSError:  # the thread has just exited
             continue
         name, _, rest = stat.partition("(")[2].rpartition(")")
-        if name.startswith("pt_gloo"):
-            fields = rest.split()
-            out[tid] = (fields[0], fields[11] + "+" + fields[12])  # state, utime, stime
+        fields = rest.split()
+        out[int(tid)] = (name, fields[0], (int(fields[11]) + int(fields[12])) / tick)  # state, utime + stime
     return out
 
 
