@@ -22,6 +22,11 @@ def test_ranks_exit_cleanly_right_after_their_last_collective() -> None:
             env={**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r),
                  "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)},
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
-        for r, proc in enumerate(ranks):
-            _, err = proc.communicate(timeout=120)
-            assert proc.returncode == 0, f"rank {r} exited with {proc.returncode}: {err[-2000:]}"
+        try:
+            for r, proc in enumerate(ranks):
+                _, err = proc.communicate(timeout=120)
+                assert proc.returncode == 0, f"rank {r} exited with {proc.returncode}: {err[-2000:]}"
+        finally:  # a failed or hung rank must not leave its peer waiting in a collective
+            for proc in ranks:
+                proc.kill()
+                proc.wait()
