@@ -9,7 +9,7 @@ runs ``shardtune finetune`` twice with a fresh token cache ($SHARDTUNE_CACHE): t
 preflight tokenizes every record once into flat int32 arrays, which the workers memory-map; the
 second finds them cached. For each run: seconds from the command's start to the first optimizer
 step (metrics.jsonl's first line), the launching process's peak RSS (preflight tokenizes there),
-each worker's peak (summary.json: RssAnon, load and train phases) and the cache file's size.
+each worker's peak (summary.json: RssAnon + RssShmem, load and train phases) and the cache file's size.
 Writes bench/results/big-data.json.
 """
 

@@ -13,7 +13,7 @@ Recipes (each as people write it, shortest faithful form):
   fsdp1-peft  accelerate's FSDP1: every rank ``from_pretrained`` → peft → FSDP1 with peft's
               ``fsdp_auto_wrap_policy`` and ``use_orig_params=True`` (its rank-0-only loading,
               ``sync_module_states=True``, refuses CPU parameters).
-Memory is shardtune's own ``MemoryMonitor`` (peak RssAnon per phase) for every recipe; file bytes
+Memory is shardtune's own ``MemoryMonitor`` (peak RssAnon + RssShmem per phase) for every recipe; file bytes
 read (load phase) are read() bytes (/proc/self/io rchar) plus each checkpoint file's peak mapped pages.
 """
 

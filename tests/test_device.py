@@ -98,8 +98,8 @@ def test_cuda_peaks_per_phase_for_the_summary():
 
     monitor = MemoryMonitor(torch.device("cpu"))
     monitor.close()
-    monitor.peaks = {"load": {"rss_anon_mb": 9.0, "cuda_allocated_mb": 100.04, "cuda_reserved_mb": 128.0},
-                     "train": {"rss_anon_mb": 9.0}}
+    monitor.peaks = {"load": {"resident_mb": 9.0, "cuda_allocated_mb": 100.04, "cuda_reserved_mb": 128.0},
+                     "train": {"resident_mb": 9.0}}
     assert monitor.cuda_peaks_mb() == {"load": {"allocated": 100.0, "reserved": 128.0},
                                        "train": {"allocated": None, "reserved": None}}
 

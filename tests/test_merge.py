@@ -95,13 +95,13 @@ def test_dtype_option_and_errors(tmp_path, capsys):
 MEASURE = """
 import json, sys
 import peft.utils.other, safetensors, torch  # imported before measuring: libraries are not the merge's memory
-from shardtune.runtime.memory import MemoryMonitor, rss_anon_bytes
+from shardtune.runtime.memory import MemoryMonitor, resident_bytes
 from shardtune.tools.merge import merge
 monitor = MemoryMonitor(torch.device("cpu"), interval=0.002)
-start = rss_anon_bytes()
+start = resident_bytes()
 with monitor.phase("merge"):
     result = merge(sys.argv[1], sys.argv[2], sys.argv[3])
-print(json.dumps({**result, "increase_bytes": monitor.peaks["merge"]["rss_anon_mb"] * 2**20 - start}))
+print(json.dumps({**result, "increase_bytes": monitor.peaks["merge"]["resident_mb"] * 2**20 - start}))
 """
 
 
@@ -149,7 +149,7 @@ def test_merge_peak_memory_is_a_few_tensors_not_the_model(tmp_path):
     result = json.loads(done.stdout.strip().splitlines()[-1])
     largest = result["largest_tensor_bytes"]
     print(f"\nmerge: model {model_bytes / 2**20:.1f} MB, largest tensor {largest / 2**20:.1f} MB, "
-          f"adapter {adapter_bytes / 2**20:.1f} MB, peak RssAnon increase {result['increase_bytes'] / 2**20:.1f} MB")
+          f"adapter {adapter_bytes / 2**20:.1f} MB, peak resident increase {result['increase_bytes'] / 2**20:.1f} MB")
     assert model_bytes > 50 * largest
     # The adapter is read whole (it is small); of the model, a few tensors' worth at a time.
     assert result["increase_bytes"] < adapter_bytes + 4 * largest + 8 * 2**20

@@ -1,7 +1,8 @@
-"""Per-rank peak memory by phase: private CPU memory (RssAnon, sampled) and, on GPU, CUDA's own peaks.
+"""Per-rank peak memory by phase: CPU memory (RssAnon + RssShmem, sampled) and, on GPU, CUDA's own peaks.
 
-RssAnon, not RSS: safetensors files are memory-mapped, and mapped file pages are shared, reclaimable
-page cache rather than memory the process owns.
+Not RSS: safetensors files are memory-mapped, and mapped file pages are shared, reclaimable page cache
+rather than memory the process owns. RssShmem is the shared memory it maps: FSDP2's gather buffers on
+CPU (parallel/host_gather.py), which every rank of a host maps, are counted in full on each.
 """
 
 from __future__ import annotations
@@ -69,25 +70,28 @@ def worker_malloc_env(device_type: str, environ: dict[str, str] | None = None) -
     return {"GLIBC_TUNABLES": f"{current}:{HUGE_PAGES}" if current else HUGE_PAGES}
 
 
-def rss_anon_bytes() -> int:
+def resident_bytes() -> int:
+    """RssAnon + RssShmem of this process (0 where /proc is not there)."""
+    total = 0
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith("RssAnon:"):
-                    return int(line.split()[1]) * 1024
+                if line.startswith(("RssAnon:", "RssShmem:")):
+                    total += int(line.split()[1]) * 1024
     except OSError:
         pass
-    return 0
+    return total
 
 
 class MemoryMonitor:
-    """Samples RssAnon in a background thread; ``phase(name)`` records the peak within a block."""
+    """Samples resident memory (RssAnon + RssShmem) in a background thread; ``phase(name)`` records
+    the peak within a block."""
 
     def __init__(self, device: torch.device, interval: float = 0.01) -> None:
         self.device = device
         self.interval = interval
         self.peaks: dict[str, dict[str, float]] = {}
-        self._peak = rss_anon_bytes()
+        self._peak = resident_bytes()
         # A sample read before a phase starts must not land in that phase's peak.
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -97,7 +101,7 @@ class MemoryMonitor:
     def _sample(self) -> None:
         while not self._stop.wait(self.interval):
             with self._lock:
-                self._peak = max(self._peak, rss_anon_bytes())
+                self._peak = max(self._peak, resident_bytes())
 
     def close(self) -> None:
         self._stop.set()
@@ -106,18 +110,18 @@ class MemoryMonitor:
         """What the progress bar shows: GPU memory allocated, or private CPU memory."""
         if self.device.type == "cuda":
             return torch.cuda.memory_allocated(self.device) / MB
-        return rss_anon_bytes() / MB
+        return resident_bytes() / MB
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
         with self._lock:
-            self._peak = rss_anon_bytes()
+            self._peak = resident_bytes()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         try:
             yield
         finally:
-            peak = {"rss_anon_mb": max(self._peak, rss_anon_bytes()) / MB}
+            peak = {"resident_mb": max(self._peak, resident_bytes()) / MB}
             if self.device.type == "cuda":
                 peak["cuda_allocated_mb"] = torch.cuda.max_memory_allocated(self.device) / MB
                 peak["cuda_reserved_mb"] = torch.cuda.max_memory_reserved(self.device) / MB
@@ -129,8 +133,8 @@ class MemoryMonitor:
                        for kind in ("allocated", "reserved")} for name, p in self.peaks.items()}
 
     def peak_mb(self, name: str) -> float | None:
-        """The headline peak of a phase: CUDA allocated on GPU, RssAnon on CPU."""
+        """The headline peak of a phase: CUDA allocated on GPU, RssAnon + RssShmem on CPU."""
         peak = self.peaks.get(name)
         if peak is None:
             return None
-        return round(peak.get("cuda_allocated_mb", peak["rss_anon_mb"]), 1)
+        return round(peak.get("cuda_allocated_mb", peak["resident_mb"]), 1)
