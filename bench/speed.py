@@ -11,9 +11,10 @@ Job groups:
           16..512), --seq-len 512, 8 records per micro-batch per rank: shardtune padded (each
           micro-batch padded to its longest record) and packed, under fsdp2 and ddp; the peers
           (naive FSDP2, FSDP1 + peft's policy) padded, as they collate.
-  small   1 × 128 tokens per rank (fixed-length records): fsdp2 with per-part units (before this
-          change) and whole-layer units, against ddp.
-  large   4 × 512 tokens per rank: fsdp2 (whole-layer units) against ddp.
+  small   1 × 128 tokens per rank (fixed-length records): fsdp2 with per-part units and with
+          whole-layer units, against ddp, and as before this issue: per-part units gathering through
+          gloo (a job named "gloo" runs with SHARDTUNE_SHARED_GATHER=0, without shared-memory gathers).
+  large   4 × 512 tokens per rank: fsdp2 (whole-layer units) against ddp, and gathering through gloo.
   budget  --memory-per-rank (--budget-gib, 3 at 1.1B): shardtune's automatic choice (packing, --strategy auto,
           --micro-batch-size auto) on the mixed data, against each peer's largest micro-batch
           that the same budget holds (measured peak <= the budget; tried from 8 down).
@@ -51,6 +52,8 @@ MIXED = ["--seq-len", "512", "--micro-batch-size", "8"]
 JOBS: dict[str, list[tuple[str, list[str], str]]] = {
     # (name, peers.py arguments, data: mixed | fixed128 | fixed512)
     "small": [
+        ("fsdp2-part gloo 1x128", ["shardtune", "--strategy", "fsdp2", "--fsdp-unit", "part", "--seq-len", "128"],
+         "fixed128"),
         ("fsdp2-part 1x128", ["shardtune", "--strategy", "fsdp2", "--fsdp-unit", "part", "--seq-len", "128"],
          "fixed128"),
         ("fsdp2-layer 1x128", ["shardtune", "--strategy", "fsdp2", "--fsdp-unit", "layer", "--seq-len", "128"],
@@ -69,6 +72,8 @@ JOBS: dict[str, list[tuple[str, list[str], str]]] = {
         ("fsdp2-layer 4x512", ["shardtune", "--strategy", "fsdp2", "--fsdp-unit", "layer", "--seq-len", "512",
                                "--micro-batch-size", "4"], "fixed512"),
         ("ddp 4x512", ["shardtune", "--strategy", "ddp", "--seq-len", "512", "--micro-batch-size", "4"], "fixed512"),
+        ("fsdp2-layer gloo 4x512", ["shardtune", "--strategy", "fsdp2", "--fsdp-unit", "layer", "--seq-len", "512",
+                                    "--micro-batch-size", "4"], "fixed512"),
     ],
     "budget": [],  # made in main(): the budget is --budget-gib
     "rule": [],  # made in main(): the settings that fit --budget-gib
@@ -101,6 +106,8 @@ def run_job(name: str, argv: list[str], model: Path, data: Path, args: argparse.
     # here is not): the mmap threshold and, unless --no-huge-pages, glibc's huge pages.
     env["MALLOC_MMAP_THRESHOLD_"] = "131072"
     env.update(worker_malloc_env("cpu", {}) if args.huge_pages else {})
+    if " gloo " in f" {name} ":  # FSDP2 gathering through gloo, not shared memory (parallel/host_gather.py)
+        env["SHARDTUNE_SHARED_GATHER"] = "0"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(HERE / "peers.py"),
            *argv, "--model", str(model), "--data", str(data), "--out", str(out), "--steps", str(args.steps),
            "--dtype", args.dtype]
@@ -210,13 +217,18 @@ def ratios(jobs: list[dict], gib: float = 3.0) -> list[str]:
 
     ratio("fsdp2 packed", "fsdp2 padded", 2.0, "packing vs padding (fsdp2)")
     ratio("ddp packed", "ddp padded", 2.0, "packing vs padding (ddp)")
-    ratio("fsdp2-layer 1x128", "ddp 1x128", 0.5, "fsdp2 vs ddp at 1 x 128")
-    ratio("fsdp2-part 1x128", "ddp 1x128", 0.0, "fsdp2 per-part units (before) vs ddp at 1 x 128")
+    before = "fsdp2-part gloo 1x128"  # fsdp2 as it was before this issue
+    ratio("fsdp2-part 1x128", "ddp 1x128", 0.5, "fsdp2 (per-part units) vs ddp at 1 x 128")
+    ratio("fsdp2-layer 1x128", "ddp 1x128", 0.5, "fsdp2 (whole-layer units) vs ddp at 1 x 128")
+    ratio(before, "ddp 1x128", 0.0, "fsdp2 before (per-part units, gloo gathers) vs ddp at 1 x 128")
+    ratio("fsdp2-part 1x128", before, 0.0, "shared-memory gathers vs gloo's at 1 x 128 (per-part units)")
     ratio("fsdp2-layer 4x512", "ddp 4x512", 0.95, "fsdp2 vs ddp at 4 x 512")
-    if "fsdp2-layer 1x128" in peak and "fsdp2-part 1x128" in peak:
-        r = peak["fsdp2-layer 1x128"] / peak["fsdp2-part 1x128"]
-        lines.append(f"fsdp2 peak at 1 x 128, layer / part units = {r:.2f} "
-                     f"(target <= 1.10: {'yes' if r <= 1.1 else 'NO'})")
+    ratio("fsdp2-layer gloo 4x512", "ddp 4x512", 0.0, "fsdp2 gathering through gloo vs ddp at 4 x 512")
+    for unit in ("part", "layer"):
+        if f"fsdp2-{unit} 1x128" in peak and before in peak:
+            r = peak[f"fsdp2-{unit} 1x128"] / peak[before]
+            lines.append(f"fsdp2 peak at 1 x 128, {unit} units / before = {r:.2f} "
+                         f"(target <= 1.10: {'yes' if r <= 1.1 else 'NO'})")
     auto = f"shardtune auto {gib:g}GiB packed"
     # every peer job runs the mixed data at --seq-len 512: the padded ones (m8) count when they fit too;
     # the peers' budget jobs of another budget do not

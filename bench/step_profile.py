@@ -11,7 +11,7 @@ less all operators' self time), then the operators with the most self time, and 
 bench/results/profile-<size>-<strategy>-<unit>-<micro>x<seq>[-glibc][-hugepages].json (-glibc: run with
 SHARDTUNE_MALLOC=default, glibc's own allocator settings, instead of shardtune's mmap threshold;
 -hugepages: run with GLIBC_TUNABLES=glibc.malloc.hugetlb=1, which shardtune's launcher sets and
-torchrun does not).
+torchrun does not; -gloo: FSDP2 gathering through gloo, SHARDTUNE_SHARED_GATHER=0, not shared memory).
 Gloo's collectives run on its own threads: the main thread's time in them is its wait.
 """
 
@@ -74,12 +74,14 @@ def main() -> None:
     torch.set_num_threads(1)  # as bench/peers.py: 2 ranks on 2 cores
 
     from shardtune.config import build_config
+    from shardtune.parallel import host_gather
     from shardtune.runtime import distributed
     from shardtune.runtime.device import decide_dtype
     from shardtune.runtime.memory import HUGE_PAGES, MemoryMonitor, tune_malloc
     from shardtune.train.recipe import prepare, train_step
 
     malloc = tune_malloc()
+    shared = host_gather.enabled()  # FSDP2 gathers through shared memory (else gloo broadcasts)
     huge_pages = HUGE_PAGES in os.environ.get("GLIBC_TUNABLES", "")
     world = int(os.environ["WORLD_SIZE"])
     worker = distributed.init_worker()
@@ -104,10 +106,13 @@ def main() -> None:
         return time.perf_counter() - started
 
     warm = step(0)
+    waiting = dict(getattr(job.strategy, "gather", None) and getattr(job.strategy.gather, "waiting_s", {}) or {})
     before = thread_cpu_seconds()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         seconds = step(1)
     after = thread_cpu_seconds()
+    if waiting:  # the shared-memory gather's own waits, inside FSDP's gather and copy-out
+        waiting = {k: round(job.strategy.gather.waiting_s[k] - v, 3) for k, v in waiting.items()}
     used = {tid: after[tid] - before.get(tid, 0.0) for tid in after}
     main_cpu = used.pop(threading.get_native_id(), 0.0)
     # gloo's threads move the gathered bytes on the cores the ranks compute on; the profiler's and
@@ -128,10 +133,11 @@ def main() -> None:
     collectives = [e for e in events if e.key.startswith("c10d::") and not e.key.startswith("c10d::wait")]
     result = {"size": args.size, "dtype": str(cfg.model.dtype), "strategy": args.strategy, "fsdp_unit": args.fsdp_unit,
               "micro": args.micro_batch_size, "seq_len": args.seq_len, "malloc": malloc, "huge_pages": huge_pages,
+              "shared_gather": shared,
               "warmup_step_s": round(warm, 3),
               "profiled_step_s": round(seconds, 3), "by_kind_s": {k: round(v, 3) for k, v in kinds.items()},
               "collective_calls": sum(e.count for e in collectives), "thread_cpu_s": cpu,
-              "top_self": rows}
+              "top_self": rows, "shared_gather_waits_s": waiting or None}
     if worker.is_main:
         print(f"{args.size} {args.strategy} ({args.fsdp_unit} units) {args.micro_batch_size} x {args.seq_len}: "
               f"step {seconds:.2f} s (warm-up {warm:.2f} s), {result['collective_calls']} collective calls")
@@ -139,10 +145,14 @@ def main() -> None:
             print(f"  {kind:<32} {value:8.3f} s  {value / seconds:6.1%}")
         print(f"CPU time in the step: main thread {cpu['main thread']:.2f} s, other threads (gloo) "
               f"{cpu['other threads']:.2f} s")
+        if waiting:
+            print(f"shared-memory gather waited {waiting['release']:.3f} s to take a buffer back, "
+                  f"{waiting['write']:.3f} s for the other ranks' parts")
         print("operators with the most self time:")
         for r in rows:
             print(f"  {r['op'][:56]:<56} {r['kind'][:12]:<12} {r['calls']:6d} self {r['self_s']:7.3f} s")
-        suffix = "-glibc" * malloc.startswith("glibc defaults") + "-hugepages" * huge_pages
+        suffix = ("-glibc" * malloc.startswith("glibc defaults") + "-hugepages" * huge_pages
+                  + "-gloo" * (args.strategy == "fsdp2" and not shared))
         out = HERE / "results" / (f"profile-{args.size}-{args.strategy}-{args.fsdp_unit}-{args.micro_batch_size}x"
                                   f"{args.seq_len}{suffix}.json")
         out.write_text(json.dumps(result, indent=2))

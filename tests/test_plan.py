@@ -188,3 +188,20 @@ def test_runtime_counts_scikit_learn_where_transformers_imports_it_eagerly(monke
     assert runtime_cpu_mb() == RUNTIME_CPU_MB
     monkeypatch.setattr(candidate_generator, "roc_curve", object(), raising=False)
     assert runtime_cpu_mb() == RUNTIME_CPU_MB + EAGER_SKLEARN_MB
+
+
+@pytest.mark.parametrize("unit", ["layer", "part"])
+def test_cpu_fsdp2_counts_the_shared_gather_buffers(model_dir: Path, monkeypatch, unit: str) -> None:
+    """On CPU FSDP2 gathers into two shared buffers per unit size, kept for the run (host_gather.py);
+    with them off (or on one rank) there are none, and a gather costs its private buffer instead."""
+    from shardtune.parallel import host_gather
+
+    facts = model_facts(_cfg(model_dir, dtype="bf16"), {1}, {torch.bfloat16}, torch.device("cpu"))
+    units = facts.units_bytes if unit == "part" else [facts.block_bytes]
+
+    def buffers(shared: bool, ranks: int = 2) -> float:
+        monkeypatch.setattr(host_gather, "enabled", lambda: shared)
+        return predict(facts, "fsdp2", ranks, 1, 64, False, False, torch.device("cpu"), unit=unit).terms["buffers"]
+
+    assert buffers(True) == pytest.approx(2 * sum(set(units)) / MB)
+    assert buffers(False) == 0 and buffers(True, ranks=1) == 0

@@ -21,6 +21,7 @@ import torch
 from shardtune.config import Config, build_config, validate
 from shardtune.model.footprint import Facts, model_facts
 from shardtune.model.meta import compute_dtype
+from shardtune.parallel import host_gather
 from shardtune.runtime.device import decide_dtype
 from shardtune.runtime.memory import MB
 from shardtune.train.data import BatchPlan, DataError
@@ -46,8 +47,11 @@ CUDA_CONTEXT_MB = 500
 #: Copies of a unit held while it is all-gathered. FSDP2 gathers into a buffer, then copies out
 #: (shardtune's gloo all-gather adds nothing); FSDP1 gathers into the unsharded flat parameter, but
 #: gloo's all-gather receives into a buffer of its own first. Measured on CPU (bench/memory.py); the
-#: CUDA values follow from the code (NCCL gathers in place), not from a measurement.
+#: CUDA values follow from the code (NCCL gathers in place), not from a measurement. On CPU with
+#: shared gather buffers (parallel/host_gather.py) FSDP2's buffers are the "buffers" term instead.
 GATHER_COPIES = {("fsdp2", "cpu"): 2, ("fsdp1", "cpu"): 2, ("fsdp2", "cuda"): 2, ("fsdp1", "cuda"): 1}
+#: Shared gather buffers per unit size (host_gather.py: one being read while the next is written).
+SHARED_BUFFERS = 2
 #: FSDP1's decoder blocks unsharded at once in backward: the one computing and the one prefetched
 #: while gathered (CPU: measured; CUDA: from the code). FSDP2's units: ``_fsdp2_moments``.
 BACKWARD_BLOCKS = {("fsdp1", "cpu"): 3, ("fsdp1", "cuda"): 2}
@@ -59,6 +63,8 @@ TERMS: dict[str, str] = {
     "blocks": "decoder-layer weights all-gathered (unsharded) at once, in the compute dtype: FSDP1 whole "
               "layers; FSDP2 the unit computing plus the next one gathered (a layer's attention, MLP "
               "projections and norms are units of their own)",
+    "buffers": "CPU, FSDP2: the buffers decoder-layer units are gathered into, shared by the ranks of a "
+               "host and kept for the whole run, two per unit size (each rank maps them in full)",
     "root": "non-layer weights unsharded: FSDP2 uses frozen embeddings from row shards (one rank's rows "
             "in a buffer at a time) and gathers others; FSDP1 keeps its root unit (embeddings, final "
             "norm, lm_head) unsharded from forward to the end of backward",
@@ -113,7 +119,13 @@ def _moments(strategy: str, device: str, f: Facts, n: int, acts: float, workspac
         units = f.units_bytes if unit == "part" else [f.block_bytes]
         # whole-layer units keep the last layer gathered from its forward into its backward
         last_kept = f.block_bytes if unit == "layer" else 0.0
-        return _fsdp2_moments(device, f, n, copies, acts, workspace, logits_fwd, logits_bwd, units, last_kept)
+        buffers = 0.0
+        if device == "cpu" and n > 1 and host_gather.enabled():
+            copies, buffers = 1, SHARED_BUFFERS * sum(set(units))
+        moments = _fsdp2_moments(device, f, n, copies, acts, workspace, logits_fwd, logits_bwd, units, last_kept)
+        for terms in moments.values():
+            terms["buffers"] = buffers
+        return moments
     blocks = BACKWARD_BLOCKS.get((strategy, device), 0) * f.block_bytes
     if strategy == "fsdp1" and f.head_bytes:  # untied tables are units of their own (parallel/fsdp1.py)
         return {

@@ -13,7 +13,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor
 
 from shardtune.model.structure import decoder_layers, embedding_tables, layer_parts, tables_by_rows
-from shardtune.parallel import sharded_embeddings
+from shardtune.parallel import host_gather, sharded_embeddings
 from shardtune.parallel.base import Strategy
 from shardtune.parallel.mesh import data_parallel_mesh, shard_mesh
 from shardtune.runtime import compat
@@ -29,6 +29,7 @@ class FSDP2(Strategy):
         # "layer": one unit per decoder layer, one gather each way per layer (fewer, larger collectives);
         # "part": units for a layer's attention and MLP projections and the rest (model/structure.py)
         self.unit = unit
+        self.gather: object | None = None  # CPU: FSDP2's all-gather (host_gather.for_group)
         self.reduce: compat.DeferredReduceScatter | None = None  # gloo: reduce-scatters finished per step
         # 2-D under HSDP: fully_shard then shards over dim 1 and replicates over dim 0.
         self.mesh = data_parallel_mesh(worker, replicate_groups)
@@ -58,9 +59,9 @@ class FSDP2(Strategy):
         # of backward: keeping it unsharded after forward saves one all-gather per step.
         units.append(self._unit(model, reshard_after_forward=False, ignored_params=ignored))
         if self.worker.device.type == "cpu":  # gloo's all-gather only: NCCL's is in place already
-            gather = compat.BroadcastAllGather()
+            self.gather = host_gather.for_group(shard_mesh(self.mesh).get_group())
             for unit in units:
-                compat.set_fsdp2_all_gather(unit, gather)
+                compat.set_fsdp2_all_gather(unit, self.gather)
             if self.mesh.ndim == 1 and not isinstance(self.offload, CPUOffloadPolicy):  # not HSDP, no offload
                 self.reduce = compat.DeferredReduceScatter()
                 for unit in units:
