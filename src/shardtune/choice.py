@@ -14,11 +14,14 @@ The planner predicts memory only. Among the candidates that fit, the speed rule 
    whole-layer units beat per-projection ones, and a larger micro-batch means fewer forwards);
 3. the largest micro-batch (fewer, larger matmuls).
 
-On CPU machines (gloo) a step's time at small micro-batches is set by the number of collectives,
-not by the bytes they move (see README, "Speed"). ``bench/speed.py --jobs rule`` runs the settings
-this rule ranks best at a budget: at 1.1B bf16 and 3 GiB its first choice was the fastest, but a
-packed ddp micro-batch of 3 rows ran 12% slower than one of 2 (more padding), so the order below
-the first does not always hold (bench/results/speed-1.1b-bf16-rule.json).
+Through gloo's TCP a step's time at small micro-batches was set by the number of collectives, not
+by the bytes they move; FSDP2 on CPU now gathers through shared memory (parallel/host_gather.py),
+where the unit size no longer changes the speed, only the memory. ``bench/speed.py --jobs rule``
+runs the settings this rule ranks best at a budget: at 1.1B bf16 and 3 GiB its first two (whole
+layers, per-part units, micro-batch 1) ran level, 46.96 and 46.99 tokens/s, and a packed ddp
+micro-batch of 3 rows ran 9% slower than one of 2 (more padding), so the order below does not
+always hold (bench/results/speed-1.1b-bf16-budget-shared.json). Whole layers stay first: on GPUs
+(NCCL) fewer, larger collectives are what counts.
 """
 
 from __future__ import annotations
