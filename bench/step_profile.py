@@ -106,13 +106,14 @@ def main() -> None:
         return time.perf_counter() - started
 
     warm = step(0)
-    waiting = dict(getattr(job.strategy, "gather", None) and getattr(job.strategy.gather, "waiting_s", {}) or {})
+    gather = getattr(job.strategy, "gather", None)  # FSDP2 on CPU; its waits if it is the shared-memory one
+    waiting = dict(getattr(gather, "waiting_s", {}))
     before = thread_cpu_seconds()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         seconds = step(1)
     after = thread_cpu_seconds()
     if waiting:  # the shared-memory gather's own waits, inside FSDP's gather and copy-out
-        waiting = {k: round(job.strategy.gather.waiting_s[k] - v, 3) for k, v in waiting.items()}
+        waiting = {k: round(gather.waiting_s[k] - v, 3) for k, v in waiting.items()}
     used = {tid: after[tid] - before.get(tid, 0.0) for tid in after}
     main_cpu = used.pop(threading.get_native_id(), 0.0)
     # gloo's threads move the gathered bytes on the cores the ranks compute on; the profiler's and

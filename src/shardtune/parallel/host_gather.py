@@ -71,7 +71,6 @@ class _Buffer:
     """One shared buffer: the flags of every rank and the data, mapped by every rank of the group."""
 
     flags: np.ndarray  # int64 [2, world]: row 0 written, row 1 released (times)
-    nbytes: int
     data: torch.Tensor  # uint8, the buffer itself
     uses: int = 0  # times this rank has taken it
     mine: bool = False  # taken by this rank and not released yet
@@ -80,7 +79,6 @@ class _Buffer:
 
 @dataclass
 class _Pool:
-    nbytes: int
     buffers: list[_Buffer] = field(default_factory=list)
     shared: bool = True  # False: this size is gathered by broadcasts (decided by all ranks)
 
@@ -106,7 +104,9 @@ class SharedMemoryAllGather:
         self._release_waited()
         numel = math.prod(size)
         nbytes = numel * dtype.itemsize
-        pool = self.pools.setdefault(nbytes, _Pool(nbytes))
+        pool = self.pools.get(nbytes)
+        if pool is None:
+            pool = self.pools[nbytes] = _Pool()
         self.taken += 1
         buffer = self._pick(pool) if pool.shared else None
         if buffer is None and pool.shared:
@@ -120,7 +120,7 @@ class SharedMemoryAllGather:
         # Every other rank must be done reading this buffer's last use before this rank writes into it.
         last = buffer.uses
         self._until(lambda: bool((buffer.flags[1] >= last).all()), "release",
-                    f"finish reading use {last} of a {buffer.nbytes}-byte gather buffer")
+                    f"finish reading use {last} of a {buffer.data.numel()}-byte gather buffer")
         buffer.uses += 1
         buffer.mine, buffer.taken = True, self.taken
         tensor = buffer.data.view(dtype).view(*size)
@@ -159,7 +159,7 @@ class SharedMemoryAllGather:
         self._release_waited()
         use = buffer.uses
         self._until(lambda: bool((buffer.flags[0] >= use).all()), "write",
-                    f"write their parts of use {use} of a {buffer.nbytes}-byte gather buffer")
+                    f"write their parts of use {use} of a {buffer.data.numel()}-byte gather buffer")
         self.waited.append(buffer)
 
     def _until(self, done: Callable[[], bool], kind: str, what: str) -> None:
@@ -212,7 +212,7 @@ class SharedMemoryAllGather:
         if not ok or not self._everyone(int(data[:8].view(torch.int64).item()) == token):
             return None
         flags = data[8:8 + 16 * self.world].view(torch.int64).view(2, self.world).numpy()
-        return _Buffer(flags=flags, nbytes=nbytes, data=data[HEADER:])
+        return _Buffer(flags=flags, data=data[HEADER:])
 
     def _everyone(self, yes: bool) -> bool:
         flag = torch.tensor([int(yes)])

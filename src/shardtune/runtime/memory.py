@@ -107,7 +107,7 @@ class MemoryMonitor:
         self._stop.set()
 
     def now_mb(self) -> float:
-        """What the progress bar shows: GPU memory allocated, or private CPU memory."""
+        """What the progress bar shows: GPU memory allocated, or CPU memory (RssAnon + RssShmem)."""
         if self.device.type == "cuda":
             return torch.cuda.memory_allocated(self.device) / MB
         return resident_bytes() / MB
