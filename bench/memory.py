@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from fake_model import SIZES, make_checkpoint, make_data
+from record import run_record
 
 HERE = Path(__file__).resolve().parent
 RECIPES: dict[str, list[str]] = {
@@ -219,7 +220,8 @@ def main() -> None:
     out = args.out or HERE / "results" / f"memory-{args.size}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"size": args.size, "ranks": args.nproc, "steps": args.steps, "dtype": args.dtype,
-                               "seq_len": args.seq_len, "jobs": jobs, "planner": plans, "table": report}, indent=2))
+                               "seq_len": args.seq_len, "jobs": jobs, "planner": plans, "table": report,
+                               **run_record()}, indent=2))
     print(f"wrote {out}", file=sys.stderr)
 
 

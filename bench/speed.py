@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 
 from fake_model import SIZES, make_checkpoint, make_data
+from record import run_record
 from shardtune.runtime.memory import worker_malloc_env
 
 HERE = Path(__file__).resolve().parent
@@ -319,7 +320,7 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"model": f"llama-{args.size} (random, bf16)", "ranks": 2, "steps": args.steps,
                                     "repeat": args.repeat, "dtype": args.dtype, "budget_gib": args.budget_gib,
-                                    "jobs": ordered, "table": report}, indent=2))
+                                    "jobs": ordered, "table": report, **run_record()}, indent=2))
     print(f"wrote {args.out}", file=sys.stderr)
 
 

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from fake_model import SIZES, make_checkpoint, make_data
+from record import run_record
 
 HERE = Path(__file__).resolve().parent
 
@@ -156,7 +157,7 @@ def main() -> None:
                   + "-gloo" * (args.strategy == "fsdp2" and not shared))
         out = HERE / "results" / (f"profile-{args.size}-{args.strategy}-{args.fsdp_unit}-{args.micro_batch_size}x"
                                   f"{args.seq_len}{suffix}.json")
-        out.write_text(json.dumps(result, indent=2))
+        out.write_text(json.dumps({**result, **run_record()}, indent=2))
     distributed.teardown()
     distributed.exit_worker(0)
 
