@@ -287,7 +287,11 @@ def render_page(results: Path = RESULTS) -> str:
             continue
         lines += [f"## {title}", ""]
         for path in group:
-            lines += render(path.name, json.loads(path.read_text())) + [""]
+            data = json.loads(path.read_text())
+            try:
+                lines += render(path.name, data) + [""]
+            except (AttributeError, KeyError, TypeError, ValueError) as err:  # a layout this script does not know
+                lines += other(path.name, data) + [f"({title}: {type(err).__name__}: {err})", ""]
     skipped = sorted(p.name for p in results.iterdir() if p.is_file() and p.suffix != ".json")
     if skipped:
         lines += ["## Not tabulated", "", "Files in `bench/results/` that are not JSON results (kept as logs):", ""]
@@ -315,6 +319,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--page", type=Path, default=PAGE, help="[default: docs/benchmarks.md]")
     parser.add_argument("--readme", type=Path, default=README, help="[default: README.md]")
     args = parser.parse_args(argv)
+    for given, path in (("--results", args.results), ("--readme", args.readme)):
+        if not path.exists():
+            parser.error(f"{given} {path}: no such file or directory")
     wanted = {args.page: render_page(args.results),
               args.readme: with_demo_block(args.readme.read_text(), render_demo_block(args.results))}
     stale = [path for path, text in wanted.items() if not path.is_file() or path.read_text() != text]

@@ -4,5 +4,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
-ruff check src tests bench examples
+ruff check src tests bench examples scripts
 pytest -q "$@"
