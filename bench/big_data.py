@@ -28,6 +28,7 @@ import psutil
 import torch
 
 from fake_model import make_checkpoint
+from record import run_record
 
 HERE = Path(__file__).resolve().parent
 
@@ -112,7 +113,8 @@ def main() -> None:
           + report)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"records": args.records, "jsonl_mb": round(data.stat().st_size / 2**20, 1),
-                                    "ranks": args.nproc, "runs": rows, "table": report}, indent=2) + "\n")
+                                    "ranks": args.nproc, "runs": rows, "table": report, **run_record()},
+                                   indent=2) + "\n")
 
 
 if __name__ == "__main__":

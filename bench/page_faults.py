@@ -16,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from record import run_record
 from shardtune.runtime.memory import MMAP_THRESHOLD, worker_malloc_env
 
 HERE = Path(__file__).resolve().parent
@@ -47,7 +48,7 @@ def main() -> None:
     for name, r in rows.items():
         print(f"{name:<30} {r['fresh_gb_s']:10.2f} {r['reused_gb_s']:12.2f}")
     thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-    result = {"rows": rows, "transparent_hugepage": thp.read_text().strip() if thp.exists() else None}
+    result = {"rows": rows, "transparent_hugepage": thp.read_text().strip() if thp.exists() else None, **run_record()}
     (HERE / "results" / "page-faults.json").write_text(json.dumps(result, indent=2))
 
 

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from record import run_record
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -56,8 +58,8 @@ def main() -> None:
         print(f"reference {name:<22} relative logit error {m['relative_error']:.4f}, "
               f"top-1 agreement {m['top1_agreement']:.3f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"model": args.model, "prompts": rows, "mean": mean, "references": references},
-                                   indent=2) + "\n")
+    args.out.write_text(json.dumps({"model": args.model, "prompts": rows, "mean": mean, "references": references,
+                                    **run_record()}, indent=2) + "\n")
 
 
 def compare(base: list[torch.Tensor], model: torch.nn.Module, ids: list[torch.Tensor]) -> list[dict]:
