@@ -233,3 +233,53 @@ def test_bad_inputs_exit_2_and_write_nothing(tmp_path, capsys):
     gpt2 = tmp_path / "gpt2"
     AutoModelForCausalLM.from_config(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=VOCAB)).save_pretrained(gpt2)
     assert "model_type 'gpt2'" in run("--model", str(gpt2))
+
+
+def test_gemma_v1_gets_llama_cpp_names_and_norms_plus_one(tmp_path):
+    """transformers cannot read a Gemma (v1) GGUF, so the gguf package's reader checks the file."""
+    from transformers import AutoModelForCausalLM, GemmaConfig
+
+    cfg = GemmaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=1, head_dim=16)
+    model = AutoModelForCausalLM.from_config(cfg)
+    model.save_pretrained(tmp_path / "gemma")
+    tok = _sentencepiece_tokenizer("GemmaTokenizer")
+    tok.chat_template = CHATML
+    tok.save_pretrained(tmp_path / "gemma")
+    out = tmp_path / "g.gguf"
+    assert main(["export", "--model", str(tmp_path / "gemma"), "--out", str(out)]) == 0
+    reader = gguf.GGUFReader(str(out))
+    arch = reader.fields["general.architecture"]
+    assert bytes(arch.parts[arch.data[0]]).decode() == "gemma"
+    tensors = {t.name: t for t in reader.tensors}
+    assert "output.weight" not in tensors and "blk.0.attn_q.weight" in tensors
+    norm = torch.from_numpy(tensors["blk.0.attn_norm.weight"].data.copy())
+    torch.testing.assert_close(norm, model.model.layers[0].input_layernorm.weight.detach() + 1)
+
+
+def _modelfile_for(tmp_path: Path, template: str, specials: list[str]) -> str:
+    base, _ = make_case(tmp_path, "llama", "bpe")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(base)
+    tok.add_special_tokens({"additional_special_tokens": specials})
+    tok.chat_template = template
+    tok.save_pretrained(base)
+    assert main(["export", "--model", str(base), "--out", str(tmp_path / "m.gguf")]) == 0
+    return (tmp_path / "Modelfile").read_text()
+
+
+def test_llama3_style_template_becomes_a_go_template(tmp_path):
+    llama3 = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+              "{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
+              "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+    text = _modelfile_for(tmp_path, llama3, ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"])
+    assert '{{- else if eq .Role "user" }}<|start_header_id|>user<|end_header_id|>\n\n{{ .Content }}<|eot_id|>' in text
+    assert text.rstrip().endswith('PARAMETER stop "<|eot_id|>"')
+
+
+def test_untranslatable_template_is_said_not_guessed(tmp_path):
+    odd = ("{% for m in messages %}{% if loop.first %}FIRST {% endif %}[{{ m['role'] }}] {{ m['content'] }}\n"
+           "{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}")
+    text = _modelfile_for(tmp_path, odd, [])
+    assert "TEMPLATE" not in text.replace("# No TEMPLATE", "") and "# No TEMPLATE: the chat template does more" in text
