@@ -181,24 +181,38 @@ def _layout(model_dir, plan: MergePlan, config: dict, arch, quant: str) -> list[
 
 
 def _convert(tensor: torch.Tensor, item: _Item, family: Family, config: dict):
-    """The merged tensor as the file stores it (llama.cpp's per-family changes, then its type)."""
-    import gguf
+    """The merged tensor as the file stores it (llama.cpp's per-family changes, then its type).
 
-    t = tensor.float()
-    if family.norm_plus_one and item.name.endswith("norm.weight"):
-        t = t + 1
-    if family.permute_qk and item.name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
+    Only tensors that change go through fp32 whole (norms, q/k: small); a matrix is converted in
+    blocks of rows, so no fp32 copy of the largest tensor (the embedding) is made beside it.
+    """
+    import gguf
+    import numpy as np
+
+    changed = family.norm_plus_one and item.name.endswith("norm.weight")
+    permuted = family.permute_qk and item.name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight",
+                                                          "k_proj.bias"))
+    t = tensor
+    if changed:
+        t = t.float() + 1
+    if permuted:
         heads = config["num_attention_heads"]
         if ".k_proj." in item.name:
             heads = config.get("num_key_value_heads") or heads
         t = t.reshape(heads, 2, t.shape[0] // heads // 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
     if item.qtype == gguf.GGMLQuantizationType.F32:
-        return t.contiguous().numpy()
+        return t.float().contiguous().numpy()
     if item.qtype == gguf.GGMLQuantizationType.F16:
         return t.to(torch.float16).contiguous().numpy()
     if item.qtype == gguf.GGMLQuantizationType.BF16:
         return t.to(torch.bfloat16).contiguous().view(torch.int16).numpy()
-    return gguf.quants.quantize(t.contiguous().numpy(), item.qtype)
+    out = np.empty(gguf.quants.quant_shape_to_byte_shape(t.shape, item.qtype), dtype=np.uint8)
+    for start in range(0, t.shape[0], _ROWS):
+        out[start:start + _ROWS] = gguf.quants.quantize(t[start:start + _ROWS].float().numpy(), item.qtype)
+    return out
+
+
+_ROWS = 1024  # rows quantized at a time: bounds Q8_0's fp32 and block temporaries to a slice of the tensor
 
 
 def _rope_theta(config: dict) -> float:
