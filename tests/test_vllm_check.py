@@ -56,3 +56,17 @@ def test_raised_max_lora_rank_accepts_the_rank(tmp_path, capsys):
 def test_missing_adapter_is_exit_2(tmp_path, capsys):
     assert main(["export", "--adapter", str(tmp_path / "nope"), "--check", "vllm"]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_after_training_the_problems_are_warnings_and_the_summary_is_kept(tmp_path, caplog):
+    from shardtune.tools.vllm_check import warn_after_training
+
+    adapter = _adapter(tmp_path / "adapter", r=64, use_dora=True)
+    summary = {"adapter": str(adapter), "steps": 3}
+    with caplog.at_level("WARNING", logger="shardtune"):
+        assert warn_after_training(summary) is summary
+    text = caplog.text
+    assert "vLLM would refuse" in text and "DoRA" in text and "--max-lora-rank 64" in text
+    caplog.clear()
+    assert warn_after_training({"adapter": str(tmp_path / "gone")}) == {"adapter": str(tmp_path / "gone")}
+    assert warn_after_training({}) == {} and not caplog.text

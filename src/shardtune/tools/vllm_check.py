@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from shardtune.errors import ShardtuneError
 from shardtune.model.directory import check_adapter_dir
 
 VLLM_DEFAULT_MAX_LORA_RANK = 16
@@ -79,7 +80,20 @@ def print_check(adapter: str | Path, max_lora_rank: int = VLLM_DEFAULT_MAX_LORA_
     return 1
 
 
-def warn_for_vllm(adapter: str | Path, log) -> None:
-    """One warning line per problem, for the end of a fine-tune; silent when vLLM would load the adapter."""
-    for p in vllm_problems(adapter):
-        log.warning("vLLM would refuse this adapter: %s; fix: %s", p.what, p.fix)
+def warn_after_training(summary: dict) -> dict:
+    """Log one warning per problem vLLM would have with the fine-tune's adapter; returns ``summary`` as is.
+
+    Never fails the finished run: an adapter that cannot be read here is left to the commands that use it.
+    """
+    import logging
+
+    adapter = (summary or {}).get("adapter")
+    if not adapter or not Path(adapter).is_dir():
+        return summary
+    try:
+        problems = vllm_problems(adapter)
+    except (ShardtuneError, OSError, ValueError):
+        return summary
+    for p in problems:
+        logging.getLogger("shardtune").warning("vLLM would refuse %s: %s; fix: %s", adapter, p.what, p.fix)
+    return summary
