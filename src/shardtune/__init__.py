@@ -24,7 +24,9 @@ def finetune(config: str | Path | dict[str, Any] | None = None, nproc: int | Non
     overrides.update(_torchrun_layout())
     cfg = build_config(config, overrides)
     cfg = preflight(cfg)  # with the auto options decided, once, for every rank
-    return launch(cfg)
+    from shardtune.tools.vllm_check import warn_after_training
+
+    return warn_after_training(launch(cfg))  # the adapter vLLM would refuse: say so now
 
 
 def _torchrun_layout() -> dict[str, Any]:

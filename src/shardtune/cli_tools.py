@@ -53,6 +53,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from shardtune.tools.evaluate import evaluate
 
     quiet_libraries()
+    if args.tasks:  # lm-evaluation-harness benchmarks (tools/harness.py)
+        return _cmd_harness(args)
+    if not args.data:
+        from shardtune.errors import InputError
+
+        raise InputError("shardtune eval needs --data FILE (your own data) or --tasks NAME[,NAME] (lm-eval tasks)")
     result = evaluate(args.model, args.data, args.adapter, args.nproc, args.seq_len, args.batch_size,
                       args.max_new_tokens, args.dtype, answers=args.answers, quantize=args.quantize,
                       data_fields=args.data_fields, trust_remote_code=args.trust_remote_code)
@@ -73,8 +79,45 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_harness(args: argparse.Namespace) -> int:
+    from shardtune.tools.harness import default_out, run_tasks, side_by_side
+
+    out = args.out or default_out(args.adapter)
+    report = run_tasks(args.model, args.adapter, [t for t in args.tasks.split(",") if t], args.limit,
+                       args.num_fewshot, args.dtype, args.quantize, args.batch_size, args.include_path, out,
+                       args.trust_remote_code)
+    if args.json:
+        print(json.dumps(report["results"], indent=2, default=str))
+        return 0
+    for label, table in report["table"].items():
+        print(f"{label}:\n{table}")
+    print(side_by_side(report))
+    if "out" in report:
+        print(f"wrote {report['out']}")
+    return 0
+
+
 def _num(value: float | None) -> str:
     return "inf" if value is None else f"{value:.3f}"
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from shardtune.runtime.logs import quiet_libraries
+    from shardtune.tools.export import ExportError, export_gguf
+
+    quiet_libraries()
+    if args.check:
+        from shardtune.tools.vllm_check import print_check
+
+        if not args.adapter:
+            raise ExportError("--check vllm needs --adapter DIR")
+        return print_check(args.adapter, args.max_lora_rank)
+    if not (args.model and args.out):
+        raise ExportError("--model and --out are required (unless --check vllm)")
+    result = export_gguf(args.model, args.adapter, args.out, args.quant, force=args.force)
+    print(json.dumps(result, indent=2) if args.json else f"wrote {result['out']} ({result['bytes'] / 2**20:.1f} MB, "
+          f"{args.quant})" + (f" and {result['modelfile']['path']}" if "modelfile" in result else ""))
+    return 0
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -119,7 +162,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                     "example:\n  shardtune eval --model models/smollm2-135m --adapter runs/zarnovia/adapter \\\n"
                     "      --data examples/zarnovia_heldout.jsonl --json")
     _model_flags(p)
-    p.add_argument("--data", required=True, help="data as finetune's --data takes it: .jsonl/.json of instruction, "
+    p.add_argument("--data", help="data as finetune's --data takes it: .jsonl/.json of instruction, "
                    "messages, text or ShareGPT records, Parquet, CSV, a save_to_disk directory or a cached Hub dataset")
     p.add_argument("--data-fields", default="", metavar="prompt=COL,response=COL",
                    help="column mapping onto the record fields, as finetune's --data-fields [default: none]")
@@ -134,7 +177,36 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    "on each process [default: 8]")
     p.add_argument("--max-new-tokens", type=int, default=64,
                    help="longest generated answer; 0 skips generation (loss only) [default: 64]")
+    p.add_argument("--tasks", metavar="NAME[,NAME]", help="instead of --data: lm-evaluation-harness tasks, on the "
+                   "base and on base + --adapter side by side (docs/export.md)")
+    p.add_argument("--limit", type=int, help="with --tasks: at most N documents per task [default: all]")
+    p.add_argument("--num-fewshot", type=int, help="with --tasks: K few-shot examples [default: the task's]")
+    p.add_argument("--include-path", metavar="DIR", help="with --tasks: a folder of custom task YAML files")
+    p.add_argument("--out", help="with --tasks: the JSON file to write [default: OUT_DIR/lm_eval.json beside the "
+                   "adapter of a fine-tune, else none]")
     p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser(
+        "export", formatter_class=fmt, help="Base + adapter as one GGUF file for llama.cpp/Ollama; vLLM check.",
+        description="Merge the adapter into the base (streamed, one tensor at a time) and write a GGUF file for\n"
+                    "llama.cpp and Ollama, with the tokenizer and chat template in its metadata, and an Ollama\n"
+                    "Modelfile beside it. Families: llama, mistral, qwen2, qwen3, gemma, gemma2.\n"
+                    "--check vllm instead lists what vLLM would refuse in the adapter, with the fix for each\n"
+                    "(exit 1 when there is something).\n\n"
+                    "examples:\n  shardtune export --model models/smollm2-135m --adapter runs/zarnovia/adapter \\\n"
+                    "      --format gguf --out runs/zarnovia/zarnovia.gguf --quant q8_0\n"
+                    "  shardtune export --adapter runs/zarnovia/adapter --check vllm")
+    p.add_argument("--model", help="the base model directory the adapter was trained on")
+    p.add_argument("--adapter", help="LoRA adapter directory (peft format) [default: none, the base alone]")
+    p.add_argument("--format", default="gguf", choices=("gguf",), help="output format [default: gguf]")
+    p.add_argument("--out", help="the .gguf file to write; the Modelfile goes beside it")
+    p.add_argument("--quant", default="f16", help="matrix type: f16, bf16 or q8_0 (norms stay f32) [default: f16]")
+    p.add_argument("--force", action="store_true", help="replace an existing --out (and its Modelfile)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--check", choices=("vllm",), help="check the adapter for a serving engine instead of exporting")
+    p.add_argument("--max-lora-rank", type=int, default=16,
+                   help="with --check vllm: the --max-lora-rank vLLM will be started with [default: 16, vLLM's]")
+    p.set_defaults(func=cmd_export)
 
     p = sub.add_parser(
         "report", formatter_class=fmt, help="Plots and report.md for a fine-tune's output directory.",

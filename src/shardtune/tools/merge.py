@@ -21,6 +21,7 @@ import logging
 import math
 import re
 import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -182,10 +183,7 @@ def merge_file(src: Path, dst: Path, changes: dict[str, Change], extra: dict[str
             entries.append((name, _out_dtype(stored, dtype), list(piece.get_shape())))
         out.write(encode_header(entries, f.metadata()))
         written, largest = 0, 0
-        for (name, source), (_, out_dtype, _) in zip(names, entries):
-            tensor = f.get_tensor(source)
-            if name in changes:
-                tensor = apply(name, tensor, changes[name])
+        for (_, tensor), (_, out_dtype, _) in zip(merged_tensors(f, names, changes), entries):
             tensor = tensor.to(out_dtype).contiguous()
             out.write(tensor.reshape(-1).view(torch.uint8).numpy().data)
             written += tensor.nbytes
@@ -194,19 +192,29 @@ def merge_file(src: Path, dst: Path, changes: dict[str, Change], extra: dict[str
     return written, largest
 
 
+def merged_tensors(f, names: list[tuple[str, str]], changes: dict[str, Change]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, merged tensor) for each (name, stored source) of the open safetensors file ``f``, one at a time."""
+    for name, source in names:
+        tensor = f.get_tensor(source)
+        yield name, apply(name, tensor, changes[name]) if name in changes else tensor
 
-def merge(model: str | Path, adapter: str | Path, out: str | Path, dtype: str = "auto",
-          overwrite: bool = False, trust_remote_code: bool = False) -> dict:
-    """Write ``out``: the model with the adapter folded in. Returns sizes: total and largest tensor bytes.
 
-    A non-empty ``out`` is replaced only with ``overwrite=True``, and never when it is (or holds) an input.
-    ``trust_remote_code``: a model that names its own code (config ``auto_map``) may run it (its class
-    is built on meta to find tied weights).
-    """
-    model_dir = check_model_dir(model, trust_remote_code)
-    out = check_output_dir(out, overwrite=overwrite, inputs=(model, adapter))
-    config, tensors = read_adapter(Path(adapter))
-    wanted = None if dtype == "auto" else DTYPES[dtype]
+@dataclass
+class MergePlan:
+    """Where every merged tensor comes from: what ``merge`` writes, and what ``export`` streams."""
+
+    changes: dict[str, Change]  # keyed by the checkpoint's own tensor names
+    file_of: dict[str, str]  # tensor name -> weight file name (in the model directory), tied copies included
+    extra: dict[str, str]  # a tied weight the adapter changes: {its own name: the stored tensor it starts from}
+
+    def names_in(self, file_name: str, stored: list[str]) -> list[tuple[str, str]]:
+        """(name, source) pairs of one weight file: its ``stored`` tensors, then its tied copies."""
+        return [(n, n) for n in stored] + [(n, s) for n, s in self.extra.items() if self.file_of[s] == file_name]
+
+
+def plan_merge(model_dir: ModelDir, adapter: Path) -> MergePlan:
+    """Read the adapter and resolve each of its changes to a tensor of ``model_dir``'s checkpoint."""
+    config, tensors = read_adapter(adapter)
     file_of = dict(model_dir.index["weight_map"]) if model_dir.index else {}
     if not file_of:
         from safetensors import safe_open
@@ -221,6 +229,23 @@ def merge(model: str | Path, adapter: str | Path, out: str | Path, dtype: str = 
     extra = {name: tied[name] for name in changes if name not in file_of}
     for name, source in extra.items():
         file_of[name] = file_of[source]
+    return MergePlan(changes, file_of, extra)
+
+
+
+def merge(model: str | Path, adapter: str | Path, out: str | Path, dtype: str = "auto",
+          overwrite: bool = False, trust_remote_code: bool = False) -> dict:
+    """Write ``out``: the model with the adapter folded in. Returns sizes: total and largest tensor bytes.
+
+    A non-empty ``out`` is replaced only with ``overwrite=True``, and never when it is (or holds) an input.
+    ``trust_remote_code``: a model that names its own code (config ``auto_map``) may run it (its class
+    is built on meta to find tied weights).
+    """
+    model_dir = check_model_dir(model, trust_remote_code)
+    out = check_output_dir(out, overwrite=overwrite, inputs=(model, adapter))
+    plan = plan_merge(model_dir, Path(adapter))
+    wanted = None if dtype == "auto" else DTYPES[dtype]
+    changes, file_of, extra = plan.changes, plan.file_of, plan.extra
 
     with staged_dir(out) as tmp:
         total, largest = 0, 0

@@ -1,0 +1,256 @@
+"""Write base + LoRA adapter as one GGUF file for llama.cpp and Ollama, streaming one tensor at a time.
+
+The merge is ``merge.py``'s (its plan and its per-tensor iterator): each base tensor is read, merged
+in fp32, renamed to llama.cpp's name with the gguf package's own tensor-name map, converted and
+written before the next is read, so the model is never whole in memory. A QLoRA adapter merges into
+the unquantized base on disk (the fine-tune quantized it only in memory), so no uint8 4-bit weights
+reach the file. The GGUF layout is computed from the safetensors headers before any data is read.
+
+What llama.cpp's convert_hf_to_gguf.py does per family, and so does this:
+  llama, mistral   arch "llama"; q/k projection rows permuted into llama.cpp's rotary order
+  qwen2, qwen3     arch "qwen2"/"qwen3"; no change
+  gemma, gemma2    arch "gemma"/"gemma2"; norm weights + 1 (Hugging Face stores w - 1); no lm_head
+Tensor types: 1-D tensors (norms, biases) stay F32; matrices are F16, BF16 or Q8_0 (--quant); a Q8_0
+matrix whose rows are not a multiple of its 32-value blocks is written F16, as llama.cpp does.
+
+The file is written under a temporary name beside ``out`` and renamed when complete; an existing
+``out`` is replaced only with ``force``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from shardtune.errors import ShardtuneError
+from shardtune.model.directory import check_model_dir
+from shardtune.runtime.files import OutputError, check_writable, output_error
+from shardtune.tools.merge import MergePlan, merged_tensors, plan_merge
+
+log = logging.getLogger("shardtune")
+
+QUANTS = ("f16", "bf16", "q8_0")
+
+
+class ExportError(ShardtuneError, ValueError):
+    """The model or the options cannot be exported; the message names what and why."""
+
+
+@dataclass(frozen=True)
+class Family:
+    arch: str  # gguf's MODEL_ARCH member name
+    permute_qk: bool = False
+    norm_plus_one: bool = False
+
+
+# Hugging Face model_type -> how llama.cpp converts it.
+FAMILIES = {
+    "llama": Family("LLAMA", permute_qk=True),
+    "mistral": Family("LLAMA", permute_qk=True),
+    "qwen2": Family("QWEN2"),
+    "qwen3": Family("QWEN3"),
+    "gemma": Family("GEMMA", norm_plus_one=True),
+    "gemma2": Family("GEMMA2", norm_plus_one=True),
+}
+
+
+def export_gguf(model: str | Path, adapter: str | Path | None, out: str | Path, quant: str = "f16",
+                force: bool = False, modelfile: bool = True) -> dict:
+    """Write ``out`` (.gguf) and, with ``modelfile``, an Ollama Modelfile beside it. Returns sizes and times."""
+    import gguf
+
+    from shardtune.tools.gguf_vocab import add_tokenizer
+
+    if quant not in QUANTS:
+        raise ExportError(f"--quant {quant!r} is not one of {', '.join(QUANTS)}")
+    out = Path(out)
+    model_file = out.with_name("Modelfile")
+    for path in (out, model_file) if modelfile else (out,):
+        if path.exists() and not force:
+            raise OutputError(f"{path} already exists: choose another --out, or pass --force to replace it")
+        if path.is_dir():
+            raise OutputError(f"{path} is a directory: --out names the .gguf file to write")
+    check_writable(out.parent)
+    model_dir = check_model_dir(model)
+    config = json.loads((model_dir.path / "config.json").read_text())
+    family = FAMILIES.get(config.get("model_type"))
+    if family is None:
+        raise ExportError(f"{model_dir.path / 'config.json'}: model_type {config.get('model_type')!r} is not one this "
+                          f"GGUF export knows ({', '.join(FAMILIES)})")
+    arch = getattr(gguf.MODEL_ARCH, family.arch)
+    plan = plan_merge(model_dir, Path(adapter)) if adapter else MergePlan({}, _stored_names(model_dir), {})
+    layout = _layout(model_dir, plan, config, arch, quant)
+
+    writer = gguf.GGUFWriter(None, gguf.MODEL_ARCH_NAMES[arch])
+    _add_hparams(writer, config, family, quant, name=model_dir.path.name)
+    add_tokenizer(writer, model_dir.path, config["vocab_size"])
+    for item in layout:
+        writer.add_tensor_info(item.gguf_name, item.shape, item.np_dtype, item.nbytes, raw_dtype=item.qtype)
+
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    start, written = time.perf_counter(), 0
+    try:
+        writer.write_header_to_file(path=tmp)
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        by_name = {item.name: item for item in layout}
+        for file in model_dir.weight_files:
+            from safetensors import safe_open
+
+            with safe_open(str(file), framework="pt") as f:
+                names = [(n, s) for n, s in plan.names_in(file.name, list(f.keys())) if n in by_name]
+                for name, tensor in merged_tensors(f, names, plan.changes):
+                    data = _convert(tensor, by_name[name], family, config)
+                    writer.write_tensor_data(data)
+                    written += data.nbytes
+                    del tensor, data
+        writer.close()
+        os.replace(tmp, out)
+    except OSError as err:
+        raise output_error(err, out) from None
+    finally:
+        writer.close()
+        tmp.unlink(missing_ok=True)
+    seconds = time.perf_counter() - start
+    result = {"out": str(out), "quant": quant, "bytes": out.stat().st_size, "tensors": len(layout),
+              "seconds": round(seconds, 3)}
+    if modelfile:
+        from shardtune.tools.modelfile import write_modelfile
+
+        result["modelfile"] = write_modelfile(model_dir.path, out, model_file)
+    log.info("exported %s (%s, %.1f MB, %.1f s)", out, quant, result["bytes"] / 2**20, seconds)
+    return result
+
+
+@dataclass
+class _Item:
+    name: str  # the checkpoint's tensor name
+    gguf_name: str
+    shape: tuple[int, ...]
+    qtype: object  # gguf.GGMLQuantizationType
+    np_dtype: object
+    nbytes: int
+
+
+def _stored_names(model_dir) -> dict[str, str]:
+    from safetensors import safe_open
+
+    names = {}
+    for file in model_dir.weight_files:
+        with safe_open(str(file), framework="pt") as f:
+            names.update({k: file.name for k in f.keys()})
+    return names
+
+
+def _layout(model_dir, plan: MergePlan, config: dict, arch, quant: str) -> list[_Item]:
+    """Every tensor the file will hold, in writing order, from the safetensors headers alone."""
+    import gguf
+    import numpy as np
+    from safetensors import safe_open
+
+    tmap = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
+    tied = config.get("tie_word_embeddings", False) or arch in (gguf.MODEL_ARCH.GEMMA, gguf.MODEL_ARCH.GEMMA2)
+    matrix_type = {"f16": gguf.GGMLQuantizationType.F16, "bf16": gguf.GGMLQuantizationType.BF16,
+                   "q8_0": gguf.GGMLQuantizationType.Q8_0}[quant]
+    items = []
+    for file in model_dir.weight_files:
+        with safe_open(str(file), framework="pt") as f:
+            for name, source in plan.names_in(file.name, list(f.keys())):
+                if name.endswith("rotary_emb.inv_freq"):
+                    continue  # recomputed from rope_theta by every reader
+                if name == "lm_head.weight" and tied and name not in plan.extra:
+                    continue  # the embedding serves as the output layer
+                gguf_name = tmap.get_name(name, try_suffixes=(".weight", ".bias"))
+                if gguf_name is None:
+                    raise ExportError(f"{file}: tensor {name} has no llama.cpp name for architecture "
+                                      f"{gguf.MODEL_ARCH_NAMES[arch]!r}; this GGUF export cannot write it")
+                shape = tuple(f.get_slice(source).get_shape())
+                qtype = matrix_type if len(shape) == 2 else gguf.GGMLQuantizationType.F32
+                if qtype == gguf.GGMLQuantizationType.Q8_0 and shape[-1] % 32:
+                    qtype = gguf.GGMLQuantizationType.F16
+                block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+                nbytes = int(np.prod(shape)) // block * type_size
+                items.append(_Item(name, gguf_name, shape, qtype, np.float32, nbytes))
+    return items
+
+
+def _convert(tensor: torch.Tensor, item: _Item, family: Family, config: dict):
+    """The merged tensor as the file stores it (llama.cpp's per-family changes, then its type).
+
+    Only tensors that change go through fp32 whole (norms, q/k: small); a matrix is converted in
+    blocks of rows, so no fp32 copy of the largest tensor (the embedding) is made beside it.
+    """
+    import gguf
+    import numpy as np
+
+    changed = family.norm_plus_one and item.name.endswith("norm.weight")
+    permuted = family.permute_qk and item.name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight",
+                                                          "k_proj.bias"))
+    t = tensor
+    if changed:
+        t = t.float() + 1
+    if permuted:
+        heads = config["num_attention_heads"]
+        if ".k_proj." in item.name:
+            heads = config.get("num_key_value_heads") or heads
+        t = t.reshape(heads, 2, t.shape[0] // heads // 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
+    if item.qtype == gguf.GGMLQuantizationType.F32:
+        return t.float().contiguous().numpy()
+    if item.qtype == gguf.GGMLQuantizationType.F16:
+        return t.to(torch.float16).contiguous().numpy()
+    if item.qtype == gguf.GGMLQuantizationType.BF16:
+        return t.to(torch.bfloat16).contiguous().view(torch.int16).numpy()
+    out = np.empty(gguf.quants.quant_shape_to_byte_shape(t.shape, item.qtype), dtype=np.uint8)
+    for start in range(0, t.shape[0], _ROWS):
+        out[start:start + _ROWS] = gguf.quants.quantize(t[start:start + _ROWS].float().numpy(), item.qtype)
+    return out
+
+
+_ROWS = 1024  # rows quantized at a time: bounds Q8_0's fp32 and block temporaries to a slice of the tensor
+
+
+def _rope_theta(config: dict) -> float:
+    params = config.get("rope_parameters") or {}
+    return float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
+
+
+def _add_hparams(writer, config: dict, family: Family, quant: str, name: str) -> None:
+    """The model's shape under llama.cpp's keys (convert_hf_to_gguf's TextModel.set_gguf_parameters)."""
+    import gguf
+
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    writer.add_name(name)
+    writer.add_file_type({"f16": gguf.LlamaFileType.MOSTLY_F16, "bf16": gguf.LlamaFileType.MOSTLY_BF16,
+                          "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[quant])
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(config.get("num_key_value_heads") or heads)
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_freq_base(_rope_theta(config))
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_vocab_size(config["vocab_size"])
+    if family.permute_qk:
+        writer.add_rope_dimension_count(head_dim)
+    if family.arch == "GEMMA2":
+        writer.add_attn_logit_softcapping(config.get("attn_logit_softcapping") or 0.0)
+        writer.add_final_logit_softcapping(config.get("final_logit_softcapping") or 0.0)
+        writer.add_sliding_window(config.get("sliding_window") or 0)
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(float(params["factor"]))
+    elif kind not in ("default", None):
+        raise ExportError(f"config.json: rope scaling {kind!r} is not one this GGUF export writes (default, linear)")

@@ -1,0 +1,108 @@
+"""Standard benchmarks through EleutherAI's lm-evaluation-harness, base and base + adapter side by side.
+
+The models are loaded as ``shardtune generate`` loads them (``generate.load_model``: the adapter
+through peft, the base in NF4 with ``--quantize nf4``, as a QLoRA fine-tune saw it) and handed to the
+harness's own ``HFLM`` as ready models, so the harness's task definitions, prompts and metrics are
+used unchanged. One process evaluates one model at a time: a model that does not fit one process is
+not covered here.
+
+Offline, task data comes from the datasets cache; a task whose data is not there is an error that
+names the task. ``include_path`` adds a folder of task YAML files (the harness's custom tasks, e.g.
+``dataset_path: json`` with ``dataset_kwargs: {data_files: ...}`` over a local JSONL).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from shardtune.errors import ShardtuneError
+
+log = logging.getLogger("shardtune")
+
+
+class HarnessError(ShardtuneError, ValueError):
+    """A task cannot be run: unknown name, data not cached offline, lm-eval missing; names the task."""
+
+
+def _tasks(names: list[str], include_path: str | None):
+    try:
+        from lm_eval.tasks import TaskManager, get_task_dict
+    except ImportError:
+        raise HarnessError("--tasks needs lm-evaluation-harness: pip install 'shardtune[eval]' "
+                           "(or pip install lm-eval)") from None
+    manager = TaskManager(include_path=include_path) if include_path else TaskManager()
+    unknown = [n for n in names if n not in manager.all_tasks]
+    if unknown:
+        where = f" (nor in --include-path {include_path})" if include_path else ""
+        raise HarnessError(f"--tasks: {', '.join(unknown)} is not a task lm-eval knows{where}; "
+                           "`lm_eval ls tasks` lists them")
+    try:
+        return manager, get_task_dict(names, manager)
+    except Exception as err:  # noqa: BLE001 - datasets raises many kinds when the data is not at hand
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise HarnessError(f"--tasks {','.join(names)}: the task data could not be loaded ({reason}). Offline, "
+                           "lm-eval reads the datasets cache: run once with network access (or copy the cache) "
+                           "to cache it") from None
+
+
+def run_tasks(model: str, adapter: str | None, tasks: list[str], limit: int | None = None,
+              num_fewshot: int | None = None, dtype: str = "auto", quantize: str = "none",
+              batch_size: int = 8, include_path: str | None = None, out: str | Path | None = None,
+              trust_remote_code: bool = False) -> dict:
+    """{"base": results, "adapter": results (with ``adapter``)}, also written to ``out`` (a JSON file)."""
+    from lm_eval import evaluator
+    from lm_eval.models.huggingface import HFLM
+
+    from shardtune.tools.generate import load_model
+
+    manager, _ = _tasks(tasks, include_path)  # fail before loading any model
+    runs = {"base": None, **({"adapter": adapter} if adapter else {})}
+    report: dict = {"model": str(model), "adapter": str(adapter) if adapter else None, "tasks": tasks,
+                    "limit": limit, "num_fewshot": num_fewshot, "quantize": quantize, "results": {}}
+    for label, which in runs.items():
+        lm_model, tokenizer = load_model(model, which, dtype, quantize=quantize, trust_remote_code=trust_remote_code)
+        lm = HFLM(pretrained=lm_model, tokenizer=tokenizer, batch_size=batch_size)
+        result = evaluator.simple_evaluate(model=lm, tasks=tasks, limit=limit, num_fewshot=num_fewshot,
+                                           task_manager=manager, log_samples=False, bootstrap_iters=0)
+        report["results"][label] = result["results"]
+        report.setdefault("table", {})[label] = _make_table(result)
+        del lm, lm_model
+    if out is not None:
+        out = Path(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2, default=str) + "\n")
+        report["out"] = str(out)
+    return report
+
+
+def _make_table(result: dict) -> str:
+    from lm_eval.utils import make_table
+
+    return make_table(result)
+
+
+def side_by_side(report: dict) -> str:
+    """One row per task and metric: the base's value, the adapter's, and the difference."""
+    base = report["results"]["base"]
+    tuned = report["results"].get("adapter")
+    rows = [("task", "metric", "base", *(("adapter", "delta") if tuned else ()))]
+    for task, metrics in base.items():
+        for key, value in metrics.items():
+            if not isinstance(value, (int, float)) or "stderr" in key or key == "alias":
+                continue
+            row = (task, key.split(",")[0], f"{value:.4f}")
+            if tuned:
+                other = tuned.get(task, {}).get(key)
+                row += (f"{other:.4f}", f"{other - value:+.4f}") if isinstance(other, (int, float)) else ("-", "-")
+            rows.append(row)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def default_out(adapter: str | None) -> Path | None:
+    """The adapter's run folder (OUT_DIR of OUT_DIR/adapter) when it has the fine-tune's config.yaml."""
+    if adapter and (Path(adapter).parent / "config.yaml").is_file():
+        return Path(adapter).parent / "lm_eval.json"
+    return None

@@ -1,0 +1,109 @@
+"""An Ollama Modelfile for an exported GGUF: FROM the file, TEMPLATE from the chat template, stop tokens.
+
+Ollama templates are Go templates, not Jinja. Instead of translating Jinja source, the model's chat
+template is rendered with placeholder messages: one message per role gives that role's text before
+and after its content, and the generation prompt is what ``add_generation_prompt`` adds. Those
+pieces make a Go template. It is kept only if it renders a sample conversation exactly as the Jinja
+template does (checked here, by replaying the Go template's logic); a template with logic beyond
+"wrap each message by its role" (tools, thinking blocks, per-position rules) fails that check and
+the Modelfile says so instead of carrying a wrong TEMPLATE. The BOS token is left out: llama.cpp
+adds it itself, as the GGUF's add_bos_token says.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+log = logging.getLogger("shardtune")
+
+_MARK = "\x00CONTENT\x00"
+_SAMPLE = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi there"},
+           {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Capital of France?"}]
+
+
+def write_modelfile(model_dir: Path, gguf_file: Path, path: Path) -> dict:
+    """Write ``path``; returns {"path", "template" (translated or not), "stop", "note"}."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    pieces, note = _pieces(tok) if tok.chat_template else (None, "the tokenizer has no chat template")
+    stops = _stop_tokens(tok, pieces)
+    lines = [f"FROM ./{gguf_file.name}", ""]
+    if pieces is not None:
+        lines += [f'TEMPLATE """{go_template(pieces)}"""', ""]
+    else:
+        lines += [f"# No TEMPLATE: {note}; write one by hand (https://github.com/ollama/ollama/blob/main/docs/"
+                  "template.md) or `ollama show --modelfile` a model of the same family.", ""]
+        log.warning("Modelfile %s has no TEMPLATE: %s", path, note)
+    lines += [f"PARAMETER stop {json.dumps(s)}" for s in stops]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return {"path": str(path), "template": pieces is not None, "stop": stops, "note": note}
+
+
+def _render(tok, messages: list[dict], generation: bool) -> str:
+    return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation, bos_token="")
+
+
+def _pieces(tok) -> tuple[dict | None, str]:
+    """{role: (before, after)} + "gen": the generation prompt; or None and why it cannot be translated."""
+    pieces: dict = {}
+    try:
+        for role in ("user", "assistant", "system"):
+            try:
+                text = _render(tok, [{"role": role, "content": _MARK}], False)
+            except Exception:  # noqa: BLE001 - a template may refuse a lone system/assistant turn
+                if role == "user":
+                    raise
+                continue
+            if text.count(_MARK) != 1:
+                return None, f"the chat template writes a {role} message's content other than once"
+            pieces[role] = tuple(text.split(_MARK))
+        user = [{"role": "user", "content": _MARK}]
+        pieces["gen"] = _render(tok, user, True).removeprefix(_render(tok, user, False))
+    except Exception as err:  # noqa: BLE001 - Jinja errors of any kind mean: not translatable
+        return None, f"the chat template could not be rendered ({type(err).__name__}: {err})"
+    sample = _SAMPLE if "system" in pieces else _SAMPLE[1:]
+    try:
+        expected = _render(tok, sample, True)
+    except Exception as err:  # noqa: BLE001
+        return None, f"the chat template could not render a sample conversation ({err})"
+    if _replay(pieces, sample) != expected:
+        return None, ("the chat template does more than wrap each message by its role (e.g. rules for the first "
+                      "or last turn, tools, reasoning), which this translation to a Go template does not cover")
+    return pieces, ""
+
+
+def _replay(pieces: dict, messages: list[dict]) -> str:
+    """What ``go_template(pieces)`` renders for ``messages``, as Ollama would (system first, then the turns)."""
+    out = ""
+    for m in messages:
+        before, after = pieces[m["role"]]
+        out += before + m["content"] + after
+    return out + pieces["gen"]
+
+
+def _go(text: str) -> str:
+    return text.replace("{{", '{{ "{{" }}')
+
+
+def go_template(pieces: dict) -> str:
+    """The Go template of Ollama's .Messages form, each role wrapped as the chat template wraps it."""
+    branches = []
+    for i, role in enumerate(r for r in ("system", "user", "assistant") if r in pieces):
+        before, after = pieces[role]
+        keyword = "if" if i == 0 else "else if"
+        branches.append(f'{{{{- {keyword} eq .Role "{role}" }}}}{_go(before)}{{{{ .Content }}}}{_go(after)}')
+    return "{{- range .Messages }}" + "".join(branches) + "{{- end }}{{- end }}" + _go(pieces["gen"])
+
+
+def _stop_tokens(tok, pieces: dict | None) -> list[str]:
+    """The end-of-turn markers: EOS and any special token that closes an assistant message."""
+    stops = [tok.eos_token] if tok.eos_token else []
+    if pieces and "assistant" in pieces:
+        specials = set(tok.all_special_tokens) | {str(t) for t in tok.added_tokens_decoder.values() if t.special}
+        for special in sorted(specials, key=len, reverse=True):
+            if special in pieces["assistant"][1] and special not in stops:
+                stops.append(special)
+    return stops

@@ -1,0 +1,285 @@
+"""GGUF export, checked by an implementation no one here wrote: transformers' own GGUF reader.
+
+Each family gets a tiny random model with a real BPE tokenizer (merges, ChatML specials) and a LoRA
+adapter with non-zero B; ``shardtune export`` writes the GGUF, transformers loads it, and its logits
+and token ids are compared with the ``shardtune merge`` output loaded from safetensors.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from shardtune.cli import main  # noqa: E402
+
+VOCAB = 352
+SPECIALS = ["<|im_start|>", "<|im_end|>"]
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+WORDS = ["the", "cat", "sat", "on", "mat", "Zarnovia", "capital", "river", "café", "naïve", "東京", "🙂", "x=1;", "42",
+         "1999", "don't", "  spaced", "\ttab", "new\nline", "UPPER"]
+# Q8_0 stores each block of 32 weights as int8 with one f16 scale. Against the unquantized merged model
+# the largest logit difference, as a fraction of the logits' standard deviation, stays below this on
+# these random models (whose weights are far less smooth than trained ones).
+Q8_TOLERANCE = 0.4
+
+
+def _texts(n: int = 300) -> list[str]:
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(n):
+        k = int(torch.randint(1, 8, (1,), generator=g))
+        sep = [" ", "", "  ", "\n", ", "][int(torch.randint(0, 5, (1,), generator=g))]
+        out.append(sep.join(WORDS[int(i)] for i in torch.randint(0, len(WORDS), (k,), generator=g)))
+    return out
+
+
+def _byte_level_tokenizer():
+    from transformers import GPT2Tokenizer
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    merges = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("a", "t"), ("Ġ", "c"), ("Ġc", "at"), ("i", "n"), ("o", "n")]
+    symbols = list(bytes_to_unicode().values())
+    vocab = {t: i for i, t in enumerate(["<|endoftext|>", *symbols, *("".join(m) for m in merges)])}
+    tok = GPT2Tokenizer(vocab=vocab, merges=merges, unk_token="<|endoftext|>", bos_token="<|endoftext|>",
+                        eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tok.add_special_tokens({"additional_special_tokens": SPECIALS})
+    return tok
+
+
+def _sentencepiece_tokenizer(cls_name: str = "LlamaTokenizer"):
+    import transformers
+
+    merges = [("▁", "t"), ("h", "e"), ("▁t", "he"), ("a", "t"), ("▁", "c"), ("▁c", "at"), ("i", "n"), ("o", "n")]
+    chars = sorted(set("▁abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,;:'=-"))
+    pieces = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *chars, *("".join(m) for m in merges)]
+    vocab = {t: i for i, t in enumerate(dict.fromkeys(pieces))}
+    cls = getattr(transformers, cls_name)
+    kwargs = {"bos_token": "<bos>", "eos_token": "<eos>", "unk_token": "<unk>", "pad_token": "<pad>"} \
+        if cls_name == "GemmaTokenizer" else {}
+    if kwargs:
+        vocab = {t: i for i, t in enumerate(dict.fromkeys(["<pad>", "<eos>", "<bos>", *pieces]))}
+    tok = cls(vocab=vocab, merges=merges, **kwargs)
+    tok.add_special_tokens({"additional_special_tokens": SPECIALS})
+    return tok
+
+
+def _config(family: str):
+    from transformers import Gemma2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    dims = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
+    if family == "llama":
+        return LlamaConfig(**dims)
+    if family == "mistral":
+        return MistralConfig(**dims, sliding_window=None)
+    if family == "qwen2":
+        return Qwen2Config(**dims)
+    if family == "qwen3":  # transformers' GGUF reader leaves Qwen3's head_dim at its default
+        return Qwen3Config(**dims, head_dim=Qwen3Config().head_dim)
+    if family == "gemma2":  # tied, as every Gemma; the reader leaves softcapping and scaling at their defaults
+        return Gemma2Config(**{**dims, "tie_word_embeddings": True}, head_dim=16, sliding_window=128)
+    raise ValueError(family)
+
+
+CASES = {  # name: (family, tokenizer)
+    "llama-spm": ("llama", "spm"), "llama-bpe": ("llama", "bpe"), "mistral": ("mistral", "spm"),
+    "qwen2": ("qwen2", "bpe"), "qwen3": ("qwen3", "bpe"), "gemma2": ("gemma2", "gemma"),
+}
+
+
+def make_case(root: Path, family: str, tokenizer: str) -> tuple[Path, Path]:
+    """A tiny random base model (+ tokenizer) and a LoRA adapter on every linear layer, B non-zero."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_config(family))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:  # near 1 (Gemma stores w - 1: near 0) keeps activations sane
+                p.normal_(0.0 if family == "gemma2" else 1.0, 0.05)
+            else:
+                p.normal_(0, 0.2)
+    base = root / "base"
+    model.save_pretrained(base)
+    tok = {"bpe": _byte_level_tokenizer, "spm": _sentencepiece_tokenizer,
+           "gemma": lambda: _sentencepiece_tokenizer("GemmaTokenizer")}[tokenizer]()
+    tok.chat_template = CHATML
+    tok.save_pretrained(base)
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    peft_model.save_pretrained(root / "adapter")
+    return base, root / "adapter"
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def case(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(request.param)
+    base, adapter = make_case(root, *CASES[request.param])
+    assert main(["merge", "--model", str(base), "--adapter", str(adapter), "--out", str(root / "merged")]) == 0
+    return root, base, adapter
+
+
+def _logits(model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def _rounded(model, quant: str):
+    """The merged model with its matrices rounded as the GGUF stores them (norms and biases stay fp32);
+    Q8_0 through the gguf package's own quantize/dequantize."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() != 2:
+                continue
+            if quant == "q8_0":
+                q8 = gguf.GGMLQuantizationType.Q8_0
+                p.copy_(torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(p.numpy(), q8), q8)))
+            else:
+                p.copy_(p.to({"f16": torch.float16, "bf16": torch.bfloat16}[quant]).float())
+    return model
+
+
+@pytest.mark.parametrize("quant", ["f16", "bf16", "q8_0"])
+def test_gguf_loads_in_transformers_with_the_merged_logits(case, quant):
+    from transformers import AutoModelForCausalLM
+
+    root, base, adapter = case
+    out = root / f"model-{quant}.gguf"
+    assert main(["export", "--model", str(base), "--adapter", str(adapter), "--format", "gguf", "--out", str(out),
+                 "--quant", quant, "--force"]) == 0
+    merged = AutoModelForCausalLM.from_pretrained(root / "merged", dtype=torch.float32).eval()
+    loaded = AutoModelForCausalLM.from_pretrained(root, gguf_file=out.name, dtype=torch.float32).eval()
+    ids = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(0))
+    got = _logits(loaded, ids)
+    if quant == "q8_0":  # against fp32: the documented tolerance
+        diff = (got - _logits(merged, ids)).abs().max() / _logits(merged, ids).std()
+        assert diff < Q8_TOLERANCE, diff.item()
+    torch.testing.assert_close(got, _logits(_rounded(merged, quant), ids), rtol=1e-4, atol=1e-4)
+    base_logits = _logits(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval(), ids)
+    assert (got - base_logits).abs().max() > 1.0  # the adapter is in the file
+
+
+def test_gguf_tokenizer_gives_the_same_ids(case):
+    from transformers import AutoTokenizer
+
+    root, base, adapter = case
+    out = root / "tok.gguf"
+    assert main(["export", "--model", str(base), "--out", str(out), "--force"]) == 0
+    want = AutoTokenizer.from_pretrained(base)
+    got = AutoTokenizer.from_pretrained(root, gguf_file=out.name)
+    chats = [[{"role": "user", "content": t}, {"role": "assistant", "content": t[::-1]}] for t in _texts(20)]
+    texts = _texts() + [want.apply_chat_template(c, tokenize=False) for c in chats]
+    for text in texts:
+        assert got(text)["input_ids"] == want(text)["input_ids"], text
+    assert got.eos_token == want.eos_token
+    assert got.chat_template == want.chat_template
+    for chat in chats[:5]:
+        assert got.apply_chat_template(chat, tokenize=True) == want.apply_chat_template(chat, tokenize=True)
+
+
+def test_modelfile_template_and_stop_tokens(case):
+    root, base, adapter = case
+    out = root / "mf.gguf"
+    assert main(["export", "--model", str(base), "--adapter", str(adapter), "--out", str(out), "--force"]) == 0
+    text = (root / "Modelfile").read_text()
+    assert text.startswith("FROM ./mf.gguf\n")
+    assert 'TEMPLATE """{{- range .Messages }}{{- if eq .Role "system" }}<|im_start|>system\n{{ .Content }}' in text
+    assert 'PARAMETER stop "<|im_end|>"' in text
+
+
+def test_existing_out_is_refused_without_force(tmp_path, capsys):
+    base, adapter = make_case(tmp_path, "llama", "bpe")
+    out = tmp_path / "m.gguf"
+    out.write_bytes(b"keep me")
+    assert main(["export", "--model", str(base), "--adapter", str(adapter), "--out", str(out)]) == 2
+    assert "already exists" in capsys.readouterr().err and out.read_bytes() == b"keep me"
+    assert not (tmp_path / "Modelfile").exists()
+    assert main(["export", "--model", str(base), "--adapter", str(adapter), "--out", str(out), "--force"]) == 0
+    assert out.read_bytes()[:4] == b"GGUF"
+    assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
+
+
+def test_bad_inputs_exit_2_and_write_nothing(tmp_path, capsys):
+    from transformers import AutoModelForCausalLM, GPT2Config
+
+    from tiny import make_model
+
+    base, adapter = make_case(tmp_path / "a", "llama", "bpe")
+    out = tmp_path / "out.gguf"
+
+    def run(*args: str) -> str:
+        assert main(["export", "--out", str(out), *args]) == 2
+        assert not out.exists() and not list(tmp_path.glob(".out.gguf*"))
+        return capsys.readouterr().err
+
+    assert "--quant 'q4_k'" in run("--model", str(base), "--adapter", str(adapter), "--quant", "q4_k")
+    other = make_model(tmp_path / "small", "llama", hidden=32)  # the same tensor names, other shapes
+    assert "does not fit" in run("--model", str(other), "--adapter", str(adapter))
+    truncated = tmp_path / "truncated"
+    truncated.mkdir()
+    (truncated / "adapter_config.json").write_text((adapter / "adapter_config.json").read_text())
+    data = (adapter / "adapter_model.safetensors").read_bytes()
+    (truncated / "adapter_model.safetensors").write_bytes(data[: len(data) // 2])
+    assert "adapter_model.safetensors" in run("--model", str(base), "--adapter", str(truncated))
+    gpt2 = tmp_path / "gpt2"
+    AutoModelForCausalLM.from_config(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=VOCAB)).save_pretrained(gpt2)
+    assert "model_type 'gpt2'" in run("--model", str(gpt2))
+
+
+def test_gemma_v1_gets_llama_cpp_names_and_norms_plus_one(tmp_path):
+    """transformers cannot read a Gemma (v1) GGUF, so the gguf package's reader checks the file."""
+    from transformers import AutoModelForCausalLM, GemmaConfig
+
+    cfg = GemmaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=1, head_dim=16)
+    model = AutoModelForCausalLM.from_config(cfg)
+    model.save_pretrained(tmp_path / "gemma")
+    tok = _sentencepiece_tokenizer("GemmaTokenizer")
+    tok.chat_template = CHATML
+    tok.save_pretrained(tmp_path / "gemma")
+    out = tmp_path / "g.gguf"
+    assert main(["export", "--model", str(tmp_path / "gemma"), "--out", str(out)]) == 0
+    reader = gguf.GGUFReader(str(out))
+    arch = reader.fields["general.architecture"]
+    assert bytes(arch.parts[arch.data[0]]).decode() == "gemma"
+    tensors = {t.name: t for t in reader.tensors}
+    assert "output.weight" not in tensors and "blk.0.attn_q.weight" in tensors
+    norm = torch.from_numpy(tensors["blk.0.attn_norm.weight"].data.copy())
+    torch.testing.assert_close(norm, model.model.layers[0].input_layernorm.weight.detach() + 1)
+
+
+def _modelfile_for(tmp_path: Path, template: str, specials: list[str]) -> str:
+    base, _ = make_case(tmp_path, "llama", "bpe")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(base)
+    tok.add_special_tokens({"additional_special_tokens": specials})
+    tok.chat_template = template
+    tok.save_pretrained(base)
+    assert main(["export", "--model", str(base), "--out", str(tmp_path / "m.gguf")]) == 0
+    return (tmp_path / "Modelfile").read_text()
+
+
+def test_llama3_style_template_becomes_a_go_template(tmp_path):
+    llama3 = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+              "{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
+              "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+    text = _modelfile_for(tmp_path, llama3, ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"])
+    assert '{{- else if eq .Role "user" }}<|start_header_id|>user<|end_header_id|>\n\n{{ .Content }}<|eot_id|>' in text
+    assert text.rstrip().endswith('PARAMETER stop "<|eot_id|>"')
+
+
+def test_untranslatable_template_is_said_not_guessed(tmp_path):
+    odd = ("{% for m in messages %}{% if loop.first %}FIRST {% endif %}[{{ m['role'] }}] {{ m['content'] }}\n"
+           "{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}")
+    text = _modelfile_for(tmp_path, odd, [])
+    assert "TEMPLATE" not in text.replace("# No TEMPLATE", "") and "# No TEMPLATE: the chat template does more" in text

@@ -1,0 +1,119 @@
+"""`shardtune eval --tasks`: lm-evaluation-harness on base and base + adapter, over a local custom task."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("lm_eval")
+
+from shardtune.cli import main  # noqa: E402
+
+from tiny import write_jsonl  # noqa: E402
+
+WORDS = ["cat", "dog", "sun", "moon", "tree", "sea", "rock", "bird"]
+TASK = """task: tiny_choice
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "Q: {{{{question}}}}\\nA:"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: label
+metric_list:
+  - metric: acc
+"""
+
+
+def _records(n: int = 16) -> list[dict]:
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for i in range(n):
+        picks = [WORDS[int(j)] for j in torch.randperm(len(WORDS), generator=g)[:3]]
+        out.append({"question": f"which {i}?", "choices": picks, "label": int(torch.randint(0, 3, (1,), generator=g))})
+    return out
+
+
+def _expected_accuracy(model_dir: Path, adapter: Path | None, records: list[dict]) -> float:
+    """The harness's rule, computed here: the choice of highest summed log-likelihood after "Q: …\\nA:" + " "."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if adapter is not None:
+        model = PeftModel.from_pretrained(model, str(adapter)).eval()
+    right = 0
+    for r in records:
+        context = f"Q: {r['question']}\nA:"
+        ctx = tok(context, add_special_tokens=False)["input_ids"]
+        scores = []
+        for choice in r["choices"]:
+            ids = tok(context + " " + choice, add_special_tokens=False)["input_ids"]
+            with torch.no_grad():
+                logp = model(torch.tensor([ids])).logits[0, :-1].log_softmax(-1)
+            scores.append(sum(logp[i - 1, ids[i]].item() for i in range(len(ctx), len(ids))))
+        right += int(max(range(len(scores)), key=scores.__getitem__) == r["label"])
+    return right / len(records)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, tiny_llama):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("harness")
+    records = _records()
+    data = write_jsonl(root / "tiny_choice.jsonl", records)
+    tasks = root / "tasks"
+    tasks.mkdir()
+    (tasks / "tiny_choice.yaml").write_text(TASK.format(data=data))
+    torch.manual_seed(0)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_llama),
+                           LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    model.save_pretrained(root / "run" / "adapter")
+    (root / "run" / "config.yaml").write_text("quantize: none\n")
+    return root, tiny_llama, root / "run" / "adapter", tasks, records
+
+
+def test_custom_task_accuracy_base_and_adapter_side_by_side(setup, capsys):
+    root, model, adapter, tasks, records = setup
+    code = main(["eval", "--model", str(model), "--adapter", str(adapter), "--tasks", "tiny_choice",
+                 "--include-path", str(tasks), "--dtype", "fp32", "--batch-size", "4"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    report = json.loads((root / "run" / "lm_eval.json").read_text())  # the adapter's run folder
+    base_acc = report["results"]["base"]["tiny_choice"]["acc,none"]
+    tuned_acc = report["results"]["adapter"]["tiny_choice"]["acc,none"]
+    assert base_acc == pytest.approx(_expected_accuracy(model, None, records))
+    assert tuned_acc == pytest.approx(_expected_accuracy(model, adapter, records))
+    assert "tiny_choice" in out and "delta" in out
+
+
+def test_limit_and_num_fewshot_reach_the_harness(setup, tmp_path, capsys):
+    root, model, adapter, tasks, records = setup
+    out = tmp_path / "r.json"
+    assert main(["eval", "--model", str(model), "--tasks", "tiny_choice", "--include-path", str(tasks),
+                 "--limit", "4", "--num-fewshot", "1", "--dtype", "fp32", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["limit"] == 4 and report["num_fewshot"] == 1 and "adapter" not in report["results"]
+
+
+def test_unknown_task_and_uncached_data_are_clear_errors(setup, tmp_path, capsys, monkeypatch):
+    root, model, adapter, tasks, records = setup
+    assert main(["eval", "--model", str(model), "--tasks", "no_such_task", "--include-path", str(tasks)]) == 2
+    assert "no_such_task is not a task lm-eval knows" in capsys.readouterr().err
+    missing = tmp_path / "tasks"
+    missing.mkdir()
+    (missing / "gone.yaml").write_text(TASK.replace("tiny_choice", "gone").format(data=tmp_path / "absent.jsonl"))
+    assert main(["eval", "--model", str(model), "--tasks", "gone", "--include-path", str(missing)]) == 2
+    assert "task data could not be loaded" in capsys.readouterr().err
