@@ -35,7 +35,7 @@ def oracle_root(tmp_path_factory) -> Path:
     return root
 
 
-def shardtune_first_step(rank: int, world_size: int, options: dict, init_dir: str) -> dict:
+def shardtune_first_step(rank: int, world_size: int, options: dict, init_dir: str, randomize: bool = True) -> dict:
     from shardtune.config import build_config
     from shardtune.runtime import distributed
     from shardtune.runtime.memory import MemoryMonitor
@@ -50,7 +50,7 @@ def shardtune_first_step(rank: int, world_size: int, options: dict, init_dir: st
     g = torch.Generator().manual_seed(7)
     with torch.no_grad():
         for name, p in params.items():
-            if "lora_B" in name:
+            if "lora_B" in name and randomize:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.3)
     save_adapter(job.model, job.strategy, job.built.adapter_keys, Path(init_dir), cfg.model.path)
     result = train_step(job, 0)
@@ -59,7 +59,8 @@ def shardtune_first_step(rank: int, world_size: int, options: dict, init_dir: st
     return {"loss": result.loss, "metrics": result.metrics, "grads": grads}
 
 
-def _trl_first_step(kind: str, model_dir: Path, init_dir: Path, data: Path, out: Path, **knobs) -> dict:
+def _trl_first_step(kind: str, model_dir: Path, init_dir: Path, data: Path, out: Path, base_reference: bool = True,
+                    **knobs) -> dict:
     from datasets import load_dataset
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -76,7 +77,7 @@ def _trl_first_step(kind: str, model_dir: Path, init_dir: Path, data: Path, out:
 
         # The reference is the bare base, as shardtune's for a new adapter (given a trained adapter, TRL would
         # copy it as the reference: shardtune's --init-adapter, tested elsewhere).
-        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32) if base_reference else None
         trainer = DPOTrainer(model=model, ref_model=base, args=DPOConfig(**common, **knobs), train_dataset=dataset,
                              processing_class=tokenizer)
     elif kind == "orpo":
@@ -131,3 +132,26 @@ def test_first_step_loss_gradients_and_metrics_equal_trl(oracle_root, case):
         assert g.abs().sum() > 0, name  # every LoRA matrix has a gradient: B is not zero
         torch.testing.assert_close(mine["grads"][name], g, rtol=1e-5, atol=1e-7, msg=name)
     json.dumps(mine["metrics"])  # plain floats: what metrics.jsonl and the trackers take
+
+
+def test_init_adapter_reference_is_the_initial_model_as_trl(oracle_root):
+    """--init-adapter: training continues an adapter, and DPO's reference is base + that adapter, as TRL makes
+    it (a frozen "ref" copy of a given adapter): the first loss is ln 2, the gradients TRL's."""
+    options = {"model": str(oracle_root / "model"), "data": str(oracle_root / "pairs.jsonl"), "dtype": "fp32",
+               "strategy": "single", "batch-size": 4, "steps": 1, "objective": "dpo", "lora-r": 4,
+               "lora-targets": "q_proj,v_proj", "dpo-beta": 0.3}
+    trained = oracle_root / "trained-adapter"
+    run_ranks(shardtune_first_step, 1, {**options, "out": str(oracle_root / "sft")}, str(trained), timeout=600)
+    again = oracle_root / "init-again"
+    mine = run_ranks(shardtune_first_step, 1, {**options, "out": str(oracle_root / "init"),
+                                               "init-adapter": str(trained)}, str(again), False, timeout=600)[0]
+    from safetensors.torch import load_file
+
+    start, given = load_file(again / "adapter_model.safetensors"), load_file(trained / "adapter_model.safetensors")
+    assert set(start) == set(given) and all(torch.equal(start[k], given[k]) for k in given)  # it started there
+    ref = _trl_first_step("dpo", oracle_root / "model", trained, oracle_root / "pairs.jsonl", oracle_root / "init-trl",
+                          base_reference=False, beta=0.3, loss_type=["sigmoid"])
+    assert mine["loss"] == pytest.approx(0.6931471805599453, rel=1e-6) and ref["loss"] == pytest.approx(mine["loss"])
+    for name, g in ref["grads"].items():
+        assert g.abs().sum() > 0, name
+        torch.testing.assert_close(mine["grads"][name], g, rtol=1e-5, atol=1e-7, msg=name)

@@ -206,10 +206,12 @@ def evaluate(job: Job) -> dict[str, float]:
                                          worker.device, worker.rank, worker.world_size, job.val_reference)
         if worker.world_size > 1:
             torch.distributed.all_reduce(sums)
+        job.strategy.after_inference(job.model)
         job.model.train()
         return {f"val_{k}": v for k, v in preference.pair_summary(sums).items()}
     loss_sum, count = validation.loss_sums(job.model, job.val.examples, job.pad_id, worker.device, micro,
                                            worker.rank, worker.world_size, lockstep=True)
+    job.strategy.after_inference(job.model)
     job.model.train()
     return {"val_loss": distributed.all_reduce_sum(loss_sum, worker.device)
             / distributed.all_reduce_sum(count, worker.device)}
@@ -272,6 +274,7 @@ def reference_tables(job: Job, tokenizer, cache: Path) -> tuple[torch.Tensor, to
                                      adapters_on=cfg.lora.init_adapter is not None)
 
         tables.append(precomputed_reference(cache, key, compute, worker.is_main, worker.world_size, str(path)))
+    job.strategy.after_inference(job.model)
     return tables[0], tables[1]
 
 
