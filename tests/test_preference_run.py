@@ -121,3 +121,22 @@ def test_init_adapter_for_another_base_or_truncated_is_named(run_dir, tmp_path, 
     assert main([*base, "--model", str(run_dir / "model"), "--init-adapter", str(cut)]) == 2
     err = capsys.readouterr().err
     assert "adapter_model.safetensors" in err and "truncated" in err
+
+
+def test_eval_on_pairs_reports_preference_accuracy_for_base_and_adapter(run_dir, capsys):
+    """After DPO the adapter prefers the chosen responses of its training pairs more than the base does."""
+    from shardtune.cli import main
+
+    trained = run_dir / "live" / "adapter"
+    if not trained.exists():
+        pytest.skip("needs the adapter of test_precomputed_reference_trains_like_the_live_one_and_is_reused")
+    args = ["eval", "--model", str(run_dir / "model"), "--data", str(run_dir / "pairs.jsonl"), "--dtype", "fp32"]
+    assert main([*args, "--adapter", str(trained), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["pairs"] == 12
+    tuned, base = result["adapter_figures"], result["base"]
+    assert tuned["mean_margin"] > base["mean_margin"] and tuned["reward_margin"] > 0
+    assert tuned["reward_margin"] == pytest.approx(tuned["mean_margin"] - base["mean_margin"], rel=1e-4)
+    assert main(args) == 0  # the base alone: one column
+    out = capsys.readouterr().out
+    assert "accuracy: log p(chosen) > log p(rejected)" in out and "+ adapter" not in out
