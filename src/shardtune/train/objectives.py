@@ -54,6 +54,14 @@ class Objective:
         return self.name in ("orpo", "simpo") or self.loss_type == "ipo"
 
 
+def rows_per_forward(cfg: Config, micro_batch: int) -> int:
+    """Sequences of up to --seq-len one forward computes for a micro-batch of ``micro_batch``: records, or
+    under a preference objective two per pair (chosen and rejected; packed, a row of 2 × --seq-len holds
+    the same tokens). The reference forward runs under no_grad: it keeps no activations, so the policy's
+    forward is the one whose memory the planner counts, with or without --precompute-reference."""
+    return micro_batch * (2 if cfg.train.objective != "sft" else 1)
+
+
 def objective_of(cfg: Config) -> Objective:
     p, name = cfg.preference, cfg.train.objective
     if name == "dpo":
