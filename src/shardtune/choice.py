@@ -100,6 +100,7 @@ def candidates(cfg: Config, budget: int, tokens_per_record: float | None = None)
     from shardtune.model.footprint import model_facts
     from shardtune.model.meta import compute_dtype
     from shardtune.plan import plan_device, predict
+    from shardtune.train.objectives import rows_per_forward
 
     ranks = cfg.parallel.nproc * cfg.parallel.nnodes
     if cfg.parallel.strategy != "auto":
@@ -113,7 +114,8 @@ def candidates(cfg: Config, budget: int, tokens_per_record: float | None = None)
     auto = cfg.parallel.strategy == "auto" or cfg.train.micro_batch_size == "auto"
     acs = [True] if cfg.parallel.activation_checkpointing else ([False, True] if auto else [False])
     device, traced = plan_device(cfg.parallel.device)
-    facts = model_facts(cfg, {m for ms in micros.values() for m in ms}, {compute_dtype(cfg)}, traced)
+    facts = model_facts(cfg, {rows_per_forward(cfg, m) for ms in micros.values() for m in ms},
+                        {compute_dtype(cfg)}, traced)
     out = []
     for strategy in strategies:
         world = 1 if strategy == "single" else ranks
@@ -123,8 +125,9 @@ def candidates(cfg: Config, budget: int, tokens_per_record: float | None = None)
             forwards = -(-rows[strategy] // micro)
             for ac in acs:
                 for unit in units:
-                    p = predict(facts, strategy, world, micro, cfg.data.seq_len, ac, cfg.parallel.cpu_offload, device,
-                                cfg.parallel.replicate_groups, unit if unit != "-" else "part")
+                    p = predict(facts, strategy, world, rows_per_forward(cfg, micro), cfg.data.seq_len, ac,
+                                cfg.parallel.cpu_offload, device, cfg.parallel.replicate_groups,
+                                unit if unit != "-" else "part")
                     gathers = _gathers_per_forward(strategy, unit, facts)
                     c = Candidate(strategy, micro, ac, unit, p.peak_mb, 2 * gathers * forwards, forwards)
                     out.append((c, p.peak_mb * MB <= budget))

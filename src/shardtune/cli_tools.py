@@ -59,6 +59,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
         from shardtune.errors import InputError
 
         raise InputError("shardtune eval needs --data FILE (your own data) or --tasks NAME[,NAME] (lm-eval tasks)")
+    from shardtune.tools.preference_eval import evaluate_preferences, is_preference_data, table
+
+    if is_preference_data(args.data, args.data_fields):  # pairs: preference accuracy, base against adapter
+        result = evaluate_preferences(args.model, args.data, args.adapter, args.seq_len, args.batch_size,
+                                      args.dtype, args.quantize, args.data_fields, args.trust_remote_code)
+        print(json.dumps(result, indent=2) if args.json else table(result))
+        return 0
     result = evaluate(args.model, args.data, args.adapter, args.nproc, args.seq_len, args.batch_size,
                       args.max_new_tokens, args.dtype, answers=args.answers, quantize=args.quantize,
                       data_fields=args.data_fields, trust_remote_code=args.trust_remote_code)

@@ -25,6 +25,10 @@ class ConfigError(ShardtuneError, ValueError):
     """A configuration problem the user must fix; the message says which option and why."""
 
 
+#: --objective values; every one but sft trains on preference pairs
+OBJECTIVES = ("sft", "dpo", "orpo", "simpo")
+
+
 def opt(default: Any, flag: str, help: str, choices: tuple[str, ...] | None = None, auto: bool = False) -> Any:
     """A config field; ``auto``: the value may also be the word "auto" (chosen before the run starts)."""
     return field(default=default, metadata={"flag": flag, "help": help, "choices": choices, "auto": auto})
@@ -71,6 +75,11 @@ class LoraConfig:
         "default", "lora-init", "LoRA A initialisation: default (Kaiming uniform, as peft) or gaussian; "
         "B starts at zero either way."
     )
+    init_adapter: str | None = opt(
+        None, "init-adapter", "Continue training this peft adapter directory (e.g. the SFT stage's adapter/) "
+        "instead of a fresh LoRA; its r, alpha and targets must match the LoRA options. Under a preference "
+        "objective the reference is then base + this adapter."
+    )
 
 
 @dataclass
@@ -87,7 +96,7 @@ class DataConfig:
     )
     fields: str = opt(
         "", "data-fields", "Column mapping onto the record fields, e.g. prompt=question,response=answer "
-        "(fields: prompt, input, response, messages, text, conversations)."
+        "(fields: prompt, input, response, messages, text, conversations, chosen, rejected)."
     )
 
 
@@ -109,6 +118,30 @@ class TrainConfig:
     max_grad_norm: float = opt(1.0, "max-grad-norm", "Clip the global gradient norm to this (0 disables).")
     seed: int = opt(0, "seed", "Seed for LoRA init, shuffling and dropout.")
     eval_every: int = opt(0, "eval-every", "Validation every N steps (0: only at the end; needs --val-data).")
+    objective: str = opt(
+        "sft", "objective", "What to learn: sft (next-token loss on responses), or from preference pairs "
+        "(prompt, chosen, rejected): dpo, orpo or simpo.", OBJECTIVES,
+    )
+
+
+@dataclass
+class PreferenceConfig:
+    """The preference objectives' knobs; defaults as TRL's (DPOConfig, ORPOConfig, CPOConfig)."""
+
+    dpo_beta: float = opt(0.1, "dpo-beta", "DPO: β, how far the policy may move from the reference (IPO: τ).")
+    dpo_label_smoothing: float = opt(
+        0.0, "dpo-label-smoothing", "DPO (sigmoid): the share of pairs assumed mislabelled (conservative DPO).")
+    dpo_loss: str = opt(
+        "sigmoid", "dpo-loss", "DPO's loss: sigmoid (the DPO paper) or ipo (squared, per-token log-ratios).",
+        ("sigmoid", "ipo"),
+    )
+    orpo_lambda: float = opt(0.1, "orpo-lambda", "ORPO: λ, the weight of the odds-ratio term next to the NLL.")
+    simpo_beta: float = opt(0.1, "simpo-beta", "SimPO: β, the scale of the length-normalised reward.")
+    simpo_gamma: float = opt(0.5, "simpo-gamma", "SimPO: γ, the target reward margin.")
+    precompute_reference: bool = opt(
+        False, "precompute-reference", "DPO: compute every pair's reference log-probs once before training "
+        "(stored beside the token cache); steps then skip the reference forward."
+    )
 
 
 @dataclass
@@ -170,6 +203,7 @@ class Config:
     lora: LoraConfig = field(default_factory=LoraConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    preference: PreferenceConfig = field(default_factory=PreferenceConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
 
@@ -337,6 +371,23 @@ def validate(cfg: Config, need_data: bool = True) -> None:
                           "cannot hold 4-bit tensors); use --strategy fsdp2, which gathers the 4-bit data")
     if cfg.parallel.cpu_offload and cfg.parallel.strategy in ("ddp", "single"):
         raise ConfigError(f"option 'cpu-offload' needs an FSDP strategy, not '{cfg.parallel.strategy}'")
+    validate_preference(cfg)
+
+
+def validate_preference(cfg: Config) -> None:
+    pref = cfg.preference
+    for flag, value in {"dpo-beta": pref.dpo_beta, "simpo-beta": pref.simpo_beta}.items():
+        if value <= 0:
+            raise ConfigError(f"option '{flag}' must be positive, got {value}")
+    if not 0 <= pref.dpo_label_smoothing < 0.5:
+        raise ConfigError(f"option 'dpo-label-smoothing' must be in [0, 0.5), got {pref.dpo_label_smoothing}")
+    if pref.dpo_label_smoothing and pref.dpo_loss != "sigmoid":
+        raise ConfigError(f"option 'dpo-label-smoothing' applies to --dpo-loss sigmoid, not {pref.dpo_loss}")
+    if pref.orpo_lambda < 0:
+        raise ConfigError(f"option 'orpo-lambda' must be at least 0, got {pref.orpo_lambda}")
+    if pref.precompute_reference and cfg.train.objective != "dpo":
+        raise ConfigError(f"option 'precompute-reference': only --objective dpo has a reference model "
+                          f"(got --objective {cfg.train.objective})")
 
 
 _UNITS = {"": 1, "b": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4,
@@ -354,7 +405,8 @@ def parse_size(text: str) -> int:
 
 #: --data-fields names → the record field they fill
 FIELDS = {"prompt": "instruction", "instruction": "instruction", "input": "input", "response": "output",
-          "output": "output", "messages": "messages", "text": "text", "conversations": "conversations"}
+          "output": "output", "messages": "messages", "text": "text", "conversations": "conversations",
+          "chosen": "chosen", "rejected": "rejected"}
 
 def parse_fields(spec: str | None) -> dict[str, str]:
     """{record field: column} from ``prompt=question,response=answer``."""

@@ -26,6 +26,7 @@ from shardtune.runtime.device import decide_dtype
 from shardtune.runtime.memory import MB
 from shardtune.train.data import BatchPlan, DataError
 from shardtune.train.loss import CHUNK_BYTES
+from shardtune.train.objectives import rows_per_forward
 
 STRATEGIES = ("fsdp2", "fsdp1", "ddp", "single")
 #: A worker's private memory before loading (CPU): torch, transformers, peft, gloo, tokenizer, data.
@@ -270,7 +271,7 @@ def plan(cfg: Config, memory_per_rank: int | None = None) -> dict[str, list[Pred
     if not micros:
         raise DataError(next(iter(batches.values())))  # type: ignore[arg-type]
     compute = compute_dtype(cfg)
-    facts = model_facts(cfg, micros, {compute}, traced)
+    facts = model_facts(cfg, {rows_per_forward(cfg, m) for m in micros}, {compute}, traced)
     out: dict[str, list[Prediction]] = {}
     for strategy in STRATEGIES:
         batch = batches[strategy]
@@ -293,8 +294,8 @@ def plan(cfg: Config, memory_per_rank: int | None = None) -> dict[str, list[Pred
                 p = Prediction(strategy, world, ac, off, {}, "", note="CPU offload needs an FSDP strategy")
             else:
                 unit = "part" if cfg.parallel.fsdp_unit == "auto" else cfg.parallel.fsdp_unit
-                p = predict(facts, strategy, world, batch.micro_batch_size, cfg.data.seq_len, ac, off, device,
-                            cfg.parallel.replicate_groups, unit)
+                p = predict(facts, strategy, world, rows_per_forward(cfg, batch.micro_batch_size),
+                            cfg.data.seq_len, ac, off, device, cfg.parallel.replicate_groups, unit)
                 p.fits = None if budget is None else p.peak_mb * MB <= budget
             preds.append(p)
         out[strategy] = preds

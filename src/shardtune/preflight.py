@@ -20,9 +20,10 @@ from shardtune.runtime.device import check_local_ranks, decide_dtype, device_typ
 from shardtune.runtime.files import OutputError, check_writable
 from shardtune.runtime.versions import check_apis
 from shardtune.train.checkpoint import resume_point
-from shardtune.train.data import BatchPlan, load_dataset, mean_tokens, read_records, token_cache
+from shardtune.train.data import SFT, BatchPlan, load_dataset, mean_tokens, read_records, token_cache
 from shardtune.train.data_checks import warn_about_data
 from shardtune.train.packing import check_packing, packed_plan
+from shardtune.train.pairs import PAIRS, pair_warnings
 from shardtune.train.trackers import check_installed
 
 log = logging.getLogger("shardtune")
@@ -51,11 +52,15 @@ def preflight(cfg: Config) -> Config:
     vocab = vocab_size(model_dir)
     # Tokenized once, here: the workers map the cache instead of each tokenizing every record again.
     cache = token_cache(cfg)
-    train = load_dataset(cfg.data.train, tokenizer, cfg.data.seq_len, vocab, cfg.data.fields, cache)
-    warn_about_data(cfg.data.train, read_records(cfg.data.train, cfg.data.fields), len(train.examples),
-                    cfg.train.batch_size)
+    fmt = PAIRS if cfg.train.objective != "sft" else SFT
+    train = load_dataset(cfg.data.train, tokenizer, cfg.data.seq_len, vocab, cfg.data.fields, cache, fmt)
+    records = read_records(cfg.data.train, cfg.data.fields, fmt.check)
+    warn_about_data(cfg.data.train, records, len(train.examples) // fmt.per_record, cfg.train.batch_size)
+    if fmt is PAIRS:
+        for message in pair_warnings(cfg.data.train, records, train.truncated, cfg.data.seq_len):
+            log.warning("%s", message)
     if cfg.data.val:
-        load_dataset(cfg.data.val, tokenizer, cfg.data.seq_len, vocab, cfg.data.fields, cache)
+        load_dataset(cfg.data.val, tokenizer, cfg.data.seq_len, vocab, cfg.data.fields, cache, fmt)
     if cfg.model.quantize == "nf4":
         quantize.check_available()
     model, _ = inject_lora(build_meta_model(model_dir, compute_dtype(cfg)), cfg.lora, cfg.train.seed)

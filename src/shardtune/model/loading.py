@@ -275,7 +275,8 @@ def load(
     tensors = targets(model) if targets else dict(model.named_parameters())
     unused = load_base_weights(model, model_dir, tensors)
     init_lora(tensors, snapshot)
-    init_dora_magnitudes(model, tensors)
+    # magnitudes given (--init-adapter) are kept; fresh ones are the loaded rows' norms
+    init_dora_magnitudes(model, {n: t for n, t in tensors.items() if n not in snapshot.lora})
     assert_nothing_on_meta(model)
     if unused:
         log.warning("checkpoint tensors not used by the model: %s", ", ".join(unused[:8]))

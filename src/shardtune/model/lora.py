@@ -78,6 +78,10 @@ def inject_lora(model: nn.Module, lora: LoraConfig, seed: int) -> tuple[nn.Modul
                if "lora_" in n and n not in values and not is_dora_magnitude(n)]
     if missing:
         raise RuntimeError(f"LoRA initial values were not captured for {missing[:3]} (peft changed?)")
+    if lora.init_adapter:
+        from shardtune.model.init_adapter import initial_values
+
+        values = initial_values(peft_model, values, lora.init_adapter)
     return peft_model, values
 
 

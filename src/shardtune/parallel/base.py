@@ -47,6 +47,10 @@ class Strategy:
         accumulate on this rank; the micro-batch run with it True reduces the sum once per step."""
         return contextlib.nullcontext()
 
+    def after_inference(self, model: nn.Module) -> None:
+        """After forwards under ``no_grad`` (validation, a precomputed reference), before training goes on:
+        what the strategy keeps gathered for a backward that will not come is let go."""
+
     def trainable(self, model: nn.Module) -> dict[str, nn.Parameter]:
         """Trainable parameters by their peft name (what the adapter and optimizer hold)."""
         return {n: p for n, p in self.unwrap(model).named_parameters() if p.requires_grad}

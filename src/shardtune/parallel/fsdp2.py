@@ -116,6 +116,14 @@ class FSDP2(Strategy):
             return contextlib.nullcontext()
         return self._reduced(model)
 
+    def after_inference(self, model: nn.Module) -> None:
+        # Units that keep their parameters gathered after forward (the last layer, the head) reshard in
+        # backward; after a no_grad forward none comes, and the gathered copy would outlive the next
+        # optimizer step: the following forward would compute with the old LoRA weights.
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
     @contextlib.contextmanager
     def _reduced(self, model: nn.Module) -> Iterator[None]:
         """The reducing micro-batch, whose reduce-scatters are all finished when it ends (gloo)."""

@@ -407,3 +407,32 @@ def cpu_has_fast_bf16() -> bool:
         return bool(check()) if check is not None else False
     except RuntimeError:  # a torch build without oneDNN
         return False
+
+
+# --- peft: the base model without its adapters ----------------------------------------------------
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """Run ``model`` as its base model: every peft adapter layer (LoRA, DoRA, modules_to_save) passes
+    its input to the base layer alone.
+
+    peft's own ``PeftModel.disable_adapter()`` is out of reach once a wrapper (FSDP1, DDP) holds the peft
+    model, and its ``enable_adapters(False)`` also flips ``requires_grad``, which FSDP1's flat parameters and
+    the optimizer must never see. The layers' private ``_disable_adapters`` flag is what their forward
+    reads; setting it on each layer works under every wrapper and leaves the parameters alone.
+    """
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils.other import AuxiliaryTrainingWrapper
+
+    layers = [m for m in model.modules() if isinstance(m, (BaseTunerLayer, AuxiliaryTrainingWrapper))]
+    for layer in layers:
+        _need(layer, f"peft {_peft_version()} {type(layer).__name__}", "_disable_adapters")
+    before = [layer._disable_adapters for layer in layers]
+    for layer in layers:
+        layer._disable_adapters = True
+    try:
+        yield
+    finally:
+        for layer, was in zip(layers, before):
+            layer._disable_adapters = was

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,11 +61,14 @@ class Dataset:
     without_targets: int  # records with no target token left after truncation
 
 
-def read_records(path: str | Path, fields: str = "") -> list[tuple[int, dict]]:
+def read_records(path: str | Path, fields: str = "", check: Callable[[object, str], None] | None = None
+                 ) -> list[tuple[int, dict]]:
     """(line number, record) pairs from a .jsonl file or a JSON array file, or (record index, record)
-    from a source the ``datasets`` library reads (datasets_io.py); ``fields``: the --data-fields mapping."""
+    from a source the ``datasets`` library reads (datasets_io.py); ``fields``: the --data-fields mapping;
+    ``check(record, where)``: the record form's check (default: the SFT forms)."""
+    check = check or check_record
     if is_datasets_source(path):
-        return _checked(read_rows(path), path, fields)
+        return _checked(read_rows(path), path, fields, check)
     path = Path(path)
     text = read_text(path, "data file", DataError)
     if not text.strip():
@@ -87,21 +90,26 @@ def read_records(path: str | Path, fields: str = "") -> list[tuple[int, dict]]:
                 raise DataError(f"{path}:{lineno}: not valid JSON: {err.msg} (column {err.colno})") from None
     if not records:
         raise DataError(f"{path}: no records")
-    return _checked(records, path, fields)
+    return _checked(records, path, fields, check)
 
 
-def _checked(records: list[tuple[int, object]], path: str | Path, fields: str) -> list[tuple[int, dict]]:
+def _checked(records: list[tuple[int, object]], path: str | Path, fields: str,
+             check: Callable[[object, str], None]) -> list[tuple[int, dict]]:
     mapping = parse_fields(fields)
     records = [(n, normalize(r, mapping, location(path, n))) for n, r in records]
     for lineno, record in records:
-        _check_record(record, path, lineno)
+        check(record, location(path, lineno))
     return records  # type: ignore[return-value]
 
 
-def _check_record(record: object, path: str | Path, lineno: int) -> None:
-    where = location(path, lineno)
+def check_record(record: object, where: str) -> None:
+    """An SFT record: instruction, chat or text; ``where`` names the file and line in messages."""
     if not isinstance(record, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    if "chosen" in record or "rejected" in record:
+        raise DataError(f"{where}: this is a preference pair (fields: {', '.join(sorted(record))}); --objective sft "
+                        f"expects 'instruction'+'output', 'messages' or 'text': train pairs with --objective dpo, "
+                        f"orpo or simpo")
     if "messages" in record:
         msgs = record["messages"]
         if not isinstance(msgs, list) or not msgs:
@@ -145,6 +153,13 @@ def render_prompt(tokenizer, messages: list[dict]) -> str:
     return text + "### Response:\n"
 
 
+def render_conversation(tokenizer, messages: list[dict]) -> str:
+    """The whole conversation as the model sees it in training (chat template, or the plain layout)."""
+    if tokenizer.chat_template:
+        return tokenizer.apply_chat_template(messages, tokenize=False)
+    return "".join(_plain_turn(x) for x in messages)
+
+
 def _plain_turn(m: dict) -> str:
     if m["role"] == "assistant":
         return f"### Response:\n{m['content']}\n\n"
@@ -161,10 +176,7 @@ def _segments(tokenizer, messages: list[dict]) -> list[tuple[str, bool]]:
         if m["role"] != "assistant":
             continue
         prompt = render_prompt(tokenizer, messages[:i])
-        if tokenizer.chat_template:
-            full = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
-        else:
-            full = "".join(_plain_turn(x) for x in messages[: i + 1])
+        full = render_conversation(tokenizer, messages[: i + 1])
         if not (prompt.startswith(done) and full.startswith(prompt)):
             raise DataError("the chat template does not render conversations prefix by prefix")
         pieces += [(prompt[len(done):], False), (full[len(prompt):], True)]
@@ -174,10 +186,15 @@ def _segments(tokenizer, messages: list[dict]) -> list[tuple[str, bool]]:
 
 def _render(tokenizer, messages: list[dict]) -> list[tuple[str, bool]]:
     """``_segments``, with a chat template's refusal (a jinja error, say) as a DataError about the record."""
+    return rendered(_segments, tokenizer, messages)
+
+
+def rendered(render: Callable, *args):
+    """``render(*args)``, with a chat template's refusal (a jinja error, say) as a DataError about the record."""
     from jinja2 import TemplateError
 
     try:
-        return _segments(tokenizer, messages)
+        return render(*args)
     except (ValueError, TypeError, KeyError, TemplateError) as err:
         if isinstance(err, DataError):
             raise
@@ -217,34 +234,55 @@ def token_cache(cfg) -> Path:
     return Path(root) / "tokenized"
 
 
+@dataclass(frozen=True)
+class RecordFormat:
+    """What one record of an objective is, and how it becomes examples (SFT: one; a preference pair: its
+    chosen then its rejected sequence, consecutive, so that a pair is never split)."""
+
+    name: str  # part of the token cache's key
+    check: Callable[[object, str], None]  # (record, where) → raise DataError naming the field
+    tokenize: Callable[..., tuple[list[Example], bool]]  # (tokenizer, record, seq_len) → examples, whether cut
+    per_record: int  # examples per record
+
+
+def _tokenize_sft(tokenizer, record: dict, seq_len: int) -> tuple[list[Example], bool]:
+    example, cut = tokenize(tokenizer, record, seq_len)
+    return [example], cut
+
+
+SFT = RecordFormat("sft", check_record, _tokenize_sft, 1)
+
+
 def load_dataset(path: str | Path, tokenizer, seq_len: int, vocab_size: int | None = None, fields: str = "",
-                 cache_dir: Path | None = None) -> Dataset:
+                 cache_dir: Path | None = None, fmt: RecordFormat = SFT) -> Dataset:
     """The tokenized records; with ``cache_dir`` tokenized once (preflight) and memory-mapped by every rank.
 
     With ``vocab_size``, every token id is checked against the model's embedding here, once, so that
     training never checks ids on the device (a host sync per lookup); a cache is only written after it.
     """
-    key = cache_key(path, tokenizer, seq_len, fields) if cache_dir is not None else None
+    key_fields = fields if fmt is SFT else f"{fields}|{fmt.name}"
+    key = cache_key(path, tokenizer, seq_len, key_fields) if cache_dir is not None else None
     if key and (cached := load_cached(cache_dir, key)) is not None:
         return cached
     counts = {"truncated": 0, "empty": 0}
 
     def tokenized() -> Iterator[Example]:
-        for lineno, record in read_records(path, fields):
+        for lineno, record in read_records(path, fields, fmt.check):
             try:
-                ex, cut = tokenize(tokenizer, record, seq_len)
+                examples, cut = fmt.tokenize(tokenizer, record, seq_len)
             except DataError as err:
                 raise DataError(f"{location(path, lineno)}: {err}") from None
-            if vocab_size is not None and ex.input_ids and \
-                    not 0 <= min(ex.input_ids) <= max(ex.input_ids) < vocab_size:
-                bad = next(i for i in ex.input_ids if not 0 <= i < vocab_size)
-                raise DataError(f"{location(path, lineno)}: token id {bad} is outside the model's {vocab_size} "
-                                f"embedding rows (does the tokenizer match the model?)")
+            for ex in examples:
+                if vocab_size is not None and ex.input_ids and \
+                        not 0 <= min(ex.input_ids) <= max(ex.input_ids) < vocab_size:
+                    bad = next(i for i in ex.input_ids if not 0 <= i < vocab_size)
+                    raise DataError(f"{location(path, lineno)}: token id {bad} is outside the model's {vocab_size} "
+                                    f"embedding rows (does the tokenizer match the model?)")
             counts["truncated"] += cut
-            if ex.targets == 0:
+            if any(ex.targets == 0 for ex in examples):
                 counts["empty"] += 1
                 continue
-            yield ex
+            yield from examples
 
     # With a cache the records go straight into flat int32 arrays (~8 bytes a token), never into a
     # list of Python int lists (~70 bytes a token): a million records stay a few hundred MB.

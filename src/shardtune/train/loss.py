@@ -25,26 +25,28 @@ def chunk_tokens(vocab: int) -> int:
     return max(1, CHUNK_BYTES // (4 * vocab))
 
 
-class _ChunkedCrossEntropySum(torch.autograd.Function):
+class _ChunkedTokenCrossEntropy(torch.autograd.Function):
+    """Per-token cross-entropy, (batch, time) in fp32, 0 where the target is IGNORE."""
+
     @staticmethod
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         flat, tgt = logits.reshape(-1, logits.size(-1)), targets.reshape(-1)
         step = chunk_tokens(flat.size(-1))
         lse = torch.empty(flat.size(0), dtype=torch.float32, device=flat.device)
-        total = torch.zeros((), dtype=torch.float32, device=flat.device)
+        losses = torch.empty(flat.size(0), dtype=torch.float32, device=flat.device)
         for start in range(0, flat.size(0), step):
             x = flat[start:start + step].float()
             t = tgt[start:start + step]
             lse[start:start + step] = torch.logsumexp(x, dim=-1)
             picked = x.gather(1, t.clamp(min=0).unsqueeze(1)).squeeze(1)
-            total += torch.where(t != IGNORE, lse[start:start + step] - picked, 0.0).sum()
+            losses[start:start + step] = torch.where(t != IGNORE, lse[start:start + step] - picked, 0.0)
         ctx.save_for_backward(logits, targets, lse)
-        return total
+        return losses.view(targets.shape)
 
     @staticmethod
-    def backward(ctx, grad_total: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+    def backward(ctx, grad_losses: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
         logits, targets, lse = ctx.saved_tensors
-        flat, tgt = logits.reshape(-1, logits.size(-1)), targets.reshape(-1)
+        flat, tgt, g = logits.reshape(-1, logits.size(-1)), targets.reshape(-1), grad_losses.reshape(-1)
         step = chunk_tokens(flat.size(-1))
         grad = torch.empty_like(flat)
         for start in range(0, flat.size(0), step):
@@ -52,13 +54,19 @@ class _ChunkedCrossEntropySum(torch.autograd.Function):
             t = tgt[start:end]
             p = flat[start:end].float().sub_(lse[start:end, None]).exp_()  # softmax
             p.scatter_add_(1, t.clamp(min=0).unsqueeze(1), torch.full_like(p[:, :1], -1.0))
-            weight = (t != IGNORE).to(p.dtype) * grad_total.float()
+            weight = (t != IGNORE).to(p.dtype) * g[start:end].float()
             grad[start:end] = p.mul_(weight.unsqueeze(1))  # cast to the logits' dtype here
         return grad.view_as(logits), None
 
 
-def next_token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum over target tokens of -log p(label[t+1] | ..t), in fp32; ``logits`` is (batch, time, vocab)."""
+def next_token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """-log p(label[t+1] | ..t) at each position t, in fp32, 0 where label[t+1] is no target; ``logits``
+    is (batch, time, vocab), the result (batch, time)."""
     targets = torch.full_like(labels, IGNORE)
     targets[:, :-1] = labels[:, 1:]  # shift the labels, not the logits: slicing logits would copy them
-    return _ChunkedCrossEntropySum.apply(logits, targets)
+    return _ChunkedTokenCrossEntropy.apply(logits, targets)
+
+
+def next_token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum over target tokens of -log p(label[t+1] | ..t), in fp32; ``logits`` is (batch, time, vocab)."""
+    return next_token_losses(logits, labels).sum()

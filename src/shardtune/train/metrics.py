@@ -23,8 +23,11 @@ class Progress:
     def update(self, record: dict[str, Any]) -> None:
         # tok/s counts real tokens (never padding); fill says how much of the computed batch they were
         fill = f" | fill {record['fill_ratio']:.0%}" if record.get("fill_ratio") is not None else ""
+        # preference objectives: how many of the batch's pairs the policy already ranks right
+        acc = f" | acc {record['rewards/accuracies']:.0%}" if "rewards/accuracies" in record else ""
         self.bar.set_postfix_str(
-            f"loss {record['loss']:.4f} | {record['tokens_per_second']:.0f} tok/s{fill} | {record['memory_mb']:.0f} MB",
+            f"loss {record['loss']:.4f}{acc} | {record['tokens_per_second']:.0f} tok/s{fill} | "
+            f"{record['memory_mb']:.0f} MB",
             refresh=False,
         )
         self.bar.update(1)

@@ -24,7 +24,7 @@ with an empty row: under FSDP every forward is a collective.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -93,15 +93,16 @@ def pack_rows(lengths: Sequence[int], capacity: int) -> list[list[int]]:
     return sorted(rows, key=lambda row: -sum(lengths[i] for i in row))
 
 
-def forwards_per_rank(shares: Sequence[Sequence[int]], examples: Sequence[Example], capacity: int,
+def forwards_per_rank(shares: Sequence[Sequence[int]], length: Callable[[int], int], capacity: int,
                       rows_per_forward: int) -> list[list[list[list[int]]]]:
-    """For each rank's share (record indices), its forwards, each a list of rows of record indices.
+    """For each rank's share (record indices), its forwards, each a list of rows of record indices;
+    ``length(i)``: record ``i``'s tokens.
 
     Every rank gets as many forwards as the rank that needs the most; the others end with empty ones.
     """
     out = []
     for share in shares:
-        rows = [[share[i] for i in row] for row in pack_rows([len(examples[i].input_ids) for i in share], capacity)]
+        rows = [[share[i] for i in row] for row in pack_rows([length(i) for i in share], capacity)]
         out.append([rows[i:i + rows_per_forward] for i in range(0, len(rows), rows_per_forward)])
     most = max(len(f) for f in out)
     return [f + [[]] * (most - len(f)) for f in out]
@@ -198,5 +199,5 @@ def packed_forwards(batch: Sequence[int], examples: Sequence[Example], plan: Bat
     """This rank's forwards of global batch ``batch`` (record indices), packed."""
     per_rank = plan.batch_size // plan.world_size
     shares = [batch[r * per_rank:(r + 1) * per_rank] for r in range(plan.world_size)]
-    mine = forwards_per_rank(shares, examples, seq_len, plan.micro_batch_size)[rank]
+    mine = forwards_per_rank(shares, lambda i: len(examples[i].input_ids), seq_len, plan.micro_batch_size)[rank]
     return [collate_packed([[examples[i] for i in row] for row in rows], pad_id, device, one_row) for rows in mine]

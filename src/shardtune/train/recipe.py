@@ -29,14 +29,18 @@ from shardtune.runtime.distributed import Worker
 from shardtune.runtime.logs import setup_logging
 from shardtune.runtime.memory import MemoryMonitor, tune_malloc
 from shardtune.runtime.workers import Stopped
-from shardtune.train import validation
+from shardtune.train import preference, validation
 from shardtune.train.adapter import save_adapter
 from shardtune.train.checkpoint import Checkpointer, TrainState
-from shardtune.train.data import BatchPlan, Dataset, Sampler, collate, load_dataset, pad_id, token_cache
+from shardtune.train.data import SFT, BatchPlan, Dataset, Sampler, collate, load_dataset, pad_id, token_cache
+from shardtune.train.datasets_io import cache_key
 from shardtune.train.guard import TrainingGuard
 from shardtune.train.loss import next_token_loss_sum
 from shardtune.train.metrics import MetricsLog, Progress, write_json_atomic
+from shardtune.train.objectives import METRICS, Objective, objective_of
 from shardtune.train.packing import VARLEN, attention_of, check_packing, packed_forwards, packed_plan
+from shardtune.train.pairs import PAIRS
+from shardtune.train.reference import compute_reference, precomputed_reference, reference_key
 from shardtune.train.scaling import ShardedGradScaler, make_scaler
 from shardtune.train.stop import GracefulStop, stop_message
 from shardtune.train.trackers import Trackers
@@ -57,6 +61,9 @@ class Job:
     steps: int
     pad_id: int
     scaler: ShardedGradScaler  # fp16's loss scaling; passes everything through otherwise
+    objective: Objective
+    reference: torch.Tensor | None = None  # (pairs, 2): precomputed reference log-probs of the training pairs
+    val_reference: torch.Tensor | None = None  # the same for the validation pairs
 
     @property
     def model(self) -> nn.Module:
@@ -68,6 +75,7 @@ class Job:
 
 
 def total_steps(cfg: Config, n_records: int) -> int:
+    """``n_records``: records, or pairs under a preference objective (what --batch-size counts)."""
     if cfg.train.steps:
         return cfg.train.steps
     return max(1, math.ceil((cfg.train.epochs or 1.0) * n_records / cfg.train.batch_size))
@@ -109,13 +117,22 @@ def forwards(job: Job, step: int) -> list[Forward]:
     return out
 
 
-def train_step(job: Job, step: int) -> tuple[float, int, float]:
-    """Forward/backward of this rank's share of global batch ``step``; returns (loss, real tokens of
-    the global batch, fill: the share of all ranks' computed positions that are real tokens).
+@dataclass
+class StepResult:
+    loss: float
+    tokens: int  # real tokens of the global batch
+    fill: float  # the share of all ranks' computed positions that are real tokens
+    metrics: dict[str, float]  # the objective's own (preference: TRL's rewards/… and logps/…)
+
+
+def train_step(job: Job, step: int) -> StepResult:
+    """Forward/backward of this rank's share of global batch ``step``.
 
     Nothing here waits for the device until the step's end: the loss sum stays a device tensor, and
     gradients are reduced over ranks once, in the last forward's backward.
     """
+    if job.objective.pairs:
+        return pair_step(job, step)
     batch = job.sampler.global_batch(step)
     global_targets = sum(job.train.examples[i].targets for i in batch)
     tokens = sum(len(job.train.examples[i].input_ids) for i in batch)
@@ -134,19 +151,70 @@ def train_step(job: Job, step: int) -> tuple[float, int, float]:
         local_sum += loss_sum.detach()
     positions = distributed.all_reduce_sum(sum(f.positions for f in passes), job.worker.device)
     loss = distributed.all_reduce_sum(local_sum.item(), job.worker.device) / global_targets
-    return loss, tokens, tokens / positions
+    return StepResult(loss, tokens, tokens / positions, {})
 
 
-def evaluate(job: Job) -> float:
-    """Mean loss over every target token of the validation data."""
+def pair_forwards(job: Job, pairs: list[int], per_forward: list[list[int]]) -> list[preference.PairForward]:
+    """This rank's forwards of the global batch ``pairs``: packed, or its micro-batches ``per_forward`` padded."""
+    examples, device = job.train.examples, job.worker.device
+    if job.cfg.data.packing:
+        attention = attention_of(job.model)
+        return preference.packed_forwards(pairs, examples, job.sampler.plan.micro_batch_size,
+                                          job.worker.world_size, job.cfg.data.seq_len, job.worker.rank, job.pad_id,
+                                          device, attention in VARLEN, attention, compute_dtype(job.cfg))
+    return [preference.padded_forward(examples, micro, job.pad_id, device) for micro in per_forward]
+
+
+def pair_step(job: Job, step: int) -> StepResult:
+    """``train_step`` for preference pairs: the global loss is the mean over the batch's pairs of each pair's
+    loss (ORPO: plus the chosen responses' mean token NLL), so each forward adds its pairs' share of it."""
+    examples, device, world = job.train.examples, job.worker.device, job.worker.world_size
+    batch = job.sampler.global_batch(step)
+    chosen_targets = sum(examples[2 * p].targets for p in batch)
+    tokens = sum(len(e.input_ids) for p in batch for e in preference.pair_examples(examples, p))
+    sums = torch.zeros(1 + len(METRICS), dtype=torch.float32, device=device)
+    passes = pair_forwards(job, batch, job.sampler.micro_batches(step, job.worker.rank))
+    for n, fwd in enumerate(passes):
+        counts = preference.target_counts(examples, fwd.pairs, device)
+        reference = None
+        if job.objective.reference:
+            reference = (job.reference[fwd.pairs].to(device) if job.reference is not None
+                         else preference.reference_logps(job.model, fwd))
+        with job.strategy.gradient_sync(job.model, enabled=n == len(passes) - 1):
+            logps = preference.forward_logps(job.model, fwd)
+            terms = preference.terms_of(job.objective, logps, counts, reference)
+            loss = terms.losses.sum() / len(batch) + terms.nll_sum / chosen_targets
+            job.scaler.scale(loss * world).backward()  # × world: gradient sync averages over ranks
+        sums += torch.cat([loss.detach().reshape(1), terms.metric_sums()])
+    positions = distributed.all_reduce_sum(sum(f.positions for f in passes), device)
+    if world > 1:
+        torch.distributed.all_reduce(sums)
+    values = sums.tolist()
+    metrics = {name: v / len(batch) for name, v in zip(METRICS, values[1:])}
+    return StepResult(values[0], tokens, tokens / positions, metrics)
+
+
+def evaluate(job: Job) -> dict[str, float]:
+    """The validation figures: ``val_loss`` (SFT: the mean loss over every target token; pairs: the
+    objective's loss), and for pairs TRL's metrics as ``val_rewards/…``, ``val_logps/…``."""
     assert job.val is not None
     job.model.eval()
     worker = job.worker
-    loss_sum, count = validation.loss_sums(job.model, job.val.examples, job.pad_id, worker.device,
-                                           job.sampler.plan.micro_batch_size, worker.rank, worker.world_size,
-                                           lockstep=True)
+    micro = job.sampler.plan.micro_batch_size
+    if job.objective.pairs:
+        sums = preference.evaluate_pairs(job.model, job.objective, job.val.examples, micro, job.pad_id,
+                                         worker.device, worker.rank, worker.world_size, job.val_reference)
+        if worker.world_size > 1:
+            torch.distributed.all_reduce(sums)
+        job.strategy.after_inference(job.model)
+        job.model.train()
+        return {f"val_{k}": v for k, v in preference.pair_summary(sums).items()}
+    loss_sum, count = validation.loss_sums(job.model, job.val.examples, job.pad_id, worker.device, micro,
+                                           worker.rank, worker.world_size, lockstep=True)
+    job.strategy.after_inference(job.model)
     job.model.train()
-    return distributed.all_reduce_sum(loss_sum, worker.device) / distributed.all_reduce_sum(count, worker.device)
+    return {"val_loss": distributed.all_reduce_sum(loss_sum, worker.device)
+            / distributed.all_reduce_sum(count, worker.device)}
 
 
 def prepare(cfg: Config, worker: Worker, memory: MemoryMonitor) -> Job:
@@ -154,18 +222,21 @@ def prepare(cfg: Config, worker: Worker, memory: MemoryMonitor) -> Job:
 
     model_dir = check_model_dir(cfg.model.path, cfg.model.trust_remote_code)
     tokenizer = AutoTokenizer.from_pretrained(model_dir.path, trust_remote_code=model_dir.trust_remote_code)
+    objective = objective_of(cfg)
+    fmt = PAIRS if objective.pairs else SFT
     # Before any collective: a bad token id stops every rank here, with the record named.
     vocab = vocab_size(model_dir)
     cache = token_cache(cfg)  # written by preflight: each rank maps it instead of tokenizing again
-    train_data = load_dataset(cfg.data.train, tokenizer, cfg.data.seq_len, vocab, cfg.data.fields, cache)
-    val_data = (load_dataset(cfg.data.val, tokenizer, cfg.data.seq_len, vocab, cfg.data.fields, cache)
+    train_data = load_dataset(cfg.data.train, tokenizer, cfg.data.seq_len, vocab, cfg.data.fields, cache, fmt)
+    val_data = (load_dataset(cfg.data.val, tokenizer, cfg.data.seq_len, vocab, cfg.data.fields, cache, fmt)
                 if cfg.data.val else None)
-    if train_data.truncated:
+    what = "pairs" if objective.pairs else "records"
+    if train_data.truncated and not objective.pairs:  # pairs: preflight warned, with which side is cut
         log.warning("%d of %d training records were cut to --seq-len %d", train_data.truncated,
                     len(train_data.examples) + train_data.without_targets, cfg.data.seq_len)
     if train_data.without_targets:
-        log.warning("%d training records have no target token within --seq-len and are skipped",
-                    train_data.without_targets)
+        log.warning("%d training %s have no target token within --seq-len and are skipped",
+                    train_data.without_targets, what)
     if cfg.data.packing:
         plan = packed_plan(cfg.train.batch_size, cfg.train.micro_batch_size, worker.world_size)
     else:
@@ -176,10 +247,35 @@ def prepare(cfg: Config, worker: Worker, memory: MemoryMonitor) -> Job:
     if cfg.data.packing:
         check_packing(built.strategy.unwrap(built.model))
     built.model.train()
+    n_items = len(train_data.examples) // fmt.per_record
+    job = Job(cfg, worker, built, train_data, val_data, Sampler(n_items, plan, cfg.train.seed),
+              total_steps(cfg, n_items), pad_id(tokenizer), make_scaler(cfg.model.dtype, worker.device), objective)
+    if objective.reference and (cfg.preference.precompute_reference or cfg.lora.init_adapter):
+        job.reference, job.val_reference = reference_tables(job, tokenizer, cache)
     torch.manual_seed(cfg.train.seed + worker.rank)  # LoRA dropout differs per rank, reproducibly
-    return Job(cfg, worker, built, train_data, val_data, Sampler(len(train_data.examples), plan, cfg.train.seed),
-                 total_steps(cfg, len(train_data.examples)), pad_id(tokenizer),
-                 make_scaler(cfg.model.dtype, worker.device))
+    return job
+
+
+def reference_tables(job: Job, tokenizer, cache: Path) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The precomputed reference log-probs of the training (and validation) pairs: the base model's, or
+    with --init-adapter the initial model's (computed before any step, with the adapter on)."""
+    cfg, worker = job.cfg, job.worker
+    tables = []
+    for path, data in ((cfg.data.train, job.train), (cfg.data.val, job.val)):
+        if data is None:
+            tables.append(None)
+            continue
+        data_key = cache_key(path, tokenizer, cfg.data.seq_len, f"{cfg.data.fields}|{PAIRS.name}")
+        key = reference_key(data_key, cfg.model.path, cfg.model.dtype, cfg.model.quantize, cfg.lora.init_adapter)
+
+        def compute(data=data):
+            return compute_reference(job.model, data.examples, job.sampler.plan.micro_batch_size, job.pad_id,
+                                     worker.device, worker.rank, worker.world_size,
+                                     adapters_on=cfg.lora.init_adapter is not None)
+
+        tables.append(precomputed_reference(cache, key, compute, worker.is_main, worker.world_size, str(path)))
+    job.strategy.after_inference(job.model)
+    return tables[0], tables[1]
 
 
 def train(job: Job, memory: MemoryMonitor, out: Path) -> dict:
@@ -214,7 +310,8 @@ def _loop(job: Job, memory: MemoryMonitor, optimizer, scheduler, checkpoints: Ch
     with memory.phase("train"), GracefulStop(job.worker.device) as stop:
         for step in range(state.step, job.steps):
             started = time.perf_counter()
-            loss, tokens, fill = train_step(job, step)
+            result = train_step(job, step)
+            loss, tokens, fill = result.loss, result.tokens, result.fill
             job.scaler.unscale_(optimizer)  # fp16: clip and step see the true gradients
             grad_norm = job.strategy.clip_grad_norm(job.model, cfg.train.max_grad_norm)
             guard.check(step + 1, loss, grad_norm)  # before the optimizer step: no NaN weight is ever kept
@@ -229,9 +326,10 @@ def _loop(job: Job, memory: MemoryMonitor, optimizer, scheduler, checkpoints: Ch
             fills.append(fill)
             record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
                       "tokens_per_second": tokens / seconds, "fill_ratio": fill, "seconds": seconds,
-                      "memory_mb": memory.now_mb()}
+                      "memory_mb": memory.now_mb(), **result.metrics}
             if job.val and ((cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0) or step + 1 == job.steps):
-                state.val_loss = record["val_loss"] = evaluate(job)
+                record.update(evaluate(job))
+                state.val_loss = record["val_loss"]
                 progress.write(f"step {step + 1}: val_loss {state.val_loss:.4f}")
             metrics.write(record)
             trackers.log(record)

@@ -1,0 +1,100 @@
+"""`shardtune eval` on preference pairs: does the model prefer the chosen response, for the base and with the adapter?
+
+For each model (the base, and base + adapter when one is given) and each pair, the summed log-probability
+of the chosen and of the rejected response (response tokens only, tokenized as in training):
+  accuracy      share of pairs with log p(chosen) > log p(rejected)
+  mean margin   mean of log p(chosen) − log p(rejected)
+With an adapter also DPO's implicit reward against the base as reference:
+  reward accuracy  share of pairs with (log π − log ref)(chosen) > (log π − log ref)(rejected)
+  reward margin    its mean difference (DPO's rewards/margins divided by β)
+One process: the adapter is switched off for the base's pass, so one copy of the model serves both.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shardtune.config import DataConfig
+
+
+def is_preference_data(data: str | Path, fields: str = "") -> bool:
+    """Whether the file's first record is a preference pair (has 'chosen' or 'rejected')."""
+    from shardtune.train.data import read_records
+
+    records = read_records(data, fields, check=lambda record, where: None)
+    first = records[0][1] if records else None
+    return isinstance(first, dict) and ("chosen" in first or "rejected" in first)
+
+
+@torch.no_grad()
+def pair_logps(model, examples, pad_id: int, batch_size: int, progress=None) -> torch.Tensor:
+    """(pairs, 2) summed log-probs of every pair's chosen and rejected response."""
+    from shardtune.train.preference import forward_logps, padded_forward
+
+    device = next(model.parameters()).device
+    n = len(examples) // 2
+    out = []
+    for start in range(0, n, batch_size):
+        fwd = padded_forward(examples, list(range(start, min(n, start + batch_size))), pad_id, device)
+        out.append(forward_logps(model, fwd).cpu())
+        if progress is not None:
+            progress(len(fwd.pairs))
+    return torch.cat(out) if out else torch.zeros(0, 2)
+
+
+def _figures(logps: torch.Tensor) -> dict[str, float]:
+    margin = logps[:, 0] - logps[:, 1]
+    return {"accuracy": (margin > 0).float().mean().item(), "mean_margin": margin.mean().item()}
+
+
+def evaluate_preferences(model_dir: str | Path, data: str | Path, adapter: str | Path | None = None,
+                         seq_len: int = DataConfig().seq_len, batch_size: int = 8, dtype: str = "auto",
+                         quantize: str = "none", data_fields: str = "", trust_remote_code: bool = False
+                         ) -> dict[str, Any]:
+    """The figures of the module docstring, for the base and (with ``adapter``) base + adapter."""
+    from tqdm.auto import tqdm
+
+    from shardtune.runtime.compat import adapters_disabled
+    from shardtune.tools.generate import check_adapter_dir, load_model
+    from shardtune.train.data import load_dataset, pad_id
+    from shardtune.train.pairs import PAIRS
+
+    check_adapter_dir(adapter)
+    model, tokenizer = load_model(str(model_dir), str(adapter) if adapter else None, dtype, quantize=quantize,
+                                  trust_remote_code=trust_remote_code)
+    model.eval()
+    dataset = load_dataset(data, tokenizer, seq_len, fields=data_fields, fmt=PAIRS)
+    n = len(dataset.examples) // 2
+    passes = 2 if adapter else 1
+    with tqdm(total=n * passes, desc="eval pairs", unit="pair", dynamic_ncols=True) as bar:
+        with adapters_disabled(model):
+            base = pair_logps(model, dataset.examples, pad_id(tokenizer), batch_size, bar.update)
+        tuned = pair_logps(model, dataset.examples, pad_id(tokenizer), batch_size, bar.update) if adapter else None
+    result: dict[str, Any] = {"pairs": n, "truncated_pairs": dataset.truncated, "model": str(model_dir),
+                              "adapter": str(adapter) if adapter else None, "data": str(data),
+                              "base": _figures(base)}
+    if tuned is not None:
+        ratios = tuned - base
+        reward_margin = ratios[:, 0] - ratios[:, 1]
+        result["adapter_figures"] = {**_figures(tuned), "reward_accuracy": (reward_margin > 0).float().mean().item(),
+                                     "reward_margin": reward_margin.mean().item()}
+    return result
+
+
+def table(result: dict[str, Any]) -> str:
+    """The result side by side, for the terminal."""
+    rows = [("pairs", str(result["pairs"]), "")]
+    tuned = result.get("adapter_figures")
+    for key, label in (("accuracy", "accuracy: log p(chosen) > log p(rejected)"),
+                       ("mean_margin", "mean margin log p(chosen) - log p(rejected)")):
+        fmt = "{:.1%}" if key == "accuracy" else "{:.3f}"
+        rows.append((label, fmt.format(result["base"][key]), fmt.format(tuned[key]) if tuned else ""))
+    if tuned:
+        rows.append(("reward accuracy (vs base as reference)", "", f"{tuned['reward_accuracy']:.1%}"))
+        rows.append(("reward margin (log-ratio, DPO's margin / beta)", "", f"{tuned['reward_margin']:.3f}"))
+    width = max(len(r[0]) for r in rows)
+    head = f"{'':<{width}}  {'base':>10}  {'+ adapter' if tuned else '':>10}"
+    return "\n".join([head, *(f"{a:<{width}}  {b:>10}  {c:>10}" for a, b, c in rows)])
