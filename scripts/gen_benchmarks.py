@@ -249,6 +249,19 @@ def demo(name: str, data: Result) -> list[str]:
     return lines + ["", "Fine-tune: " + "; ".join(facts) + "."]
 
 
+def preference_demo(name: str, data: Result) -> list[str]:
+    lines = header(name, data, data.get("dtype", NOT_RECORDED), "bash scripts/demo_preference.sh")
+    lines += [f"DPO from the base model, evaluated on {data.get('heldout_pairs', '?')} held-out pairs "
+              "(`examples/zarnovia_pairs_heldout.jsonl`) and the held-out questions.", ""]
+    acc, margin, named = data["preference_accuracy"], data["mean_margin"], data["answers_naming_the_true_fact"]
+    rows = [["prefers the true answer (log p)", pct(acc["before"]), pct(acc["after"])],
+            ["mean margin log p(true) − log p(false)", margin["before"], margin["after"]],
+            ["free answers naming the true fact", pct(named["before"]), pct(named["after"])]]
+    lines += table(["held-out", "before", "after"], rows)
+    facts = [f"{k.replace('_', ' ')}: {cell(v)}" for k, v in data.get("finetune", {}).items()]
+    return lines + ["", "Fine-tune: " + "; ".join(facts) + "."]
+
+
 def other(name: str, data: Any) -> list[str]:
     keys = ", ".join(map(str, data)) if isinstance(data, dict) else type(data).__name__
     return [f"### {name}", "", f"No table layout is known for this file (fields: {keys}); "
@@ -264,6 +277,7 @@ KINDS: list[tuple[str, str, Callable[[str, Any], list[str]]]] = [
     ("big-data", "A million records: bench/big_data.py", big_data),
     ("page-faults", "Fresh against reused buffers: bench/page_faults.py", page_faults),
     ("qlora-quality", "How far 4-bit weights move the logits: bench/qlora_quality.py", qlora_quality),
+    ("preference-demo", "Preference tuning: the DPO demo", preference_demo),
     ("", "Other results", other),
 ]
 
