@@ -13,7 +13,8 @@ import torch
 from shardtune import cli
 from shardtune.config import ConfigError, build_config, parse_size
 from shardtune.model.footprint import model_facts
-from shardtune.plan import MB, STRATEGIES, TERMS, as_json, plan, predict
+from shardtune.plan import as_json, plan
+from shardtune.train.memory_model import MB, STRATEGIES, TERMS, predict
 
 from tiny import make_model
 
@@ -159,7 +160,10 @@ def test_cli_plan_json_reads_no_weights(tmp_path: Path, capsys, monkeypatch) -> 
     doc = json.loads(capsys.readouterr().out)
     chosen = doc.pop("chosen")  # --fsdp-unit auto: the unit finetune would use
     assert chosen["strategy"] == "fsdp2" and chosen["fsdp_unit"] == "layer" and "fits" in chosen["why"]
+    run = doc.pop("run_plan")  # what every rank of finetune would receive
+    assert (run["strategy"], run["fsdp_unit"], run["batch"]["micro_batch_size"]) == ("fsdp2", "layer", 1)
     assert set(doc) == set(STRATEGIES)
+    assert [s for s, entry in doc.items() if entry["runs"]] == ["fsdp2"]  # the row finetune would run
     assert all(entry["fits"] for entry in doc.values())
     assert doc["fsdp2"]["terms"]["weights"] > 0 and doc["fsdp2"]["read_mb"] > 0
     weights = broken / "model.safetensors"
@@ -182,7 +186,7 @@ def test_runtime_counts_scikit_learn_where_transformers_imports_it_eagerly(monke
     51 MB more in every worker, which the floor-version run of the planner tests measured."""
     from transformers.generation import candidate_generator
 
-    from shardtune.plan import EAGER_SKLEARN_MB, RUNTIME_CPU_MB, runtime_cpu_mb
+    from shardtune.train.memory_model import EAGER_SKLEARN_MB, RUNTIME_CPU_MB, runtime_cpu_mb
 
     monkeypatch.delattr(candidate_generator, "roc_curve", raising=False)
     assert runtime_cpu_mb() == RUNTIME_CPU_MB

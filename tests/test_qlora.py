@@ -236,4 +236,6 @@ def test_plan_counts_nf4_and_plans_for_cuda_from_a_config_json_alone(tmp_path):
     assert bf16.terms["weights"] - nf4.terms["weights"] == pytest.approx(saved_mb, rel=0.05)
     assert nf4.terms["runtime"] == 500 and nf4.fits  # the CUDA context: planned for GPUs on this CPU machine
     assert nf4.terms["dequant"] == pytest.approx(64 * 128 * 2 / 2**20) and bf16.terms["dequant"] == 0
-    assert "needs fsdp2" in plan(build_config({**options, "quantize": "nf4"}), 1 << 30)["fsdp1"][0].note
+    with pytest.raises(ConfigError) as refused:  # plan's row says what finetune says, in the same words
+        validate(build_config({**options, "quantize": "nf4", "strategy": "fsdp1", "data": "d", "out": "o"}))
+    assert plan(build_config({**options, "quantize": "nf4"}), 1 << 30)["fsdp1"][0].note == str(refused.value)

@@ -23,8 +23,8 @@ def finetune(config: str | Path | dict[str, Any] | None = None, nproc: int | Non
         overrides["nproc"] = nproc
     overrides.update(_torchrun_layout())
     cfg = build_config(config, overrides)
-    cfg = preflight(cfg)  # with the auto options decided, once, for every rank
-    return launch(cfg)
+    cfg, plan = preflight(cfg)  # the run plan, resolved once for every rank
+    return launch(cfg, plan)
 
 
 def _torchrun_layout() -> dict[str, Any]:

@@ -317,8 +317,6 @@ def validate(cfg: Config, need_data: bool = True) -> None:
         raise ConfigError(f"option 'lora-dropout' must be in [0, 1), got {cfg.lora.dropout}")
     validate_lora_init(cfg.lora.init)
     parse_fields(cfg.data.fields)
-    if cfg.lora.variant == "dora" and cfg.parallel.strategy == "fsdp1":
-        raise ConfigError(DORA_FSDP1)
     if not 0 <= cfg.parallel.node_rank < cfg.parallel.nnodes:
         raise ConfigError(f"option 'node-rank' must be in [0, {cfg.parallel.nnodes}), got {cfg.parallel.node_rank}")
     if cfg.parallel.nnodes > 1 and not cfg.parallel.rdzv_endpoint:
@@ -328,15 +326,36 @@ def validate(cfg: Config, need_data: bool = True) -> None:
         if ranks % cfg.parallel.replicate_groups:
             raise ConfigError(f"option 'replicate-groups': {cfg.parallel.replicate_groups} groups do not divide "
                               f"the {ranks} ranks (--nproc {cfg.parallel.nproc} x --nnodes {cfg.parallel.nnodes})")
-        if cfg.parallel.strategy in ("ddp", "single"):
-            raise ConfigError(f"option 'replicate-groups' needs an FSDP strategy, not '{cfg.parallel.strategy}'")
     if cfg.parallel.memory_per_rank is not None:
         parse_size(cfg.parallel.memory_per_rank)
-    if cfg.model.quantize == "nf4" and cfg.parallel.strategy == "fsdp1":
-        raise ConfigError("option 'quantize': nf4 is not supported with --strategy fsdp1 (its flat parameters "
-                          "cannot hold 4-bit tensors); use --strategy fsdp2, which gathers the 4-bit data")
-    if cfg.parallel.cpu_offload and cfg.parallel.strategy in ("ddp", "single"):
-        raise ConfigError(f"option 'cpu-offload' needs an FSDP strategy, not '{cfg.parallel.strategy}'")
+    if cfg.parallel.strategy != "auto":
+        refused = combination_refusal(cfg, cfg.parallel.strategy)
+        if refused:
+            raise ConfigError(refused)
+
+
+def combination_refusal(cfg: Config, strategy: str, ranks: int | None = None) -> str | None:
+    """Why ``strategy`` cannot run ``cfg`` (None: it can): every rule about which options combine, once.
+
+    ``validate`` refuses a strategy given by name with it, the automatic choice skips the strategies it
+    refuses, ``plan`` prints it on their rows, and the run plan is never made without passing it.
+    ``ranks``: the ranks the strategy would run on (default: --nproc × --nnodes).
+    """
+    ranks = cfg.parallel.nproc * cfg.parallel.nnodes if ranks is None else ranks
+    replicated = strategy in ("ddp", "single")
+    if strategy == "single" and ranks > 1:
+        return (f"option 'strategy': single runs one process, but {ranks} ranks were asked for "
+                "(--nproc × --nnodes); use ddp, fsdp2 or fsdp1, or --nproc 1")
+    if cfg.model.quantize == "nf4" and strategy == "fsdp1":
+        return ("option 'quantize': nf4 is not supported with --strategy fsdp1 (its flat parameters cannot hold "
+                "4-bit tensors); use --strategy fsdp2 (which gathers the 4-bit data), ddp or single")
+    if cfg.lora.variant == "dora" and strategy == "fsdp1":
+        return DORA_FSDP1
+    if cfg.parallel.replicate_groups > 1 and replicated:
+        return f"option 'replicate-groups' needs an FSDP strategy, not '{strategy}'"
+    if cfg.parallel.cpu_offload and replicated:
+        return f"option 'cpu-offload' needs an FSDP strategy, not '{strategy}'"
+    return None
 
 
 _UNITS = {"": 1, "b": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4,
