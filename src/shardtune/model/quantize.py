@@ -61,10 +61,9 @@ DEQUANT_CHUNK = 1 << 20  # packed bytes (2 weights each) dequantized at a time
 def dequantize(t: torch.Tensor, original=None) -> torch.Tensor:
     """``NF4Tensor.get_original_weight``, the same values bit for bit, in a fraction of the memory.
 
-    torchao's version holds two int64 index tensors and four temporaries of the whole weight at once:
-    about 14 bytes per bf16 weight, for each weight forward and backward dequantize (measured on a
-    4096 × 11008 weight: ~630 MB above the 90 MB result). Here the result is written a chunk of
-    blocks at a time, with the same elementwise products.
+    torchao's version holds two int64 index tensors and four temporaries of the whole weight at once,
+    several times the result's size, for each weight forward and backward dequantize. Here the result
+    is written a chunk of blocks at a time, with the same elementwise products.
     """
     scalers = t.dequantize_scalers(t.quantized_scalers, t.quantization_factor, t.scaler_block_size)
     half = t.block_size // 2  # packed bytes per block
@@ -100,7 +99,7 @@ def _use_lean_dequantization(cls: type) -> None:
 def nearest_code(value: torch.Tensor, nf4: torch.Tensor) -> torch.Tensor:
     """``NF4Tensor.quantize_tensor_nearest``: the index of the NF4 value closest to each element (the
     first on a tie; as uint8, what torchao stores it as), bit for bit, without its (n, 16) distance
-    matrix (which made a 1.1B model's NF4 load take 256 s against 10 s for bf16).
+    matrix (which made loading an NF4 model many times slower than loading it in bf16).
 
     16-bit values (bf16, fp16) have 65536 bit patterns: a table of torchao's answer for each, looked
     up. Wider values (fp32; scaled to [-1, 1] by their block's absmax) go through a grid of 2^16 bins:
@@ -394,8 +393,3 @@ def quantize_in_place(model: nn.Module, source_dtype: torch.dtype | None = None)
         w = module.weight.detach()
         module.weight = nn.Parameter(quantize_whole(w.to(source_dtype or w.dtype)), requires_grad=False)
     return selection
-
-
-def dequantized(t: torch.Tensor) -> torch.Tensor:
-    """The weight an NF4 tensor stands for, in its dtype (what forward computes with)."""
-    return t.get_original_weight()

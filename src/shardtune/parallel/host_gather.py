@@ -4,10 +4,9 @@ Why: gloo moves every gather through loopback TCP, on threads of its own that ta
 ranks compute on. Here the buffer FSDP2 gathers into is one buffer that every rank maps: FSDP2
 copies each rank's shard into its part of it (as it always does), and the gather itself only tells
 the others that the part is written. Nothing moves; the copy out of the buffer reads the other
-ranks' parts where they wrote them. Measured (1.1B bf16, 2 ranks on 2 cores, bench/speed.py and
-step_profile.py): at 1 x 128 tokens a step took 5.9 s instead of 8.1 (gloo's threads had used
-1.7 s of CPU, now 0.2, and the matrix products ran faster without them), per-part units 1.44x the
-tokens/s; at 4 x 512 the step was the same (69 s; gloo's threads 3.7 s of CPU, now 2.0, as ddp's).
+ranks' parts where they wrote them. The gain is largest where a step is many small gathers (small
+micro-batches, per-part units), where gloo's threads took the most CPU from the matrix products;
+bench/speed.py and bench/step_profile.py measure it (bench/results/).
 
 Each buffer size has a pool of shared buffers, each a ``memfd`` (no file to leave behind: the memory
 goes when the last rank unmaps it) with a header of flags, one per rank: how many times the rank has

@@ -75,8 +75,8 @@ def auto_dtype(kind: str) -> str:
     """What ``--dtype auto`` means on ``kind`` ('cuda' or 'cpu'): bf16 where the hardware multiplies in
     it at full speed, else fp16 (GPUs before Ampere: T4, V100) or fp32 (CPUs without AVX512/AMX).
 
-    On an AVX2-only CPU torch's bf16 matmul falls back to a reference loop: 0.2-6 GFLOP/s per core
-    against fp32's 24-38 (measured on a 2-core AVX2 machine), so a bf16 fine-tune there runs ~50x slower.
+    On a CPU without AVX512-BF16/AMX torch's bf16 matmul falls back to a reference loop, many times
+    slower than fp32's, so bf16 there would slow a fine-tune down by far more than it saves.
     ``cuda`` on a machine without CUDA (``plan --device cuda``): bf16, as on every recent GPU.
     """
     if kind == "cuda":
