@@ -19,7 +19,7 @@ at the same points; a pool grows to the gathers in flight at once (two: one in u
 
 Only where every rank of the group is on this host (same boot and host name, and the buffer checks
 out) and memory for the buffer can be reserved; otherwise that size falls back to gloo broadcasts
-(``compat.BroadcastAllGather``), decided by all ranks together. x86 and other total-store-order CPUs
+(``gloo_comms.BroadcastAllGather``), decided by all ranks together. x86 and other total-store-order CPUs
 only: a flag is a plain store, published after the part it guards.
 """
 
@@ -38,7 +38,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from shardtune.runtime import compat
+from shardtune.parallel import gloo_comms
 
 HEADER = 4096  # flags first; the data then starts page-aligned
 _TOTAL_STORE_ORDER = ("x86_64", "amd64", "i386", "i686")
@@ -60,9 +60,9 @@ def enabled() -> bool:
     return supported() and os.environ.get("SHARDTUNE_SHARED_GATHER", "1") != "0"
 
 
-def for_group(group: dist.ProcessGroup) -> SharedMemoryAllGather | compat.BroadcastAllGather:
+def for_group(group: dist.ProcessGroup) -> SharedMemoryAllGather | gloo_comms.BroadcastAllGather:
     """FSDP2's all-gather on CPU: through shared memory where ``enabled``, else gloo broadcasts."""
-    return SharedMemoryAllGather(group) if enabled() else compat.BroadcastAllGather()
+    return SharedMemoryAllGather(group) if enabled() else gloo_comms.BroadcastAllGather()
 
 
 @dataclass
@@ -95,7 +95,7 @@ class SharedMemoryAllGather:
         self.by_address: dict[int, _Buffer] = {}  # data_ptr of a buffer allocate handed out
         self.waited: list[_Buffer] = []  # waited for since the last call: released at the next
         self.taken = 0  # gathers so far
-        self.broadcast = compat.BroadcastAllGather()
+        self.broadcast = gloo_comms.BroadcastAllGather()
         #: seconds this rank has waited for the others: to take a buffer back, for their parts
         self.waiting_s = {"release": 0.0, "write": 0.0}
 
