@@ -90,6 +90,7 @@ class MemoryMonitor:
         self.device = device
         self.interval = interval
         self.peaks: dict[str, dict[str, float]] = {}
+        self.starts: dict[str, float] = {}  # MB in use when each phase began (as now_mb)
         self._peak = resident_bytes()
         # A sample read before a phase starts must not land in that phase's peak.
         self._lock = threading.Lock()
@@ -113,6 +114,7 @@ class MemoryMonitor:
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
+        self.starts[name] = self.now_mb()  # before "load": the runtime, what the planner holds fixed
         with self._lock:
             self._peak = resident_bytes()
         if self.device.type == "cuda":
