@@ -184,7 +184,7 @@ def load_torchtune_nf4(path: str, rank: int, dtype: torch.dtype):
     from peft import get_peft_model
     from safetensors.torch import load_file
 
-    from shardtune.model.quantize import nf4_module
+    from shardtune.model.nf4_torchao import nf4_module
 
     to_nf4 = nf4_module().to_nf4
     sd: dict[str, torch.Tensor] = {}

@@ -89,8 +89,12 @@ class RunPlan:
     def from_dict(cls, data: dict[str, Any]) -> RunPlan:
         return cls(**{**data, "batch": BatchPlan(**data["batch"])})
 
-    def check(self, cfg: Config, world_size: int, device: str) -> None:
-        """Raise when this plan is not the one for ``cfg`` on these ranks: a worker asserts, never re-decides."""
+    def check(self, cfg: Config, world_size: int, device: str, batch: bool = True) -> None:
+        """Raise when this plan is not the one for ``cfg`` on these ranks: a worker asserts, never re-decides.
+        ``batch=False``: all but the batch plan (building a model makes no batches)."""
+        if not batch:
+            cfg = dataclasses.replace(cfg, train=dataclasses.replace(
+                cfg.train, batch_size=self.batch.batch_size, micro_batch_size=self.batch.micro_batch_size))
         expected = make_plan(cfg, world_size, device, self.backend, self.why)
         if expected != self:
             diff = {k: (v, getattr(self, k)) for k, v in dataclasses.asdict(expected).items()

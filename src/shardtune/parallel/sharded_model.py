@@ -48,11 +48,18 @@ def plan_for(cfg: Config, worker: Worker) -> RunPlan:
 def build_model(cfg: Config, worker: Worker, plan: RunPlan | None = None) -> Built:
     """The model of ``plan`` (default: ``plan_for(cfg, worker)``), built, sharded and loaded on this rank."""
     model_dir = check_model_dir(cfg.model.path, cfg.model.trust_remote_code)
-    return _build(model_dir, None, cfg, worker, plan or plan_for(cfg, worker))
+    if plan is None:  # building a model makes no batches: any batch that splits over these ranks will do
+        plan = plan_for(_without_batches(cfg, worker), worker)
+    return _build(model_dir, None, cfg, worker, plan)
+
+
+def _without_batches(cfg: Config, worker: Worker) -> Config:
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=worker.world_size,
+                                                              micro_batch_size=None))
 
 
 def _build(model_dir: ModelDir, meta_model: nn.Module | None, cfg: Config, worker: Worker, plan: RunPlan) -> Built:
-    plan.check(cfg, worker.world_size, worker.device.type)
+    plan.check(cfg, worker.world_size, worker.device.type, batch=False)
     if cfg.model.quantize == "nf4":
         quantize.check_available()
     dtype = compute_dtype(cfg)
@@ -144,7 +151,7 @@ def load_sharded(
         worker = dataclasses.replace(worker, rank=dist.get_rank(), world_size=dist.get_world_size())
     model_dir = check_model_dir(model, trust_remote_code)
     cfg = Config(model=ModelConfig(path=str(model), dtype=dtype, trust_remote_code=trust_remote_code),
-                 lora=lora, train=TrainConfig(seed=seed, batch_size=worker.world_size),  # no batches here
+                 lora=lora, train=TrainConfig(seed=seed),
                  parallel=ParallelConfig(strategy="fsdp2", activation_checkpointing=activation_checkpointing,
                                          cpu_offload=cpu_offload))
-    return _build(model_dir, meta_model, cfg, worker, plan_for(cfg, worker)).model
+    return _build(model_dir, meta_model, cfg, worker, plan_for(_without_batches(cfg, worker), worker)).model

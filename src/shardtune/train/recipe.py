@@ -158,6 +158,7 @@ def prepare(cfg: Config, worker: Worker, memory: MemoryMonitor, plan: RunPlan | 
     from transformers import AutoTokenizer
 
     plan = plan or plan_for(cfg, worker)
+    plan.check(cfg, worker.world_size, worker.device.type)  # the batches too: this rank makes them
 
     model_dir = check_model_dir(cfg.model.path, cfg.model.trust_remote_code)
     tokenizer = AutoTokenizer.from_pretrained(model_dir.path, trust_remote_code=model_dir.trust_remote_code)
