@@ -184,7 +184,7 @@ def load_torchtune_nf4(path: str, rank: int, dtype: torch.dtype):
     from peft import get_peft_model
     from safetensors.torch import load_file
 
-    from shardtune.model.quantize import nf4_module
+    from shardtune.model.nf4_torchao import nf4_module
 
     to_nf4 = nf4_module().to_nf4
     sd: dict[str, torch.Tensor] = {}
@@ -287,8 +287,8 @@ def run_shardtune(args: argparse.Namespace, rank: int) -> dict:
     validate(cfg)
     from shardtune.preflight import preflight
 
-    cfg = preflight(cfg)  # the automatic choice, as `shardtune finetune` makes it
-    summary = launch(cfg)  # under torchrun: this rank's worker, as `torchrun -m shardtune.train` would run
+    cfg, plan = preflight(cfg)  # the run plan, as `shardtune finetune` resolves it
+    summary = launch(cfg, plan)  # under torchrun: this rank's worker, as `torchrun -m shardtune.train` would run
     return {"load_peak_mb": summary["load_peak_mb"][rank], "train_peak_mb": summary["train_peak_mb"][rank],
             "load_seconds": summary["load_seconds"], "tokens_per_second": summary["tokens_per_second"],
             "read_mb": reads[0], "loss_first": summary["train_loss_first"], "loss_last": summary["train_loss_last"],

@@ -87,7 +87,8 @@ def with_weights(model: torch.nn.Module, fn) -> torch.nn.Module:
 
 
 def torchao_nf4(w: torch.Tensor) -> torch.Tensor:
-    from shardtune.model.quantize import nf4_module, scaler_block_size
+    from shardtune.model.nf4_torchao import nf4_module
+    from shardtune.model.quantize import scaler_block_size
 
     cls = nf4_module().NF4Tensor
     t = nf4_module().to_nf4(w.bfloat16().contiguous(), 64, scaler_block_size(w.shape[1]))

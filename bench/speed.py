@@ -183,9 +183,9 @@ def budget_jobs(gib: float) -> list[tuple[str, list[str], str]]:
 
 def rule_jobs(model: Path, data: Path, gib: float, dtype: str, top: int) -> list[tuple[str, list[str], str]]:
     """The budget job's setting and the next ones the speed rule ranks, best first, as fixed options."""
-    from shardtune.choice import Candidate, candidates
     from shardtune.config import build_config
     from shardtune.model.directory import check_model_dir, load_tokenizer
+    from shardtune.train.choice import Candidate, candidates
     from shardtune.train.data import load_dataset, mean_tokens
 
     cfg = build_config({"model": str(model), "data": str(data), "nproc": 2, "strategy": "auto", "packing": True,

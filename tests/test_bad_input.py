@@ -72,7 +72,7 @@ def test_valid_input_reaches_launch_and_out_is_not_made_before(monkeypatch, mode
     out = tmp_path / "out"
     seen = []
 
-    def launch(cfg):
+    def launch(cfg, plan):
         seen.append((cfg.output.out, out.exists()))
         return {}
 

@@ -9,8 +9,8 @@ import pytest
 import yaml
 
 from shardtune import cli
-from shardtune.choice import candidates, choose
 from shardtune.config import ConfigError, build_config
+from shardtune.train.choice import candidates, choose
 
 from tiny import make_run_dir
 

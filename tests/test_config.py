@@ -243,3 +243,16 @@ def test_default_config_round_trips(tmp_path):
     path = tmp_path / "config.yaml"
     write_yaml(Config(), path)
     assert build_config(path) == Config()
+
+
+def test_every_option_declares_what_resume_does_when_it_changes():
+    """The resume policy lives with each option in the schema (train/checkpoint.py reads it): a new option
+    without one fails here, not silently as 'warn' on someone's resume."""
+    from shardtune.config import FLAGS, MUST_MATCH, RESUME_POLICIES, opt
+
+    missing = [flag for flag, (_, f) in FLAGS.items() if f.metadata.get("resume") not in RESUME_POLICIES]
+    assert missing == []
+    structural = {flag for flag, (_, f) in FLAGS.items() if f.metadata["resume"] == MUST_MATCH}
+    assert {"lora-r", "lora-targets", "lora-variant"} <= structural
+    with pytest.raises(ValueError, match="resume policy 'maybe'"):
+        opt(1, "x", "maybe", "help")

@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from shardtune.runplan import BatchError
 from shardtune.train.data import (
     IGNORE,
     BatchPlan,
@@ -198,13 +199,13 @@ def test_batch_plan_default_micro_batch_and_accumulation():
 
 
 def test_batch_plan_rejects_batch_not_divisible_by_ranks():
-    with pytest.raises(DataError, match=r"--batch-size 8 .* multiple of the 3 ranks"):
+    with pytest.raises(BatchError, match=r"--batch-size 8 .* multiple of the 3 ranks"):
         BatchPlan.make(8, None, 3)
 
 
 @pytest.mark.parametrize("batch, micro, ranks", [(8, 3, 2), (8, 8, 2), (12, 5, 2)])
 def test_batch_plan_rejects_micro_batch_that_does_not_divide(batch, micro, ranks):
-    with pytest.raises(DataError, match=rf"micro-batches of {micro} on {ranks} ranks") as err:
+    with pytest.raises(BatchError, match=rf"micro-batches of {micro} on {ranks} ranks") as err:
         BatchPlan.make(batch, micro, ranks)
     # The suggested micro-batch size really works.
     suggested = int(str(err.value).rsplit("--micro-batch-size ", 1)[1].rstrip(")"))

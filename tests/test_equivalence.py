@@ -160,16 +160,24 @@ def test_launcher_runs_match_across_strategies_and_splits(launcher_runs):
 
 
 @pytest.mark.parametrize("strategy", ["fsdp2", "fsdp1", "ddp"])
+@pytest.mark.xfail(strict=True, reason="the planner's runtime constant absorbs what the process adds once loading "
+                   "starts (the model's and FSDP's imports, loading state), which differs per strategy; the model "
+                   "of the step is not yet within 10 % on its own (issue 22). strict: passing means remove this")
 def test_planner_predicts_the_measured_peak(launcher_runs, strategy):
     """``shardtune plan`` against the peak the run measured (private memory per rank, or GPU memory),
-    within the error the README states for the planner on a tiny model (8 %; measured: fsdp2 -5.7 %,
-    fsdp1 -7.3 %, ddp -0.9 % with huge pages). On the tiny model the fixed runtime is nearly all of the peak."""
+    without the fixed runtime: on a tiny model the process before loading is nearly all of the peak,
+    and a prediction of that alone would pass whatever the model of the step says. The part that
+    moves with the model and the strategy (peak - memory in use before loading) must be within 10 %."""
     from shardtune.config import build_config
     from shardtune.plan import plan
 
     runs, summaries = launcher_runs
     options = {k: v for k, v in runs[strategy].items() if k != "out"}
-    predicted = plan(build_config(options))[strategy][0].peak_mb
-    measured = max(summaries[strategy]["train_peak_mb"])
-    print(f"\n{strategy}: planner {predicted:.1f} MB, measured {measured:.1f} MB ({predicted / measured - 1:+.1%})")
-    assert predicted == pytest.approx(measured, rel=0.08)
+    prediction = plan(build_config(options))[strategy][0]
+    predicted = prediction.peak_mb - prediction.terms["runtime"]
+    summary = summaries[strategy]
+    measured = max(peak - before for peak, before in zip(summary["train_peak_mb"], summary["runtime_mb"]))
+    print(f"\n{strategy}: planner {predicted:.1f} MB above the runtime, measured {measured:.1f} MB "
+          f"({predicted / measured - 1:+.1%}); runtime predicted {prediction.terms['runtime']:.0f} MB, "
+          f"measured {max(summary['runtime_mb']):.0f} MB")
+    assert predicted == pytest.approx(measured, rel=0.10)

@@ -32,12 +32,25 @@ def test_lr_1e30_stops_at_the_first_non_finite_step(tmp_path, capsys):
     checkpoints = sorted((out / "checkpoints").glob("step-*"))
     assert checkpoints, err  # the steps before the divergence were good and are kept
     assert f"the newest complete checkpoint, {checkpoints[-1]}, is kept" in err
-    for path in checkpoints[-1].glob("*.distcp"):  # ...and hold no NaN
-        assert path.stat().st_size > 0
+    # ...and hold no NaN: every tensor the checkpoint stores (LoRA weights and optimizer state), read back
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(checkpoints[-1], tmp_path / "ckpt.pt")
+    stored = _tensors(torch.load(tmp_path / "ckpt.pt", weights_only=False))
+    assert any(".lora_A." in name for name in stored) and any(name.startswith("optim.") for name in stored)
+    assert [name for name, t in stored.items() if not torch.isfinite(t).all()] == []
     from shardtune.train.checkpoint import adapter_from_checkpoint
 
     adapter = load_file(adapter_from_checkpoint(checkpoints[-1], tmp_path / "a") / "adapter_model.safetensors")
     assert all(torch.isfinite(t).all() for t in adapter.values())
+
+
+def _tensors(tree, prefix: str = "") -> dict[str, torch.Tensor]:
+    """{dotted path: tensor} for every floating tensor in a nested state dict."""
+    if isinstance(tree, torch.Tensor):
+        return {prefix: tree} if tree.is_floating_point() else {}
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, (list, tuple)) else ()
+    return {k: v for key, sub in items for k, v in _tensors(sub, f"{prefix}.{key}" if prefix else str(key)).items()}
 
 
 @pytest.mark.parametrize("loss,norm,what", [(math.nan, 1.0, "the loss is nan"), (1.0, math.inf, "norm is inf")])

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from shardtune.config import ConfigError, build_config, validate
-from shardtune.model import quantize
+from shardtune.model import nf4_fill, nf4_torchao, quantize
 from test_equivalence import INPUT, grads_and_training
 
 from dist_utils import run_ranks
@@ -40,17 +40,17 @@ def test_row_slices_with_the_shared_mean_equal_the_whole_tensor_bit_for_bit(shap
     whole = quantize.quantize_whole(w)
     for world in (2, 3):
         parts = w.chunk(world)
-        mean = torch.cat([quantize.block_absmax(p) for p in parts]).mean()  # what the all-gather gives
+        mean = torch.cat([nf4_fill.block_absmax(p) for p in parts]).mean()  # what the all-gather gives
         assert torch.equal(mean, whole.scaler_mean)
         for r, part in enumerate(parts):
-            got = quantize.quantize_rows(part, mean, whole.scaler_block_size)
+            got = nf4_fill.quantize_rows(part, mean, whole.scaler_block_size)
             want = [getattr(whole, a).chunk(world)[r]
                     for a in ("quantized_scalers", "quantization_factor", "quantized_data")]
             for g, e in zip(got, want):
                 assert torch.equal(g, e)
     # The lean dequantization shardtune routes torchao's through gives torchao's values exactly.
     t = quantize.quantize_whole(w)
-    assert torch.equal(quantize.dequantize(t), t._torchao_get_original_weight())
+    assert torch.equal(nf4_torchao.dequantize(t), t._torchao_get_original_weight())
     assert torch.equal(t.get_original_weight(), t._torchao_get_original_weight())
     # The trap this avoids: a slice quantized alone (its own mean) differs from the whole tensor's.
     alone = quantize.quantize_whole(w.chunk(2)[0])
@@ -60,22 +60,22 @@ def test_row_slices_with_the_shared_mean_equal_the_whole_tensor_bit_for_bit(shap
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_fast_code_search_gives_torchaos_codes_bit_for_bit(dtype):
     """shardtune's nearest-code search (routed into torchao) picks what torchao's own picks, ties included."""
-    cls = quantize.nf4_module().NF4Tensor
+    cls = nf4_torchao.nf4_module().NF4Tensor
     original = cls._torchao_quantize_tensor_nearest
-    lut = quantize.nf4_lut(dtype, torch.device("cpu"))
+    lut = nf4_fill.nf4_lut(dtype, torch.device("cpu"))
     mids = (lut[1:] + lut[:-1]) / 2
     g = torch.Generator().manual_seed(1)
     special = torch.tensor([0.0, -0.0, 1.0, -1.0, 3.0, float("inf"), -float("inf"), float("nan")], dtype=dtype)
     values = torch.cat([lut, mids, torch.nextafter(mids, mids + 1), torch.nextafter(mids, mids - 1), special,
                         (torch.rand(200_000, generator=g) * 2 - 1).to(dtype)])
-    assert torch.equal(quantize.nearest_code(values, lut).long(), original(values, lut))
+    assert torch.equal(nf4_torchao.nearest_code(values, lut).long(), original(values, lut))
     w = _rows_of_uneven_scale(64, 1024).to(dtype)
-    ours = quantize.norm_float_codes(w, lut)
+    ours = nf4_fill.norm_float_codes(w, lut)
     cls.quantize_tensor_nearest = staticmethod(original)
     try:
-        theirs = cls.convert_to_norm_float_weight(w, w.numel() // quantize.BLOCK, quantize.BLOCK, lut)
+        theirs = cls.convert_to_norm_float_weight(w, w.numel() // nf4_torchao.BLOCK, nf4_torchao.BLOCK, lut)
     finally:
-        cls.quantize_tensor_nearest = staticmethod(quantize.nearest_code)
+        cls.quantize_tensor_nearest = staticmethod(nf4_torchao.nearest_code)
     assert torch.equal(ours, theirs)
 
 
@@ -87,8 +87,8 @@ def _local_nf4(rank: int, world_size: int, options: dict) -> dict:
     built = build_model(build_config(options), worker)
     out = {}
     for name, p in built.model.named_parameters():
-        if quantize.is_nf4(p):
-            local = quantize.local_tensor(p)
+        if nf4_fill.is_nf4(p):
+            local = nf4_fill.local_tensor(p)
             out[name] = {a: getattr(local, a).clone() for a in
                          ("quantized_scalers", "quantization_factor", "quantized_data", "scaler_mean", "nf4")}
     built.model.eval()
@@ -215,7 +215,7 @@ def test_bad_quantize_options_are_refused_before_loading(monkeypatch):
     cfg = build_config({"model": "m", "data": "d.jsonl", "out": "o", "quantize": "nf4", "strategy": "fsdp1"})
     with pytest.raises(ConfigError, match="fsdp1.*use --strategy fsdp2"):
         validate(cfg)
-    quantize.nf4_module.__globals__["import_quietly"]("torchao")  # imported fine when installed
+    nf4_torchao.nf4_module.__globals__["import_quietly"]("torchao")  # imported fine when installed
     monkeypatch.setitem(sys.modules, "torchao.quantization.quantize_.workflows.nf4.nf4_tensor", None)
     with pytest.raises(ConfigError, match="nf4 needs torchao.*pip install torchao"):
         quantize.check_available()
@@ -236,4 +236,6 @@ def test_plan_counts_nf4_and_plans_for_cuda_from_a_config_json_alone(tmp_path):
     assert bf16.terms["weights"] - nf4.terms["weights"] == pytest.approx(saved_mb, rel=0.05)
     assert nf4.terms["runtime"] == 500 and nf4.fits  # the CUDA context: planned for GPUs on this CPU machine
     assert nf4.terms["dequant"] == pytest.approx(64 * 128 * 2 / 2**20) and bf16.terms["dequant"] == 0
-    assert "needs fsdp2" in plan(build_config({**options, "quantize": "nf4"}), 1 << 30)["fsdp1"][0].note
+    with pytest.raises(ConfigError) as refused:  # plan's row says what finetune says, in the same words
+        validate(build_config({**options, "quantize": "nf4", "strategy": "fsdp1", "data": "d", "out": "o"}))
+    assert plan(build_config({**options, "quantize": "nf4"}), 1 << 30)["fsdp1"][0].note == str(refused.value)

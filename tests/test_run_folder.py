@@ -56,6 +56,11 @@ def test_a_refused_resume_leaves_the_run_folder_as_it_was(root, finished, capsys
     err = capsys.readouterr().err
     assert "option 'lora-r' was 8, now 4" in err and "Traceback" not in err
     assert _snapshot(out) == before  # config.yaml, summary.json, metrics, checkpoints: all untouched
+    # lora -> dora adds a magnitude tensor per layer: refused before dcp.load, not failing inside it
+    assert main(["finetune", *_flags(_options(root, out, **{"lora-variant": "dora"})), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "option 'lora-variant' was 'lora', now 'dora'" in err and "which tensors" in err
+    assert _snapshot(out) == before
     # The resume command a finished run prints still works afterwards.
     assert main(["finetune", "--config", str(out / "config.yaml"), "--out", str(out), "--resume", "--steps", "5",
                  "--save-every", "0"]) == 0

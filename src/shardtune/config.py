@@ -29,54 +29,70 @@ class ConfigError(ShardtuneError, ValueError):
 OBJECTIVES = ("sft", "dpo", "orpo", "simpo")
 
 
-def opt(default: Any, flag: str, help: str, choices: tuple[str, ...] | None = None, auto: bool = False) -> Any:
-    """A config field; ``auto``: the value may also be the word "auto" (chosen before the run starts)."""
-    return field(default=default, metadata={"flag": flag, "help": help, "choices": choices, "auto": auto})
+#: What ``--resume`` does when an option differs from the checkpoint's run (train/checkpoint.py):
+FREE = "free"  # continue without a word: where and how the run computes, not what it computes
+WARN = "warn"  # continue, saying which option changed: the continuation is another run from there on
+MUST_MATCH = "must-match"  # refuse before loading: it decides which tensors the checkpoint holds
+RESUME_POLICIES = (FREE, WARN, MUST_MATCH)
+
+
+def opt(default: Any, flag: str, resume: str, help: str, choices: tuple[str, ...] | None = None,
+        auto: bool = False) -> Any:
+    """A config field; ``resume``: its policy on --resume (one of RESUME_POLICIES); ``auto``: the value
+    may also be the word "auto" (chosen before the run starts)."""
+    if resume not in RESUME_POLICIES:
+        raise ValueError(f"option '{flag}': resume policy {resume!r} is not one of {', '.join(RESUME_POLICIES)}")
+    return field(default=default, metadata={"flag": flag, "help": help, "choices": choices, "auto": auto,
+                                            "resume": resume})
 
 
 @dataclass
 class ModelConfig:
     path: str | None = opt(
-        None, "model", "Hugging Face model directory (config.json + *.safetensors + tokenizer) or Hub id "
+        None, "model", WARN, "Hugging Face model directory (config.json + *.safetensors + tokenizer) or Hub id "
         "org/name[@revision] (local path first, then the HF cache, then a download unless HF_HUB_OFFLINE=1)."
     )
     dtype: str = opt(
-        "auto", "dtype",
+        "auto", "dtype", WARN,
         "Dtype of the frozen base weights and of compute; fp16 (GPUs without bf16: T4, V100) adds loss scaling. "
         "auto: bf16 where the hardware computes in it natively (Ampere+ GPUs, CPUs with AVX512/AMX), else fp16 "
         "on GPUs and fp32 on CPUs.",
         ("auto", "bf16", "fp16", "fp32"),
     )
     quantize: str = opt(
-        "none", "quantize", "Store the frozen decoder-layer Linear weights in 4-bit NormalFloat (QLoRA; needs "
+        "none", "quantize", WARN, "Store the frozen decoder-layer Linear weights in 4-bit NormalFloat (QLoRA; needs "
         "torchao; fsdp2, ddp or single).", ("none", "nf4")
     )
     trust_remote_code: bool = opt(
-        False, "trust-remote-code", "Allow a model whose config names its own Python code (auto_map); runs that code."
+        False, "trust-remote-code", WARN,
+        "Allow a model whose config names its own Python code (auto_map); runs that code."
     )
 
 
 @dataclass
 class LoraConfig:
-    r: int = opt(8, "lora-r", "LoRA rank.")
-    alpha: float = opt(16.0, "lora-alpha", "LoRA scaling numerator (scale = alpha / r).")
-    dropout: float = opt(0.0, "lora-dropout", "Dropout on the LoRA input.")
-    targets: str = opt("all-linear", "lora-targets", "Comma-separated module names to adapt, or 'all-linear'.")
-    bias: str = opt("none", "lora-bias", "Which biases train: none, all, or lora_only.", ("none", "all", "lora_only"))
+    r: int = opt(8, "lora-r", MUST_MATCH, "LoRA rank.")
+    alpha: float = opt(16.0, "lora-alpha", WARN, "LoRA scaling numerator (scale = alpha / r).")
+    dropout: float = opt(0.0, "lora-dropout", WARN, "Dropout on the LoRA input.")
+    targets: str = opt("all-linear", "lora-targets", MUST_MATCH,
+        "Comma-separated module names to adapt, or 'all-linear'.")
+    bias: str = opt("none", "lora-bias", MUST_MATCH,
+        "Which biases train: none, all, or lora_only.", ("none", "all", "lora_only"))
     modules_to_save: str = opt(
-        "", "lora-modules-to-save", "Comma-separated modules trained in full (e.g. lm_head)."
+        "", "lora-modules-to-save", MUST_MATCH, "Comma-separated modules trained in full (e.g. lm_head)."
     )
     variant: str = opt(
-        "lora", "lora-variant", "lora, or dora (weight-decomposed LoRA: a trained magnitude per output row).",
+        "lora", "lora-variant", MUST_MATCH,
+        "lora, or dora (weight-decomposed LoRA: a trained magnitude per output row).",
         ("lora", "dora"),
     )
-    rslora: bool = opt(False, "lora-rslora", "Rank-stabilised scaling: alpha / sqrt(r) instead of alpha / r.")
+    rslora: bool = opt(False, "lora-rslora", WARN, "Rank-stabilised scaling: alpha / sqrt(r) instead of alpha / r.")
     init: str = opt(
-        "default", "lora-init", "LoRA A initialisation: default (Kaiming uniform, as peft) or gaussian; "
+        "default", "lora-init", WARN, "LoRA A initialisation: default (Kaiming uniform, as peft) or gaussian; "
         "B starts at zero either way."
     )
     init_adapter: str | None = opt(
-        None, "init-adapter", "Continue training this peft adapter directory (e.g. the SFT stage's adapter/) "
+        None, "init-adapter", WARN, "Continue training this peft adapter directory (e.g. the SFT stage's adapter/) "
         "instead of a fresh LoRA; its r, alpha and targets must match the LoRA options. Under a preference "
         "objective the reference is then base + this adapter."
     )
@@ -85,41 +101,41 @@ class LoraConfig:
 @dataclass
 class DataConfig:
     train: str | None = opt(
-        None, "data", "Training data: .jsonl/.json, .parquet, .csv, a save_to_disk directory or a cached Hub "
+        None, "data", WARN, "Training data: .jsonl/.json, .parquet, .csv, a save_to_disk directory or a cached Hub "
         "dataset name; instruction, messages, text or ShareGPT (conversations) records."
     )
-    val: str | None = opt(None, "val-data", "Validation data in the same formats.")
-    seq_len: int = opt(512, "seq-len", "Tokens per record; longer records are truncated (and counted).")
+    val: str | None = opt(None, "val-data", FREE, "Validation data in the same formats.")
+    seq_len: int = opt(512, "seq-len", WARN, "Tokens per record; longer records are truncated (and counted).")
     packing: bool = opt(
-        False, "packing", "Pack several records into each sequence of up to --seq-len tokens (attention and "
+        False, "packing", WARN, "Pack several records into each sequence of up to --seq-len tokens (attention and "
         "positions stay per record); --micro-batch-size then counts packed sequences per forward."
     )
     fields: str = opt(
-        "", "data-fields", "Column mapping onto the record fields, e.g. prompt=question,response=answer "
+        "", "data-fields", WARN, "Column mapping onto the record fields, e.g. prompt=question,response=answer "
         "(fields: prompt, input, response, messages, text, conversations, chosen, rejected)."
     )
 
 
 @dataclass
 class TrainConfig:
-    steps: int | None = opt(None, "steps", "Optimizer steps (default: --epochs 1).")
-    epochs: float | None = opt(None, "epochs", "Passes over the training data (when --steps is not given).")
-    batch_size: int = opt(8, "batch-size", "Global batch: records per optimizer step over all ranks.")
+    steps: int | None = opt(None, "steps", WARN, "Optimizer steps (default: --epochs 1).")
+    epochs: float | None = opt(None, "epochs", WARN, "Passes over the training data (when --steps is not given).")
+    batch_size: int = opt(8, "batch-size", WARN, "Global batch: records per optimizer step over all ranks.")
     micro_batch_size: int | str | None = opt(
-        None, "micro-batch-size", "Records per forward pass on one rank (default: batch-size / ranks); with "
+        None, "micro-batch-size", FREE, "Records per forward pass on one rank (default: batch-size / ranks); with "
         "--packing, packed sequences per forward; 'auto': the largest that fits --memory-per-rank.", auto=True,
     )
-    lr: float = opt(2e-4, "lr", "Peak learning rate (AdamW).")
-    weight_decay: float = opt(0.0, "weight-decay", "AdamW weight decay.")
+    lr: float = opt(2e-4, "lr", WARN, "Peak learning rate (AdamW).")
+    weight_decay: float = opt(0.0, "weight-decay", WARN, "AdamW weight decay.")
     warmup_steps: int | None = opt(
-        None, "warmup-steps", "Linear warmup steps before the cosine decay (default: 10% of steps, at most 100)."
+        None, "warmup-steps", WARN, "Linear warmup steps before the cosine decay (default: 10% of steps, at most 100)."
     )
-    min_lr_ratio: float = opt(0.1, "min-lr-ratio", "Final learning rate as a fraction of --lr.")
-    max_grad_norm: float = opt(1.0, "max-grad-norm", "Clip the global gradient norm to this (0 disables).")
-    seed: int = opt(0, "seed", "Seed for LoRA init, shuffling and dropout.")
-    eval_every: int = opt(0, "eval-every", "Validation every N steps (0: only at the end; needs --val-data).")
+    min_lr_ratio: float = opt(0.1, "min-lr-ratio", WARN, "Final learning rate as a fraction of --lr.")
+    max_grad_norm: float = opt(1.0, "max-grad-norm", WARN, "Clip the global gradient norm to this (0 disables).")
+    seed: int = opt(0, "seed", WARN, "Seed for LoRA init, shuffling and dropout.")
+    eval_every: int = opt(0, "eval-every", FREE, "Validation every N steps (0: only at the end; needs --val-data).")
     objective: str = opt(
-        "sft", "objective", "What to learn: sft (next-token loss on responses), or from preference pairs "
+        "sft", "objective", WARN, "What to learn: sft (next-token loss on responses), or from preference pairs "
         "(prompt, chosen, rejected): dpo, orpo or simpo.", OBJECTIVES,
     )
 
@@ -128,71 +144,76 @@ class TrainConfig:
 class PreferenceConfig:
     """The preference objectives' knobs; defaults as TRL's (DPOConfig, ORPOConfig, CPOConfig)."""
 
-    dpo_beta: float = opt(0.1, "dpo-beta", "DPO: β, how far the policy may move from the reference (IPO: τ).")
+    dpo_beta: float = opt(0.1, "dpo-beta", WARN, "DPO: β, how far the policy may move from the reference (IPO: τ).")
     dpo_label_smoothing: float = opt(
-        0.0, "dpo-label-smoothing", "DPO (sigmoid): the share of pairs assumed mislabelled (conservative DPO).")
+        0.0, "dpo-label-smoothing", WARN, "DPO (sigmoid): the share of pairs assumed mislabelled (conservative DPO).")
     dpo_loss: str = opt(
-        "sigmoid", "dpo-loss", "DPO's loss: sigmoid (the DPO paper) or ipo (squared, per-token log-ratios).",
+        "sigmoid", "dpo-loss", WARN, "DPO's loss: sigmoid (the DPO paper) or ipo (squared, per-token log-ratios).",
         ("sigmoid", "ipo"),
     )
-    orpo_lambda: float = opt(0.1, "orpo-lambda", "ORPO: λ, the weight of the odds-ratio term next to the NLL.")
-    simpo_beta: float = opt(0.1, "simpo-beta", "SimPO: β, the scale of the length-normalised reward.")
-    simpo_gamma: float = opt(0.5, "simpo-gamma", "SimPO: γ, the target reward margin.")
+    orpo_lambda: float = opt(0.1, "orpo-lambda", WARN, "ORPO: λ, the weight of the odds-ratio term next to the NLL.")
+    simpo_beta: float = opt(0.1, "simpo-beta", WARN, "SimPO: β, the scale of the length-normalised reward.")
+    simpo_gamma: float = opt(0.5, "simpo-gamma", WARN, "SimPO: γ, the target reward margin.")
     precompute_reference: bool = opt(
-        False, "precompute-reference", "DPO: compute every pair's reference log-probs once before training "
+        False, "precompute-reference", FREE, "DPO: compute every pair's reference log-probs once before training "
         "(stored beside the token cache); steps then skip the reference forward."
     )
 
 
 @dataclass
 class ParallelConfig:
-    nproc: int = opt(1, "nproc", "Worker processes to start on this node (one per GPU on GPU machines).")
+    nproc: int = opt(1, "nproc", FREE, "Worker processes to start on this node (one per GPU on GPU machines).")
     strategy: str = opt(
-        "auto", "strategy", "How to split the model over ranks.", ("auto", "fsdp2", "fsdp1", "ddp", "single")
+        "auto", "strategy", FREE, "How to split the model over ranks.", ("auto", "fsdp2", "fsdp1", "ddp", "single")
     )
     activation_checkpointing: bool = opt(
-        False, "activation-checkpointing", "Recompute each decoder layer's activations in backward (also switched "
+        False, "activation-checkpointing", FREE,
+        "Recompute each decoder layer's activations in backward (also switched "
         "on by --strategy/--micro-batch-size auto when nothing fits without it)."
     )
     fsdp_unit: str = opt(
-        "auto", "fsdp-unit", "FSDP2's unit of sharding: whole decoder layers (fewer, larger collectives: faster) or "
+        "auto", "fsdp-unit", FREE,
+        "FSDP2's unit of sharding: whole decoder layers (fewer, larger collectives: faster) or "
         "their parts (attention and MLP projections: a lower peak); auto: layers when they fit --memory-per-rank.",
         ("auto", "layer", "part"),
     )
     memory_per_rank: str | None = opt(
-        None, "memory-per-rank", "Memory one rank may use, e.g. 8GiB or 3000MB, for the automatic choices and "
+        None, "memory-per-rank", FREE, "Memory one rank may use, e.g. 8GiB or 3000MB, for the automatic choices and "
         "`plan` [default: this GPU's memory, or available RAM / local ranks]."
     )
-    chosen: str = opt("", "chosen", "Written by shardtune into config.yaml: what the automatic choice picked and why.")
-    cpu_offload: bool = opt(False, "cpu-offload", "Keep sharded parameters on CPU (FSDP only).")
+    chosen: str = opt("", "chosen", FREE,
+        "Written by shardtune into config.yaml: what the automatic choice picked and why.")
+    cpu_offload: bool = opt(False, "cpu-offload", FREE, "Keep sharded parameters on CPU (FSDP only).")
     device: str = opt(
-        "auto", "device", "Where ranks compute: auto (cuda when a GPU is visible), cpu, or cuda (one GPU per rank).",
+        "auto", "device", FREE,
+        "Where ranks compute: auto (cuda when a GPU is visible), cpu, or cuda (one GPU per rank).",
         ("auto", "cpu", "cuda"),
     )
     replicate_groups: int = opt(
-        1, "replicate-groups",
+        1, "replicate-groups", FREE,
         "HSDP: replica groups (normally --nnodes); each group of ranks/R shards the model, the groups replicate it.",
     )
-    nnodes: int = opt(1, "nnodes", "Number of nodes (multi-node runs).")
-    node_rank: int = opt(0, "node-rank", "This node's index among --nnodes.")
-    rdzv_endpoint: str | None = opt(None, "rdzv-endpoint", "HOST:PORT of the rendezvous (node 0) for multi-node runs.")
+    nnodes: int = opt(1, "nnodes", FREE, "Number of nodes (multi-node runs).")
+    node_rank: int = opt(0, "node-rank", FREE, "This node's index among --nnodes.")
+    rdzv_endpoint: str | None = opt(None, "rdzv-endpoint", FREE,
+        "HOST:PORT of the rendezvous (node 0) for multi-node runs.")
 
 
 @dataclass
 class OutputConfig:
     out: str | None = opt(
-        None, "out", "Output directory (config.yaml, metrics.jsonl, summary.json, adapter/, checkpoints/)."
+        None, "out", FREE, "Output directory (config.yaml, metrics.jsonl, summary.json, adapter/, checkpoints/)."
     )
-    save_every: int = opt(0, "save-every", "Write a resumable checkpoint every N steps (0: never).")
-    keep_last: int = opt(2, "keep-last", "Resumable checkpoints to keep.")
-    resume: bool = opt(False, "resume", "Continue from the newest complete checkpoint under --out.")
+    save_every: int = opt(0, "save-every", FREE, "Write a resumable checkpoint every N steps (0: never).")
+    keep_last: int = opt(2, "keep-last", FREE, "Resumable checkpoints to keep.")
+    resume: bool = opt(False, "resume", FREE, "Continue from the newest complete checkpoint under --out.")
     allow_data_change: bool = opt(
-        False, "allow-data-change",
+        False, "allow-data-change", FREE,
         "With --resume: continue although the training data file changed since the checkpoint (size or SHA-256).",
     )
-    log_file: str | None = opt(None, "log-file", "Also write every rank's log lines to this file.")
+    log_file: str | None = opt(None, "log-file", FREE, "Also write every rank's log lines to this file.")
     report_to: str = opt(
-        "", "report-to", "Experiment trackers, comma-separated: tensorboard, wandb, mlflow (rank 0 logs each "
+        "", "report-to", WARN, "Experiment trackers, comma-separated: tensorboard, wandb, mlflow (rank 0 logs each "
         "step's metrics, the config and the summary; --resume continues the same tracker run)."
     )
 
@@ -351,8 +372,6 @@ def validate(cfg: Config, need_data: bool = True) -> None:
         raise ConfigError(f"option 'lora-dropout' must be in [0, 1), got {cfg.lora.dropout}")
     validate_lora_init(cfg.lora.init)
     parse_fields(cfg.data.fields)
-    if cfg.lora.variant == "dora" and cfg.parallel.strategy == "fsdp1":
-        raise ConfigError(DORA_FSDP1)
     if not 0 <= cfg.parallel.node_rank < cfg.parallel.nnodes:
         raise ConfigError(f"option 'node-rank' must be in [0, {cfg.parallel.nnodes}), got {cfg.parallel.node_rank}")
     if cfg.parallel.nnodes > 1 and not cfg.parallel.rdzv_endpoint:
@@ -362,15 +381,13 @@ def validate(cfg: Config, need_data: bool = True) -> None:
         if ranks % cfg.parallel.replicate_groups:
             raise ConfigError(f"option 'replicate-groups': {cfg.parallel.replicate_groups} groups do not divide "
                               f"the {ranks} ranks (--nproc {cfg.parallel.nproc} x --nnodes {cfg.parallel.nnodes})")
-        if cfg.parallel.strategy in ("ddp", "single"):
-            raise ConfigError(f"option 'replicate-groups' needs an FSDP strategy, not '{cfg.parallel.strategy}'")
     if cfg.parallel.memory_per_rank is not None:
         parse_size(cfg.parallel.memory_per_rank)
-    if cfg.model.quantize == "nf4" and cfg.parallel.strategy == "fsdp1":
-        raise ConfigError("option 'quantize': nf4 is not supported with --strategy fsdp1 (its flat parameters "
-                          "cannot hold 4-bit tensors); use --strategy fsdp2, which gathers the 4-bit data")
-    if cfg.parallel.cpu_offload and cfg.parallel.strategy in ("ddp", "single"):
-        raise ConfigError(f"option 'cpu-offload' needs an FSDP strategy, not '{cfg.parallel.strategy}'")
+    if cfg.parallel.strategy != "auto":
+        refused = combination_refusal(cfg, cfg.parallel.strategy)
+        if refused:
+            raise ConfigError(refused)
+
     validate_preference(cfg)
 
 
@@ -388,6 +405,30 @@ def validate_preference(cfg: Config) -> None:
     if pref.precompute_reference and cfg.train.objective != "dpo":
         raise ConfigError(f"option 'precompute-reference': only --objective dpo has a reference model "
                           f"(got --objective {cfg.train.objective})")
+
+
+def combination_refusal(cfg: Config, strategy: str, ranks: int | None = None) -> str | None:
+    """Why ``strategy`` cannot run ``cfg`` (None: it can): every rule about which options combine, once.
+
+    ``validate`` refuses a strategy given by name with it, the automatic choice skips the strategies it
+    refuses, ``plan`` prints it on their rows, and the run plan is never made without passing it.
+    ``ranks``: the ranks the strategy would run on (default: --nproc × --nnodes).
+    """
+    ranks = cfg.parallel.nproc * cfg.parallel.nnodes if ranks is None else ranks
+    replicated = strategy in ("ddp", "single")
+    if strategy == "single" and ranks > 1:
+        return (f"option 'strategy': single runs one process, but {ranks} ranks were asked for "
+                "(--nproc × --nnodes); use ddp, fsdp2 or fsdp1, or --nproc 1")
+    if cfg.model.quantize == "nf4" and strategy == "fsdp1":
+        return ("option 'quantize': nf4 is not supported with --strategy fsdp1 (its flat parameters cannot hold "
+                "4-bit tensors); use --strategy fsdp2 (which gathers the 4-bit data), ddp or single")
+    if cfg.lora.variant == "dora" and strategy == "fsdp1":
+        return DORA_FSDP1
+    if cfg.parallel.replicate_groups > 1 and replicated:
+        return f"option 'replicate-groups' needs an FSDP strategy, not '{strategy}'"
+    if cfg.parallel.cpu_offload and replicated:
+        return f"option 'cpu-offload' needs an FSDP strategy, not '{strategy}'"
+    return None
 
 
 _UNITS = {"": 1, "b": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4,

@@ -14,6 +14,7 @@ import tempfile
 from pathlib import Path
 
 from shardtune.config import Config, write_yaml
+from shardtune.runplan import RunPlan
 from shardtune.runtime.files import output_error
 from shardtune.runtime.lock import RunLock
 from shardtune.runtime.workers import Stopped, WorkerError, launch_workers, run_id, under_torchrun
@@ -37,8 +38,9 @@ def _write_config(cfg: Config, path: Path) -> None:
         raise output_error(err, path) from None
 
 
-def launch(cfg: Config) -> dict:
-    """Run the fine-tune described by ``cfg`` on ``cfg.parallel.nproc`` local workers; return the summary.
+def launch(cfg: Config, plan: RunPlan) -> dict:
+    """Run the fine-tune described by ``cfg`` with its run ``plan`` (preflight) on ``cfg.parallel.nproc``
+    local workers; return the summary. The workers receive the plan; they do not decide it again.
 
     Multi-node: node 0 alone writes ``config.yaml`` and (its rank 0) ``summary.json`` under ``--out``;
     the other nodes hand their workers a private copy of the configuration and return ``{}``.
@@ -48,10 +50,10 @@ def launch(cfg: Config) -> dict:
         from shardtune.train.recipe import run
 
         if int(os.environ.get("RANK", "0")) != 0:
-            return run(cfg)
+            return run(cfg, plan)  # rank 0's plan replaces this one (recipe.run)
         with RunLock(out, os.environ.get("TORCHELASTIC_RUN_ID", "torchrun")):
             _write_config(cfg, out / "config.yaml")
-            return run(cfg)
+            return run(cfg, plan)
 
     run_name = run_id(cfg.parallel)
     summary_path = out / "summary.json"
@@ -62,7 +64,9 @@ def launch(cfg: Config) -> dict:
         private = Path(tempfile.mkdtemp(prefix="shardtune-run-"))
         try:
             write_yaml(cfg, private / "config.yaml")
-            launch_workers(cfg.parallel, "shardtune.train", [str(private / "config.yaml")], run_name)
+            (private / "plan.json").write_text(json.dumps(plan.as_dict()))
+            launch_workers(cfg.parallel, "shardtune.train", [str(private / "config.yaml"), str(private / "plan.json")],
+                           run_name)
         except Stopped as err:
             from shardtune.train.stop import stop_message
 

@@ -2,7 +2,7 @@
 
 Bad input must stop the run in seconds with one clear message, not after N processes have loaded
 a model; these checks read only config, headers, tokenizer and data, and build the model on meta.
-The ``auto`` options are decided here too (choice.py), once, for every rank.
+The run plan is resolved here too (train/resolve.py), once, for every rank.
 """
 
 from __future__ import annotations
@@ -10,28 +10,28 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from shardtune.choice import choose
 from shardtune.config import Config, validate
-from shardtune.model import quantize
 from shardtune.model.directory import check_model_dir, load_tokenizer
 from shardtune.model.lora import inject_lora
 from shardtune.model.meta import build_meta_model, compute_dtype, vocab_size
+from shardtune.runplan import RunPlan
 from shardtune.runtime.device import check_local_ranks, decide_dtype, device_type
 from shardtune.runtime.files import OutputError, check_writable
 from shardtune.runtime.versions import check_apis
 from shardtune.train.checkpoint import resume_point
-from shardtune.train.data import SFT, BatchPlan, load_dataset, mean_tokens, read_records, token_cache
+from shardtune.train.data import SFT, load_dataset, mean_tokens, read_records, token_cache
 from shardtune.train.data_checks import warn_about_data
-from shardtune.train.packing import check_packing, packed_plan
+from shardtune.train.packing import check_packing
 from shardtune.train.pairs import PAIRS, pair_warnings
+from shardtune.train.resolve import resolve
 from shardtune.train.trackers import check_installed
 
 log = logging.getLogger("shardtune")
 
 
-def preflight(cfg: Config) -> Config:
+def preflight(cfg: Config) -> tuple[Config, RunPlan]:
     """Check everything that can be checked before the workers start; return ``cfg`` with its auto
-    options decided (choice.py), which is what every worker must run with."""
+    options decided and the run plan every worker runs (train/resolve.py)."""
     from shardtune.runtime.logs import quiet_libraries
 
     quiet_libraries()
@@ -61,25 +61,11 @@ def preflight(cfg: Config) -> Config:
             log.warning("%s", message)
     if cfg.data.val:
         load_dataset(cfg.data.val, tokenizer, cfg.data.seq_len, vocab, cfg.data.fields, cache, fmt)
-    if cfg.model.quantize == "nf4":
-        quantize.check_available()
     model, _ = inject_lora(build_meta_model(model_dir, compute_dtype(cfg)), cfg.lora, cfg.train.seed)
     if cfg.data.packing:
         check_packing(model)
-    ranks = cfg.parallel.nproc * cfg.parallel.nnodes
-    if cfg.train.micro_batch_size != "auto":  # checked before the choice: its error names the user's value
-        _batch_plan(cfg, ranks)
-    cfg, _, why = choose(cfg, mean_tokens(train.examples))
-    if why:
-        log.info("configuration: %s", why)
-    if cfg.model.quantize == "nf4" and cfg.parallel.strategy == "fsdp2":
-        quantize.check_even_split(quantize.select(model), ranks // cfg.parallel.replicate_groups)
-    _batch_plan(cfg, ranks)
-    return cfg
-
-
-def _batch_plan(cfg: Config, ranks: int) -> None:
-    if cfg.data.packing:
-        packed_plan(cfg.train.batch_size, cfg.train.micro_batch_size, ranks)
-    else:
-        BatchPlan.make(cfg.train.batch_size, cfg.train.micro_batch_size, ranks)
+    cfg, plan, _ = resolve(cfg, mean_tokens(train.examples), model)
+    assert plan is not None  # the device was checked above: a run always has one
+    if plan.why:
+        log.info("configuration: %s", plan.why)
+    return cfg, plan

@@ -47,10 +47,10 @@ def read_adapter(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     return config, tensors
 
 
-def initial_values(peft_model: nn.Module, fresh: dict[str, torch.Tensor], path: str | Path) -> dict[str, torch.Tensor]:
-    """LoRA's starting values from the adapter at ``path``, keyed like ``fresh`` (the fresh initial values)."""
-    from shardtune.model.lora import adapter_key_map
-
+def initial_values(peft_model: nn.Module, fresh: dict[str, torch.Tensor], path: str | Path,
+                   keys: dict[str, str]) -> dict[str, torch.Tensor]:
+    """LoRA's starting values from the adapter at ``path``, keyed like ``fresh`` (the fresh initial values);
+    ``keys``: {key in the adapter file: trainable parameter name} (lora.adapter_key_map)."""
     config, stored = read_adapter(path)
     ours = peft_model.peft_config["default"]
     where = Path(path) / "adapter_config.json"
@@ -67,8 +67,6 @@ def initial_values(peft_model: nn.Module, fresh: dict[str, torch.Tensor], path: 
     if theirs != set(ours.target_modules) and theirs != ours.target_modules:
         raise AdapterError(f"{where}: target_modules {sorted(theirs) if isinstance(theirs, set) else theirs!r} "
                            f"differ from this run's --lora-targets ({', '.join(sorted(ours.target_modules))})")
-    names = [n for n, p in peft_model.named_parameters() if p.requires_grad]
-    keys = adapter_key_map(peft_model, names)
     params = dict(peft_model.named_parameters())
     values = dict(fresh)
     weights = Path(path) / "adapter_model.safetensors"

@@ -21,7 +21,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from shardtune.model import quantize
+from shardtune.model import nf4_fill
 from shardtune.model.directory import ModelDir, ModelDirError
 from shardtune.model.lora import PEFT_PREFIX
 from shardtune.model.structure import base_model
@@ -158,7 +158,7 @@ def load_base_weights(model: nn.Module, model_dir: ModelDir, tensors: dict[str, 
         if key is None:
             missing.append(base_name)
             continue
-        if quantize.is_nf4(tensor):
+        if nf4_fill.is_nf4(tensor):
             four_bit[key] = tensor
         else:
             for round_ in plan:
@@ -200,7 +200,7 @@ def _load_nf4(params: dict[str, torch.Tensor], model_dir: ModelDir) -> None:
         else:
             rows, group = torch.empty(param.shape, dtype=param.dtype, device=param.device), None
         dcp.load({key: rows}, storage_reader=dcp.HuggingFaceStorageReader(str(model_dir.path)))
-        quantize.fill(param, rows.to_local() if isinstance(rows, DTensor) else rows, group)
+        nf4_fill.fill(param, rows.to_local() if isinstance(rows, DTensor) else rows, group)
         del rows
 
 

@@ -81,7 +81,8 @@ def inject_lora(model: nn.Module, lora: LoraConfig, seed: int) -> tuple[nn.Modul
     if lora.init_adapter:
         from shardtune.model.init_adapter import initial_values
 
-        values = initial_values(peft_model, values, lora.init_adapter)
+        keys = adapter_key_map(peft_model, trainable_names(peft_model))
+        values = initial_values(peft_model, values, lora.init_adapter, keys)
     return peft_model, values
 
 

@@ -12,22 +12,20 @@ from torch import nn
 
 from shardtune.model.structure import base_model
 from shardtune.parallel.base import Strategy
-from shardtune.parallel.choose import choose_strategy
 from shardtune.runtime.distributed import Worker
 
-__all__ = ["Strategy", "choose_strategy", "make_strategy", "parallelize"]
+__all__ = ["Strategy", "make_strategy", "parallelize"]
 
 
 def make_strategy(name: str, worker: Worker, compute_dtype: torch.dtype, cpu_offload: bool,
                   replicate_groups: int = 1, fsdp_unit: str = "part") -> Strategy:
-    """``replicate_groups`` > 1: HSDP (FSDP strategies only): shard within groups, replicate across them.
-    ``fsdp_unit``: FSDP2's unit of sharding, "layer" or "part" ("auto" is decided before the workers start)."""
-    if replicate_groups > 1 and name not in ("fsdp2", "fsdp1"):
-        raise ValueError(f"--replicate-groups needs an FSDP strategy, not {name!r}")
+    """The strategy of a run plan (runplan.py: which options combine was checked there, once).
+    ``replicate_groups`` > 1: HSDP: shard within groups, replicate across them.
+    ``fsdp_unit``: FSDP2's unit of sharding, "layer" or "part"."""
     if name == "fsdp2":
         from shardtune.parallel.fsdp2 import FSDP2
 
-        return FSDP2(worker, compute_dtype, cpu_offload, replicate_groups, "part" if fsdp_unit == "auto" else fsdp_unit)
+        return FSDP2(worker, compute_dtype, cpu_offload, replicate_groups, fsdp_unit)
     if name == "fsdp1":
         from shardtune.parallel.fsdp1 import FSDP1
 
@@ -37,8 +35,6 @@ def make_strategy(name: str, worker: Worker, compute_dtype: torch.dtype, cpu_off
 
         return DDPStrategy(worker, compute_dtype)
     if name == "single":
-        if worker.world_size > 1:
-            raise ValueError(f"strategy 'single' runs one process, but {worker.world_size} were started")
         return Strategy(worker, compute_dtype)
     raise ValueError(f"unknown strategy {name!r}")
 

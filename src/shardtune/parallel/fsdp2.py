@@ -13,7 +13,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor
 
 from shardtune.model.structure import decoder_layers, embedding_tables, layer_parts, tables_by_rows
-from shardtune.parallel import host_gather, sharded_embeddings
+from shardtune.parallel import gloo_comms, host_gather, sharded_embeddings
 from shardtune.parallel.base import Strategy
 from shardtune.parallel.mesh import data_parallel_mesh, shard_mesh
 from shardtune.runtime import compat
@@ -30,7 +30,7 @@ class FSDP2(Strategy):
         # "part": units for a layer's attention and MLP projections and the rest (model/structure.py)
         self.unit = unit
         self.gather: object | None = None  # CPU: FSDP2's all-gather (host_gather.for_group)
-        self.reduce: compat.DeferredReduceScatter | None = None  # gloo: reduce-scatters finished per step
+        self.reduce: gloo_comms.DeferredReduceScatter | None = None  # gloo: reduce-scatters finished per step
         # 2-D under HSDP: fully_shard then shards over dim 1 and replicates over dim 0.
         self.mesh = data_parallel_mesh(worker, replicate_groups)
         # LoRA weights are fp32 while a bf16 base is not; FSDP2 needs one dtype per unit for its
@@ -63,7 +63,7 @@ class FSDP2(Strategy):
             for unit in units:
                 compat.set_fsdp2_all_gather(unit, self.gather)
             if self.mesh.ndim == 1 and not isinstance(self.offload, CPUOffloadPolicy):  # not HSDP, no offload
-                self.reduce = compat.DeferredReduceScatter()
+                self.reduce = gloo_comms.DeferredReduceScatter()
                 for unit in units:
                     compat.set_fsdp2_reduce_scatter(unit, self.reduce)
         if self.unit == "layer":

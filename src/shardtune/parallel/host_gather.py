@@ -4,10 +4,9 @@ Why: gloo moves every gather through loopback TCP, on threads of its own that ta
 ranks compute on. Here the buffer FSDP2 gathers into is one buffer that every rank maps: FSDP2
 copies each rank's shard into its part of it (as it always does), and the gather itself only tells
 the others that the part is written. Nothing moves; the copy out of the buffer reads the other
-ranks' parts where they wrote them. Measured (1.1B bf16, 2 ranks on 2 cores, bench/speed.py and
-step_profile.py): at 1 x 128 tokens a step took 5.9 s instead of 8.1 (gloo's threads had used
-1.7 s of CPU, now 0.2, and the matrix products ran faster without them), per-part units 1.44x the
-tokens/s; at 4 x 512 the step was the same (69 s; gloo's threads 3.7 s of CPU, now 2.0, as ddp's).
+ranks' parts where they wrote them. The gain is largest where a step is many small gathers (small
+micro-batches, per-part units), where gloo's threads took the most CPU from the matrix products;
+bench/speed.py and bench/step_profile.py measure it (bench/results/).
 
 Each buffer size has a pool of shared buffers, each a ``memfd`` (no file to leave behind: the memory
 goes when the last rank unmaps it) with a header of flags, one per rank: how many times the rank has
@@ -20,7 +19,7 @@ at the same points; a pool grows to the gathers in flight at once (two: one in u
 
 Only where every rank of the group is on this host (same boot and host name, and the buffer checks
 out) and memory for the buffer can be reserved; otherwise that size falls back to gloo broadcasts
-(``compat.BroadcastAllGather``), decided by all ranks together. x86 and other total-store-order CPUs
+(``gloo_comms.BroadcastAllGather``), decided by all ranks together. x86 and other total-store-order CPUs
 only: a flag is a plain store, published after the part it guards.
 """
 
@@ -39,7 +38,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from shardtune.runtime import compat
+from shardtune.parallel import gloo_comms
 
 HEADER = 4096  # flags first; the data then starts page-aligned
 _TOTAL_STORE_ORDER = ("x86_64", "amd64", "i386", "i686")
@@ -61,9 +60,9 @@ def enabled() -> bool:
     return supported() and os.environ.get("SHARDTUNE_SHARED_GATHER", "1") != "0"
 
 
-def for_group(group: dist.ProcessGroup) -> SharedMemoryAllGather | compat.BroadcastAllGather:
+def for_group(group: dist.ProcessGroup) -> SharedMemoryAllGather | gloo_comms.BroadcastAllGather:
     """FSDP2's all-gather on CPU: through shared memory where ``enabled``, else gloo broadcasts."""
-    return SharedMemoryAllGather(group) if enabled() else compat.BroadcastAllGather()
+    return SharedMemoryAllGather(group) if enabled() else gloo_comms.BroadcastAllGather()
 
 
 @dataclass
@@ -96,7 +95,7 @@ class SharedMemoryAllGather:
         self.by_address: dict[int, _Buffer] = {}  # data_ptr of a buffer allocate handed out
         self.waited: list[_Buffer] = []  # waited for since the last call: released at the next
         self.taken = 0  # gathers so far
-        self.broadcast = compat.BroadcastAllGather()
+        self.broadcast = gloo_comms.BroadcastAllGather()
         #: seconds this rank has waited for the others: to take a buffer back, for their parts
         self.waiting_s = {"release": 0.0, "write": 0.0}
 

@@ -11,18 +11,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
-from shardtune.config import Config, ConfigError, LoraConfig, ModelConfig, ParallelConfig, TrainConfig
+from shardtune.config import Config, LoraConfig, ModelConfig, ParallelConfig, TrainConfig
 from shardtune.model import quantize
 from shardtune.model.directory import ModelDir, check_model_dir
 from shardtune.model.loading import load, take_snapshot
 from shardtune.model.lora import adapter_key_map, count_params, inject_lora, trainable_names
 from shardtune.model.meta import DTYPES, build_meta_model, compute_dtype
-from shardtune.parallel import Strategy, choose_strategy, make_strategy, parallelize
+from shardtune.parallel import Strategy, make_strategy, parallelize
+from shardtune.runplan import RunPlan, make_plan
 from shardtune.runtime import distributed
-from shardtune.runtime.device import auto_dtype
+from shardtune.runtime.device import auto_dtype, backend, decide_dtype
 from shardtune.runtime.distributed import Worker
 
 log = logging.getLogger("shardtune")
@@ -38,12 +38,28 @@ class Built:
     trainable_params: int
 
 
-def build_model(cfg: Config, worker: Worker) -> Built:
+def plan_for(cfg: Config, worker: Worker) -> RunPlan:
+    """The run plan of a configuration that leaves nothing to choose, on this worker (for callers that
+    are their own entry point: tests, benches, ``load_sharded``); ``--dtype auto`` is this device's."""
+    cfg = decide_dtype(cfg)
+    return make_plan(cfg, worker.world_size, worker.device.type, backend(worker.device.type, cfg.parallel.cpu_offload))
+
+
+def build_model(cfg: Config, worker: Worker, plan: RunPlan | None = None) -> Built:
+    """The model of ``plan`` (default: ``plan_for(cfg, worker)``), built, sharded and loaded on this rank."""
     model_dir = check_model_dir(cfg.model.path, cfg.model.trust_remote_code)
-    return _build(model_dir, None, cfg, worker)
+    if plan is None:  # building a model makes no batches: any batch that splits over these ranks will do
+        plan = plan_for(_without_batches(cfg, worker), worker)
+    return _build(model_dir, None, cfg, worker, plan)
 
 
-def _build(model_dir: ModelDir, meta_model: nn.Module | None, cfg: Config, worker: Worker) -> Built:
+def _without_batches(cfg: Config, worker: Worker) -> Config:
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=worker.world_size,
+                                                              micro_batch_size=None))
+
+
+def _build(model_dir: ModelDir, meta_model: nn.Module | None, cfg: Config, worker: Worker, plan: RunPlan) -> Built:
+    plan.check(cfg, worker.world_size, worker.device.type, batch=False)
     if cfg.model.quantize == "nf4":
         quantize.check_available()
     dtype = compute_dtype(cfg)
@@ -55,40 +71,21 @@ def _build(model_dir: ModelDir, meta_model: nn.Module | None, cfg: Config, worke
         if p.requires_grad:
             p.data = p.data.float()  # trainable weights and their optimizer state stay fp32
     total, trainable = count_params(model)
-    selection = None
+    why = plan.why or "requested"  # decided before the workers started (train/resolve.py)
+    log.info("strategy %s: %s", plan.strategy, why)
     if cfg.model.quantize == "nf4":
         selection = quantize.select(model)
         quantize.warn_kept(selection)
-    groups = cfg.parallel.replicate_groups
-    if groups > 1 and cfg.parallel.strategy == "auto":
-        name, why = "fsdp2", f"HSDP: sharded within each of {groups} replica groups"
-    else:
-        name, why = choose_strategy(cfg.parallel.strategy, worker, weight_bytes(model, dtype, selection),
-                                    worker.local_world_size, cfg.parallel.cpu_offload)
-    why = cfg.parallel.chosen or why  # decided before the workers started (choice.py)
-    log.info("strategy %s: %s", name, why)
-    if selection is not None:
-        if name == "fsdp2":
-            quantize.check_even_split(selection, worker.world_size // groups)
-        elif name not in ("ddp", "single"):
-            raise ConfigError(f"option 'quantize': nf4 is not supported with strategy {name}; use fsdp2")
+        if plan.strategy == "fsdp2":  # the rule resolve() checked too; load_sharded has no resolve before it
+            quantize.check_even_split(selection, worker.world_size // plan.replicate_groups)
         quantize.make_meta_nf4(selection)
-    strategy = make_strategy(name, worker, dtype, cfg.parallel.cpu_offload, groups, cfg.parallel.fsdp_unit)
+    strategy = make_strategy(plan.strategy, worker, dtype, plan.cpu_offload, plan.replicate_groups, plan.fsdp_unit)
     snapshot = take_snapshot(model, lora_init)
     model = parallelize(
         model, strategy, lambda m, targets: load(m, model_dir, worker.device, snapshot, targets, strategy.host_params),
-        cfg.parallel.activation_checkpointing,
+        plan.activation_checkpointing,
     )
     return Built(model, strategy, why, adapter_keys, total, trainable)
-
-
-def weight_bytes(model: nn.Module, dtype: torch.dtype, selection: quantize.Selection | None) -> int:
-    """The base weights' size as stored: NF4 for the selected Linear weights, ``dtype`` for the rest."""
-    total = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()) * dtype.itemsize
-    for module in (selection.quantized.values() if selection else ()):
-        rows, cols = module.weight.shape
-        total += quantize.nf4_bytes(rows, cols, dtype.itemsize) - rows * cols * dtype.itemsize
-    return total
 
 
 def load_sharded(
@@ -157,4 +154,4 @@ def load_sharded(
                  lora=lora, train=TrainConfig(seed=seed),
                  parallel=ParallelConfig(strategy="fsdp2", activation_checkpointing=activation_checkpointing,
                                          cpu_offload=cpu_offload))
-    return _build(model_dir, meta_model, cfg, worker).model
+    return _build(model_dir, meta_model, cfg, worker, plan_for(_without_batches(cfg, worker), worker)).model

@@ -9,9 +9,9 @@ returning wrong slices or silently skipping work. Nothing outside this module to
 * DCP's load-target protocol (``__create_chunk_list__`` / ``__get_tensor_shard__``): ``ShardView``,
   a tensor made of rectangles of a parameter, which ``dcp.load`` fills. It replaces the deprecated
   ``ShardedTensor``; a ``DTensor`` cannot describe FSDP1's slices (a flat range cuts rows partway).
-* FSDP2's custom all-gather (``AllGather``): ``BroadcastAllGather`` for gloo, set by ``set_fsdp2_all_gather``.
-* FSDP2's custom reduce-scatter (``ReduceScatter``): ``DeferredReduceScatter`` for gloo, set by
-  ``set_fsdp2_reduce_scatter``.
+* FSDP2's custom all-gather and reduce-scatter (``AllGather``, ``ReduceScatter``): set on a unit by
+  ``set_fsdp2_all_gather``/``set_fsdp2_reduce_scatter``, their call signatures checked by
+  ``check_fsdp2_comm_interface``; the collectives themselves are in parallel/gloo_comms.py.
 * peft's per-adapter device move, wrapped to record LoRA's initial values (``record_lora_init``).
 * Fake tensors for the planner's forward pass (``fake_mode``, ``storage_id``).
 """
@@ -259,95 +259,6 @@ def check_fsdp2_comm_interface(what: str, interface: str) -> None:
     allocate = list(inspect.signature(cls.allocate).parameters)
     if call != ["self", *FSDP2_COMM_CALLS[interface]] or allocate != ["self", "size", "dtype", "device"]:
         raise PrivateAPIChanged(what, f"{interface} is called as __call__{call[1:]}, allocate{allocate[1:]}")
-
-
-class BroadcastAllGather:
-    """FSDP2's all-gather as one in-place broadcast per rank, for gloo (FSDP2's ``AllGather``
-    interface: ``allocate`` and ``__call__``; the class itself is private to torch).
-
-    Gloo's all-gather receives into a new flat tensor of the full size and copies that into the
-    output; with FSDP2's input (a slice of the output) it held 2× the gathered size on top of the
-    output (measured: 168 MB extra to gather 84 MB) and took 120 ms. Broadcasting each rank's slice
-    in place moves the same bytes, allocates nothing and took 30 ms.
-
-    All broadcasts are issued at once and returned as one handle. Gloo runs them on its own threads,
-    so a gather FSDP2 prefetches (the next layer's, in forward and backward) moves while this rank
-    computes. A handle also marks the gather as asynchronous, and FSDP2 then frees the gather buffer
-    right after copying it out, instead of keeping it until the next unit's gather to overlap the two
-    on CUDA streams (on CPU that only holds one more buffer).
-    """
-
-    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
-
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
-                 async_op: bool = False) -> dist.Work | None:
-        world, rank = group.size(), group.rank()
-        chunks = output_tensor.chunk(world)
-        if input_tensor.data_ptr() != chunks[rank].data_ptr():
-            chunks[rank].copy_(input_tensor)
-        return _AllOf([dist.broadcast(chunks[r], src=dist.get_global_rank(group, r), group=group, async_op=True)
-                       for r in range(world)])
-
-
-class _AllOf(dist.Work):
-    """One handle for several collectives: gloo may finish them on different threads in any order."""
-
-    def __init__(self, works: list[dist.Work]) -> None:
-        super().__init__()
-        self.works = works
-
-    def wait(self, timeout: object = None) -> bool:
-        for work in self.works:
-            work.wait()
-        return True
-
-
-class DeferredReduceScatter:
-    """FSDP2's reduce-scatter of gradients, started and not waited for, for gloo (FSDP2's
-    ``ReduceScatter`` interface); ``wait`` finishes every one started, before anyone reads a gradient.
-
-    On CUDA FSDP2 reduces on a stream of its own and the next layer's backward goes on at once; on
-    the CPU each layer's reduce blocks until every rank has reached it, so the ranks meet once per
-    layer in backward and each meeting costs what the slower rank is behind (a 1.1B step at
-    4 x 512 spent 0.73 s of 71 there). Started asynchronously, the ranks meet only at the
-    gathers, which FSDP2 prefetches a layer ahead.
-
-    Safe because FSDP2 only wraps the output as the sharded gradient (trainable weights are fp32,
-    the reduce dtype, so no cast reads it) unless it adds it to a gradient already there. So it
-    defers only between ``arm`` (told that no gradient is there) and ``wait``, which the training
-    step calls around its reducing backward; any other backward (a user's own loop) reduces at once.
-    Not for HSDP, whose all-reduce reads the output right away.
-    """
-
-    def __init__(self) -> None:
-        self.pending: list[dist.Work] = []
-        self.deferred = False
-
-    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
-
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
-                 op: object, async_op: bool = False) -> dist.Work | None:
-        work = dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=True)
-        if async_op:
-            return work
-        if self.deferred:
-            self.pending.append(work)
-        else:
-            work.wait()
-        return None
-
-    def arm(self, gradients_empty: bool) -> None:
-        """Before a backward that reduces: defer only when no gradient is there to be added to."""
-        self.deferred = gradients_empty
-
-    def wait(self) -> None:
-        """Finish every reduce started since ``arm``; later ones complete at once again."""
-        self.deferred = False
-        for work in self.pending:
-            work.wait()
-        self.pending.clear()
 
 
 # --- peft: LoRA's initial values ------------------------------------------------------------------

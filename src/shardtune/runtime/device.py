@@ -75,8 +75,8 @@ def auto_dtype(kind: str) -> str:
     """What ``--dtype auto`` means on ``kind`` ('cuda' or 'cpu'): bf16 where the hardware multiplies in
     it at full speed, else fp16 (GPUs before Ampere: T4, V100) or fp32 (CPUs without AVX512/AMX).
 
-    On an AVX2-only CPU torch's bf16 matmul falls back to a reference loop: 0.2-6 GFLOP/s per core
-    against fp32's 24-38 (measured on a 2-core AVX2 machine), so a bf16 fine-tune there runs ~50x slower.
+    On a CPU without AVX512-BF16/AMX torch's bf16 matmul falls back to a reference loop, many times
+    slower than fp32's, so bf16 there would slow a fine-tune down by far more than it saves.
     ``cuda`` on a machine without CUDA (``plan --device cuda``): bf16, as on every recent GPU.
     """
     if kind == "cuda":
@@ -89,11 +89,33 @@ def decide_dtype(cfg: Config) -> Config:
     ``plan --device cuda`` without a GPU here); decided once, before the workers start."""
     if cfg.model.dtype != "auto":
         return cfg
-    planned_gpu = cfg.parallel.device == "cuda" and not torch.cuda.is_available()
-    kind = "cuda" if planned_gpu else device_type(cfg.parallel.device)
+    kind = planned_device_type(cfg.parallel.device)
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype=auto_dtype(kind)))
 
 
 def local_world_size() -> int:
     """Ranks on this node: ``LOCAL_WORLD_SIZE`` (set by torchrun and our launcher, right on every node)."""
     return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+
+
+def memory_per_rank(device: torch.device, local_ranks: int) -> int:
+    """Bytes one rank may use: its GPU's memory, or on CPU the available RAM split over the local ranks."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return available // max(1, local_ranks)
+
+
+def planned_device_type(requested: str = "auto") -> str:
+    """The device type a run is planned for: as ``device_type``, except that ``--device cuda`` on a machine
+    without a GPU plans for GPUs (``shardtune plan`` answers for another machine; a run refuses earlier)."""
+    if requested == "cuda" and not torch.cuda.is_available():
+        return "cuda"
+    return device_type(requested)

@@ -27,10 +27,10 @@ def tune_malloc() -> str:
 
     Why: glibc serves allocations below its mmap threshold from its heap, and raises that threshold
     (up to 32 MiB) each time a larger mmap-ed block is freed. FSDP2 allocates each parameter's
-    unsharded copy on its own (1–32 MB each for a 1B model) and frees it a layer later, while
-    longer-lived activations land in between; the freed holes then cannot serve the next layer's
-    copies and the heap keeps growing. On CPU (1.1B bf16, 2 ranks) that kept ~1.7 GB of freed memory
-    per rank: a training peak of 3.7 GB where 2.0 GB were in use. A fixed threshold turns that off;
+    unsharded copy on its own (megabytes each) and frees it a layer later, while longer-lived
+    activations land in between; the freed holes then cannot serve the next layer's copies and the
+    heap keeps growing, so freed memory counts in the peak as if it were in use (bench/memory.py
+    shows it with ``SHARDTUNE_MALLOC=default``). A fixed threshold turns that off;
     FSDP1's one flat buffer per unit was already above it. ``MALLOC_MMAP_THRESHOLD_`` in the
     environment (glibc's own setting) wins; ``SHARDTUNE_MALLOC=default`` keeps glibc's defaults.
     """
@@ -55,10 +55,9 @@ def worker_malloc_env(device_type: str, environ: dict[str, str] | None = None) -
     """What the launcher adds to CPU workers' environment: glibc's huge-page tunable.
 
     Why: under the mmap threshold every buffer FSDP2 gathers into is a fresh mapping, and the first
-    write to each 4 KiB page faults and zeroes it. On a 1.1B fp32 step (2 ranks, 1 x 128 tokens)
-    FSDP2's copies took 16 s of 52 (a fresh 46 MB buffer fills at 0.94 GB/s, a reused one at 4.8:
-    bench/page_faults.py); with huge pages (512x fewer faults) the whole step ran 2x faster, at the
-    same peak (bench/speed.py).
+    write to each 4 KiB page faults and zeroes it, so filling a fresh buffer is several times slower
+    than refilling a reused one (bench/page_faults.py). Huge pages take one fault per 2 MiB instead,
+    at the same peak (bench/speed.py measures the step).
     Only on CPU, only where the tunable is not set already, and never with ``SHARDTUNE_MALLOC=default``.
     """
     env = os.environ if environ is None else environ
@@ -91,6 +90,7 @@ class MemoryMonitor:
         self.device = device
         self.interval = interval
         self.peaks: dict[str, dict[str, float]] = {}
+        self.starts: dict[str, float] = {}  # MB in use when each phase began (as now_mb)
         self._peak = resident_bytes()
         # A sample read before a phase starts must not land in that phase's peak.
         self._lock = threading.Lock()
@@ -114,6 +114,7 @@ class MemoryMonitor:
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
+        self.starts[name] = self.now_mb()  # before "load": the runtime, what the planner holds fixed
         with self._lock:
             self._peak = resident_bytes()
         if self.device.type == "cuda":

@@ -30,7 +30,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from shardtune.config import Config
+from shardtune.config import FLAGS, FREE, MUST_MATCH, Config
 from shardtune.errors import ShardtuneError
 from shardtune.model.hub import base_model_name
 from shardtune.parallel import Strategy
@@ -41,14 +41,6 @@ log = logging.getLogger("shardtune")
 
 MARKER, META = "COMPLETE", "checkpoint.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
-# Options that decide which tensors a checkpoint holds: resuming with other values cannot work.
-_STRUCTURAL = ("lora-r", "lora-targets", "lora-bias", "lora-modules-to-save")
-# Options that may change between the interrupted run and its continuation without a word.
-_FREE = ("out", "resume", "allow-data-change", "nproc", "strategy", "micro-batch-size", "save-every", "keep-last",
-         "log-file", "eval-every", "val-data", "activation-checkpointing", "cpu-offload", "nnodes", "node-rank",
-         "rdzv-endpoint", "device", "replicate-groups")
-
-
 class CheckpointError(ShardtuneError, RuntimeError):
     """A checkpoint that cannot be used; the message names it and says why."""
 
@@ -264,8 +256,10 @@ def check_resumable(cfg: Config, path: Path, meta: dict, data: dict | None) -> d
     ({flag: (before, now)}), which a resume accepts with a warning.
     """
     saved, now = meta["options"], cfg.flat()
-    changed = {k: (saved.get(k), v) for k, v in now.items() if k not in _FREE and saved.get(k) != v}
-    bad = {k: v for k, v in changed.items() if k in _STRUCTURAL}
+    # Each option's policy is declared with it in the schema (config.py, ``opt(..., resume)``).
+    policy = {flag: f.metadata["resume"] for flag, (_, f) in FLAGS.items()}
+    changed = {k: (saved.get(k), v) for k, v in now.items() if policy[k] != FREE and saved.get(k) != v}
+    bad = {k: v for k, v in changed.items() if policy[k] == MUST_MATCH}
     if bad:
         raise CheckpointError(f"cannot resume from {path}: " + "; ".join(
             f"option '{k}' was {a!r}, now {b!r}" for k, (a, b) in bad.items())

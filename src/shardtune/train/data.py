@@ -15,7 +15,6 @@ count: the loss normaliser of a global batch is known without communication.
 from __future__ import annotations
 
 import json
-import math
 import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -24,7 +23,8 @@ from pathlib import Path
 import torch
 
 from shardtune.config import parse_fields
-from shardtune.errors import ShardtuneError, read_text
+from shardtune.errors import read_text
+from shardtune.runplan import BatchPlan
 from shardtune.train.datasets_io import (
     TokenizedExamples,
     cache_key,
@@ -35,30 +35,7 @@ from shardtune.train.datasets_io import (
     read_rows,
     save_cached,
 )
-
-IGNORE = -100
-
-
-class DataError(ShardtuneError, ValueError):
-    """Bad training or validation data; the message names the file and line."""
-
-
-@dataclass
-class Example:
-    input_ids: list[int]
-    labels: list[int]  # IGNORE where the token is not a target
-
-    @property
-    def targets(self) -> int:
-        # The model predicts token t+1 from t, so the first label never counts.
-        return sum(1 for x in self.labels[1:] if x != IGNORE)
-
-
-@dataclass
-class Dataset:
-    examples: Sequence[Example]  # a list, or TokenizedExamples when cached
-    truncated: int  # records cut to --seq-len
-    without_targets: int  # records with no target token left after truncation
+from shardtune.train.records import IGNORE, DataError, Dataset, Example
 
 
 def read_records(path: str | Path, fields: str = "", check: Callable[[object, str], None] | None = None
@@ -300,34 +277,6 @@ def mean_tokens(examples: Sequence[Example]) -> float:
     if isinstance(examples, TokenizedExamples):
         return examples.ids.numel() / max(1, len(examples))
     return sum(len(e.input_ids) for e in examples) / max(1, len(examples))
-
-
-@dataclass(frozen=True)
-class BatchPlan:
-    """How one global batch of ``batch_size`` records splits over ranks and micro-steps."""
-
-    batch_size: int
-    micro_batch_size: int
-    world_size: int
-
-    @property
-    def accumulation(self) -> int:
-        return self.batch_size // (self.micro_batch_size * self.world_size)
-
-    @classmethod
-    def make(cls, batch_size: int, micro_batch_size: int | None, world_size: int) -> BatchPlan:
-        if batch_size % world_size:
-            raise DataError(
-                f"--batch-size {batch_size} is the global batch and must be a multiple of the {world_size} ranks"
-            )
-        micro = micro_batch_size or batch_size // world_size
-        if batch_size % (micro * world_size):
-            raise DataError(
-                f"--batch-size {batch_size} cannot be made of micro-batches of {micro} on {world_size} ranks: "
-                f"it must equal micro-batch-size × ranks × accumulation steps "
-                f"(e.g. --micro-batch-size {math.gcd(batch_size // world_size, micro)})"
-            )
-        return cls(batch_size, micro, world_size)
 
 
 class Sampler:

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from shardtune.config import FIELDS, ConfigError
+from shardtune.train.records import DataError, Dataset, Example
 
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "chatgpt": "assistant", "model": "assistant", "system": "system"}
@@ -47,8 +48,6 @@ def location(path: str | Path, index: int) -> str:
 
 def read_rows(path: str | Path) -> list[tuple[int, dict]]:
     """(record index from 1, row) pairs of a datasets source; None values (empty CSV cells) dropped."""
-    from shardtune.train.data import DataError
-
     try:
         import datasets
     except ImportError:
@@ -83,8 +82,6 @@ def _from_hub_cache(name: str):
     """A Hub dataset from the local cache only: training never waits on (or fails for) the network here."""
     import datasets
 
-    from shardtune.train.data import DataError
-
     config = datasets.DownloadConfig(local_files_only=True)
     try:
         return datasets.load_dataset(name, split="train", download_config=config)
@@ -97,8 +94,6 @@ def _from_hub_cache(name: str):
 
 def normalize(record: object, fields: dict[str, str], where: str) -> object:
     """Apply the column mapping, then turn a ShareGPT record into chat messages."""
-    from shardtune.train.data import DataError
-
     if not isinstance(record, dict):
         return record  # data.py names the wrong type
     if fields:
@@ -155,8 +150,6 @@ class TokenizedExamples(Sequence):
         return len(self.offsets) - 1
 
     def __getitem__(self, index):
-        from shardtune.train.data import Example
-
         if isinstance(index, slice):
             return [self[i] for i in range(*index.indices(len(self)))]
         if index < 0:
@@ -185,8 +178,6 @@ CACHE_VERSION = "1"
 
 def load_cached(cache_dir: Path, key: str):
     """The Dataset tokenized before (by preflight or another rank), memory-mapped; None when absent."""
-    from shardtune.train.data import Dataset
-
     file = cache_dir / f"tokens-{key}.pt"
     if not file.is_file():
         return None

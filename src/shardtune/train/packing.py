@@ -187,13 +187,6 @@ def collate_packed(rows: list[list[Example]], pad_id: int, device: torch.device,
     return PackedBatch(ids.to(device), labels.to(device), positions.to(device), segments.to(device), real)
 
 
-def packed_plan(batch_size: int, rows_per_forward: int | None, world_size: int) -> BatchPlan:
-    """The batch plan under packing: ``--batch-size`` still counts records (a multiple of the ranks);
-    the micro-batch size counts packed rows per forward, so it need not divide the batch."""
-    plan = BatchPlan.make(batch_size, None, world_size)
-    return BatchPlan(batch_size, rows_per_forward or plan.micro_batch_size, world_size)
-
-
 def packed_forwards(batch: Sequence[int], examples: Sequence[Example], plan: BatchPlan, seq_len: int, rank: int,
                     pad_id: int, device: torch.device, one_row: bool) -> list[PackedBatch]:
     """This rank's forwards of global batch ``batch`` (record indices), packed."""

@@ -8,6 +8,7 @@ micro-batches. Each micro-batch therefore contributes sum(token losses) / global
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import sys
@@ -18,13 +19,15 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from shardtune.config import Config, ConfigError, build_config, validate
+from shardtune.config import Config, build_config, validate
+from shardtune.errors import ShardtuneError
 from shardtune.model.directory import check_model_dir
 from shardtune.model.meta import compute_dtype, vocab_size
 from shardtune.parallel import Strategy
-from shardtune.parallel.sharded_model import Built, build_model
+from shardtune.parallel.sharded_model import Built, build_model, plan_for
+from shardtune.runplan import RunPlan
 from shardtune.runtime import distributed
-from shardtune.runtime.device import decide_dtype, device_type
+from shardtune.runtime.device import device_type
 from shardtune.runtime.distributed import Worker
 from shardtune.runtime.logs import setup_logging
 from shardtune.runtime.memory import MemoryMonitor, tune_malloc
@@ -32,15 +35,16 @@ from shardtune.runtime.workers import Stopped
 from shardtune.train import preference, validation
 from shardtune.train.adapter import save_adapter
 from shardtune.train.checkpoint import Checkpointer, TrainState
-from shardtune.train.data import SFT, BatchPlan, Dataset, Sampler, collate, load_dataset, pad_id, token_cache
+from shardtune.train.data import SFT, Dataset, Sampler, collate, load_dataset, pad_id, token_cache
 from shardtune.train.datasets_io import cache_key
 from shardtune.train.guard import TrainingGuard
 from shardtune.train.loss import next_token_loss_sum
 from shardtune.train.metrics import MetricsLog, Progress, write_json_atomic
 from shardtune.train.objectives import METRICS, Objective, objective_of
-from shardtune.train.packing import VARLEN, attention_of, check_packing, packed_forwards, packed_plan
+from shardtune.train.packing import VARLEN, attention_of, check_packing, packed_forwards
 from shardtune.train.pairs import PAIRS
 from shardtune.train.reference import compute_reference, precomputed_reference, reference_key
+from shardtune.train.resolve import resolve
 from shardtune.train.scaling import ShardedGradScaler, make_scaler
 from shardtune.train.stop import GracefulStop, stop_message
 from shardtune.train.trackers import Trackers
@@ -217,8 +221,12 @@ def evaluate(job: Job) -> dict[str, float]:
             / distributed.all_reduce_sum(count, worker.device)}
 
 
-def prepare(cfg: Config, worker: Worker, memory: MemoryMonitor) -> Job:
+def prepare(cfg: Config, worker: Worker, memory: MemoryMonitor, plan: RunPlan | None = None) -> Job:
+    """The job of ``plan`` (default, for callers that are their own entry point: ``plan_for(cfg, worker)``)."""
     from transformers import AutoTokenizer
+
+    plan = plan or plan_for(cfg, worker)
+    plan.check(cfg, worker.world_size, worker.device.type)  # the batches too: this rank makes them
 
     model_dir = check_model_dir(cfg.model.path, cfg.model.trust_remote_code)
     tokenizer = AutoTokenizer.from_pretrained(model_dir.path, trust_remote_code=model_dir.trust_remote_code)
@@ -237,18 +245,13 @@ def prepare(cfg: Config, worker: Worker, memory: MemoryMonitor) -> Job:
     if train_data.without_targets:
         log.warning("%d training %s have no target token within --seq-len and are skipped",
                     train_data.without_targets, what)
-    if cfg.data.packing:
-        plan = packed_plan(cfg.train.batch_size, cfg.train.micro_batch_size, worker.world_size)
-    else:
-        plan = BatchPlan.make(cfg.train.batch_size, cfg.train.micro_batch_size, worker.world_size)
-
     with memory.phase("load"):
-        built = build_model(cfg, worker)
+        built = build_model(cfg, worker, plan)
     if cfg.data.packing:
         check_packing(built.strategy.unwrap(built.model))
     built.model.train()
     n_items = len(train_data.examples) // fmt.per_record
-    job = Job(cfg, worker, built, train_data, val_data, Sampler(n_items, plan, cfg.train.seed),
+    job = Job(cfg, worker, built, train_data, val_data, Sampler(n_items, plan.batch, cfg.train.seed),
               total_steps(cfg, n_items), pad_id(tokenizer), make_scaler(cfg.model.dtype, worker.device), objective)
     if objective.reference and (cfg.preference.precompute_reference or cfg.lora.init_adapter):
         job.reference, job.val_reference = reference_tables(job, tokenizer, cache)
@@ -343,17 +346,15 @@ def _loop(job: Job, memory: MemoryMonitor, optimizer, scheduler, checkpoints: Ch
     return {"losses": losses, "fills": fills, "state": state, "stopped_by": stopped_by}
 
 
-def run(cfg: Config) -> dict:
-    """Fine-tune as this rank; return the run's summary. A stop by SIGTERM/SIGINT raises ``Stopped``
-    once every rank has checkpointed (its ``exit_code`` is 128 + signal)."""
+def run(cfg: Config, plan: RunPlan | None = None) -> dict:
+    """Fine-tune as this rank with rank 0's run plan; return the run's summary. Without a ``plan``
+    (``python -m shardtune.train CONFIG.yaml`` started by hand) rank 0 resolves it. A stop by
+    SIGTERM/SIGINT raises ``Stopped`` once every rank has checkpointed (its ``exit_code`` is 128 + signal)."""
     started = time.perf_counter()
     if device_type(cfg.parallel.device) == "cpu":
         tune_malloc()  # before anything large is allocated: see memory.py (CPU memory only)
     worker = distributed.init_worker(cfg.parallel.device, cfg.parallel.cpu_offload)
-    cfg = decide_dtype(cfg)  # already decided by preflight, unless started as `python -m shardtune.train`
-    if worker.world_size > 1:
-        # Under plain torchrun every rank made the automatic choice (preflight); rank 0's is the one.
-        cfg = distributed.all_gather_object(cfg)[0]
+    cfg, plan = _plan_of_rank0(cfg, plan, worker)
     out = Path(cfg.output.out)
     setup_logging(worker.rank, cfg.output.log_file)
     if worker.is_main and cfg.parallel.chosen:
@@ -361,7 +362,7 @@ def run(cfg: Config) -> dict:
     memory = MemoryMonitor(worker.device)
     try:
         load_started = time.perf_counter()
-        job = prepare(cfg, worker, memory)
+        job = prepare(cfg, worker, memory, plan)
         load_seconds = time.perf_counter() - load_started
         result = train(job, memory, out)
         state: TrainState = result["state"]
@@ -374,7 +375,8 @@ def run(cfg: Config) -> dict:
         with memory.phase("save"):
             adapter = save_adapter(job.model, job.strategy, job.built.adapter_keys, out / "adapter", cfg.model.path)
         phases = ("load", "train", "save")
-        peaks = distributed.all_gather_object({k: memory.peak_mb(k) for k in phases})
+        peaks = distributed.all_gather_object({**{k: memory.peak_mb(k) for k in phases},
+                                               "runtime": round(memory.starts["load"], 1)})
         cuda_peaks = distributed.all_gather_object(memory.cuda_peaks_mb()) if worker.device.type == "cuda" else None
         summary = {
             "world_size": worker.world_size, "strategy": job.strategy.name, "dtype": cfg.model.dtype,
@@ -383,6 +385,7 @@ def run(cfg: Config) -> dict:
             "micro_batch_size": job.sampler.plan.micro_batch_size,
             "activation_checkpointing": cfg.parallel.activation_checkpointing,
             "fsdp_unit": cfg.parallel.fsdp_unit if job.strategy.name == "fsdp2" else None,
+            "run_plan": plan.as_dict(),
             "steps": job.steps, "tokens": state.tokens,
             "train_loss_first": state.first_loss, "train_loss_last": state.last_loss,
             "val_loss": state.val_loss,
@@ -390,6 +393,7 @@ def run(cfg: Config) -> dict:
             "load_seconds": round(load_seconds, 3),
             "load_peak_mb": [p["load"] for p in peaks], "train_peak_mb": [p["train"] for p in peaks],
             "save_peak_mb": [p["save"] for p in peaks],
+            "runtime_mb": [p["runtime"] for p in peaks],  # in use before loading: the planner's "runtime"
             # GPU: torch's max_memory_allocated and max_memory_reserved per phase and rank; reserved
             # (allocated plus the caching allocator's free blocks) is what runs out first.
             **({f"cuda_max_{kind}_mb": {k: [c[k][kind] for c in cuda_peaks] for k in phases}
@@ -414,17 +418,34 @@ def run(cfg: Config) -> dict:
         memory.close()
 
 
+def _plan_of_rank0(cfg: Config, plan: RunPlan | None, worker: Worker) -> tuple[Config, RunPlan]:
+    """Rank 0's (config, plan), on every rank: under plain torchrun each rank resolved its own in
+    preflight, and only one may count; without a plan rank 0 resolves it here. A refusal reaches
+    every rank, so none waits for a plan that never comes."""
+    decided: object = None
+    if worker.rank == 0:
+        try:
+            decided = (cfg, plan) if plan is not None else resolve(cfg)[:2]
+        except ShardtuneError as err:
+            decided = err
+    if worker.world_size > 1:
+        decided = distributed.all_gather_object(decided)[0]
+    if isinstance(decided, ShardtuneError):
+        raise decided
+    cfg, plan = decided  # type: ignore[misc]
+    return cfg, plan
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        sys.exit("usage: python -m shardtune.train CONFIG.yaml  (normally started by `shardtune finetune`)")
+    if len(argv) not in (1, 2):
+        sys.exit("usage: python -m shardtune.train CONFIG.yaml [PLAN.json]  (normally started by `shardtune "
+                 "finetune`, which resolves the run plan; without PLAN.json rank 0 resolves it)")
     cfg = build_config(argv[0])
     validate(cfg)
-    if cfg.train.micro_batch_size == "auto":
-        raise ConfigError("option 'micro-batch-size': 'auto' is decided by `shardtune finetune` before the workers "
-                          "start; give a number when starting shardtune.train yourself")
+    plan = RunPlan.from_dict(json.loads(Path(argv[1]).read_text())) if len(argv) == 2 else None
     try:
-        run(cfg)
+        run(cfg, plan)
     except Stopped as stop:
         # A stop is no failure: no error file, only the exit code the launcher reads (128 + signal).
         raise SystemExit(stop.exit_code) from None

@@ -1,27 +1,22 @@
 """The fastest configuration that fits: what ``auto`` means for --strategy, --micro-batch-size and
 --fsdp-unit (and activation checkpointing, when nothing fits without it).
 
-Decided once, before any worker starts (``preflight``), from the planner's memory predictions for
-every candidate; the result is written into the run's configuration, so every rank trains with the
-same settings (under plain torchrun every rank decides, and rank 0's decision is the one used:
-``train/recipe.run``).
+Decided once, by ``resolve`` (train/resolve.py), from the planner's memory predictions for every
+candidate the combination rules allow (``config.combination_refusal``); every rank receives the
+result in the run plan.
 
 The planner predicts memory only. Among the candidates that fit, the speed rule is, in order:
 
-1. no activation checkpointing (recomputing every layer's forward costs about a third more compute);
+1. no activation checkpointing (recomputing every layer's forward adds about a third to the compute);
 2. the fewest weight collectives per optimizer step: forward passes × units gathered per forward
    (ddp and single gather nothing; FSDP2 gathers each unit in forward and again in backward, so
    whole-layer units beat per-projection ones, and a larger micro-batch means fewer forwards);
 3. the largest micro-batch (fewer, larger matmuls).
 
-Through gloo's TCP a step's time at small micro-batches was set by the number of collectives, not
-by the bytes they move; FSDP2 on CPU now gathers through shared memory (parallel/host_gather.py),
-where the unit size no longer changes the speed, only the memory. ``bench/speed.py --jobs rule``
-runs the settings this rule ranks best at a budget: at 1.1B bf16 and 3 GiB its first two (whole
-layers, per-part units, micro-batch 1) ran level, 46.96 and 46.99 tokens/s, and a packed ddp
-micro-batch of 3 rows ran 9% slower than one of 2 (more padding), so the order below does not
-always hold (bench/results/speed-1.1b-bf16-budget-shared.json). Whole layers stay first: on GPUs
-(NCCL) fewer, larger collectives are what counts.
+The count of collectives is what sets a step's time over a network (NCCL, gloo's TCP). On one CPU
+host FSDP2 gathers through shared memory (parallel/host_gather.py), where the unit size changes the
+memory more than the speed, so the rule can rank two settings that run level; ``bench/speed.py
+--jobs rule`` measures the settings it ranks first (bench/results/).
 """
 
 from __future__ import annotations
@@ -31,10 +26,16 @@ import logging
 import math
 from dataclasses import dataclass
 
-from shardtune.config import Config, ConfigError, parse_size
+from shardtune.config import Config, ConfigError, combination_refusal, parse_size
+from shardtune.model.footprint import model_facts
+from shardtune.model.meta import compute_dtype
+from shardtune.train.memory_model import default_memory_per_rank, plan_device, predict
+from shardtune.train.objectives import rows_per_forward
 
 log = logging.getLogger("shardtune")
 MB = 1024 * 1024
+#: What ``--strategy auto`` chooses among on several ranks (fsdp1 only when named: fsdp2 does all it does).
+AUTO_STRATEGIES = ("ddp", "fsdp2")
 
 
 @dataclass(frozen=True)
@@ -63,8 +64,6 @@ def needs_choice(cfg: Config) -> bool:
 
 def budget_of(cfg: Config) -> tuple[int | None, str]:
     """Bytes per rank, and where that number came from (None: planning for GPUs on a machine without one)."""
-    from shardtune.plan import default_memory_per_rank, plan_device
-
     if cfg.parallel.memory_per_rank:
         return parse_size(cfg.parallel.memory_per_rank), f"--memory-per-rank {cfg.parallel.memory_per_rank}"
     device, _ = plan_device(cfg.parallel.device)
@@ -97,20 +96,15 @@ def candidates(cfg: Config, budget: int, tokens_per_record: float | None = None)
 
     ``tokens_per_record``: the training data's mean record length (preflight knows it); under
     --packing it sets how many packed rows, so forwards, a step takes."""
-    from shardtune.model.footprint import model_facts
-    from shardtune.model.meta import compute_dtype
-    from shardtune.plan import plan_device, predict
-    from shardtune.train.objectives import rows_per_forward
-
     ranks = cfg.parallel.nproc * cfg.parallel.nnodes
     if cfg.parallel.strategy != "auto":
         strategies = [cfg.parallel.strategy]
     elif ranks == 1:
         strategies = ["single"]
-    else:
-        strategies = ["fsdp2"] if cfg.parallel.cpu_offload else ["ddp", "fsdp2"]
-    rows = {s: rows_per_rank(cfg, 1 if s == "single" else ranks, tokens_per_record) for s in strategies}
-    micros = {s: _micro_sizes(cfg, 1 if s == "single" else ranks, rows[s]) for s in strategies}
+    else:  # what auto may pick: those the combination rules allow
+        strategies = [s for s in AUTO_STRATEGIES if combination_refusal(cfg, s) is None]
+    rows = {s: rows_per_rank(cfg, ranks, tokens_per_record) for s in strategies}
+    micros = {s: _micro_sizes(cfg, ranks, rows[s]) for s in strategies}
     auto = cfg.parallel.strategy == "auto" or cfg.train.micro_batch_size == "auto"
     acs = [True] if cfg.parallel.activation_checkpointing else ([False, True] if auto else [False])
     device, traced = plan_device(cfg.parallel.device)
@@ -118,14 +112,13 @@ def candidates(cfg: Config, budget: int, tokens_per_record: float | None = None)
                         {compute_dtype(cfg)}, traced)
     out = []
     for strategy in strategies:
-        world = 1 if strategy == "single" else ranks
         units = (["layer", "part"] if cfg.parallel.fsdp_unit == "auto" else [cfg.parallel.fsdp_unit]) \
             if strategy == "fsdp2" else ["-"]
         for micro in micros[strategy]:
             forwards = -(-rows[strategy] // micro)
             for ac in acs:
                 for unit in units:
-                    p = predict(facts, strategy, world, rows_per_forward(cfg, micro), cfg.data.seq_len, ac,
+                    p = predict(facts, strategy, ranks, rows_per_forward(cfg, micro), cfg.data.seq_len, ac,
                                 cfg.parallel.cpu_offload, device, cfg.parallel.replicate_groups,
                                 unit if unit != "-" else "part")
                     gathers = _gathers_per_forward(strategy, unit, facts)

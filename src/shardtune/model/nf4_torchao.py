@@ -1,0 +1,156 @@
+"""torchao's NF4 tensor, and bit-exact, leaner replacements for two of its methods.
+
+``nf4_module`` imports torchao's NF4 module and routes ``NF4Tensor``'s dequantization and
+nearest-code search through the versions here, after checking on a probe that they give exactly
+torchao's values: the same 4-bit data as torchao, in a fraction of the memory and time. A torchao
+whose results differ fails loudly at import instead of computing something else.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from shardtune.config import ConfigError
+from shardtune.runtime.logs import import_quietly
+
+BLOCK = 64  # weights per absmax scaler (QLoRA's block size)
+MAX_SCALER_BLOCK = 256  # scalers per double-quantization factor (QLoRA's, torchao's default)
+
+
+def nf4_module():
+    """torchao's NF4 module (imported quietly); a ConfigError saying how to install torchao if it is missing."""
+    try:
+        module = import_quietly("torchao.quantization.quantize_.workflows.nf4.nf4_tensor")
+    except ImportError as err:
+        raise ConfigError(
+            f"option 'quantize': nf4 needs torchao ({err}); install it with `pip install torchao` "
+            "(or `pip install 'shardtune[qlora]'`)"
+        ) from None
+    _use_lean_dequantization(module.NF4Tensor)
+    _use_fast_nearest(module.NF4Tensor)
+    return module
+
+
+DEQUANT_CHUNK = 1 << 20  # packed bytes (2 weights each) dequantized at a time
+
+
+def dequantize(t: torch.Tensor, original=None) -> torch.Tensor:
+    """``NF4Tensor.get_original_weight``, the same values bit for bit, in a fraction of the memory.
+
+    torchao's version holds two int64 index tensors and four temporaries of the whole weight at once,
+    several times the result's size, for each weight forward and backward dequantize. Here the result
+    is written a chunk of blocks at a time, with the same elementwise products.
+    """
+    scalers = t.dequantize_scalers(t.quantized_scalers, t.quantization_factor, t.scaler_block_size)
+    half = t.block_size // 2  # packed bytes per block
+    # Each packed byte holds two codes: one lookup in a 256-entry table of value pairs replaces two
+    # lookups with int64 indices (the same values, so the same products below).
+    pairs = torch.stack([t.nf4[torch.arange(256) >> 4], t.nf4[torch.arange(256) & 0b1111]], dim=-1)
+    packed = t.quantized_data
+    out = torch.empty(packed.numel() // half, half, 2, dtype=t.dtype, device=packed.device)
+    blocks = max(1, DEQUANT_CHUNK // half)
+    for first in range(0, out.shape[0], blocks):
+        codes = packed[first * half:(first + blocks) * half].to(torch.int32)
+        chunk = pairs.index_select(0, codes).view(-1, half, 2)
+        torch.mul(chunk, scalers[first:first + blocks, None, None], out=out[first:first + blocks])
+    return out.view(t.shape)
+
+
+def _use_lean_dequantization(cls: type) -> None:
+    """Route torchao's dequantization (every NF4 linear, forward and backward) through ``dequantize``.
+
+    A method of torchao's class is replaced; it is checked here, on a small tensor, to give exactly
+    what torchao's own gives, so a torchao change fails loudly instead of computing something else."""
+    if getattr(cls, "_shardtune_lean", False):
+        return
+    probe = cls.from_tensor(torch.linspace(-3, 5, 4 * 2 * BLOCK).reshape(4, 2 * BLOCK), BLOCK, 2)
+    if not torch.equal(dequantize(probe), cls.get_original_weight(probe)):
+        raise RuntimeError("torchao's NF4Tensor dequantizes differently than shardtune expects: "
+                           "shardtune's NF4 support needs updating for this torchao version")
+    cls._torchao_get_original_weight = cls.get_original_weight
+    cls.get_original_weight = dequantize
+    cls._shardtune_lean = True
+
+
+def nearest_code(value: torch.Tensor, nf4: torch.Tensor) -> torch.Tensor:
+    """``NF4Tensor.quantize_tensor_nearest``: the index of the NF4 value closest to each element (the
+    first on a tie; as uint8, what torchao stores it as), bit for bit, without its (n, 16) distance
+    matrix (which made loading an NF4 model many times slower than loading it in bf16).
+
+    16-bit values (bf16, fp16) have 65536 bit patterns: a table of torchao's answer for each, looked
+    up. Wider values (fp32; scaled to [-1, 1] by their block's absmax) go through a grid of 2^16 bins:
+    a bin far from every midpoint between two codes has one nearest code, looked up; values in the
+    few bins near a midpoint, where rounding in ``|value - code|`` can decide, are decided as torchao
+    decides them, from the same differences, the lower index winning a tie.
+    """
+    if value.element_size() == 2:
+        bits = value.contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
+        return _pattern_codes(value.dtype, nf4).index_select(0, bits.flatten()).view(value.shape)
+    codes_of_bin, near_bin = _grid(nf4)
+    flat = value.flatten()
+    # clamped after the cast too: a NaN casts to INT_MIN (non-finite values go to torchao's rule below)
+    bins = ((flat.clamp(-1, 1) + 1) * GRID_HALF).to(torch.int32).clamp_(0, 2 * GRID_HALF)
+    codes = codes_of_bin.index_select(0, bins)
+    near = (near_bin.index_select(0, bins) | ~torch.isfinite(flat)).nonzero().squeeze(1)
+    if near.numel():
+        codes[near] = _torchao_nearest(flat[near], nf4).to(torch.uint8)
+    return codes.view(value.shape)
+
+
+GRID_HALF = 1 << 15  # bins per unit: 2^16 bins over [-1, 1]
+
+
+def _torchao_nearest(value: torch.Tensor, nf4: torch.Tensor) -> torch.Tensor:
+    """torchao's definition itself (for the few values the fast paths leave open)."""
+    return (value.unsqueeze(-1) - nf4).abs().min(dim=-1).indices
+
+
+@functools.cache
+def _pattern_codes_cached(dtype: torch.dtype, nf4: tuple[float, ...]) -> torch.Tensor:
+    patterns = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(dtype)
+    order = torch.argsort(patterns.view(torch.int16).to(torch.int32) & 0xFFFF)
+    return _torchao_nearest(patterns[order], torch.tensor(nf4, dtype=dtype)).to(torch.uint8)
+
+
+def _pattern_codes(dtype: torch.dtype, nf4: torch.Tensor) -> torch.Tensor:
+    """Code of every 16-bit pattern, indexed by the pattern as an unsigned number."""
+    return _pattern_codes_cached(dtype, tuple(nf4.tolist())).to(nf4.device)
+
+
+def _grid(nf4: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(nearest code of each grid bin, whether a midpoint between codes lies within two bins of it)."""
+    return tuple(t.to(nf4.device) for t in _grid_cached(tuple(nf4.double().tolist())))
+
+
+@functools.cache
+def _grid_cached(nf4: tuple[float, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    edges = torch.arange(2 * GRID_HALF + 2, dtype=torch.float64) / GRID_HALF - 1  # bin b: [edges[b], edges[b+1])
+    lut = torch.tensor(nf4, dtype=torch.float64)
+    centers = (edges[:-1] + edges[1:]) / 2
+    codes = (centers.unsqueeze(-1) - lut).abs().argmin(dim=-1).to(torch.uint8)
+    mids = (lut[1:] + lut[:-1]) / 2
+    margin = 2.0 / GRID_HALF  # two bins: float rounding of the bin index, and of the midpoints
+    near = ((mids >= edges[:-1, None] - margin) & (mids <= edges[1:, None] + margin)).any(dim=-1)
+    return codes, near
+
+
+def _use_fast_nearest(cls: type) -> None:
+    """Route torchao's nearest-code search (every quantization) through ``nearest_code``, after checking
+    on values at, around and between every pair of codes that both give the same indices."""
+    if getattr(cls, "_shardtune_fast_nearest", False):
+        return
+    for dtype in (torch.float32, torch.bfloat16):
+        nf4 = torch.linspace(-3, 5, 4 * 2 * BLOCK).reshape(4, 2 * BLOCK).to(dtype)
+        lut = cls.from_tensor(nf4, BLOCK, 2).nf4
+        mids = (lut[1:] + lut[:-1]) / 2
+        probe = torch.cat([lut, mids, torch.nextafter(mids, mids + 1), torch.nextafter(mids, mids - 1),
+                           torch.linspace(-1.2, 1.2, 4001, dtype=dtype), torch.rand(4096).to(dtype) * 2 - 1,
+                           torch.tensor([float("inf"), -float("inf"), float("nan")], dtype=dtype)])
+        if not torch.equal(nearest_code(probe, lut).long(), cls.quantize_tensor_nearest(probe, lut)):
+            raise RuntimeError("torchao's NF4Tensor picks codes differently than shardtune expects: "
+                               "shardtune's NF4 support needs updating for this torchao version")
+    cls._torchao_quantize_tensor_nearest = cls.quantize_tensor_nearest
+    cls.quantize_tensor_nearest = staticmethod(nearest_code)
+    cls._shardtune_fast_nearest = True

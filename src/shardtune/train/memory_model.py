@@ -1,0 +1,245 @@
+"""The planner's memory model: each rank's peak per strategy, predicted before any weight is read.
+
+The model's sizes and saved activations come from footprint.py (config.json, a meta model, the
+safetensors headers). A rank's memory is what it keeps for the whole run (runtime, weights, LoRA
+state) plus what the busiest moment of a training step adds; the moments are listed per strategy in
+``_moments`` and the prediction names the one that wins. The constants below were fitted to measured
+peaks (bench/memory.py); ``shardtune plan`` (plan.py) renders the predictions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from shardtune.model.footprint import Facts
+from shardtune.parallel import host_gather
+from shardtune.runtime.device import memory_per_rank
+from shardtune.runtime.memory import MB
+from shardtune.train.loss import CHUNK_BYTES
+
+STRATEGIES = ("fsdp2", "fsdp1", "ddp", "single")
+#: A worker's private memory before loading (CPU): torch, transformers, peft, gloo, tokenizer, data.
+RUNTIME_CPU_MB = 275
+#: transformers before 5.2x imports scikit-learn (and with it pandas) whenever it is installed, from
+#: ``generation/candidate_generator.py``: that much more in every worker (bench/memory.py measures it).
+EAGER_SKLEARN_MB = 51
+
+
+def runtime_cpu_mb() -> float:
+    """A CPU worker's private memory before loading, on the transformers release installed here."""
+    from transformers.generation import candidate_generator
+
+    return RUNTIME_CPU_MB + (EAGER_SKLEARN_MB if hasattr(candidate_generator, "roc_curve") else 0)
+
+
+#: On GPU: the CUDA context, which ``max_memory_allocated`` does not count but the GPU must hold.
+CUDA_CONTEXT_MB = 500
+#: Copies of a unit held while it is all-gathered. FSDP2 gathers into a buffer, then copies out
+#: (shardtune's gloo all-gather adds nothing); FSDP1 gathers into the unsharded flat parameter, but
+#: gloo's all-gather receives into a buffer of its own first. Measured on CPU (bench/memory.py); the
+#: CUDA values follow from the code (NCCL gathers in place), not from a measurement. On CPU with
+#: shared gather buffers (parallel/host_gather.py) FSDP2's buffers are the "buffers" term instead.
+GATHER_COPIES = {("fsdp2", "cpu"): 2, ("fsdp1", "cpu"): 2, ("fsdp2", "cuda"): 2, ("fsdp1", "cuda"): 1}
+#: Shared gather buffers per unit size (host_gather.py: one being read while the next is written).
+SHARED_BUFFERS = 2
+#: FSDP1's decoder blocks unsharded at once in backward: the one computing and the one prefetched
+#: while gathered (CPU: measured; CUDA: from the code). FSDP2's units: ``_fsdp2_moments``.
+BACKWARD_BLOCKS = {("fsdp1", "cpu"): 3, ("fsdp1", "cuda"): 2}
+
+TERMS: dict[str, str] = {
+    "runtime": "the process before loading: torch, transformers, peft, process group, data "
+               "(on GPU: the CUDA context)",
+    "weights": "the frozen base weights this rank holds: 1/N of them under FSDP, all of them under DDP/single",
+    "blocks": "decoder-layer weights all-gathered (unsharded) at once, in the compute dtype: FSDP1 whole "
+              "layers; FSDP2 the unit computing plus the next one gathered (a layer's attention, MLP "
+              "projections and norms are units of their own)",
+    "buffers": "CPU, FSDP2: the buffers decoder-layer units are gathered into, shared by the ranks of a "
+               "host and kept for the whole run, two per unit size (each rank maps them in full)",
+    "root": "non-layer weights unsharded: FSDP2 uses frozen embeddings from row shards (one rank's rows "
+            "in a buffer at a time) and gathers others; FSDP1 keeps its root unit (embeddings, final "
+            "norm, lm_head) unsharded from forward to the end of backward",
+    "lora": "the trainable LoRA weights, fp32 (1/N of them under FSDP)",
+    "grads": "their fp32 gradients (1/N under FSDP; DDP also keeps a bucket copy for its all-reduce)",
+    "optimizer": "AdamW state: 2 fp32 values per trainable weight (1/N under FSDP)",
+    "activations": "tensors saved for backward, all layers (with activation checkpointing: each layer's "
+                   "input, plus one layer's recomputed set), and the backward of one layer",
+    "logits": "micro-batch tokens × vocabulary in the compute dtype, and their gradient in backward "
+              "(the loss works in fp32 a chunk of tokens at a time)",
+    "dequant": "--quantize nf4: the largest 4-bit weight dequantized to the compute dtype for its matmul "
+               "(forward and backward); while loading, a rank's bf16 slice of it being quantized",
+}
+#: Bytes per weight while a bf16 slice is quantized (the slice, its scaled copy, one code byte per
+#: weight, the packed codes), as a multiple of the slice's bf16 bytes: torchao's to_nf4 steps.
+QUANTIZE_SLICE_COPIES = 2.75
+
+
+@dataclass
+class Prediction:
+    strategy: str
+    ranks: int
+    activation_checkpointing: bool
+    cpu_offload: bool
+    terms: dict[str, float]  # MB on the device (GPU memory, or the process's private RAM on CPU)
+    moment: str  # when in the step the peak happens
+    host_mb: float = 0.0  # what CPU offload keeps in host RAM instead
+    read_mb: float = 0.0  # checkpoint bytes each rank reads while loading
+    block_mb: float = 0.0  # the largest decoder layer, unsharded
+    quantize_slice_mb: float = 0.0  # --quantize nf4: the largest weight's bf16 slice a rank quantizes at load
+    fits: bool | None = None
+    note: str = ""
+    runs: bool = False  # the row `finetune` would run (plan.py marks it)
+
+    @property
+    def peak_mb(self) -> float:
+        return sum(self.terms.values())
+
+    def as_dict(self) -> dict:
+        return {"peak_mb": round(self.peak_mb, 3), "fits": self.fits, "ranks": self.ranks,
+                "activation_checkpointing": self.activation_checkpointing, "cpu_offload": self.cpu_offload,
+                "peak_at": self.moment, "terms": {k: round(v, 3) for k, v in self.terms.items()},
+                "host_mb": round(self.host_mb, 3), "read_mb": round(self.read_mb, 3),
+                "block_mb": round(self.block_mb, 3), "quantize_slice_mb": round(self.quantize_slice_mb, 3),
+                "note": self.note, "runs": self.runs}
+
+
+def _moments(strategy: str, device: str, f: Facts, n: int, acts: float, workspace: float, logits_fwd: float,
+             logits_bwd: float, unit: str = "part") -> dict[str, dict[str, float]]:
+    """The busiest moments of a step for ``strategy``: {moment: the terms it adds to the kept state}."""
+    copies = GATHER_COPIES.get((strategy, device), 0)
+    if strategy == "fsdp2":
+        units = f.units_bytes if unit == "part" else [f.block_bytes]
+        # whole-layer units keep the last layer gathered from its forward into its backward
+        last_kept = f.block_bytes if unit == "layer" else 0.0
+        buffers = 0.0
+        if device == "cpu" and n > 1 and host_gather.enabled():
+            copies, buffers = 1, SHARED_BUFFERS * sum(set(units))
+        moments = _fsdp2_moments(device, f, n, copies, acts, workspace, logits_fwd, logits_bwd, units, last_kept)
+        for terms in moments.values():
+            terms["buffers"] = buffers
+        return moments
+    blocks = BACKWARD_BLOCKS.get((strategy, device), 0) * f.block_bytes
+    if strategy == "fsdp1" and f.head_bytes:  # untied tables are units of their own (parallel/fsdp1.py)
+        return {
+            "start of forward (input embedding gathered)": {"root": copies * f.embed_bytes},
+            "end of forward (output embedding gathered)": {"root": copies * f.head_bytes, "activations": acts,
+                                                           "logits": logits_fwd},
+            "start of backward (logits)": {"root": copies * f.head_bytes, "activations": acts,
+                                           "logits": logits_bwd},
+            "backward through the layers": {"blocks": blocks, "activations": acts + workspace},
+        }
+    # The whole root unsharded for the step: FSDP1's root (tied embeddings, final norm).
+    root = f.root_bytes if copies else 0
+    moments = {
+        "end of forward": {"root": root, "activations": acts, "logits": logits_fwd},
+        "start of backward (logits)": {"root": root, "activations": acts, "logits": logits_bwd},
+        "backward through the layers": {"root": root, "blocks": blocks, "activations": acts + workspace},
+    }
+    if copies > 1:  # before any activation exists
+        moments["start of forward (root gathered)"] = {"root": copies * root}
+    return moments
+
+
+def _fsdp2_moments(device: str, f: Facts, n: int, copies: int, acts: float, workspace: float,
+                   logits_fwd: float, logits_bwd: float, units: list[int],
+                   last_kept: float = 0.0) -> dict[str, dict[str, float]]:
+    """FSDP2 as parallel/fsdp2.py applies it: ``units`` per decoder layer (whole layers, or their
+    parts); frozen embeddings used from row shards (one rank's rows in a buffer at a time), others
+    gathered in units."""
+    # The unit computing while the next one is gathered into a buffer and copied out (CPU, measured);
+    # on CUDA FSDP2 also keeps one more gathered unit for stream overlap (from the code).
+    window = 2 if device == "cpu" else 3
+    gathered = max((sum(units[i:i + window - 1]) + copies * units[i + window - 1]
+                    for i in range(len(units) - window + 1)), default=copies * sum(units))
+    if f.tables_by_rows["embed"]:
+        embed = f.embed_bytes / n
+    else:  # gathered: in a unit of its own when untied, else in the root with the tied head
+        embed = copies * (f.embed_bytes if f.head_bytes else f.root_bytes)
+    if f.tables_by_rows["head"]:
+        head_fwd = head_bwd = (f.head_bytes or f.embed_bytes) / n  # each rank's rows written in place
+    elif f.head_bytes:  # its own unit, kept from the end of forward into backward
+        head_fwd, head_bwd = copies * f.head_bytes, f.head_bytes
+    else:
+        head_fwd = head_bwd = f.root_bytes
+    root_kept = 0.0 if f.tables_by_rows["embed"] or f.head_bytes else f.root_bytes
+    return {
+        "start of forward (input embedding)": {"root": embed},
+        "end of forward (output embedding)": {"root": head_fwd, "blocks": last_kept, "activations": acts,
+                                              "logits": logits_fwd},
+        "start of backward (logits)": {"root": head_bwd, "blocks": last_kept, "activations": acts,
+                                       "logits": logits_bwd},
+        "backward through the layers": {"root": root_kept, "blocks": gathered, "activations": acts + workspace},
+    }
+
+
+def predict(f: Facts, strategy: str, ranks: int, micro_batch: int, seq_len: int, ac: bool, offload: bool,
+            device: torch.device, replicate_groups: int = 1, unit: str = "part") -> Prediction:
+    """One strategy's per-rank peak, in MB, from the model's facts (``unit``: FSDP2's unit size).
+
+    HSDP (``replicate_groups`` > 1) shards over the ranks of one group only: a rank holds 1/(ranks/groups).
+    """
+    sharded = strategy in ("fsdp2", "fsdp1")
+    n = ranks // replicate_groups if sharded else 1
+    # LoRA computes in the compute dtype under every strategy (parallel/compute_dtype.py)
+    lora_dtype = {2: torch.bfloat16, 4: torch.float32}[f.compute_itemsize]
+    per_layer, outside, vocab = f.saved[micro_batch, lora_dtype]
+    micro_tokens = micro_batch * seq_len
+    if ac:
+        # Each layer keeps only its input; in backward one layer at a time recomputes its own set.
+        acts = f.layers * micro_tokens * f.hidden * f.compute_itemsize + outside
+        workspace = 2 * max(per_layer, default=0)
+    else:
+        acts, workspace = sum(per_layer) + outside, max(per_layer, default=0)
+    logits = micro_tokens * vocab * f.compute_itemsize
+    logits_bwd = 2 * logits + min(CHUNK_BYTES, micro_tokens * vocab * 4)
+    lora = 4 * f.trainable_params / n
+    kept = {
+        "runtime": (CUDA_CONTEXT_MB if device.type == "cuda" else runtime_cpu_mb()) * MB,
+        "weights": f.frozen_bytes / n,
+        "lora": lora,
+        "grads": lora * (2 if strategy == "ddp" else 1),
+        "optimizer": 2 * lora,
+    }
+    host = 0.0
+    if offload and device.type == "cuda":  # the shards and their optimizer live in host RAM
+        host = sum(kept[k] for k in ("weights", "lora", "grads", "optimizer"))
+        kept.update(weights=0.0, lora=0.0, grads=0.0, optimizer=0.0)
+    moments = _moments(strategy, "cuda" if device.type == "cuda" else "cpu", f, n, acts, workspace, logits,
+                       logits_bwd, unit)
+    if f.dequant_bytes:
+        moments["backward through the layers"]["dequant"] = f.dequant_bytes
+        # loading: the shard so far plus one slice being quantized (no gradients or optimizer yet)
+        moments["loading (a weight's slice quantized)"] = {
+            "dequant": QUANTIZE_SLICE_COPIES * f.quantize_slice_bytes / n,
+            "grads": -kept["grads"], "optimizer": -kept["optimizer"]}
+    moment, extra = max(moments.items(), key=lambda kv: sum(kv[1].values()))
+    terms = {k: kept.get(k, 0.0) + extra.get(k, 0.0) for k in TERMS}
+    note = ""
+    if offload and device.type != "cuda":
+        note = "on CPU, offloading changes nothing: the shards are in RAM already"
+    return Prediction(strategy, n, ac, offload, {k: v / MB for k, v in terms.items()}, moment,
+                      host_mb=host / MB, read_mb=f.checkpoint_bytes / n / MB, block_mb=f.block_bytes / MB,
+                      quantize_slice_mb=f.quantize_slice_bytes / n / MB,
+                      note=note)
+
+
+def plan_device(requested: str = "auto") -> tuple[torch.device, torch.device]:
+    """(the device planned for, the device the fake-tensor pass runs on).
+
+    ``--device cuda`` plans for GPUs from any machine: without CUDA here the fake pass runs on the CPU
+    device (a CUDA fake pass needs CUDA: SDPA aborts the process without it) and the CUDA terms
+    (context, gathers, no glibc heap) come from ``predict``.
+    """
+    target = "cuda" if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()) else "cpu"
+    traced = target if target == "cpu" or torch.cuda.is_available() else "cpu"
+    return torch.device(target, 0) if target == "cuda" else torch.device("cpu"), torch.device(traced)
+
+
+def default_memory_per_rank(local_ranks: int, device: torch.device) -> int | None:
+    """This machine's memory per rank; None when planning for GPUs on a machine without one."""
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return None
+    return memory_per_rank(device, local_ranks)
+
+
