@@ -51,11 +51,11 @@ def preflight(cfg: Config) -> Config:
     vocab = vocab_size(model_dir)
     # Tokenized once, here: the workers map the cache instead of each tokenizing every record again.
     cache = token_cache(cfg)
-    train = load_dataset(cfg.data.train, tokenizer, cfg.data.seq_len, vocab, cfg.data.fields, cache)
+    train = load_dataset(cfg.data.train, tokenizer, cfg.data.seq_len, vocab, cfg.data.fields, cache, show_progress=True)
     warn_about_data(cfg.data.train, read_records(cfg.data.train, cfg.data.fields), len(train.examples),
                     cfg.train.batch_size)
     if cfg.data.val:
-        load_dataset(cfg.data.val, tokenizer, cfg.data.seq_len, vocab, cfg.data.fields, cache)
+        load_dataset(cfg.data.val, tokenizer, cfg.data.seq_len, vocab, cfg.data.fields, cache, show_progress=True)
     if cfg.model.quantize == "nf4":
         quantize.check_available()
     model, _ = inject_lora(build_meta_model(model_dir, compute_dtype(cfg)), cfg.lora, cfg.train.seed)
