@@ -65,8 +65,10 @@ def _build(model_dir: ModelDir, meta_model: nn.Module | None, cfg: Config, worke
     else:
         name, why = choose_strategy(cfg.parallel.strategy, worker, weight_bytes(model, dtype, selection),
                                     worker.local_world_size, cfg.parallel.cpu_offload)
-    why = cfg.parallel.chosen or why  # decided before the workers started (choice.py)
-    log.info("strategy %s: %s", name, why)
+    if cfg.parallel.chosen:  # decided before the workers started (choice.py); the recipe has said it once
+        why = cfg.parallel.chosen
+    else:
+        log.info("strategy %s: %s", name, why)
     if selection is not None:
         if name == "fsdp2":
             quantize.check_even_split(selection, worker.world_size // groups)

@@ -26,7 +26,7 @@ from shardtune.parallel.sharded_model import Built, build_model
 from shardtune.runtime import distributed
 from shardtune.runtime.device import decide_dtype, device_type
 from shardtune.runtime.distributed import Worker
-from shardtune.runtime.logs import setup_logging
+from shardtune.runtime.logs import EVERY_RANK, setup_logging
 from shardtune.runtime.memory import MemoryMonitor, tune_malloc
 from shardtune.runtime.workers import Stopped
 from shardtune.train import validation
@@ -162,10 +162,10 @@ def prepare(cfg: Config, worker: Worker, memory: MemoryMonitor) -> Job:
                 if cfg.data.val else None)
     if train_data.truncated:
         log.warning("%d of %d training records were cut to --seq-len %d", train_data.truncated,
-                    len(train_data.examples) + train_data.without_targets, cfg.data.seq_len)
+                    len(train_data.examples) + train_data.without_targets, cfg.data.seq_len, extra=EVERY_RANK)
     if train_data.without_targets:
         log.warning("%d training records have no target token within --seq-len and are skipped",
-                    train_data.without_targets)
+                    train_data.without_targets, extra=EVERY_RANK)
     if cfg.data.packing:
         plan = packed_plan(cfg.train.batch_size, cfg.train.micro_batch_size, worker.world_size)
     else:
@@ -210,7 +210,7 @@ def _loop(job: Job, memory: MemoryMonitor, optimizer, scheduler, checkpoints: Ch
     out = Path(cfg.output.out)
     progress = Progress(job.steps, state.step, job.worker.is_main)
     losses, fills, stopped_by = [], [], 0
-    guard = TrainingGuard(out, cfg.train.lr, job.worker.is_main)
+    guard = TrainingGuard(out, cfg.train.lr, job.worker.is_main, cfg.lora.alpha)
     with memory.phase("train"), GracefulStop(job.worker.device) as stop:
         for step in range(state.step, job.steps):
             started = time.perf_counter()
@@ -229,13 +229,13 @@ def _loop(job: Job, memory: MemoryMonitor, optimizer, scheduler, checkpoints: Ch
             fills.append(fill)
             record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
                       "tokens_per_second": tokens / seconds, "fill_ratio": fill, "seconds": seconds,
-                      "memory_mb": memory.now_mb()}
+                      "memory_mb": memory.now_mb(), "peak_mb": memory.peak_so_far_mb()}
+            progress.update(record)  # before validation: the step's rate is the step's own
             if job.val and ((cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0) or step + 1 == job.steps):
                 state.val_loss = record["val_loss"] = evaluate(job)
-                progress.write(f"step {step + 1}: val_loss {state.val_loss:.4f}")
+                progress.validated(step + 1, state.val_loss)
             metrics.write(record)
             trackers.log(record)
-            progress.update(record)
             stopped_by = stop.agreed()  # SIGTERM/SIGINT on any rank: all save, then all stop
             if stopped_by or checkpoints.due(state.step):
                 checkpoints.save(state)
