@@ -236,7 +236,7 @@ def test_report_writes_plots_and_markdown(tmp_path, capsys):
         assert (tmp_path / "run" / name).read_bytes()[:4] == b"\x89PNG"
     md = (tmp_path / "run" / "report.md").read_text()
     assert "](loss.png)" in md and "](throughput.png)" in md and "](memory.png)" in md
-    assert "| strategy | fsdp2 (2 ranks) |" in md and "| train peak MB per rank | 600.0, 610.0 |" in md
+    assert "| strategy | fsdp2 (2 ranks) |" in md and "| train peak MiB per rank | 600, 610 |" in md
     assert "report.md" in capsys.readouterr().out
 
 

@@ -5,19 +5,29 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from shardtune.runtime.logs import quiet_by_default
+
 __version__ = "0.1.0"
 
+quiet_by_default()  # before torch or torchao is imported in this process (see runtime/logs.py)
 
-def finetune(config: str | Path | dict[str, Any] | None = None, nproc: int | None = None, **options: Any) -> dict:
+
+def finetune(config: str | Path | dict[str, Any] | None = None, nproc: int | None = None,
+             verbose: bool | None = None, **options: Any) -> dict:
     """Run a fine-tune in fresh worker processes and return its summary (the summary.json fields).
 
     ``config`` is a YAML path or a dict of options named like the CLI flags (``lora-r`` or
     ``lora_r``); keyword ``options`` override it. Works from scripts and notebooks alike.
+    ``verbose=True`` keeps the library warnings that are filtered by default (``--verbose``).
     """
     from shardtune.config import build_config
     from shardtune.launch import launch
     from shardtune.preflight import preflight
 
+    if verbose is not None:
+        from shardtune.runtime.logs import set_verbose
+
+        set_verbose(verbose)
     overrides = dict(options)
     if nproc is not None:
         overrides["nproc"] = nproc

@@ -76,7 +76,13 @@ def cmd_merge(args: argparse.Namespace) -> int:
 
     result = merge(args.model, args.adapter, args.out, args.dtype, overwrite=args.overwrite,
                    trust_remote_code=args.trust_remote_code)
-    print(f"wrote {result['out']} ({result['changed']} tensors changed, {result['bytes'] / 2**20:.1f} MB)")
+    print(f"wrote {result['out']} ({result['changed']} tensors changed, {result['bytes'] / 2**20:.1f} MiB)")
+    dtypes = [d for d in result.get("dtypes", []) if d != "float32"]
+    if dtypes:  # the LoRA update is computed in fp32, then rounded to the stored dtype
+        source = "as stored in --model" if args.dtype == "auto" else f"--dtype {args.dtype}"
+        print(f"the merged weights are {', '.join(dtypes)} ({source}): the LoRA update is added in fp32 and then "
+              f"rounded, so outputs differ slightly from base model + adapter; `--dtype fp32` writes fp32 weights "
+              f"that match them exactly")
     return 0
 
 
@@ -132,6 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_adapter_from_checkpoint)
 
     add_commands(sub)  # generate, eval, report (cli_tools.py)
+    for command in sub.choices.values():
+        command.add_argument("--verbose", action="store_true",
+                             help="also show library warnings and progress bars that are filtered by default")
     return parser
 
 
@@ -155,6 +164,10 @@ def _run(argv: list[str] | None) -> int:
     from shardtune.runtime.workers import Stopped
 
     args = build_parser().parse_args(argv)
+    if getattr(args, "verbose", False):
+        from shardtune.runtime.logs import set_verbose
+
+        set_verbose(True)  # worker processes inherit it
     try:
         return args.func(args)
     except Stopped as err:  # a checkpoint may be there to resume from: the message says which and how

@@ -53,14 +53,15 @@ def preflight(cfg: Config) -> tuple[Config, RunPlan]:
     # Tokenized once, here: the workers map the cache instead of each tokenizing every record again.
     cache = token_cache(cfg)
     fmt = PAIRS if cfg.train.objective != "sft" else SFT
-    train = load_dataset(cfg.data.train, tokenizer, cfg.data.seq_len, vocab, cfg.data.fields, cache, fmt)
+    train = load_dataset(cfg.data.train, tokenizer, cfg.data.seq_len, vocab, cfg.data.fields, cache, fmt,
+                         show_progress=True)
     records = read_records(cfg.data.train, cfg.data.fields, fmt.check)
     warn_about_data(cfg.data.train, records, len(train.examples) // fmt.per_record, cfg.train.batch_size)
     if fmt is PAIRS:
         for message in pair_warnings(cfg.data.train, records, train.truncated, cfg.data.seq_len):
             log.warning("%s", message)
     if cfg.data.val:
-        load_dataset(cfg.data.val, tokenizer, cfg.data.seq_len, vocab, cfg.data.fields, cache, fmt)
+        load_dataset(cfg.data.val, tokenizer, cfg.data.seq_len, vocab, cfg.data.fields, cache, fmt, show_progress=True)
     model, _ = inject_lora(build_meta_model(model_dir, compute_dtype(cfg)), cfg.lora, cfg.train.seed)
     if cfg.data.packing:
         check_packing(model)

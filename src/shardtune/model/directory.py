@@ -93,7 +93,12 @@ def load_tokenizer(model_dir: ModelDir):
                             f"{', '.join(TOKENIZER_FILES)}")
     try:
         return AutoTokenizer.from_pretrained(model_dir.path, trust_remote_code=model_dir.trust_remote_code)
-    except (OSError, ValueError, KeyError, TypeError) as err:
+    except KeyError as err:  # a file of the wrong structure: transformers says only the key
+        name = next((n for n in ("tokenizer.json", "tokenizer_config.json") if (Path(model_dir.path) / n).is_file()),
+                    "tokenizer.json")
+        raise ModelDirError(f"{Path(model_dir.path) / name}: not a tokenizer file of the expected structure "
+                            f"(no key {err.args[0] if err.args else err!r} where one was expected)") from None
+    except (OSError, ValueError, TypeError) as err:
         reason = (str(err).strip().splitlines() or [type(err).__name__])[0].rstrip(" :")
         raise ModelDirError(
             f"model directory {model_dir.path} has no usable tokenizer "
@@ -134,7 +139,8 @@ def check_model_dir(path: str | Path, trust_remote_code: bool = False, weights: 
     hub = resolve(str(path), weights=weights, remote_code=trust_remote_code)
     path = hub.path if hub else Path(path).expanduser()
     if not path.exists():
-        raise ModelDirError(f"model directory {path} does not exist")
+        raise ModelDirError(f"model directory {path} does not exist (a local path: no Hub look-up was made; "
+                            f"relative paths start at the working directory, {Path.cwd()})")
     if not path.is_dir():
         raise ModelDirError(f"model directory {path} is a file, not a directory")
     if not (path / "config.json").is_file():

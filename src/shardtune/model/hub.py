@@ -57,6 +57,10 @@ def parse_hub_id(spec: str) -> tuple[str, str | None] | None:
     return (match["repo"], match["revision"]) if match else None
 
 
+def _not_local(spec: str) -> str:
+    return f"there is no local directory {spec} (paths are relative to the working directory, {Path.cwd()})"
+
+
 def resolve(spec: str, weights: bool = True, remote_code: bool = False) -> HubModel | None:
     """The local directory for Hub id ``spec`` (cache first, then download); None when ``spec`` is a local path.
 
@@ -83,7 +87,8 @@ def resolve(spec: str, weights: bool = True, remote_code: bool = False) -> HubMo
         return HubModel(repo_id, revision, cached)
     if is_offline_mode():
         raise HubModelError(
-            f"model '{spec}' is not in the local Hugging Face cache ({constants.HF_HUB_CACHE}) and "
+            f"model '{spec}': {_not_local(spec)}, and as a Hub id it is not in the local Hugging Face cache "
+            f"({constants.HF_HUB_CACHE}) and "
             f"HF_HUB_OFFLINE is set: download it while online (or unset HF_HUB_OFFLINE), or give a local directory"
         )
     try:
@@ -103,10 +108,11 @@ def resolve(spec: str, weights: bool = True, remote_code: bool = False) -> HubMo
         raise HubModelError(f"model '{repo_id}' has no revision '{revision}' on the Hub") from None
     except RepositoryNotFoundError:
         raise HubModelError(
-            f"model '{spec}' is neither a local directory nor a Hub repository (private ones need HF_TOKEN)"
+            f"model '{spec}': {_not_local(spec)}, and no Hub repository has that name (private ones need HF_TOKEN)"
         ) from None
     except (LocalEntryNotFoundError, OSError) as err:
-        raise HubModelError(f"model '{spec}': could not download from the Hugging Face Hub ({err})") from None
+        raise HubModelError(f"model '{spec}': {_not_local(spec)}, and as a Hub id it could not be downloaded from "
+                            f"the Hugging Face Hub ({err})") from None
     if not wanted and weights:
         raise HubModelError(f"model '{spec}' on the Hub has no safetensors weights (model.safetensors or an index)")
     return HubModel(repo_id, revision, path, headers)

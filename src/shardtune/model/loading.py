@@ -26,6 +26,7 @@ from shardtune.model.directory import ModelDir, ModelDirError
 from shardtune.model.lora import PEFT_PREFIX
 from shardtune.model.structure import base_model
 from shardtune.runtime.compat import ShardView, piece_boxes
+from shardtune.runtime.logs import EVERY_RANK
 from shardtune.runtime.versions import tied_weights_keys
 
 log = logging.getLogger("shardtune")
@@ -179,6 +180,7 @@ def load_base_weights(model: nn.Module, model_dir: ModelDir, tensors: dict[str, 
     for round_ in plan:
         _check_shapes(round_, model_dir)
         dcp.load(round_, storage_reader=reader_cls(str(model_dir.path)))
+        _check_finite(round_, model_dir)
     _load_nf4(four_bit, model_dir)
     return sorted(stored - used)
 
@@ -202,6 +204,16 @@ def _load_nf4(params: dict[str, torch.Tensor], model_dir: ModelDir) -> None:
         dcp.load({key: rows}, storage_reader=dcp.HuggingFaceStorageReader(str(model_dir.path)))
         nf4_fill.fill(param, rows.to_local() if isinstance(rows, DTensor) else rows, group)
         del rows
+
+
+def _check_finite(loaded: dict[str, torch.Tensor], model_dir: ModelDir) -> None:
+    """A NaN/inf in a base weight, named here: found later it would read as a divergence blamed on --lr."""
+    for key, tensor in loaded.items():
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        if local.is_floating_point() and local.numel() and not bool(torch.isfinite(local).all()):
+            bad = "NaN" if bool(torch.isnan(local).any()) else "inf"
+            raise ModelDirError(f"{model_dir.path}: base weight {key} holds {bad} values (a damaged or wrongly "
+                                f"converted checkpoint); training from it cannot work")
 
 
 def _check_shapes(wanted: dict[str, torch.Tensor], model_dir: ModelDir) -> None:
@@ -279,5 +291,5 @@ def load(
     init_dora_magnitudes(model, {n: t for n, t in tensors.items() if n not in snapshot.lora})
     assert_nothing_on_meta(model)
     if unused:
-        log.warning("checkpoint tensors not used by the model: %s", ", ".join(unused[:8]))
+        log.warning("checkpoint tensors not used by the model: %s", ", ".join(unused[:8]), extra=EVERY_RANK)
     return unused

@@ -35,6 +35,7 @@ from torch import nn
 
 from shardtune.config import ConfigError
 from shardtune.model.nf4_torchao import BLOCK, MAX_SCALER_BLOCK, nf4_module
+from shardtune.runtime.logs import EVERY_RANK
 
 log = logging.getLogger("shardtune")
 
@@ -115,9 +116,10 @@ def warn_kept(selection: Selection) -> None:
     if selection.kept:
         items = [f"{n} ({why})" for n, why in list(selection.kept.items())[:8]]
         log.warning("--quantize nf4: %d Linear weight(s) stay in the compute dtype: %s%s", len(selection.kept),
-                    "; ".join(items), " …" if len(selection.kept) > 8 else "")
+                    "; ".join(items), " …" if len(selection.kept) > 8 else "", extra=EVERY_RANK)
     if not selection.quantized:
-        log.warning("--quantize nf4: no decoder-layer Linear weight can be quantized; the base stays unquantized")
+        log.warning("--quantize nf4: no decoder-layer Linear weight can be quantized; the base stays unquantized",
+                    extra=EVERY_RANK)
 
 
 def empty_nf4(shape: tuple[int, int], dtype: torch.dtype, device: torch.device | str = "meta") -> torch.Tensor:

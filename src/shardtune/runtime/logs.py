@@ -24,6 +24,68 @@ _HARMLESS = (
 )
 
 
+# Library log lines that tell a user nothing, by logger: filtered at the source unless --verbose.
+_NOISE = {
+    "torch.utils._pytree": ("is an Enum subclass",),  # torchao registers its enums the old way
+    "torchao": ("Failed to load",),  # each CUDA kernel library torchao ships, on a machine without it
+    "torchao.kernel.intmm": ("Detected no triton",),
+}
+# The elastic agent's own lines ("Sending process … closing signal", "failed (exitcode …)"): our
+# launcher names the failed rank and its error itself.
+_LAUNCHER_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher")
+VERBOSE_ENV = "SHARDTUNE_VERBOSE"
+# ``log.warning(..., extra=EVERY_RANK)``: a warning every rank reaches alike (the same data, the same
+# checkpoint); rank 0 says it, the others do not repeat it. Warnings without it may differ by rank.
+EVERY_RANK = {"same_on_every_rank": True}
+
+
+class _FirstRankSays(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not getattr(record, "same_on_every_rank", False)
+
+
+class _DropNoise(logging.Filter):
+    def __init__(self, needles: tuple[str, ...]) -> None:
+        super().__init__()
+        self.needles = needles
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        return not any(n in text for n in self.needles)
+
+
+def verbose() -> bool:
+    """``--verbose`` (or SHARDTUNE_VERBOSE=1, which worker processes inherit): library noise is kept."""
+    return os.environ.get(VERBOSE_ENV, "") not in ("", "0")
+
+
+def set_verbose(on: bool) -> None:
+    """Switch for this process and the workers it starts; on, it undoes ``quiet_by_default``."""
+    os.environ[VERBOSE_ENV] = "1" if on else "0"
+    if on:
+        for name in _NOISE:
+            logger = logging.getLogger(name)
+            for f in [f for f in logger.filters if isinstance(f, _DropNoise)]:
+                logger.removeFilter(f)
+        for name in _LAUNCHER_LOGGERS:
+            logging.getLogger(name).setLevel(logging.NOTSET)
+
+
+def quiet_by_default() -> None:
+    """Filter the known library noise at its loggers; cheap (imports nothing), idempotent, and done
+    on ``import shardtune``, so before torch or torchao can print it in any process of a run."""
+    if verbose():
+        return
+    for name, needles in _NOISE.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropNoise) for f in logger.filters):
+            logger.addFilter(_DropNoise(needles))
+    for name in _LAUNCHER_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+    # tqdm.auto in a notebook without ipywidgets; our own bars never ask for it (runtime/progress.py)
+    warnings.filterwarnings("ignore", message=r".*IProgress not found.*")
+
+
 def import_quietly(module: str):
     """Import ``module`` with torchao's import-time noise silenced: it logs a failed load of each CUDA
     kernel library it ships (on CPU-only torch, all of them) and torch's pytree warns about its enums."""
@@ -45,6 +107,10 @@ def import_quietly(module: str):
 
 
 def quiet_libraries() -> None:
+    """Silence what libraries print that says nothing to a user; ``--verbose`` keeps all of it."""
+    if verbose():
+        return
+    quiet_by_default()
     for pattern in _HARMLESS:
         warnings.filterwarnings("ignore", message=pattern)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -71,6 +137,8 @@ def setup_logging(rank: int, log_file: str | None = None) -> logging.Logger:
     console = logging.StreamHandler()
     console.setLevel(logging.INFO if rank == 0 else logging.WARNING)
     console.setFormatter(_RankFormatter(rank, world_size))
+    if rank != 0:
+        console.addFilter(_FirstRankSays())
     log.addHandler(console)
     if log_file:
         to_file = logging.FileHandler(log_file)

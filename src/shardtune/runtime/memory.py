@@ -112,6 +112,13 @@ class MemoryMonitor:
             return torch.cuda.memory_allocated(self.device) / MB
         return resident_bytes() / MB
 
+    def peak_so_far_mb(self) -> float:
+        """The progress bar's figure: the peak since the current phase began (CUDA allocated on GPU)."""
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) / MB
+        with self._lock:
+            return max(self._peak, resident_bytes()) / MB
+
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
         self.starts[name] = self.now_mb()  # before "load": the runtime, what the planner holds fixed

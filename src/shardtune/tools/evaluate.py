@@ -96,17 +96,23 @@ def _read(spec: EvalSpec, tokenizer) -> _Work:
 @torch.no_grad()
 def _evaluate_share(model, tokenizer, spec: EvalSpec, work: _Work, rank: int, world_size: int) -> dict:
     """This rank's loss sum, target count and answers (by question index)."""
+    from shardtune.runtime.progress import progress
     from shardtune.tools.generate import generate_answers
     from shardtune.train.data import pad_id, shard_indices
     from shardtune.train.validation import loss_sums
 
     device = next(model.parameters()).device
+    mine = len(range(rank, len(work.examples), world_size))  # shard_indices: every world_size-th
     # Every rank holds the whole model here: no rank waits for another's forward.
-    loss_sum, targets = loss_sums(model, work.examples, pad_id(tokenizer), device, spec.batch_size, rank,
-                                  world_size, lockstep=False)
+    with progress("eval loss", mine, unit="record", enabled=rank == 0) as bar:
+        loss_sum, targets = loss_sums(model, work.examples, pad_id(tokenizer), device, spec.batch_size, rank,
+                                      world_size, lockstep=False, on_batch=bar.advance)
     asked = list(shard_indices(len(work.questions), rank, world_size)) if spec.max_new_tokens else []
-    answers = generate_answers(model, tokenizer, [work.questions[i][0] for i in asked], spec.max_new_tokens,
-                               batch_size=spec.batch_size) if asked else []
+    answers = []
+    if asked:
+        with progress("eval answers", len(asked), unit="answer", enabled=rank == 0) as bar:
+            answers = generate_answers(model, tokenizer, [work.questions[i][0] for i in asked],
+                                       spec.max_new_tokens, batch_size=spec.batch_size, on_batch=bar.advance)
     return {"loss_sum": loss_sum, "targets": targets, "answers": dict(zip(asked, answers))}
 
 
@@ -168,8 +174,12 @@ def _run_here(spec: EvalSpec) -> dict[str, Any]:
 
     quiet_libraries()  # as shardtune.finetune does in the calling process
     started = time.perf_counter()
-    model, tokenizer = load_model(spec.model, spec.adapter, spec.dtype, quantize=spec.quantize,
-                                  trust_remote_code=spec.trust_remote_code)
+    from shardtune.runtime.progress import progress
+
+    with progress("loading model", 1, unit="model", delay=1) as bar:  # no bar for a load that fails at once
+        model, tokenizer = load_model(spec.model, spec.adapter, spec.dtype, quantize=spec.quantize,
+                                      trust_remote_code=spec.trust_remote_code)
+        bar.advance()
     work = _read(spec, tokenizer)
     share = _evaluate_share(model, tokenizer, spec, work, 0, 1)
     return _combine(spec, work, [share], 1, time.perf_counter() - started)
@@ -197,6 +207,7 @@ def worker(spec: EvalSpec) -> None:
     """One rank of a multi-process evaluation; rank 0 writes the result to ``spec.result``."""
     from shardtune.runtime import distributed
     from shardtune.runtime.logs import setup_logging
+    from shardtune.runtime.progress import progress
     from shardtune.tools.generate import load_model
     from shardtune.train.metrics import write_json_atomic
 
@@ -204,8 +215,10 @@ def worker(spec: EvalSpec) -> None:
     worker = distributed.init_worker()
     setup_logging(worker.rank)
     try:
-        model, tokenizer = load_model(spec.model, spec.adapter, spec.dtype, worker.device, spec.quantize,
-                                      spec.trust_remote_code)
+        with progress("loading model", 1, unit="model", enabled=worker.is_main, delay=1) as bar:
+            model, tokenizer = load_model(spec.model, spec.adapter, spec.dtype, worker.device, spec.quantize,
+                                          spec.trust_remote_code)
+            bar.advance()
         work = _read(spec, tokenizer)
         share = _evaluate_share(model, tokenizer, spec, work, worker.rank, worker.world_size)
         shares = distributed.all_gather_object(share)

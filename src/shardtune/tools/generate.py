@@ -9,7 +9,7 @@ deterministic and runs in left-padded batches; sampling uses temperature and top
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TextIO
 
@@ -70,9 +70,18 @@ def load_model(model_dir: str | Path, adapter: str | Path | None = None, dtype: 
         try:
             model = PeftModel.from_pretrained(model, str(adapter))
         except (ValueError, KeyError, RuntimeError) as err:  # e.g. made for another model: shapes, names
-            reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            reason = _first_misfit(err)
             raise AdapterDirError(f"adapter {adapter} does not fit the model {path}: {reason}") from None
     return model.to(device).eval(), tokenizer
+
+
+def _first_misfit(err: Exception) -> str:
+    """The line of a load error that names a tensor: torch's first line ends at "for PeftModelForCausalLM:"."""
+    lines = [ln.strip() for ln in str(err).strip().splitlines() if ln.strip()] or [type(err).__name__]
+    named = next((ln for ln in lines if ln.startswith(("size mismatch", "Missing key", "Unexpected key"))), None)
+    if named is None:
+        return lines[0]
+    return named.replace("torch.Size(", "(").replace("base_model.model.", "", 1)
 
 
 def check_adapter_dir(adapter: str | Path | None) -> None:
@@ -166,12 +175,13 @@ def _streamer(tokenizer, out: TextIO):
 @torch.no_grad()
 def generate_answers(model: nn.Module, tokenizer, prompts: Sequence[Prompt], max_new_tokens: int = 128,
                      temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, stream: TextIO | None = None,
-                     batch_size: int = 8) -> list[str]:
+                     batch_size: int = 8, on_batch: Callable[[int, int], None] | None = None) -> list[str]:
     """One answer per prompt, in order; special tokens dropped, surrounding whitespace stripped.
 
     ``stream`` (e.g. sys.stdout) receives each answer's text as it is generated, one prompt at a
     time; otherwise prompts go in left-padded batches of ``batch_size``. Greedy answers do not
     depend on the batching; sampled ones depend on ``seed`` and on the batching.
+    ``on_batch(prompts, new tokens)`` after each batch (a progress display).
     """
     if temperature < 0 or not 0 < top_p <= 1 or max_new_tokens < 1:
         raise ConfigError(f"need temperature >= 0, 0 < top-p <= 1 and max-new-tokens >= 1, "
@@ -194,7 +204,7 @@ def generate_answers(model: nn.Module, tokenizer, prompts: Sequence[Prompt], max
     torch.manual_seed(seed)
     answers: dict[int, str] = {}
     for start in range(0, len(order), step):
-        batch = order[start:start + step]
+        batch, made = order[start:start + step], 0
         width = max(len(encoded[i]) for i in batch)
         ids = torch.full((len(batch), width), pad, dtype=torch.long)
         mask = torch.zeros_like(ids)
@@ -208,4 +218,7 @@ def generate_answers(model: nn.Module, tokenizer, prompts: Sequence[Prompt], max
             new = out[row, width:].tolist()
             cut = next((k for k, t in enumerate(new) if t in stops), len(new))
             answers[i] = tokenizer.decode(new[:cut], skip_special_tokens=True).strip()
+            made += cut
+        if on_batch is not None:
+            on_batch(len(batch), made)
     return [answers[i] for i in range(len(encoded))]

@@ -33,6 +33,7 @@ from shardtune.model.loading import checkpoint_key
 from shardtune.model.lora import PEFT_PREFIX
 from shardtune.model.meta import DTYPES
 from shardtune.runtime.files import check_output_dir, staged_dir
+from shardtune.runtime.progress import Bar, progress
 from shardtune.runtime.safetensors_header import TORCH_DTYPES, encode_header
 from shardtune.runtime.versions import tied_weights_keys
 
@@ -167,7 +168,7 @@ def _out_dtype(dtype: torch.dtype, wanted: torch.dtype | None) -> torch.dtype:
 
 
 def merge_file(src: Path, dst: Path, changes: dict[str, Change], extra: dict[str, str],
-               dtype: torch.dtype | None) -> tuple[int, int]:
+               dtype: torch.dtype | None, bar: Bar | None = None) -> tuple[int, int]:
     """Write ``dst``: every tensor of ``src``, merged, plus ``extra`` ({new name: stored tensor it starts from}).
 
     Returns (bytes written, the largest tensor's bytes).
@@ -189,6 +190,8 @@ def merge_file(src: Path, dst: Path, changes: dict[str, Change], extra: dict[str
             written += tensor.nbytes
             largest = max(largest, tensor.nbytes)
             del tensor
+            if bar is not None:
+                bar.advance()
     return written, largest
 
 
@@ -247,23 +250,38 @@ def merge(model: str | Path, adapter: str | Path, out: str | Path, dtype: str = 
     wanted = None if dtype == "auto" else DTYPES[dtype]
     changes, file_of, extra = plan.changes, plan.file_of, plan.extra
 
-    with staged_dir(out) as tmp:
+    with staged_dir(out) as tmp, progress("merge", len(file_of), unit="tensor") as bar:
         total, largest = 0, 0
         for src in model_dir.weight_files:
             new = {n: s for n, s in extra.items() if file_of[s] == src.name}
-            written, big = merge_file(src, tmp / src.name, changes, new, wanted)
+            written, big = merge_file(src, tmp / src.name, changes, new, wanted, bar)
             total, largest = total + written, max(largest, big)
         _copy_other_files(model_dir.path, tmp, wanted, untie=bool(extra))
         if model_dir.index:
             index = {**model_dir.index, "weight_map": dict(sorted(file_of.items()))}
             index["metadata"] = {**index.get("metadata", {}), "total_size": total}
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    log.info("merged %s into %s: %d tensors changed, %.1f MB written", adapter, out, len(changes), total / 2**20)
+    log.info("merged %s into %s: %d tensors changed, %.1f MiB written", adapter, out, len(changes), total / 2**20)
     if _trained_on_nf4(Path(adapter)):
         log.info("the adapter was trained on the 4-bit NF4 base (--quantize nf4) and is folded into the original "
                  "weights, as QLoRA usually is: outputs differ from the quantized model's by about the quantization "
                  "error (`shardtune eval --quantize nf4 --adapter …` reproduces the training-time base instead)")
-    return {"out": str(out), "bytes": total, "largest_tensor_bytes": largest, "changed": len(changes)}
+    return {"out": str(out), "bytes": total, "largest_tensor_bytes": largest, "changed": len(changes),
+            "dtypes": sorted(written_dtypes(model_dir, wanted))}
+
+
+def written_dtypes(model_dir: ModelDir, wanted: torch.dtype | None) -> set[str]:
+    """The floating-point dtypes the merged files hold (from the input headers: nothing is read)."""
+    from safetensors import safe_open
+
+    found = set()
+    for file in model_dir.weight_files:
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                stored = TORCH_DTYPES[f.get_slice(key).get_dtype()]
+                if stored.is_floating_point:
+                    found.add(str(_out_dtype(stored, wanted)).removeprefix("torch."))
+    return found
 
 
 def _trained_on_nf4(adapter: Path) -> bool:

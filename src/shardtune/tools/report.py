@@ -25,8 +25,8 @@ SUMMARY_ROWS = (
     ("strategy", "strategy"), ("world_size", "ranks"), ("steps", "steps"), ("tokens", "tokens"),
     ("train_loss_first", "train loss, first step"), ("train_loss_last", "train loss, last step"),
     ("val_loss", "validation loss"), ("tokens_per_second", "tokens / s"), ("load_seconds", "load time (s)"),
-    ("wall_seconds", "wall time (s)"), ("load_peak_mb", "load peak MB per rank"),
-    ("train_peak_mb", "train peak MB per rank"), ("save_peak_mb", "save peak MB per rank"),
+    ("wall_seconds", "wall time (s)"), ("load_peak_mb", "load peak MiB per rank"),
+    ("train_peak_mb", "train peak MiB per rank"), ("save_peak_mb", "save peak MiB per rank"),
     ("total_params", "parameters"), ("trainable_params", "trainable parameters"), ("adapter", "adapter"),
 )
 
@@ -90,6 +90,10 @@ def plot_loss(metrics: list[dict], path: Path) -> None:
     val_steps, val = _series(metrics, "val_loss")
     if val:
         ax.plot(val_steps, val, label="validation", marker="o", linestyle="--")
+    if all(v > 0 for v in loss + val):
+        # Log scale: the last steps (loss 0.01-0.1) are as readable as the first (loss 2-6).
+        ax.set_yscale("log")
+        ax.set_ylabel("loss (mean over target tokens, log scale)")
     ax.set_xlabel("step")
     ax.legend()
     fig.savefig(path)
@@ -115,7 +119,7 @@ def memory_by_phase(summary: dict) -> dict[str, list[float]]:
 
 
 def plot_memory(phases: dict[str, list[float]], path: Path) -> None:
-    fig, ax = _figure("Peak memory per rank", "MB")
+    fig, ax = _figure("Peak memory per rank", "MiB")
     ranks = max(len(v) for v in phases.values())
     width = 0.8 / len(phases)
     for k, (phase, values) in enumerate(phases.items()):
@@ -133,7 +137,8 @@ def _cell(value: Any) -> str:
     if value is None:
         return "—"
     if isinstance(value, float):
-        return f"{value:.4f}" if abs(value) < 100 else f"{value:,.1f}"
+        # four significant digits: 7.91 s, 49.1 tok/s, loss 0.01234 (not 7.9100, 49.0963)
+        return f"{value:.4g}" if abs(value) < 1000 else f"{value:,.0f}"
     if isinstance(value, int):
         return f"{value:,}"
     if isinstance(value, list):

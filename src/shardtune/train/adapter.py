@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -14,13 +15,21 @@ from shardtune.parallel import Strategy
 from shardtune.runtime.files import staged_dir
 
 
+def _umask() -> int:
+    current = os.umask(0)
+    os.umask(current)
+    return current
+
+
 def write_adapter(tensors: dict[str, torch.Tensor], config: dict, out: Path) -> Path:
     """Write a peft adapter directory (adapter_config.json + adapter_model.safetensors) atomically."""
     from safetensors.torch import save_file
 
     with staged_dir(out) as tmp:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "adapter_model.safetensors"),
-                  metadata={"format": "pt"})
+        weights = tmp / "adapter_model.safetensors"
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(weights), metadata={"format": "pt"})
+        # safetensors writes through a private temporary file (0600): give it the mode the other files get
+        weights.chmod(0o666 & ~_umask())
         (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return out
 

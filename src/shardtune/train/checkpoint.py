@@ -35,6 +35,7 @@ from shardtune.errors import ShardtuneError
 from shardtune.model.hub import base_model_name
 from shardtune.parallel import Strategy
 from shardtune.runtime.files import check_output_dir, fingerprint, output_error, replace_dir
+from shardtune.runtime.logs import EVERY_RANK
 from shardtune.train.adapter import peft_config_dict, write_adapter
 
 log = logging.getLogger("shardtune")
@@ -204,7 +205,7 @@ class Checkpointer:
         path = find_latest(out) if self.worker.is_main else None
         path = _broadcast(path)  # one rank decides, so that all load the same one
         if path is None:
-            log.warning("--resume: no complete checkpoint under %s; starting from step 0", out)
+            log.warning("--resume: no complete checkpoint under %s; starting from step 0", out, extra=EVERY_RANK)
             return TrainState()
         meta = json.loads((path / META).read_text())
         refused = None

@@ -166,16 +166,29 @@ def _render(tokenizer, messages: list[dict]) -> list[tuple[str, bool]]:
     return rendered(_segments, tokenizer, messages)
 
 
-def rendered(render: Callable, *args):
-    """``render(*args)``, with a chat template's refusal (a jinja error, say) as a DataError about the record."""
+def rendered(render: Callable, tokenizer, *args):
+    """``render(tokenizer, *args)``, with a chat template's refusal (a jinja error, say) as a DataError about
+    the record that names the template's file."""
     from jinja2 import TemplateError
 
     try:
-        return render(*args)
+        return render(tokenizer, *args)
     except (ValueError, TypeError, KeyError, TemplateError) as err:
         if isinstance(err, DataError):
             raise
-        raise DataError(f"the chat template cannot render this conversation: {err}") from None
+        where = f" (template line {err.lineno})" if getattr(err, "lineno", None) else ""
+        raise DataError(f"the chat template in {_template_source(tokenizer)} fails on this record{where}: "
+                        f"{type(err).__name__}: {err}; if every record fails, the template is at fault, "
+                        f"not the data") from None
+
+
+def _template_source(tokenizer) -> str:
+    """The file the tokenizer's chat template came from (transformers reads the first that exists)."""
+    folder = Path(getattr(tokenizer, "name_or_path", "") or ".")
+    for name in ("chat_template.jinja", "chat_template.json", "tokenizer_config.json"):
+        if (folder / name).is_file():
+            return str(folder / name)
+    return f"the tokenizer of {folder}"
 
 
 def tokenize(tokenizer, record: dict, seq_len: int) -> tuple[Example, bool]:
@@ -231,11 +244,12 @@ SFT = RecordFormat("sft", check_record, _tokenize_sft, 1)
 
 
 def load_dataset(path: str | Path, tokenizer, seq_len: int, vocab_size: int | None = None, fields: str = "",
-                 cache_dir: Path | None = None, fmt: RecordFormat = SFT) -> Dataset:
+                 cache_dir: Path | None = None, fmt: RecordFormat = SFT, show_progress: bool = False) -> Dataset:
     """The tokenized records; with ``cache_dir`` tokenized once (preflight) and memory-mapped by every rank.
 
     With ``vocab_size``, every token id is checked against the model's embedding here, once, so that
     training never checks ids on the device (a host sync per lookup); a cache is only written after it.
+    ``show_progress``: a "tokenizing FILE" bar and summary line (preflight: the one process that tokenizes).
     """
     key_fields = fields if fmt is SFT else f"{fields}|{fmt.name}"
     key = cache_key(path, tokenizer, seq_len, key_fields) if cache_dir is not None else None
@@ -243,8 +257,13 @@ def load_dataset(path: str | Path, tokenizer, seq_len: int, vocab_size: int | No
         return cached
     counts = {"truncated": 0, "empty": 0}
 
+    from shardtune.runtime.progress import progress
+
+    records = read_records(path, fields, fmt.check)
+    bar = progress(f"tokenizing {Path(path).name}", len(records), unit="record", enabled=show_progress)
+
     def tokenized() -> Iterator[Example]:
-        for lineno, record in read_records(path, fields, fmt.check):
+        for lineno, record in records:
             try:
                 examples, cut = fmt.tokenize(tokenizer, record, seq_len)
             except DataError as err:
@@ -256,6 +275,7 @@ def load_dataset(path: str | Path, tokenizer, seq_len: int, vocab_size: int | No
                     raise DataError(f"{location(path, lineno)}: token id {bad} is outside the model's {vocab_size} "
                                     f"embedding rows (does the tokenizer match the model?)")
             counts["truncated"] += cut
+            bar.advance(tokens=sum(len(ex.input_ids) for ex in examples))
             if any(ex.targets == 0 for ex in examples):
                 counts["empty"] += 1
                 continue
@@ -263,7 +283,8 @@ def load_dataset(path: str | Path, tokenizer, seq_len: int, vocab_size: int | No
 
     # With a cache the records go straight into flat int32 arrays (~8 bytes a token), never into a
     # list of Python int lists (~70 bytes a token): a million records stay a few hundred MB.
-    examples = list(tokenized()) if key is None else TokenizedExamples.build(tokenized())
+    with bar:
+        examples = list(tokenized()) if key is None else TokenizedExamples.build(tokenized())
     if not len(examples):
         raise DataError(f"{path}: no record has a target token within --seq-len {seq_len}")
     dataset = Dataset(examples, counts["truncated"], counts["empty"])

@@ -29,8 +29,8 @@ class Diverged(ShardtuneError, RuntimeError):
 class TrainingGuard:
     """``check(step, loss, grad_norm)`` after each backward: raises Diverged, or warns about zero gradients."""
 
-    def __init__(self, out: Path, lr: float, is_main: bool) -> None:
-        self.out, self.lr, self.is_main = Path(out), lr, is_main
+    def __init__(self, out: Path, lr: float, is_main: bool, lora_alpha: float | None = None) -> None:
+        self.out, self.lr, self.is_main, self.lora_alpha = Path(out), lr, is_main, lora_alpha
         self.zero_run = 0
 
     def check(self, step: int, loss: float, grad_norm: float) -> None:
@@ -44,7 +44,11 @@ class TrainingGuard:
             raise Diverged(f"training diverged at step {step}: {' and '.join(bad)} (--lr {self.lr:g}); "
                            f"stopped before the optimizer step, and no adapter was written; {keep}")
         self.zero_run = self.zero_run + 1 if grad_norm == 0 else 0
-        if self.zero_run == ZERO_GRAD_STEPS and self.is_main:
+        if self.zero_run == ZERO_GRAD_STEPS and self.is_main and self.lora_alpha == 0:
+            log.warning("the gradient norm has been exactly 0 for %d steps in a row (steps %d-%d): --lora-alpha 0 "
+                        "scales every LoRA update to nothing, so nothing is learned; give --lora-alpha > 0 "
+                        "(e.g. twice --lora-r)", ZERO_GRAD_STEPS, step - ZERO_GRAD_STEPS + 1, step)
+        elif self.zero_run == ZERO_GRAD_STEPS and self.is_main:
             log.warning("the gradient norm has been exactly 0 for %d steps in a row (steps %d-%d): the model "
                         "learns nothing more; a far too large --lr (now %g) can do this", ZERO_GRAD_STEPS,
                         step - ZERO_GRAD_STEPS + 1, step, self.lr)

@@ -8,35 +8,50 @@ import os
 from pathlib import Path
 from typing import Any
 
-from tqdm.auto import tqdm
-
 from shardtune.runtime.files import output_error
+from shardtune.runtime.progress import tqdm_class
 
 
 class Progress:
-    """One progress bar on rank 0; the other ranks stay quiet."""
+    """One progress bar on rank 0; the other ranks stay quiet.
+
+    Validation results go into the bar's text, not in lines written between its redraws (each such
+    line redrew the bar, leaving blank and repeated rows in logs and notebooks); the last one is
+    printed once, after the bar, by ``close``. ``paused()`` keeps validation out of the step rate.
+    """
 
     def __init__(self, total: int, initial: int, enabled: bool) -> None:
-        self.bar = tqdm(total=total, initial=initial, desc="finetune", unit="step", dynamic_ncols=True,
-                        disable=not enabled)
+        self.bar = tqdm_class()(total=total, initial=initial, desc="finetune", unit="step", dynamic_ncols=True,
+                                disable=not enabled)
+        self.enabled, self.val = enabled, ""
+        self.last_val: str | None = None
 
     def update(self, record: dict[str, Any]) -> None:
         # tok/s counts real tokens (never padding); fill says how much of the computed batch they were
         fill = f" | fill {record['fill_ratio']:.0%}" if record.get("fill_ratio") is not None else ""
+        memory = record.get("peak_mb", record["memory_mb"])
         # preference objectives: how many of the batch's pairs the policy already ranks right
         acc = f" | acc {record['rewards/accuracies']:.0%}" if "rewards/accuracies" in record else ""
         self.bar.set_postfix_str(
-            f"loss {record['loss']:.4f}{acc} | {record['tokens_per_second']:.0f} tok/s{fill} | "
-            f"{record['memory_mb']:.0f} MB",
+            f"loss {record['loss']:.4f}{acc}{self.val} | {record['tokens_per_second']:.0f} tok/s{fill} | "
+            f"peak {memory:.0f} MiB",
             refresh=False,
         )
         self.bar.update(1)
+
+    def validated(self, step: int, val_loss: float) -> None:
+        """After a validation that followed ``update``: show it, and leave its time out of the step rate."""
+        self.val = f" | val {val_loss:.4f}"
+        self.last_val = f"step {step}: val_loss {val_loss:.4f}"
+        self.bar.unpause()
 
     def write(self, text: str) -> None:
         self.bar.write(text) if not self.bar.disable else None
 
     def close(self) -> None:
         self.bar.close()
+        if self.enabled and self.last_val:
+            print(self.last_val, flush=True)
 
 
 class MetricsLog:

@@ -29,7 +29,7 @@ from shardtune.runplan import RunPlan
 from shardtune.runtime import distributed
 from shardtune.runtime.device import device_type
 from shardtune.runtime.distributed import Worker
-from shardtune.runtime.logs import setup_logging
+from shardtune.runtime.logs import EVERY_RANK, setup_logging
 from shardtune.runtime.memory import MemoryMonitor, tune_malloc
 from shardtune.runtime.workers import Stopped
 from shardtune.train import preference, validation
@@ -241,10 +241,10 @@ def prepare(cfg: Config, worker: Worker, memory: MemoryMonitor, plan: RunPlan | 
     what = "pairs" if objective.pairs else "records"
     if train_data.truncated and not objective.pairs:  # pairs: preflight warned, with which side is cut
         log.warning("%d of %d training records were cut to --seq-len %d", train_data.truncated,
-                    len(train_data.examples) + train_data.without_targets, cfg.data.seq_len)
+                    len(train_data.examples) + train_data.without_targets, cfg.data.seq_len, extra=EVERY_RANK)
     if train_data.without_targets:
         log.warning("%d training %s have no target token within --seq-len and are skipped",
-                    train_data.without_targets, what)
+                    train_data.without_targets, what, extra=EVERY_RANK)
     with memory.phase("load"):
         built = build_model(cfg, worker, plan)
     if cfg.data.packing:
@@ -309,7 +309,7 @@ def _loop(job: Job, memory: MemoryMonitor, optimizer, scheduler, checkpoints: Ch
     out = Path(cfg.output.out)
     progress = Progress(job.steps, state.step, job.worker.is_main)
     losses, fills, stopped_by = [], [], 0
-    guard = TrainingGuard(out, cfg.train.lr, job.worker.is_main)
+    guard = TrainingGuard(out, cfg.train.lr, job.worker.is_main, cfg.lora.alpha)
     with memory.phase("train"), GracefulStop(job.worker.device) as stop:
         for step in range(state.step, job.steps):
             started = time.perf_counter()
@@ -329,14 +329,14 @@ def _loop(job: Job, memory: MemoryMonitor, optimizer, scheduler, checkpoints: Ch
             fills.append(fill)
             record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
                       "tokens_per_second": tokens / seconds, "fill_ratio": fill, "seconds": seconds,
-                      "memory_mb": memory.now_mb(), **result.metrics}
+                      "memory_mb": memory.now_mb(), "peak_mb": memory.peak_so_far_mb(), **result.metrics}
+            progress.update(record)  # before validation: the step's rate is the step's own
             if job.val and ((cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0) or step + 1 == job.steps):
                 record.update(evaluate(job))
                 state.val_loss = record["val_loss"]
-                progress.write(f"step {step + 1}: val_loss {state.val_loss:.4f}")
+                progress.validated(step + 1, state.val_loss)
             metrics.write(record)
             trackers.log(record)
-            progress.update(record)
             stopped_by = stop.agreed()  # SIGTERM/SIGINT on any rank: all save, then all stop
             if stopped_by or checkpoints.due(state.step):
                 checkpoints.save(state)

@@ -6,6 +6,8 @@ exactly once whatever the number of ranks; a rank returns its sums and the calle
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -15,12 +17,14 @@ from shardtune.train.loss import next_token_loss_sum
 
 @torch.no_grad()
 def loss_sums(model: nn.Module, examples: list[Example], pad_id: int, device: torch.device, batch_size: int,
-              rank: int, world_size: int, lockstep: bool) -> tuple[float, int]:
+              rank: int, world_size: int, lockstep: bool,
+              on_batch: Callable[[int, int], None] | None = None) -> tuple[float, int]:
     """This rank's share of the validation data: (sum of target-token losses, number of target tokens).
 
     ``lockstep``: the model is sharded, so every rank must take part in every forward; a rank with
     fewer records then runs padding batches (a record of another rank) whose loss it does not count.
-    The caller chooses ``model.eval()`` / ``train()``.
+    The caller chooses ``model.eval()`` / ``train()``. ``on_batch(records, tokens)`` after each of
+    this rank's batches (a progress display).
     """
     mine = sorted((examples[i] for i in shard_indices(len(examples), rank, world_size)),
                   key=lambda e: len(e.input_ids))  # similar lengths together: less padding
@@ -33,4 +37,6 @@ def loss_sums(model: nn.Module, examples: list[Example], pad_id: int, device: to
         if chunk:
             loss_sum += next_token_loss_sum(logits, inputs["labels"]).item()
             count += sum(e.targets for e in chunk)
+            if on_batch is not None:
+                on_batch(len(chunk), sum(len(e.input_ids) for e in chunk))
     return loss_sum, count
