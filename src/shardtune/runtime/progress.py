@@ -27,6 +27,9 @@ import sys
 import time
 from typing import Any
 
+#: seconds before a bar appears
+DELAY_S = 2.0
+
 
 def is_rank_zero() -> bool:
     return os.environ.get("RANK", "0") == "0"
@@ -64,8 +67,10 @@ class Bar:
         self.desc, self.total, self.unit, self.summary = desc, total, unit, summary
         self.enabled = is_rank_zero() if enabled is None else enabled
         self.done, self.tokens, self.started, self.closed = 0, 0, time.perf_counter(), False
+        # delay: a step done within it draws nothing (its summary line says it all), so a quick failure's
+        # message is the first thing on stderr, not the remains of a bar
         args = {"desc": desc, "total": total, "unit": unit, "dynamic_ncols": True, "file": sys.stderr,
-                "disable": not self.enabled, "leave": False, **tqdm_args}
+                "disable": not self.enabled, "leave": False, "delay": DELAY_S, **tqdm_args}
         self.bar = tqdm_class()(**args)
 
     def advance(self, n: int = 1, tokens: int = 0) -> None:
