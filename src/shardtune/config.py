@@ -25,9 +25,38 @@ class ConfigError(ShardtuneError, ValueError):
     """A configuration problem the user must fix; the message says which option and why."""
 
 
-def opt(default: Any, flag: str, help: str, choices: tuple[str, ...] | None = None, auto: bool = False) -> Any:
-    """A config field; ``auto``: the value may also be the word "auto" (chosen before the run starts)."""
-    return field(default=default, metadata={"flag": flag, "help": help, "choices": choices, "auto": auto})
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric option accepts: ``low``..``high``, each end inclusive unless marked open."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+
+    def __contains__(self, value: float) -> bool:
+        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
+            return False
+        return self.high is None or (value < self.high if self.high_open else value <= self.high)
+
+    def describe(self) -> str:
+        if self.low is not None and self.high is not None:
+            return f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
+        if self.low is not None:
+            return f"{'greater than' if self.low_open else 'at least'} {self.low:g}"
+        return f"{'less than' if self.high_open else 'at most'} {self.high:g}"
+
+
+#: the ranges most options share
+AT_LEAST_1, AT_LEAST_0, POSITIVE = Range(1), Range(0), Range(0, low_open=True)
+
+
+def opt(default: Any, flag: str, help: str, choices: tuple[str, ...] | None = None, auto: bool = False,
+        range: Range | None = None) -> Any:
+    """A config field; ``auto``: the value may also be the word "auto" (chosen before the run starts);
+    ``range``: the values a numeric option accepts, checked by ``validate`` (every numeric option has one)."""
+    return field(default=default, metadata={"flag": flag, "help": help, "choices": choices, "auto": auto,
+                                            "range": range})
 
 
 @dataclass
@@ -54,9 +83,12 @@ class ModelConfig:
 
 @dataclass
 class LoraConfig:
-    r: int = opt(8, "lora-r", "LoRA rank.")
-    alpha: float = opt(16.0, "lora-alpha", "LoRA scaling numerator (scale = alpha / r).")
-    dropout: float = opt(0.0, "lora-dropout", "Dropout on the LoRA input.")
+    r: int = opt(8, "lora-r", "LoRA rank.", range=AT_LEAST_1)
+    alpha: float = opt(
+        16.0, "lora-alpha", "LoRA scaling numerator (scale = alpha / r); 0 would make the adapter a no-op.",
+        range=POSITIVE,
+    )
+    dropout: float = opt(0.0, "lora-dropout", "Dropout on the LoRA input.", range=Range(0, 1, high_open=True))
     targets: str = opt("all-linear", "lora-targets", "Comma-separated module names to adapt, or 'all-linear'.")
     bias: str = opt("none", "lora-bias", "Which biases train: none, all, or lora_only.", ("none", "all", "lora_only"))
     modules_to_save: str = opt(
@@ -80,7 +112,9 @@ class DataConfig:
         "dataset name; instruction, messages, text or ShareGPT (conversations) records."
     )
     val: str | None = opt(None, "val-data", "Validation data in the same formats.")
-    seq_len: int = opt(512, "seq-len", "Tokens per record; longer records are truncated (and counted).")
+    seq_len: int = opt(
+        512, "seq-len", "Tokens per record; longer records are truncated (and counted).", range=AT_LEAST_1
+    )
     packing: bool = opt(
         False, "packing", "Pack several records into each sequence of up to --seq-len tokens (attention and "
         "positions stay per record); --micro-batch-size then counts packed sequences per forward."
@@ -93,27 +127,39 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int | None = opt(None, "steps", "Optimizer steps (default: --epochs 1).")
-    epochs: float | None = opt(None, "epochs", "Passes over the training data (when --steps is not given).")
-    batch_size: int = opt(8, "batch-size", "Global batch: records per optimizer step over all ranks.")
+    steps: int | None = opt(None, "steps", "Optimizer steps (default: --epochs 1).", range=AT_LEAST_1)
+    epochs: float | None = opt(
+        None, "epochs", "Passes over the training data (when --steps is not given).", range=POSITIVE
+    )
+    batch_size: int = opt(
+        8, "batch-size", "Global batch: records per optimizer step over all ranks.", range=AT_LEAST_1
+    )
     micro_batch_size: int | str | None = opt(
         None, "micro-batch-size", "Records per forward pass on one rank (default: batch-size / ranks); with "
         "--packing, packed sequences per forward; 'auto': the largest that fits --memory-per-rank.", auto=True,
+        range=AT_LEAST_1,
     )
-    lr: float = opt(2e-4, "lr", "Peak learning rate (AdamW).")
-    weight_decay: float = opt(0.0, "weight-decay", "AdamW weight decay.")
+    lr: float = opt(2e-4, "lr", "Peak learning rate (AdamW).", range=POSITIVE)
+    weight_decay: float = opt(0.0, "weight-decay", "AdamW weight decay.", range=AT_LEAST_0)
     warmup_steps: int | None = opt(
-        None, "warmup-steps", "Linear warmup steps before the cosine decay (default: 10% of steps, at most 100)."
+        None, "warmup-steps", "Linear warmup steps before the cosine decay (default: 10% of steps, at most 100).",
+        range=AT_LEAST_0,
     )
-    min_lr_ratio: float = opt(0.1, "min-lr-ratio", "Final learning rate as a fraction of --lr.")
-    max_grad_norm: float = opt(1.0, "max-grad-norm", "Clip the global gradient norm to this (0 disables).")
-    seed: int = opt(0, "seed", "Seed for LoRA init, shuffling and dropout.")
-    eval_every: int = opt(0, "eval-every", "Validation every N steps (0: only at the end; needs --val-data).")
+    min_lr_ratio: float = opt(0.1, "min-lr-ratio", "Final learning rate as a fraction of --lr.", range=Range(0, 1))
+    max_grad_norm: float = opt(
+        1.0, "max-grad-norm", "Clip the global gradient norm to this (0 disables).", range=AT_LEAST_0
+    )
+    seed: int = opt(0, "seed", "Seed for LoRA init, shuffling and dropout.", range=Range(0, 2**32 - 1))
+    eval_every: int = opt(
+        0, "eval-every", "Validation every N steps (0: only at the end; needs --val-data).", range=AT_LEAST_0
+    )
 
 
 @dataclass
 class ParallelConfig:
-    nproc: int = opt(1, "nproc", "Worker processes to start on this node (one per GPU on GPU machines).")
+    nproc: int = opt(
+        1, "nproc", "Worker processes to start on this node (one per GPU on GPU machines).", range=AT_LEAST_1
+    )
     strategy: str = opt(
         "auto", "strategy", "How to split the model over ranks.", ("auto", "fsdp2", "fsdp1", "ddp", "single")
     )
@@ -139,10 +185,15 @@ class ParallelConfig:
     replicate_groups: int = opt(
         1, "replicate-groups",
         "HSDP: replica groups (normally --nnodes); each group of ranks/R shards the model, the groups replicate it.",
+        range=AT_LEAST_1,
     )
-    nnodes: int = opt(1, "nnodes", "Number of nodes (multi-node runs).")
-    node_rank: int = opt(0, "node-rank", "This node's index among --nnodes.")
+    nnodes: int = opt(1, "nnodes", "Number of nodes (multi-node runs).", range=AT_LEAST_1)
+    node_rank: int = opt(0, "node-rank", "This node's index among --nnodes.", range=AT_LEAST_0)
     rdzv_endpoint: str | None = opt(None, "rdzv-endpoint", "HOST:PORT of the rendezvous (node 0) for multi-node runs.")
+    collective_timeout: float = opt(
+        300.0, "collective-timeout", "Seconds a rank waits for the others in one collective (or for the other "
+        "nodes to join) before the run stops and names the rank that went silent.", range=Range(0, 7 * 86400, True),
+    )
 
 
 @dataclass
@@ -150,9 +201,15 @@ class OutputConfig:
     out: str | None = opt(
         None, "out", "Output directory (config.yaml, metrics.jsonl, summary.json, adapter/, checkpoints/)."
     )
-    save_every: int = opt(0, "save-every", "Write a resumable checkpoint every N steps (0: never).")
-    keep_last: int = opt(2, "keep-last", "Resumable checkpoints to keep.")
+    save_every: int = opt(
+        0, "save-every", "Write a resumable checkpoint every N steps (0: never).", range=AT_LEAST_0
+    )
+    keep_last: int = opt(2, "keep-last", "Resumable checkpoints to keep.", range=AT_LEAST_1)
     resume: bool = opt(False, "resume", "Continue from the newest complete checkpoint under --out.")
+    overwrite: bool = opt(
+        False, "overwrite", "Start a new run in an --out that holds a finished or interrupted one (its "
+        "checkpoints are deleted; its adapter and summary are replaced when the new run finishes)."
+    )
     allow_data_change: bool = opt(
         False, "allow-data-change",
         "With --resume: continue although the training data file changed since the checkpoint (size or SHA-256).",
@@ -237,8 +294,9 @@ def _unknown(key: str, where: str) -> ConfigError:
 
 
 def flatten(raw: dict[str, Any], where: str) -> dict[str, Any]:
-    """Turn a YAML/dict config (flat flag keys or nested sections) into {flag: value}."""
-    flat: dict[str, Any] = {}
+    """Turn a YAML/dict config (flat flag keys or nested sections) into {flag: value}; an option given
+    twice (``lora-r`` and ``lora_r``, or ``lora-r`` and ``lora: {r}``) is refused: one would be ignored."""
+    flat: dict[str, Any] = _Once(where)
     for key, value in raw.items():
         name = str(key).replace("_", "-")
         if name in SECTIONS and isinstance(value, dict):
@@ -254,13 +312,57 @@ def flatten(raw: dict[str, Any], where: str) -> dict[str, Any]:
             raise ConfigError(f"{where}: '{key}' is a section: give it a mapping of its options, not {value!r}")
         else:
             raise _unknown(str(key), where)
-    return flat
+    return dict(flat)
+
+
+class _Once(dict):
+    """A dict refusing a second value for a key: the options of one config file or call."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__()
+        self.where = where
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        if key in self:
+            raise ConfigError(f"{self.where}: option '{key}' is given twice (as flag name, field name or in its "
+                              "section); keep one")
+        super().__setitem__(key, value)
+
+
+class _DuplicateKey(yaml.YAMLError):
+    def __init__(self, key: object, line: int, first: int) -> None:
+        super().__init__(f"key '{key}' appears twice (lines {first} and {line})")
+        self.key, self.line, self.first = key, line, first
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """YAML's safe loader, except that a mapping with the same key twice is an error: PyYAML keeps
+    the last value silently, so the first (often the one the user edited) would be ignored."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[object, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            try:
+                if key in seen:
+                    raise _DuplicateKey(key, line, seen[key])
+            except TypeError:  # an unhashable key: the base class says so
+                break
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _StrictLoader.construct_mapping)
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
     text = read_text(path, "config file", ConfigError)
     try:
-        raw = yaml.safe_load(text) or {}
+        raw = yaml.load(text, Loader=_StrictLoader) or {}  # noqa: S506 - a SafeLoader
+    except _DuplicateKey as err:
+        raise ConfigError(f"{path}:{err.line}: option '{err.key}' is given twice (first on line {err.first}); "
+                          "keep one") from None
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: not valid YAML: {err}") from None
     if not isinstance(raw, dict):
@@ -294,33 +396,17 @@ def validate(cfg: Config, need_data: bool = True) -> None:
         raise ConfigError("option 'data' is required: a .jsonl or .json training file")
     if need_data and not cfg.output.out:
         raise ConfigError("option 'out' is required: the output directory")
-    positive = {
-        "lora-r": cfg.lora.r, "seq-len": cfg.data.seq_len, "batch-size": cfg.train.batch_size,
-        "nproc": cfg.parallel.nproc, "nnodes": cfg.parallel.nnodes, "keep-last": cfg.output.keep_last,
-        "replicate-groups": cfg.parallel.replicate_groups,
-    }
-    for flag, value in positive.items():
-        if value < 1:
-            raise ConfigError(f"option '{flag}' must be at least 1, got {value}")
-    for flag, value in {"steps": cfg.train.steps, "micro-batch-size": cfg.train.micro_batch_size}.items():
-        if value is not None and value != "auto" and value < 1:
-            raise ConfigError(f"option '{flag}' must be at least 1, got {value}")
-    for flag, (section, f) in FLAGS.items():
-        value = getattr(getattr(cfg, section), f.name)
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ConfigError(f"option '{flag}' must be a finite number, got {value}")
-    if cfg.train.epochs is not None and cfg.train.epochs <= 0:
-        raise ConfigError(f"option 'epochs' must be positive, got {cfg.train.epochs}")
-    if cfg.train.lr <= 0:
-        raise ConfigError(f"option 'lr' must be positive, got {cfg.train.lr}")
-    if not 0 <= cfg.lora.dropout < 1:
-        raise ConfigError(f"option 'lora-dropout' must be in [0, 1), got {cfg.lora.dropout}")
+    check_ranges(cfg)
     validate_lora_init(cfg.lora.init)
     parse_fields(cfg.data.fields)
     if cfg.lora.variant == "dora" and cfg.parallel.strategy == "fsdp1":
         raise ConfigError(DORA_FSDP1)
     if not 0 <= cfg.parallel.node_rank < cfg.parallel.nnodes:
         raise ConfigError(f"option 'node-rank' must be in [0, {cfg.parallel.nnodes}), got {cfg.parallel.node_rank}")
+    if cfg.parallel.strategy == "single" and cfg.parallel.nproc * cfg.parallel.nnodes > 1:
+        raise ConfigError(f"option 'strategy': single runs one process, but --nproc {cfg.parallel.nproc} x "
+                          f"--nnodes {cfg.parallel.nnodes} asks for more; use --strategy auto (or fsdp2, ddp), "
+                          "or --nproc 1")
     if cfg.parallel.nnodes > 1 and not cfg.parallel.rdzv_endpoint:
         raise ConfigError("option 'rdzv-endpoint' (HOST:PORT of node 0) is required with --nnodes > 1")
     ranks = cfg.parallel.nproc * cfg.parallel.nnodes
@@ -337,6 +423,20 @@ def validate(cfg: Config, need_data: bool = True) -> None:
                           "cannot hold 4-bit tensors); use --strategy fsdp2, which gathers the 4-bit data")
     if cfg.parallel.cpu_offload and cfg.parallel.strategy in ("ddp", "single"):
         raise ConfigError(f"option 'cpu-offload' needs an FSDP strategy, not '{cfg.parallel.strategy}'")
+
+
+def check_ranges(cfg: Config) -> None:
+    """Every numeric option against the range its field declares: the one place they are checked, so
+    that no optimizer, tokenizer or torch constructor is the first to see a bad value."""
+    for flag, (section, f) in FLAGS.items():
+        value = getattr(getattr(cfg, section), f.name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue  # None (the default) and 'auto' are decided later
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"option '{flag}' must be a finite number, got {value}")
+        allowed = f.metadata["range"]
+        if allowed is not None and value not in allowed:
+            raise ConfigError(f"option '{flag}' must be {allowed.describe()}, got {value}")
 
 
 _UNITS = {"": 1, "b": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4,
