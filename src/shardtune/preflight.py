@@ -16,13 +16,15 @@ from shardtune.model import quantize
 from shardtune.model.directory import check_model_dir, load_tokenizer
 from shardtune.model.lora import inject_lora
 from shardtune.model.meta import build_meta_model, compute_dtype, vocab_size
-from shardtune.runtime.device import check_local_ranks, decide_dtype, device_type
+from shardtune.runtime.device import check_local_ranks, decide_dtype, device_type, warn_oversubscribed
 from shardtune.runtime.files import OutputError, check_writable
 from shardtune.runtime.versions import check_apis
 from shardtune.train.checkpoint import resume_point
 from shardtune.train.data import BatchPlan, load_dataset, mean_tokens, read_records, token_cache
 from shardtune.train.data_checks import warn_about_data
+from shardtune.train.input_paths import check_input_paths
 from shardtune.train.packing import check_packing, packed_plan
+from shardtune.train.run_folder import check_run_folder
 from shardtune.train.trackers import check_installed
 
 log = logging.getLogger("shardtune")
@@ -36,14 +38,17 @@ def preflight(cfg: Config) -> Config:
     quiet_libraries()
     check_apis()  # a too-old torch/transformers fails here, by name, not later on a silent fallback
     validate(cfg)
+    check_input_paths(cfg)  # every path option, before anything opens one
     # Before any worker starts: a missing GPU, or more ranks than GPUs, is a config error, not an NCCL hang.
     check_local_ranks(device_type(cfg.parallel.device), cfg.parallel.nproc)
+    warn_oversubscribed(device_type(cfg.parallel.device), cfg.parallel.nproc)
     cfg = decide_dtype(cfg)  # --dtype auto: for this machine's device, the same for every rank
     check_installed(cfg.output.report_to)
     out = Path(cfg.output.out)
     if out.exists() and not out.is_dir():
         raise OutputError(f"option 'out': {out} is an existing file, not a directory")
     check_writable(out)
+    check_run_folder(cfg)  # nothing finished in --out is replaced unless asked for
     if cfg.output.resume:
         resume_point(cfg)  # a refused resume must not get as far as touching --out
     model_dir = check_model_dir(cfg.model.path, cfg.model.trust_remote_code)

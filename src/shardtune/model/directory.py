@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shardtune.config import ConfigError
+from shardtune.errors import check_path
 from shardtune.runtime.safetensors_header import header_with_length
 
 
@@ -66,6 +67,7 @@ def check_safetensors(file: Path, error: type[ConfigError] = ModelDirError) -> d
 
 def read_json(file: Path, error: type[ConfigError] = ModelDirError) -> dict:
     """A JSON object from ``file``, or ``error`` naming the file and the line."""
+    check_path(file, "", "file", error=error)  # never opened when it is a FIFO or a device
     try:
         value = json.loads(file.read_bytes().decode("utf-8"))
     except OSError as err:
@@ -107,9 +109,7 @@ class AdapterDirError(ConfigError):
 
 def check_adapter_dir(path: str | Path) -> dict:
     """Check a peft adapter directory (config + weights, headers and sizes); return its config."""
-    path = Path(path)
-    if not path.is_dir():
-        raise AdapterDirError(f"adapter directory {path} does not exist")
+    path = check_path(path, "adapter directory", "dir", error=AdapterDirError)
     config_file = path / "adapter_config.json"
     if not config_file.is_file():
         raise AdapterDirError(f"adapter directory {path} has no adapter_config.json (fine-tunes write OUT_DIR/adapter)")
