@@ -17,13 +17,15 @@ def finetune(config: str | Path | dict[str, Any] | None = None, nproc: int | Non
     from shardtune.config import build_config
     from shardtune.launch import launch
     from shardtune.preflight import preflight
+    from shardtune.runtime.failure import stage
 
     overrides = dict(options)
     if nproc is not None:
         overrides["nproc"] = nproc
     overrides.update(_torchrun_layout())
     cfg = build_config(config, overrides)
-    cfg = preflight(cfg)  # with the auto options decided, once, for every rank
+    with stage("preflight"):
+        cfg = preflight(cfg)  # with the auto options decided, once, for every rank
     return launch(cfg)
 
 

@@ -26,6 +26,7 @@ from shardtune.parallel.sharded_model import Built, build_model
 from shardtune.runtime import distributed
 from shardtune.runtime.device import decide_dtype, device_type
 from shardtune.runtime.distributed import Worker
+from shardtune.runtime.failure import stage
 from shardtune.runtime.logs import setup_logging
 from shardtune.runtime.memory import MemoryMonitor, tune_malloc
 from shardtune.runtime.workers import Stopped
@@ -251,7 +252,7 @@ def run(cfg: Config) -> dict:
     started = time.perf_counter()
     if device_type(cfg.parallel.device) == "cpu":
         tune_malloc()  # before anything large is allocated: see memory.py (CPU memory only)
-    worker = distributed.init_worker(cfg.parallel.device, cfg.parallel.cpu_offload)
+    worker = distributed.init_worker(cfg.parallel.device, cfg.parallel.cpu_offload, cfg.parallel.collective_timeout)
     cfg = decide_dtype(cfg)  # already decided by preflight, unless started as `python -m shardtune.train`
     if worker.world_size > 1:
         # Under plain torchrun every rank made the automatic choice (preflight); rank 0's is the one.
@@ -263,9 +264,11 @@ def run(cfg: Config) -> dict:
     memory = MemoryMonitor(worker.device)
     try:
         load_started = time.perf_counter()
-        job = prepare(cfg, worker, memory)
+        with stage("load"):
+            job = prepare(cfg, worker, memory)
         load_seconds = time.perf_counter() - load_started
-        result = train(job, memory, out)
+        with stage("train"):
+            result = train(job, memory, out)
         state: TrainState = result["state"]
         if result["stopped_by"]:
             result["trackers"].finish(None)  # the run goes on after --resume
@@ -273,7 +276,7 @@ def run(cfg: Config) -> dict:
             if worker.is_main:
                 log.warning("%s", message)
             raise Stopped(result["stopped_by"], message)
-        with memory.phase("save"):
+        with memory.phase("save"), stage("save"):
             adapter = save_adapter(job.model, job.strategy, job.built.adapter_keys, out / "adapter", cfg.model.path)
         phases = ("load", "train", "save")
         peaks = distributed.all_gather_object({k: memory.peak_mb(k) for k in phases})
