@@ -35,11 +35,11 @@ def stage(name: str) -> Iterator[None]:
     """Mark a stage of the run: a test may inject a failure here, and an unexpected exception leaving
     it is noted with the stage's name (our own errors need none: their messages say what to do)."""
     injected = os.environ.get(FAIL_AT, "")
-    if injected == name:
-        raise RuntimeError(f"injected failure at stage '{name}' ({FAIL_AT})")
     if injected == f"stop@{name}" and int(os.environ.get("RANK", "0")) == int(os.environ.get("WORLD_SIZE", "1")) - 1:
         os.kill(os.getpid(), signal.SIGSTOP)  # a hung rank: the others must not wait for ever
     try:
+        if injected == name:
+            raise RuntimeError(f"injected failure at stage '{name}' ({FAIL_AT})")
         yield
     except (ShardtuneError, KeyboardInterrupt, SystemExit):
         raise

@@ -113,7 +113,9 @@ def _silent_ranks(err: Exception, tails: dict[int, list[str]], world_size: int) 
     timeout (a rank stopped by SIGSTOP or a hung device fails in nothing: it is the one not listed)."""
     texts = {rank: str(f.error_file_data) + "\n".join(tails[rank]) for rank, f in err.failures.items()}
     timed_out = {rank for rank, text in texts.items() if _TIMED_OUT.search(text)}
-    if not timed_out or timed_out != set(texts):
+    # The silent rank itself is either not listed or was killed by the agent's shutdown (a signal).
+    others = {rank for rank in texts if rank not in timed_out}
+    if not timed_out or any(err.failures[rank].exitcode >= 0 for rank in others):
         return None
     return sorted(set(range(world_size)) - timed_out)
 
@@ -128,7 +130,8 @@ def _describe(err: Exception, log_dir: Path, world_size: int = 0) -> WorkerError
     silent = _silent_ranks(err, tails, world_size)
     if silent is not None:
         who = f"rank {', '.join(map(str, silent))}" if silent else "a rank of another node"
-        return RankTimeout(f"{who} stopped responding: rank(s) {', '.join(map(str, sorted(err.failures)))} waited "
+        waited = ", ".join(map(str, sorted(set(range(world_size)) - set(silent))))
+        return RankTimeout(f"{who} stopped responding: rank(s) {waited} waited "
                            "--collective-timeout for it in a collective and gave up (a stopped or hung process, or a "
                            "hung device)")
     rank, failure = min(err.failures.items(), key=lambda item: _cause_first(item[1], tails[item[0]]))
