@@ -14,8 +14,9 @@ from shardtune.choice import choose
 from shardtune.config import Config, validate
 from shardtune.model import quantize
 from shardtune.model.directory import check_model_dir, load_tokenizer
+from shardtune.model.loading import check_against_headers
 from shardtune.model.lora import inject_lora
-from shardtune.model.meta import build_meta_model, compute_dtype, vocab_size
+from shardtune.model.meta import build_meta_model, check_tokenizer_fits, compute_dtype, vocab_size
 from shardtune.runtime.device import check_local_ranks, decide_dtype, device_type, warn_oversubscribed
 from shardtune.runtime.files import OutputError, check_writable
 from shardtune.runtime.versions import check_apis
@@ -54,6 +55,7 @@ def preflight(cfg: Config) -> Config:
     model_dir = check_model_dir(cfg.model.path, cfg.model.trust_remote_code)
     tokenizer = load_tokenizer(model_dir)
     vocab = vocab_size(model_dir)
+    check_tokenizer_fits(tokenizer, vocab, model_dir)
     # Tokenized once, here: the workers map the cache instead of each tokenizing every record again.
     cache = token_cache(cfg)
     train = load_dataset(cfg.data.train, tokenizer, cfg.data.seq_len, vocab, cfg.data.fields, cache)
@@ -64,6 +66,7 @@ def preflight(cfg: Config) -> Config:
     if cfg.model.quantize == "nf4":
         quantize.check_available()
     model, _ = inject_lora(build_meta_model(model_dir, compute_dtype(cfg)), cfg.lora, cfg.train.seed)
+    check_against_headers(model, model_dir)  # every weight there, of its shape and a float dtype
     if cfg.data.packing:
         check_packing(model)
     ranks = cfg.parallel.nproc * cfg.parallel.nnodes

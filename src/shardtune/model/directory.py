@@ -122,6 +122,19 @@ def check_adapter_dir(path: str | Path) -> dict:
     return config
 
 
+def read_config(model_dir: ModelDir | Path, trust_remote_code: bool | None = None):
+    """transformers' config of the model, validated by transformers; its complaint names config.json."""
+    from transformers import AutoConfig
+
+    path = model_dir.path if isinstance(model_dir, ModelDir) else Path(model_dir)
+    trust = model_dir.trust_remote_code if trust_remote_code is None else trust_remote_code
+    try:
+        return AutoConfig.from_pretrained(path, trust_remote_code=trust)
+    except Exception as err:  # its validators raise their own classes (huggingface_hub's strict dataclasses)
+        reason = " ".join(line.strip() for line in str(err).strip().splitlines()[:3]) or type(err).__name__
+        raise ModelDirError(f"{path / 'config.json'}: transformers refuses this config: {reason}") from None
+
+
 def check_model_dir(path: str | Path, trust_remote_code: bool = False, weights: bool = True) -> ModelDir:
     """Check a Hugging Face model directory (or Hub id, see hub.py) and say exactly what is missing.
 
@@ -141,13 +154,25 @@ def check_model_dir(path: str | Path, trust_remote_code: bool = False, weights: 
         raise ModelDirError(f"model directory {path} has no config.json")
     read_json(path / "config.json")
     _check_remote_code(path, trust_remote_code)
+    read_config(path, trust_remote_code)  # transformers' own validation, before anything else reads it
     if hub and hub.remote_headers:
         return ModelDir(path, [], None, trust_remote_code, hub.remote_headers)
     found = _weights(path)
     found.trust_remote_code = trust_remote_code
-    for file in found.weight_files:
-        check_safetensors(file)  # a truncated copy fails here, naming the file, not in the workers
+    headers = {file.name: check_safetensors(file) for file in found.weight_files}  # truncated copies fail here
+    if found.index is not None:
+        _check_index(path, found.index, headers)
     return found
+
+
+def _check_index(path: Path, index: dict, headers: dict[str, dict]) -> None:
+    """Every tensor the index names is in the file it names: a wrong index otherwise loads, or merges,
+    a model with tensors silently missing."""
+    wrong = sorted(name for name, file in index["weight_map"].items() if name not in headers.get(file, {}))
+    if wrong:
+        listed = ", ".join(f"{n} (not in {index['weight_map'][n]})" for n in wrong[:6])
+        raise ModelDirError(f"{path / 'model.safetensors.index.json'} places {len(wrong)} tensor(s) in files that do "
+                            f"not hold them: {listed}{' …' if len(wrong) > 6 else ''}")
 
 
 def _check_remote_code(path: Path, trust_remote_code: bool) -> None:
