@@ -126,3 +126,13 @@ def test_duplicated_key_in_a_section_and_across_spellings(capsys, tmp_path):
     config.write_text("lora_r: 4\nlora-r: 8\n")
     assert main(["finetune", "--config", str(config)]) == 2
     assert "option 'lora-r' is given twice" in capsys.readouterr().err
+
+
+def test_wandb_without_a_login_is_refused_before_training(capsys, tmp_path, monkeypatch, tiny_llama, train_jsonl):
+    for name in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_BASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+    code = main(["finetune", "--model", str(tiny_llama), "--data", str(train_jsonl), "--out", str(tmp_path / "o"),
+                 "--report-to", "wandb"])
+    err = capsys.readouterr().err
+    assert code == 2 and "option 'report-to': wandb has no login" in err and "WANDB_MODE=offline" in err, err

@@ -43,7 +43,6 @@ WRITE_CASES = {
     "missing-parent": (lambda t: t / "no-dir" / "x.log", "cannot be created: its folder"),
     "is-a-directory": (lambda t: t, "is a directory, not a file"),
     "fifo": (lambda t: _fifo(t / "pipe"), "is a named pipe (FIFO), not a regular file"),
-    "device": (lambda t: Path("/dev/null"), "is a device file, not a regular file"),
     "parent-is-a-file": (lambda t: (t / "f").write_text("x") and t / "f" / "x.log", "cannot be"),
 }
 

@@ -71,6 +71,8 @@ def check_path(path: str | Path, what: str, kind: Literal["file", "dir", "any"] 
         _check_access(folder, os.W_OK | os.X_OK, name, path, "cannot be created", error)
         return path
     odd = _not_regular(mode)
+    if odd and write and stat.S_ISCHR(mode) and kind == "file":
+        odd = None  # /dev/null as a log file: writing to a character device neither blocks nor fills a disk
     if odd:
         raise error(f"{name} is {odd}, not a regular file" + (" or directory" if kind != "file" else ""))
     if stat.S_ISDIR(mode) and kind == "file":
