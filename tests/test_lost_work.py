@@ -93,3 +93,29 @@ def test_damaged_checkpoint_data_is_a_clear_error_not_a_dcp_traceback(root, tmp_
     code = main(["adapter-from-checkpoint", str(step), str(tmp_path / "adapter")])
     err = capsys.readouterr().err
     assert code == 2 and f"reading checkpoint {step} failed" in err and "Traceback" not in err, err
+
+
+def test_a_full_disk_at_the_adapter_save_keeps_the_previous_adapter(finished, tmp_path, monkeypatch):
+    """The adapter is written under a temporary name and renamed: ENOSPC halfway leaves the old one whole."""
+    import errno
+
+    import safetensors.torch
+
+    from shardtune.runtime.files import OutputError
+    from shardtune.train.adapter import write_adapter
+
+    adapter = tmp_path / "adapter"
+    shutil.copytree(finished / "adapter", adapter)
+    before = _snapshot(adapter)
+
+    def full_disk(tensors, path, metadata=None):
+        Path(path).write_bytes(b"\0" * 100)  # a part written, then the disk is full
+        raise OSError(errno.ENOSPC, "No space left on device", path)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    import torch
+
+    with pytest.raises(OutputError, match="no space left on the device"):
+        write_adapter({"x": torch.zeros(2)}, {"peft_type": "LORA"}, adapter)
+    assert _snapshot(adapter) == before
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".adapter.tmp")]
