@@ -77,14 +77,15 @@ def test_data_path_that_is_a_directory(files, tmp_path, capsys):
 def test_out_that_is_a_file_or_read_only(files, tmp_path, capsys, monkeypatch):
     out = tmp_path / "out.txt"
     out.write_text("mine")
-    _fails(capsys, _finetune(files, tmp_path, out=out), f"option 'out': {out} is an existing file")
+    _fails(capsys, _finetune(files, tmp_path, out=out), f"option 'out': {out} is a file, not a directory")
     assert out.read_text() == "mine"
     import shardtune.runtime.files as runtime_files
 
-    monkeypatch.setattr(runtime_files.os, "access", lambda path, mode: False)  # root writes anywhere: fake it
+    # root writes anywhere: fake it
+    monkeypatch.setattr(runtime_files.os, "access", lambda path, mode: not mode & runtime_files.os.W_OK)
     monkeypatch.setattr(runtime_files, "_read_only", lambda path: True)
-    _fails(capsys, _finetune(files, tmp_path, out=tmp_path / "ro"), f"cannot write {tmp_path / 'ro'}: the file "
-                                                                     "system is read-only")
+    _fails(capsys, _finetune(files, tmp_path, out=tmp_path / "ro"), f"option 'out': {tmp_path / 'ro'} cannot be "
+                                                                     "created")
 
 
 def test_config_file_with_invalid_utf8_or_a_directory(tmp_path, capsys):

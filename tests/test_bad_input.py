@@ -225,6 +225,7 @@ def test_existing_out_dir_is_left_untouched(capsys, tmp_path, model_dir):
     (out / "summary.json").write_text("{}")
     bad = tmp_path / "bad.jsonl"
     bad.write_text("not json\n")
-    assert main(["finetune", "--model", str(model_dir), "--data", str(bad), "--out", str(out), "--resume"]) == 2
+    # --overwrite too deletes nothing before the run is accepted
+    assert main(["finetune", "--model", str(model_dir), "--data", str(bad), "--out", str(out), "--overwrite"]) == 2
     assert "bad.jsonl:1" in capsys.readouterr().err
     assert sorted(p.name for p in out.iterdir()) == ["summary.json"]

@@ -60,7 +60,7 @@ def test_a_rank_that_only_lost_its_peer_is_not_named_the_cause(tmp_path):
         failures[rank] = ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=1,
                                         error_file=str(tmp_path / "none.json"))
         failures[rank].timestamp = 1_700_000_000
-    message = _describe(ChildFailedError("worker", failures), tmp_path)
+    message = str(_describe(ChildFailedError("worker", failures), tmp_path))
     assert message.startswith("rank 1 failed (exit code 1): RuntimeError: rank one broke on purpose"), message
 
 

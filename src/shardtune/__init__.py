@@ -23,6 +23,7 @@ def finetune(config: str | Path | dict[str, Any] | None = None, nproc: int | Non
     from shardtune.config import build_config
     from shardtune.launch import launch
     from shardtune.preflight import preflight
+    from shardtune.runtime.failure import stage
 
     if verbose is not None:
         from shardtune.runtime.logs import set_verbose
@@ -33,7 +34,8 @@ def finetune(config: str | Path | dict[str, Any] | None = None, nproc: int | Non
         overrides["nproc"] = nproc
     overrides.update(_torchrun_layout())
     cfg = build_config(config, overrides)
-    cfg, plan = preflight(cfg)  # the run plan, resolved once for every rank
+    with stage("preflight"):
+        cfg, plan = preflight(cfg)  # the run plan, resolved once for every rank
     from shardtune.tools.vllm_check import warn_after_training
 
     return warn_after_training(launch(cfg, plan))  # the adapter vLLM would refuse: say so now

@@ -161,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(argv: list[str] | None) -> int:
     from shardtune.errors import ShardtuneError
-    from shardtune.runtime.workers import Stopped
+    from shardtune.runtime.failure import stage_of, unexpected
+    from shardtune.runtime.workers import Stopped, WorkerCrash
 
     args = build_parser().parse_args(argv)
     if getattr(args, "verbose", False):
@@ -173,9 +174,13 @@ def _run(argv: list[str] | None) -> int:
     except Stopped as err:  # a checkpoint may be there to resume from: the message says which and how
         print(f"error: {err}", file=sys.stderr)
         return err.exit_code
+    except WorkerCrash as err:  # a worker's unexpected exception (eval): its traceback goes to a file
+        failure = unexpected(f"rank {err.rank}", stage_of(err.traceback), err.message, err.traceback, None)
+        print(f"error: {failure}", file=sys.stderr)
+        return failure.exit_code
     except ShardtuneError as err:
         print(f"error: {err}", file=sys.stderr)
-        return 2
+        return err.exit_code
     except OSError as err:  # a file we were pointed at, or are writing, that the OS refuses: name it
         where = f" {err.filename}" if err.filename else ""
         print(f"error: cannot use{where}: {err.strerror or err}", file=sys.stderr)
@@ -183,6 +188,13 @@ def _run(argv: list[str] | None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except Exception as err:  # the safety net: one paragraph, the traceback in a file, exit code 3
+        import traceback
+
+        failure = unexpected(f"shardtune {args.command}", stage_of(err), f"{type(err).__name__}: {err}",
+                             traceback.format_exc(), None)
+        print(f"error: {failure}", file=sys.stderr)
+        return failure.exit_code
 
 
 if __name__ == "__main__":

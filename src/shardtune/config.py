@@ -29,6 +29,32 @@ class ConfigError(ShardtuneError, ValueError):
 OBJECTIVES = ("sft", "dpo", "orpo", "simpo")
 
 
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric option accepts: ``low``..``high``, each end inclusive unless marked open."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+
+    def __contains__(self, value: float) -> bool:
+        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
+            return False
+        return self.high is None or (value < self.high if self.high_open else value <= self.high)
+
+    def describe(self) -> str:
+        if self.low is not None and self.high is not None:
+            return f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
+        if self.low is not None:
+            return f"{'greater than' if self.low_open else 'at least'} {self.low:g}"
+        return f"{'less than' if self.high_open else 'at most'} {self.high:g}"
+
+
+#: the ranges most options share
+AT_LEAST_1, AT_LEAST_0, POSITIVE = Range(1), Range(0), Range(0, low_open=True)
+
+
 #: What ``--resume`` does when an option differs from the checkpoint's run (train/checkpoint.py):
 FREE = "free"  # continue without a word: where and how the run computes, not what it computes
 WARN = "warn"  # continue, saying which option changed: the continuation is another run from there on
@@ -37,13 +63,14 @@ RESUME_POLICIES = (FREE, WARN, MUST_MATCH)
 
 
 def opt(default: Any, flag: str, resume: str, help: str, choices: tuple[str, ...] | None = None,
-        auto: bool = False) -> Any:
+        auto: bool = False, range: Range | None = None) -> Any:
     """A config field; ``resume``: its policy on --resume (one of RESUME_POLICIES); ``auto``: the value
-    may also be the word "auto" (chosen before the run starts)."""
+    may also be the word "auto" (chosen before the run starts); ``range``: the values a numeric option
+    accepts, checked by ``validate`` (every numeric option has one)."""
     if resume not in RESUME_POLICIES:
         raise ValueError(f"option '{flag}': resume policy {resume!r} is not one of {', '.join(RESUME_POLICIES)}")
     return field(default=default, metadata={"flag": flag, "help": help, "choices": choices, "auto": auto,
-                                            "resume": resume})
+                                            "resume": resume, "range": range})
 
 
 @dataclass
@@ -71,9 +98,9 @@ class ModelConfig:
 
 @dataclass
 class LoraConfig:
-    r: int = opt(8, "lora-r", MUST_MATCH, "LoRA rank.")
-    alpha: float = opt(16.0, "lora-alpha", WARN, "LoRA scaling numerator (scale = alpha / r).")
-    dropout: float = opt(0.0, "lora-dropout", WARN, "Dropout on the LoRA input.")
+    r: int = opt(8, "lora-r", MUST_MATCH, "LoRA rank.", range=AT_LEAST_1)
+    alpha: float = opt(16.0, "lora-alpha", WARN, "LoRA scaling numerator (scale = alpha / r).", range=POSITIVE)
+    dropout: float = opt(0.0, "lora-dropout", WARN, "Dropout on the LoRA input.", range=Range(0, 1, high_open=True))
     targets: str = opt("all-linear", "lora-targets", MUST_MATCH,
         "Comma-separated module names to adapt, or 'all-linear'.")
     bias: str = opt("none", "lora-bias", MUST_MATCH,
@@ -105,7 +132,8 @@ class DataConfig:
         "dataset name; instruction, messages, text or ShareGPT (conversations) records."
     )
     val: str | None = opt(None, "val-data", FREE, "Validation data in the same formats.")
-    seq_len: int = opt(512, "seq-len", WARN, "Tokens per record; longer records are truncated (and counted).")
+    seq_len: int = opt(512, "seq-len", WARN, "Tokens per record; longer records are truncated (and counted).",
+        range=AT_LEAST_1)
     packing: bool = opt(
         False, "packing", WARN, "Pack several records into each sequence of up to --seq-len tokens (attention and "
         "positions stay per record); --micro-batch-size then counts packed sequences per forward."
@@ -118,22 +146,27 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int | None = opt(None, "steps", WARN, "Optimizer steps (default: --epochs 1).")
-    epochs: float | None = opt(None, "epochs", WARN, "Passes over the training data (when --steps is not given).")
-    batch_size: int = opt(8, "batch-size", WARN, "Global batch: records per optimizer step over all ranks.")
+    steps: int | None = opt(None, "steps", WARN, "Optimizer steps (default: --epochs 1).", range=AT_LEAST_1)
+    epochs: float | None = opt(None, "epochs", WARN, "Passes over the training data (when --steps is not given).",
+        range=POSITIVE)
+    batch_size: int = opt(8, "batch-size", WARN, "Global batch: records per optimizer step over all ranks.",
+        range=AT_LEAST_1)
     micro_batch_size: int | str | None = opt(
         None, "micro-batch-size", FREE, "Records per forward pass on one rank (default: batch-size / ranks); with "
         "--packing, packed sequences per forward; 'auto': the largest that fits --memory-per-rank.", auto=True,
-    )
-    lr: float = opt(2e-4, "lr", WARN, "Peak learning rate (AdamW).")
-    weight_decay: float = opt(0.0, "weight-decay", WARN, "AdamW weight decay.")
+        range=AT_LEAST_1)
+    lr: float = opt(2e-4, "lr", WARN, "Peak learning rate (AdamW).", range=POSITIVE)
+    weight_decay: float = opt(0.0, "weight-decay", WARN, "AdamW weight decay.", range=AT_LEAST_0)
     warmup_steps: int | None = opt(
-        None, "warmup-steps", WARN, "Linear warmup steps before the cosine decay (default: 10% of steps, at most 100)."
-    )
-    min_lr_ratio: float = opt(0.1, "min-lr-ratio", WARN, "Final learning rate as a fraction of --lr.")
-    max_grad_norm: float = opt(1.0, "max-grad-norm", WARN, "Clip the global gradient norm to this (0 disables).")
-    seed: int = opt(0, "seed", WARN, "Seed for LoRA init, shuffling and dropout.")
-    eval_every: int = opt(0, "eval-every", FREE, "Validation every N steps (0: only at the end; needs --val-data).")
+        None, "warmup-steps", WARN, "Linear warmup steps before the cosine decay (default: 10% of steps, at most 100).",
+            range=AT_LEAST_0)
+    min_lr_ratio: float = opt(0.1, "min-lr-ratio", WARN, "Final learning rate as a fraction of --lr.",
+        range=Range(0, 1))
+    max_grad_norm: float = opt(1.0, "max-grad-norm", WARN, "Clip the global gradient norm to this (0 disables).",
+        range=AT_LEAST_0)
+    seed: int = opt(0, "seed", WARN, "Seed for LoRA init, shuffling and dropout.", range=Range(0, 2**32 - 1))
+    eval_every: int = opt(0, "eval-every", FREE, "Validation every N steps (0: only at the end; needs --val-data).",
+        range=AT_LEAST_0)
     objective: str = opt(
         "sft", "objective", WARN, "What to learn: sft (next-token loss on responses), or from preference pairs "
         "(prompt, chosen, rejected): dpo, orpo or simpo.", OBJECTIVES,
@@ -144,16 +177,20 @@ class TrainConfig:
 class PreferenceConfig:
     """The preference objectives' knobs; defaults as TRL's (DPOConfig, ORPOConfig, CPOConfig)."""
 
-    dpo_beta: float = opt(0.1, "dpo-beta", WARN, "DPO: β, how far the policy may move from the reference (IPO: τ).")
+    dpo_beta: float = opt(0.1, "dpo-beta", WARN, "DPO: β, how far the policy may move from the reference (IPO: τ).",
+                          range=POSITIVE)
     dpo_label_smoothing: float = opt(
-        0.0, "dpo-label-smoothing", WARN, "DPO (sigmoid): the share of pairs assumed mislabelled (conservative DPO).")
+        0.0, "dpo-label-smoothing", WARN, "DPO (sigmoid): the share of pairs assumed mislabelled (conservative DPO).",
+        range=Range(0, 0.5, high_open=True))
     dpo_loss: str = opt(
         "sigmoid", "dpo-loss", WARN, "DPO's loss: sigmoid (the DPO paper) or ipo (squared, per-token log-ratios).",
         ("sigmoid", "ipo"),
     )
-    orpo_lambda: float = opt(0.1, "orpo-lambda", WARN, "ORPO: λ, the weight of the odds-ratio term next to the NLL.")
-    simpo_beta: float = opt(0.1, "simpo-beta", WARN, "SimPO: β, the scale of the length-normalised reward.")
-    simpo_gamma: float = opt(0.5, "simpo-gamma", WARN, "SimPO: γ, the target reward margin.")
+    orpo_lambda: float = opt(0.1, "orpo-lambda", WARN, "ORPO: λ, the weight of the odds-ratio term next to the NLL.",
+                             range=AT_LEAST_0)
+    simpo_beta: float = opt(0.1, "simpo-beta", WARN, "SimPO: β, the scale of the length-normalised reward.",
+                            range=POSITIVE)
+    simpo_gamma: float = opt(0.5, "simpo-gamma", WARN, "SimPO: γ, the target reward margin.", range=AT_LEAST_0)
     precompute_reference: bool = opt(
         False, "precompute-reference", FREE, "DPO: compute every pair's reference log-probs once before training "
         "(stored beside the token cache); steps then skip the reference forward."
@@ -162,7 +199,8 @@ class PreferenceConfig:
 
 @dataclass
 class ParallelConfig:
-    nproc: int = opt(1, "nproc", FREE, "Worker processes to start on this node (one per GPU on GPU machines).")
+    nproc: int = opt(1, "nproc", FREE, "Worker processes to start on this node (one per GPU on GPU machines).",
+        range=AT_LEAST_1)
     strategy: str = opt(
         "auto", "strategy", FREE, "How to split the model over ranks.", ("auto", "fsdp2", "fsdp1", "ddp", "single")
     )
@@ -192,9 +230,14 @@ class ParallelConfig:
     replicate_groups: int = opt(
         1, "replicate-groups", FREE,
         "HSDP: replica groups (normally --nnodes); each group of ranks/R shards the model, the groups replicate it.",
+        range=AT_LEAST_1)
+    nnodes: int = opt(1, "nnodes", FREE, "Number of nodes (multi-node runs).", range=AT_LEAST_1)
+    node_rank: int = opt(0, "node-rank", FREE, "This node's index among --nnodes.", range=AT_LEAST_0)
+    collective_timeout: float = opt(
+        300.0, "collective-timeout", FREE, "Seconds a rank waits for the others in one collective (or for the "
+        "other nodes to join) before the run stops and names the rank that went silent.",
+        range=Range(0, 7 * 86400, True),
     )
-    nnodes: int = opt(1, "nnodes", FREE, "Number of nodes (multi-node runs).")
-    node_rank: int = opt(0, "node-rank", FREE, "This node's index among --nnodes.")
     rdzv_endpoint: str | None = opt(None, "rdzv-endpoint", FREE,
         "HOST:PORT of the rendezvous (node 0) for multi-node runs.")
 
@@ -204,9 +247,14 @@ class OutputConfig:
     out: str | None = opt(
         None, "out", FREE, "Output directory (config.yaml, metrics.jsonl, summary.json, adapter/, checkpoints/)."
     )
-    save_every: int = opt(0, "save-every", FREE, "Write a resumable checkpoint every N steps (0: never).")
-    keep_last: int = opt(2, "keep-last", FREE, "Resumable checkpoints to keep.")
+    save_every: int = opt(0, "save-every", FREE, "Write a resumable checkpoint every N steps (0: never).",
+        range=AT_LEAST_0)
+    keep_last: int = opt(2, "keep-last", FREE, "Resumable checkpoints to keep.", range=AT_LEAST_1)
     resume: bool = opt(False, "resume", FREE, "Continue from the newest complete checkpoint under --out.")
+    overwrite: bool = opt(
+        False, "overwrite", FREE, "Start a new run in an --out that holds a finished or interrupted one (its "
+        "checkpoints are deleted; its adapter and summary are replaced when the new run finishes)."
+    )
     allow_data_change: bool = opt(
         False, "allow-data-change", FREE,
         "With --resume: continue although the training data file changed since the checkpoint (size or SHA-256).",
@@ -312,10 +360,40 @@ def flatten(raw: dict[str, Any], where: str) -> dict[str, Any]:
     return flat
 
 
+class _DuplicateKey(yaml.YAMLError):
+    def __init__(self, key: object, line: int, first: int) -> None:
+        super().__init__(f"key '{key}' appears twice (lines {first} and {line})")
+        self.key, self.line, self.first = key, line, first
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """YAML's safe loader, except that a mapping with the same key twice is an error: PyYAML keeps
+    the last value silently, so the first (often the one the user edited) would be ignored."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[object, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            try:
+                if key in seen:
+                    raise _DuplicateKey(key, line, seen[key])
+            except TypeError:  # an unhashable key: the base class says so
+                break
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _StrictLoader.construct_mapping)
+
+
 def read_yaml(path: str | Path) -> dict[str, Any]:
     text = read_text(path, "config file", ConfigError)
     try:
-        raw = yaml.safe_load(text) or {}
+        raw = yaml.load(text, Loader=_StrictLoader) or {}  # noqa: S506 - a SafeLoader
+    except _DuplicateKey as err:
+        raise ConfigError(f"{path}:{err.line}: option '{err.key}' is given twice (first on line {err.first}); "
+                          "keep one") from None
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: not valid YAML: {err}") from None
     if not isinstance(raw, dict):
@@ -349,27 +427,7 @@ def validate(cfg: Config, need_data: bool = True) -> None:
         raise ConfigError("option 'data' is required: a .jsonl or .json training file")
     if need_data and not cfg.output.out:
         raise ConfigError("option 'out' is required: the output directory")
-    positive = {
-        "lora-r": cfg.lora.r, "seq-len": cfg.data.seq_len, "batch-size": cfg.train.batch_size,
-        "nproc": cfg.parallel.nproc, "nnodes": cfg.parallel.nnodes, "keep-last": cfg.output.keep_last,
-        "replicate-groups": cfg.parallel.replicate_groups,
-    }
-    for flag, value in positive.items():
-        if value < 1:
-            raise ConfigError(f"option '{flag}' must be at least 1, got {value}")
-    for flag, value in {"steps": cfg.train.steps, "micro-batch-size": cfg.train.micro_batch_size}.items():
-        if value is not None and value != "auto" and value < 1:
-            raise ConfigError(f"option '{flag}' must be at least 1, got {value}")
-    for flag, (section, f) in FLAGS.items():
-        value = getattr(getattr(cfg, section), f.name)
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ConfigError(f"option '{flag}' must be a finite number, got {value}")
-    if cfg.train.epochs is not None and cfg.train.epochs <= 0:
-        raise ConfigError(f"option 'epochs' must be positive, got {cfg.train.epochs}")
-    if cfg.train.lr <= 0:
-        raise ConfigError(f"option 'lr' must be positive, got {cfg.train.lr}")
-    if not 0 <= cfg.lora.dropout < 1:
-        raise ConfigError(f"option 'lora-dropout' must be in [0, 1), got {cfg.lora.dropout}")
+    check_ranges(cfg)
     validate_lora_init(cfg.lora.init)
     parse_fields(cfg.data.fields)
     if not 0 <= cfg.parallel.node_rank < cfg.parallel.nnodes:
@@ -393,15 +451,8 @@ def validate(cfg: Config, need_data: bool = True) -> None:
 
 def validate_preference(cfg: Config) -> None:
     pref = cfg.preference
-    for flag, value in {"dpo-beta": pref.dpo_beta, "simpo-beta": pref.simpo_beta}.items():
-        if value <= 0:
-            raise ConfigError(f"option '{flag}' must be positive, got {value}")
-    if not 0 <= pref.dpo_label_smoothing < 0.5:
-        raise ConfigError(f"option 'dpo-label-smoothing' must be in [0, 0.5), got {pref.dpo_label_smoothing}")
     if pref.dpo_label_smoothing and pref.dpo_loss != "sigmoid":
         raise ConfigError(f"option 'dpo-label-smoothing' applies to --dpo-loss sigmoid, not {pref.dpo_loss}")
-    if pref.orpo_lambda < 0:
-        raise ConfigError(f"option 'orpo-lambda' must be at least 0, got {pref.orpo_lambda}")
     if pref.precompute_reference and cfg.train.objective != "dpo":
         raise ConfigError(f"option 'precompute-reference': only --objective dpo has a reference model "
                           f"(got --objective {cfg.train.objective})")
@@ -429,6 +480,20 @@ def combination_refusal(cfg: Config, strategy: str, ranks: int | None = None) ->
     if cfg.parallel.cpu_offload and replicated:
         return f"option 'cpu-offload' needs an FSDP strategy, not '{strategy}'"
     return None
+
+
+def check_ranges(cfg: Config) -> None:
+    """Every numeric option against the range its field declares: the one place they are checked, so
+    that no optimizer, tokenizer or torch constructor is the first to see a bad value."""
+    for flag, (section, f) in FLAGS.items():
+        value = getattr(getattr(cfg, section), f.name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue  # None (the default) and 'auto' are decided later
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"option '{flag}' must be a finite number, got {value}")
+        allowed = f.metadata["range"]
+        if allowed is not None and value not in allowed:
+            raise ConfigError(f"option '{flag}' must be {allowed.describe()}, got {value}")
 
 
 _UNITS = {"": 1, "b": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4,

@@ -11,13 +11,25 @@ import json
 import os
 import shutil
 import tempfile
+import traceback
 from pathlib import Path
 
 from shardtune.config import Config, write_yaml
+from shardtune.errors import ShardtuneError
 from shardtune.runplan import RunPlan
+from shardtune.runtime.failure import stage, stage_of, unexpected
 from shardtune.runtime.files import output_error
 from shardtune.runtime.lock import RunLock
-from shardtune.runtime.workers import Stopped, WorkerError, launch_workers, run_id, under_torchrun
+from shardtune.runtime.workers import (
+    RankTimeout,
+    Stopped,
+    WorkerCrash,
+    WorkerError,
+    launch_workers,
+    run_id,
+    under_torchrun,
+)
+from shardtune.train.run_folder import clear_for_overwrite
 
 
 def _identity(path: Path) -> tuple[int, int] | None:
@@ -52,28 +64,51 @@ def launch(cfg: Config, plan: RunPlan) -> dict:
         if int(os.environ.get("RANK", "0")) != 0:
             return run(cfg, plan)  # rank 0's plan replaces this one (recipe.run)
         with RunLock(out, os.environ.get("TORCHELASTIC_RUN_ID", "torchrun")):
+            clear_for_overwrite(cfg)
             _write_config(cfg, out / "config.yaml")
             return run(cfg, plan)
 
-    run_name = run_id(cfg.parallel)
-    summary_path = out / "summary.json"
-    with RunLock(out, run_name):
-        if cfg.parallel.node_rank == 0:
-            _write_config(cfg, out / "config.yaml")
-        before = _identity(summary_path)
-        private = Path(tempfile.mkdtemp(prefix="shardtune-run-"))
+    with RunLock(out, run_id(cfg.parallel)) as lock:
         try:
-            write_yaml(cfg, private / "config.yaml")
-            (private / "plan.json").write_text(json.dumps(plan.as_dict()))
-            launch_workers(cfg.parallel, "shardtune.train", [str(private / "config.yaml"), str(private / "plan.json")],
-                           run_name)
-        except Stopped as err:
-            from shardtune.train.stop import stop_message
+            with stage("launch"):
+                return _launch(cfg, plan, lock.run_id)
+        except WorkerCrash as err:  # an exception none of our checks foresaw, in a worker
+            raise unexpected(f"rank {err.rank}", stage_of(err.traceback), err.message, err.traceback, out) from None
+        except RankTimeout as err:
+            from shardtune.train.checkpoint import find_latest, resume_command
 
-            message = stop_message(err.signum, out, cfg.parallel.nnodes, cfg.parallel.node_rank)
-            raise Stopped(err.signum, message) from None
-        finally:
-            shutil.rmtree(private, ignore_errors=True)
+            latest = find_latest(out)
+            raise RankTimeout(f"{err}; newest checkpoint: " + (
+                f"{latest} (continue with: {resume_command(out, cfg.parallel.nnodes, cfg.parallel.node_rank)})"
+                if latest else "none (--save-every N keeps some)")) from None
+        except ShardtuneError:
+            raise
+        except Exception as err:  # the same, in this launching process
+            raise unexpected("the launcher", stage_of(err), f"{type(err).__name__}: {err}", traceback.format_exc(),
+                             out) from err
+
+
+def _launch(cfg: Config, plan: RunPlan, run_name: str) -> dict:
+    """The run, once ``--out`` is locked: config.yaml, the workers, the summary they wrote."""
+    out = Path(cfg.output.out)
+    summary_path = out / "summary.json"
+    if cfg.parallel.node_rank == 0:
+        clear_for_overwrite(cfg)
+        _write_config(cfg, out / "config.yaml")
+    before = _identity(summary_path)
+    private = Path(tempfile.mkdtemp(prefix="shardtune-run-"))
+    try:
+        write_yaml(cfg, private / "config.yaml")
+        (private / "plan.json").write_text(json.dumps(plan.as_dict()))
+        launch_workers(cfg.parallel, "shardtune.train", [str(private / "config.yaml"), str(private / "plan.json")],
+                       run_name)
+    except Stopped as err:
+        from shardtune.train.stop import stop_message
+
+        message = stop_message(err.signum, out, cfg.parallel.nnodes, cfg.parallel.node_rank)
+        raise Stopped(err.signum, message) from None
+    finally:
+        shutil.rmtree(private, ignore_errors=True)
     if cfg.parallel.node_rank > 0:
         return {}  # rank 0, on node 0, writes the summary (into an --out the nodes may share)
     if _identity(summary_path) in (None, before):  # never report an older run's result as this one's

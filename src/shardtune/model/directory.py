@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shardtune.config import ConfigError
+from shardtune.errors import check_path
 from shardtune.runtime.safetensors_header import header_with_length
 
 
@@ -66,6 +67,7 @@ def check_safetensors(file: Path, error: type[ConfigError] = ModelDirError) -> d
 
 def read_json(file: Path, error: type[ConfigError] = ModelDirError) -> dict:
     """A JSON object from ``file``, or ``error`` naming the file and the line."""
+    check_path(file, "", "file", error=error)  # never opened when it is a FIFO or a device
     try:
         value = json.loads(file.read_bytes().decode("utf-8"))
     except OSError as err:
@@ -112,9 +114,7 @@ class AdapterDirError(ConfigError):
 
 def check_adapter_dir(path: str | Path) -> dict:
     """Check a peft adapter directory (config + weights, headers and sizes); return its config."""
-    path = Path(path)
-    if not path.is_dir():
-        raise AdapterDirError(f"adapter directory {path} does not exist")
+    path = check_path(path, "adapter directory", "dir", error=AdapterDirError)
     config_file = path / "adapter_config.json"
     if not config_file.is_file():
         raise AdapterDirError(f"adapter directory {path} has no adapter_config.json (fine-tunes write OUT_DIR/adapter)")
@@ -125,6 +125,19 @@ def check_adapter_dir(path: str | Path) -> dict:
     elif not (path / "adapter_model.bin").is_file():
         raise AdapterDirError(f"adapter directory {path} has no adapter_model.safetensors")
     return config
+
+
+def read_config(model_dir: ModelDir | Path, trust_remote_code: bool | None = None):
+    """transformers' config of the model, validated by transformers; its complaint names config.json."""
+    from transformers import AutoConfig
+
+    path = model_dir.path if isinstance(model_dir, ModelDir) else Path(model_dir)
+    trust = model_dir.trust_remote_code if trust_remote_code is None else trust_remote_code
+    try:
+        return AutoConfig.from_pretrained(path, trust_remote_code=trust)
+    except Exception as err:  # its validators raise their own classes (huggingface_hub's strict dataclasses)
+        reason = " ".join(line.strip() for line in str(err).strip().splitlines()[:3]) or type(err).__name__
+        raise ModelDirError(f"{path / 'config.json'}: transformers refuses this config: {reason}") from None
 
 
 def check_model_dir(path: str | Path, trust_remote_code: bool = False, weights: bool = True) -> ModelDir:
@@ -147,13 +160,25 @@ def check_model_dir(path: str | Path, trust_remote_code: bool = False, weights: 
         raise ModelDirError(f"model directory {path} has no config.json")
     read_json(path / "config.json")
     _check_remote_code(path, trust_remote_code)
+    read_config(path, trust_remote_code)  # transformers' own validation, before anything else reads it
     if hub and hub.remote_headers:
         return ModelDir(path, [], None, trust_remote_code, hub.remote_headers)
     found = _weights(path)
     found.trust_remote_code = trust_remote_code
-    for file in found.weight_files:
-        check_safetensors(file)  # a truncated copy fails here, naming the file, not in the workers
+    headers = {file.name: check_safetensors(file) for file in found.weight_files}  # truncated copies fail here
+    if found.index is not None:
+        _check_index(path, found.index, headers)
     return found
+
+
+def _check_index(path: Path, index: dict, headers: dict[str, dict]) -> None:
+    """Every tensor the index names is in the file it names: a wrong index otherwise loads, or merges,
+    a model with tensors silently missing."""
+    wrong = sorted(name for name, file in index["weight_map"].items() if name not in headers.get(file, {}))
+    if wrong:
+        listed = ", ".join(f"{n} (not in {index['weight_map'][n]})" for n in wrong[:6])
+        raise ModelDirError(f"{path / 'model.safetensors.index.json'} places {len(wrong)} tensor(s) in files that do "
+                            f"not hold them: {listed}{' …' if len(wrong) > 6 else ''}")
 
 
 def _check_remote_code(path: Path, trust_remote_code: bool) -> None:

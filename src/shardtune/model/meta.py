@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from shardtune.config import Config
-from shardtune.model.directory import ModelDir, ModelDirError
+from shardtune.model.directory import ModelDir, ModelDirError, read_config
 from shardtune.runtime.device import decide_dtype
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -21,17 +21,24 @@ def compute_dtype(cfg: Config) -> torch.dtype:
     return DTYPES[decide_dtype(cfg).model.dtype]
 
 
+def check_tokenizer_fits(tokenizer, vocab: int | None, model_dir: ModelDir) -> None:
+    """A tokenizer with more tokens than the model has embedding rows: some ids would index past it."""
+    if vocab is not None and len(tokenizer) > vocab:
+        raise ModelDirError(f"{model_dir.path}: the tokenizer has {len(tokenizer)} tokens but config.json's "
+                            f"vocab_size is {vocab} (embedding rows): the tokenizer does not belong to this model")
+
+
 def build_meta_model(model_dir: ModelDir, dtype: torch.dtype) -> nn.Module:
     """The causal LM from its config, weights on meta, tied weights tied as transformers ties them."""
     from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(model_dir.path, trust_remote_code=model_dir.trust_remote_code)
+    config = read_config(model_dir)
     try:
         with init_empty_weights(include_buffers=False):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype,
                                                      trust_remote_code=model_dir.trust_remote_code)
-    except ValueError as err:
+    except (ValueError, TypeError, AttributeError, ZeroDivisionError, RuntimeError) as err:
         raise ModelDirError(
             f"{model_dir.path / 'config.json'}: not a causal LM transformers can build ({err})"
         ) from None
@@ -46,8 +53,5 @@ def build_meta_model(model_dir: ModelDir, dtype: torch.dtype) -> nn.Module:
 
 def vocab_size(model_dir: ModelDir) -> int | None:
     """Rows of the input embedding by the config: the bound every token id of the data must respect."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(model_dir.path)
-    value = getattr(config.get_text_config(), "vocab_size", None)
+    value = getattr(read_config(model_dir).get_text_config(), "vocab_size", None)
     return int(value) if value else None

@@ -12,6 +12,7 @@ both: ``cuda:nccl,cpu:gloo``, each collective going to the backend of its tensor
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 
 import torch
@@ -49,6 +50,18 @@ def check_local_ranks(kind: str, local_ranks: int) -> None:
             f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); NCCL needs one GPU per "
             "rank: lower --nproc, or use --device cpu"
         )
+
+
+def warn_oversubscribed(kind: str, local_ranks: int) -> None:
+    """More CPU workers than cores: legal, but every rank then waits for a core at each step, and a run
+    that looks busy takes many times longer than one with fewer ranks; say so before it starts."""
+    if kind != "cpu":
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if local_ranks > cores:
+        logging.getLogger("shardtune").warning(
+            "option 'nproc': %d CPU workers on %d usable core(s): they will take turns on the cores and the "
+            "run will be much slower than with --nproc %d or fewer", local_ranks, cores, cores)
 
 
 def local_device(kind: str, local_rank: int = 0, local_ranks: int = 1) -> torch.device:

@@ -18,9 +18,10 @@ import torch.distributed as dist
 from shardtune.errors import ShardtuneError
 from shardtune.runtime.device import backend, device_type, local_device, local_world_size
 
-# A rank that dies must not leave the others waiting for the default 30 minutes: collectives give
-# up after this long and the launcher then names the rank that failed first.
-COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=int(os.environ.get("SHARDTUNE_COLLECTIVE_TIMEOUT", "300")))
+# A rank that dies or hangs must not leave the others waiting for the default 30 minutes: collectives give
+# up after this long and the launcher then names the rank that went silent. A run's --collective-timeout
+# replaces it; this default serves the workers started without a run's options (eval).
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=float(os.environ.get("SHARDTUNE_COLLECTIVE_TIMEOUT", "300")))
 
 
 @dataclass(frozen=True)
@@ -67,11 +68,13 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
-def init_worker(device: str = "auto", cpu_offload: bool = False) -> Worker:
+def init_worker(device: str = "auto", cpu_offload: bool = False, timeout: float | None = None) -> Worker:
     """Join the process group started by our launcher or torchrun (or run alone without one).
 
-    ``device`` is ``--device`` (auto, cpu, cuda); ``cpu_offload`` adds gloo to NCCL for offloaded tensors.
+    ``device`` is ``--device`` (auto, cpu, cuda); ``cpu_offload`` adds gloo to NCCL for offloaded tensors;
+    ``timeout``: seconds a collective may wait for the other ranks (``--collective-timeout``).
     """
+    wait = datetime.timedelta(seconds=timeout) if timeout else COLLECTIVE_TIMEOUT
     if "MASTER_ADDR" in os.environ:
         die_with_parent()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -85,13 +88,13 @@ def init_worker(device: str = "auto", cpu_offload: bool = False) -> Worker:
     name = backend(kind, cpu_offload)
     if "MASTER_ADDR" in os.environ and not dist.is_initialized():
         dist.init_process_group(
-            backend=name, timeout=COLLECTIVE_TIMEOUT, device_id=where if name == "nccl" else None
+            backend=name, timeout=wait, device_id=where if name == "nccl" else None
         )
     elif not dist.is_initialized():
         # One process without a launcher: a group of one keeps every code path the same, and on a GPU
         # it is an NCCL group like any multi-rank run's (NCCL needs no peer for its id with one rank).
         dist.init_process_group(
-            backend=name, store=dist.HashStore(), rank=0, world_size=1, timeout=COLLECTIVE_TIMEOUT
+            backend=name, store=dist.HashStore(), rank=0, world_size=1, timeout=wait
         )
     if name != "nccl":
         _settle_gloo_threads_at_exit()
@@ -184,8 +187,10 @@ def worker_main(main: Callable[[], None]) -> None:
     except ShardtuneError as err:  # written for the user: the launcher shows the message, a traceback would bury it
         print(f"error: {err}", file=sys.stderr)
         code = err.exit_code
-    except BaseException:  # record() has written the error file for the launcher; show it here too
-        traceback.print_exc()
+    except BaseException as err:  # record() has written the error file (with the traceback) for the launcher
+        print(f"error: {type(err).__name__}: {err}", file=sys.stderr)
+        if not os.environ.get(LAUNCHER_PID):  # plain torchrun: the traceback goes to its log
+            traceback.print_exc()
         code = 1
     exit_worker(code)
 

@@ -123,11 +123,20 @@ def staged_dir(final: Path) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def fingerprint(path: str | Path) -> dict:
-    """Size and SHA-256 of a file: what tells a resumed run that its data is still the data it started on."""
+def fingerprint(path: str | Path) -> dict | None:
+    """Size and SHA-256 of a file, or of every file of a directory (a saved ``datasets`` directory),
+    names included: what tells a resumed run that its data is still the data it started on. None for
+    a name that is no local path (a Hub dataset: its cached revision is what datasets reads)."""
     path = Path(path)
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return {"path": str(path), "bytes": path.stat().st_size, "sha256": digest.hexdigest()}
+    if not path.exists():
+        return None
+    files = sorted(f for f in path.rglob("*") if f.is_file()) if path.is_dir() else [path]
+    digest, size = hashlib.sha256(), 0
+    for file in files:
+        if path.is_dir():
+            digest.update(str(file.relative_to(path)).encode() + b"\0")
+        with file.open("rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+        size += file.stat().st_size
+    return {"path": str(path), "bytes": size, "sha256": digest.hexdigest()}

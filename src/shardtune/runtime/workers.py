@@ -7,6 +7,7 @@ so the same path serves the command line, scripts and notebooks, for training an
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -26,6 +27,20 @@ if TYPE_CHECKING:
 
 class WorkerError(ShardtuneError, RuntimeError):
     """A worker process failed; the message names the rank and its error."""
+
+
+class WorkerCrash(WorkerError):
+    """A worker raised an exception none of our checks foresaw; ``traceback`` holds its full text."""
+
+    exit_code = 3
+
+    def __init__(self, rank: int, message: str, traceback: str) -> None:
+        super().__init__(f"rank {rank} failed: {message}")
+        self.rank, self.message, self.traceback = rank, message, traceback
+
+
+class RankTimeout(WorkerError):
+    """The ranks that went on waited ``--collective-timeout`` for a rank that stopped responding."""
 
 
 class Stopped(WorkerError):
@@ -90,13 +105,35 @@ def _ours(last_line: str) -> bool:
     return isinstance(cls, type) and issubclass(cls, ShardtuneError)
 
 
-def _describe(err: Exception, log_dir: Path) -> str:
-    """One message naming the first rank that failed, its error and the end of its traceback."""
+_TIMED_OUT = re.compile(r"timed out|timeout|watchdog caught collective", re.IGNORECASE)
+
+
+def _silent_ranks(err: Exception, tails: dict[int, list[str]], world_size: int) -> list[int] | None:
+    """The ranks the others waited for in vain, when every rank that failed did so by a collective's
+    timeout (a rank stopped by SIGSTOP or a hung device fails in nothing: it is the one not listed)."""
+    texts = {rank: str(f.error_file_data) + "\n".join(tails[rank]) for rank, f in err.failures.items()}
+    timed_out = {rank for rank, text in texts.items() if _TIMED_OUT.search(text)}
+    # The silent rank itself is either not listed or was killed by the agent's shutdown (a signal).
+    others = {rank for rank in texts if rank not in timed_out}
+    if not timed_out or any(err.failures[rank].exitcode >= 0 for rank in others):
+        return None
+    return sorted(set(range(world_size)) - timed_out)
+
+
+def _describe(err: Exception, log_dir: Path, world_size: int = 0) -> WorkerError:
+    """The error naming the first rank that failed, its message (and where its traceback goes)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     if not isinstance(err, ChildFailedError):
-        return str(err)
+        return WorkerError(str(err))
     tails = {rank: _stderr_tail(f, log_dir) for rank, f in err.failures.items()}
+    silent = _silent_ranks(err, tails, world_size)
+    if silent is not None:
+        who = f"rank {', '.join(map(str, silent))}" if silent else "a rank of another node"
+        waited = ", ".join(map(str, sorted(set(range(world_size)) - set(silent))))
+        return RankTimeout(f"{who} stopped responding: rank(s) {waited} waited "
+                           "--collective-timeout for it in a collective and gave up (a stopped or hung process, or a "
+                           "hung device)")
     rank, failure = min(err.failures.items(), key=lambda item: _cause_first(item[1], tails[item[0]]))
     data = failure.error_file_data.get("message", {}) if isinstance(failure.error_file_data, dict) else {}
     if isinstance(data, dict) and data.get("message"):
@@ -106,15 +143,16 @@ def _describe(err: Exception, log_dir: Path) -> str:
         last_frame = max((i for i, line in enumerate(lines) if line.startswith(" ")), default=-1)
         if last_frame + 1 < len(lines) and _ours(lines[last_frame + 1]):
             # One of our errors: its message is written for the user, a traceback would only bury it.
-            return f"rank {rank}: {data['message'].split(': ', 1)[-1]}"
-        return f"rank {rank} failed: {data['message']}\n" + "\n".join(lines[-12:])
+            return WorkerError(f"rank {rank}: {data['message'].split(': ', 1)[-1]}")
+        return WorkerCrash(rank, data["message"], stack)
     # Without an error file (a worker that is not ours, or one killed by a signal) its stderr tells.
     tail = tails[rank]
     cause = f"exit code {failure.exitcode}" if failure.exitcode >= 0 else f"signal {-failure.exitcode}"
     if failure.signal_name() != "<N/A>":
         cause = f"killed by {failure.signal_name()}"
     last = tail[-1].split("]: ", 1)[-1] if tail else ""
-    return f"rank {rank} failed ({cause}){': ' + last if last else ''}" + ("\n" + "\n".join(tail) if tail else "")
+    return WorkerError(f"rank {rank} failed ({cause}){': ' + last if last else ''}"
+                       + ("\n" + "\n".join(tail) if tail else ""))
 
 
 class _Relay(threading.Thread):
@@ -173,7 +211,9 @@ def launch_workers(parallel: ParallelConfig, module: str, args: list[str], run: 
     log_dir = Path(tempfile.mkdtemp(prefix="shardtune-logs-"))
     if p.nnodes > 1:
         # torchrun's default for a fixed set of nodes: node 0 hosts the store at the endpoint.
-        endpoint, backend, rdzv_configs = p.rdzv_endpoint, "static", {"rank": p.node_rank}
+        endpoint, backend = p.rdzv_endpoint, "static"
+        # The other nodes must join within --collective-timeout, not torch's default of 10 minutes.
+        rdzv_configs = {"rank": p.node_rank, "timeout": max(1, int(p.collective_timeout))}
     else:
         endpoint, backend, rdzv_configs = f"127.0.0.1:{free_port()}", "c10d", {}
     launch_config = LaunchConfig(
@@ -207,7 +247,14 @@ def launch_workers(parallel: ParallelConfig, module: str, args: list[str], run: 
         codes = {f.exitcode for f in err.failures.values()}
         if codes <= {128 + signal.SIGTERM, 128 + signal.SIGINT}:  # workers signalled directly stop this way
             raise Stopped(max(codes) - 128) from None
-        raise WorkerError(_describe(err, log_dir)) from None
+        raise _describe(err, log_dir, p.nproc * p.nnodes) from None
+    except Exception as err:
+        if p.nnodes > 1 and _TIMED_OUT.search(f"{type(err).__name__} {err}"):
+            raise WorkerError(
+                f"node {p.node_rank}: the other nodes did not join the rendezvous at {p.rdzv_endpoint} within "
+                f"--collective-timeout {p.collective_timeout:g} s: are they started, with the same --nnodes and "
+                "--rdzv-endpoint, and can they reach it?") from None
+        raise
     finally:
         if threading.current_thread() is threading.main_thread():
             for sig, handler in handlers.items():  # the agent leaves its own handlers installed

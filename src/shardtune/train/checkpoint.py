@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from shardtune.config import FLAGS, FREE, MUST_MATCH, Config
@@ -104,7 +105,7 @@ def _problem(path: Path, step: int | None) -> str | None:
         if step is not None and meta["step"] != step:
             return f"{META} says step {meta['step']}"
         metadata = dcp.FileSystemReader(str(path)).read_metadata()
-    except Exception as err:  # any damage at all means: do not resume from it
+    except (Exception, CheckpointException) as err:  # any damage at all means: do not resume from it
         return f"unreadable ({type(err).__name__}: {err})"
     return _short_file(path, metadata.storage_data or {})
 
@@ -165,7 +166,7 @@ class Checkpointer:
             if self.worker.device.type == "cuda":
                 rng["cuda"] = torch.cuda.get_rng_state(self.worker.device)
             torch.save(rng, tmp / "rng" / f"rank-{self.worker.rank}.pt")
-        except Exception as err:
+        except (Exception, CheckpointException) as err:  # DCP's own error derives from BaseException only
             # A full disk fills it no further: the half-written checkpoint goes, the complete ones stay.
             shutil.rmtree(tmp, ignore_errors=True)
             raise _write_error(err, tmp) from None
@@ -221,8 +222,8 @@ class Checkpointer:
         sd = self._state_dict()  # allocates the optimizer state to load into
         try:
             dcp.load(sd, storage_reader=dcp.FileSystemReader(str(path)))
-        except Exception as err:  # checked beforehand, so only damage made since (or a bug) lands here
-            raise CheckpointError(f"loading checkpoint {path} failed: {type(err).__name__}: {err}") from None
+        except (Exception, CheckpointException) as err:  # checked beforehand: only damage made since lands here
+            raise CheckpointError(f"loading checkpoint {path} failed: {_reason(err)}") from None
         set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"],
                        options=StateDictOptions(strict=False, ignore_frozen_params=True))
         self.scheduler.load_state_dict(meta["scheduler"])
@@ -247,7 +248,16 @@ def _write_error(err: BaseException, tmp: Path) -> ShardtuneError:
     for cause in causes:
         if isinstance(cause, OSError):
             return output_error(cause, tmp)
-    return CheckpointError(f"writing checkpoint {tmp} failed: {type(err).__name__}: {err}")
+    return CheckpointError(f"writing checkpoint {tmp} failed: {_reason(err)}")
+
+
+def _reason(err: BaseException) -> str:
+    """One line for a DCP failure: its first rank's own exception (DCP's message embeds tracebacks)."""
+    failures = getattr(err, "failures", None)
+    if isinstance(err, CheckpointException) and failures:
+        rank, (cause, *_) = min(failures.items())
+        return f"rank {rank}: {type(cause).__name__}: {cause}"
+    return f"{type(err).__name__}: {err}"
 
 
 def check_resumable(cfg: Config, path: Path, meta: dict, data: dict | None) -> dict[str, tuple]:
@@ -318,7 +328,10 @@ def adapter_from_checkpoint(path: Path, out: Path, model: str | Path | None = No
     tensors = {k: torch.empty(stored[k].size, dtype=stored[k].properties.dtype) for k in keys.values()}
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load(tensors, storage_reader=reader, no_dist=True)
+        try:
+            dcp.load(tensors, storage_reader=reader, no_dist=True)
+        except (Exception, CheckpointException) as err:
+            raise CheckpointError(f"reading checkpoint {path} failed: {_reason(err)}") from None
     config = json.loads((path / "adapter_config.json").read_text())
     if model is not None:
         config["base_model_name_or_path"] = base_model_name(model)

@@ -14,6 +14,7 @@ messages (loss on the assistant turns only).
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 from array import array
 from collections.abc import Iterable, Sequence
@@ -23,6 +24,8 @@ import torch
 
 from shardtune.config import FIELDS, ConfigError
 from shardtune.train.records import DataError, Dataset, Example
+
+log = logging.getLogger("shardtune")
 
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "chatgpt": "assistant", "model": "assistant", "system": "system"}
@@ -163,9 +166,9 @@ class TokenizedExamples(Sequence):
 def cache_key(path: str | Path, tokenizer, seq_len: int, fields: str) -> str:
     """What the tokenized records depend on: the data (path, size, mtime), tokenizer, chat template, options."""
     p = Path(path)
-    stat = [str(p.stat().st_size), str(p.stat().st_mtime_ns)] if p.is_file() else []
+    stat = _identity(p) if p.is_file() else []
     if p.is_dir():
-        stat = [f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in sorted(p.rglob("*")) if f.is_file()]
+        stat = [f"{f.relative_to(p)}:{_identity(f)}" for f in sorted(p.rglob("*")) if f.is_file()]
     backend = getattr(tokenizer, "backend_tokenizer", None)
     parts = [str(p.resolve()) if p.exists() else str(path), *stat, str(seq_len), fields,
              backend.to_str() if backend is not None else repr(tokenizer), str(tokenizer.chat_template),
@@ -173,7 +176,20 @@ def cache_key(path: str | Path, tokenizer, seq_len: int, fields: str) -> str:
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:24]
 
 
-CACHE_VERSION = "1"
+CACHE_VERSION = "2"
+#: files up to this size are keyed by their content too (hashing them costs less than tokenizing them)
+HASHED_BYTES = 64 << 20
+
+
+def _identity(file: Path) -> list[str]:
+    """What tells a file's content apart without trusting the modification time alone: an edit in place
+    that keeps size and mtime (``touch -r``, a copy with preserved times) still changes ctime, and a small
+    file's content hash decides outright."""
+    st = file.stat()
+    parts = [str(st.st_size), str(st.st_mtime_ns), str(st.st_ctime_ns), str(st.st_ino)]
+    if st.st_size <= HASHED_BYTES:
+        parts.append(hashlib.sha256(file.read_bytes()).hexdigest())
+    return parts
 
 
 def load_cached(cache_dir: Path, key: str):
@@ -181,9 +197,17 @@ def load_cached(cache_dir: Path, key: str):
     file = cache_dir / f"tokens-{key}.pt"
     if not file.is_file():
         return None
-    saved = torch.load(file, mmap=True, weights_only=True)
-    return Dataset(TokenizedExamples(saved["ids"], saved["labels"], saved["offsets"]),
-                   int(saved["truncated"]), int(saved["without_targets"]))
+    try:
+        saved = torch.load(file, mmap=True, weights_only=True)
+        examples = TokenizedExamples(saved["ids"], saved["labels"], saved["offsets"])
+        if int(examples.offsets[-1]) != len(examples.ids) or len(examples.ids) != len(examples.labels):
+            raise ValueError("its arrays do not fit together")
+        return Dataset(examples, int(saved["truncated"]), int(saved["without_targets"]))
+    except Exception as err:  # truncated, damaged or of another layout: tokenize again
+        log.warning("the token cache entry %s is unreadable (%s: %s); tokenizing the data again", file,
+                    type(err).__name__, str(err).splitlines()[0] if str(err) else "")
+        file.unlink(missing_ok=True)
+        return None
 
 
 def save_cached(cache_dir: Path, key: str, dataset) -> None:

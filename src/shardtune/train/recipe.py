@@ -29,6 +29,7 @@ from shardtune.runplan import RunPlan
 from shardtune.runtime import distributed
 from shardtune.runtime.device import device_type
 from shardtune.runtime.distributed import Worker
+from shardtune.runtime.failure import stage
 from shardtune.runtime.logs import EVERY_RANK, setup_logging
 from shardtune.runtime.memory import MemoryMonitor, tune_malloc
 from shardtune.runtime.workers import Stopped
@@ -353,7 +354,7 @@ def run(cfg: Config, plan: RunPlan | None = None) -> dict:
     started = time.perf_counter()
     if device_type(cfg.parallel.device) == "cpu":
         tune_malloc()  # before anything large is allocated: see memory.py (CPU memory only)
-    worker = distributed.init_worker(cfg.parallel.device, cfg.parallel.cpu_offload)
+    worker = distributed.init_worker(cfg.parallel.device, cfg.parallel.cpu_offload, cfg.parallel.collective_timeout)
     cfg, plan = _plan_of_rank0(cfg, plan, worker)
     out = Path(cfg.output.out)
     setup_logging(worker.rank, cfg.output.log_file)
@@ -362,9 +363,11 @@ def run(cfg: Config, plan: RunPlan | None = None) -> dict:
     memory = MemoryMonitor(worker.device)
     try:
         load_started = time.perf_counter()
-        job = prepare(cfg, worker, memory, plan)
+        with stage("load"):
+            job = prepare(cfg, worker, memory, plan)
         load_seconds = time.perf_counter() - load_started
-        result = train(job, memory, out)
+        with stage("train"):
+            result = train(job, memory, out)
         state: TrainState = result["state"]
         if result["stopped_by"]:
             result["trackers"].finish(None)  # the run goes on after --resume
@@ -372,7 +375,7 @@ def run(cfg: Config, plan: RunPlan | None = None) -> dict:
             if worker.is_main:
                 log.warning("%s", message)
             raise Stopped(result["stopped_by"], message)
-        with memory.phase("save"):
+        with memory.phase("save"), stage("save"):
             adapter = save_adapter(job.model, job.strategy, job.built.adapter_keys, out / "adapter", cfg.model.path)
         phases = ("load", "train", "save")
         peaks = distributed.all_gather_object({**{k: memory.peak_mb(k) for k in phases},

@@ -50,6 +50,26 @@ def check_installed(value: str | None) -> None:
         if any(importlib.util.find_spec(m) is None for m in needed):
             raise ConfigError(f"option 'report-to': {name} is not installed: pip install {package} "
                               "(or shardtune[trackers])")
+    if "wandb" in parse_report_to(value):
+        check_wandb_login()
+
+
+def check_wandb_login() -> None:
+    """wandb online without a login fails in rank 0 after the model is loaded, with wandb's traceback."""
+    import netrc
+    import os
+
+    if os.environ.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun") or os.environ.get("WANDB_API_KEY"):
+        return
+    host = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai").split("://")[-1].split("/")[0]
+    try:
+        found = netrc.netrc(os.environ.get("NETRC")).authenticators(host)
+    except (OSError, netrc.NetrcParseError):
+        found = None
+    if not found:
+        raise ConfigError("option 'report-to': wandb has no login on this machine (no WANDB_API_KEY, no ~/.netrc "
+                          f"entry for {host}): run `wandb login`, or set WANDB_MODE=offline to log locally "
+                          "(`wandb sync` uploads it later)")
 
 
 def mlflow_store(out: Path) -> str:

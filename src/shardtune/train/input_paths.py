@@ -1,0 +1,40 @@
+"""Every path option of a fine-tune checked in the launching process, before anything opens one.
+
+One rule per kind of path (errors.check_path): what is read must exist and be a regular file or a
+directory as expected, never a FIFO or device (opening one for reading blocks or never ends); what
+is written must be creatable or writable. The message names the option and the path.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from shardtune.config import Config, ConfigError
+from shardtune.errors import check_path
+from shardtune.runtime.files import OutputError
+from shardtune.train.data import token_cache
+from shardtune.train.datasets_io import is_datasets_source
+
+
+def _is_hub_name(path: str) -> bool:
+    return not Path(path).exists() and is_datasets_source(path)
+
+
+def check_input_paths(cfg: Config) -> None:
+    """Refuse a bad --data, --val-data, --model, --out, --log-file or token cache before the run starts."""
+    for flag, value in (("data", cfg.data.train), ("val-data", cfg.data.val)):
+        if value and not _is_hub_name(value):  # a Hub dataset name is looked up by datasets_io
+            check_path(value, f"option '{flag}':", "any", error=ConfigError)
+    model = Path(cfg.model.path).expanduser()
+    if model.exists() or model.is_symlink():  # otherwise a Hub id, resolved (or refused) by model/hub.py
+        check_path(model, "option 'model':", "dir", error=ConfigError)
+    out = Path(cfg.output.out).expanduser()
+    check_path(out, "option 'out':", "dir", write=True, error=OutputError)
+    if model.exists() and (out.resolve() == model.resolve() or model.resolve() in out.resolve().parents):
+        raise OutputError(f"option 'out': {out} is {'the' if out.resolve() == model.resolve() else 'inside the'} "
+                          f"model directory {cfg.model.path}: the run would write its files among the model's; "
+                          "choose an --out outside it")
+    if cfg.output.log_file:
+        check_path(cfg.output.log_file, "option 'log-file':", "file", write=True, error=OutputError)
+    check_path(token_cache(cfg), "the token cache ($SHARDTUNE_CACHE/tokenized)", "dir", write=True,
+               error=OutputError)

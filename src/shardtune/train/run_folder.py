@@ -1,0 +1,65 @@
+"""What ``--out`` already holds decides whether a run may start there: nothing finished is lost.
+
+A finished run (``summary.json``, ``adapter/``) or an interrupted one that kept checkpoints is only
+continued (``--resume``) or replaced on request (``--overwrite``); ``--resume`` with no checkpoint
+over a previous run's files is refused, since it could only start again at step 0 and replace them.
+An empty or new ``--out`` with ``--resume`` starts at step 0 (a scheduler that passes ``--resume`` on
+every start, the first one included, relies on it).
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+from shardtune.config import Config, ConfigError
+from shardtune.train.checkpoint import checkpoints_dir, find_latest
+
+log = logging.getLogger("shardtune")
+
+
+def _previous_run(out: Path) -> list[str]:
+    """The files under ``out`` a new run would replace."""
+    found = [name for name in ("summary.json", "adapter") if (out / name).exists()]
+    metrics = out / "metrics.jsonl"
+    if metrics.is_file() and metrics.stat().st_size:
+        found.append("metrics.jsonl")
+    return found
+
+
+def check_run_folder(cfg: Config) -> None:
+    """Refuse a start that would replace a previous run's results without being asked to."""
+    out = Path(cfg.output.out)
+    if cfg.output.resume and cfg.output.overwrite:
+        raise ConfigError("options 'resume' and 'overwrite' contradict each other: --resume continues the run in "
+                          f"{out}, --overwrite replaces it; give one")
+    if not out.is_dir():
+        return
+    latest = find_latest(out)
+    previous = _previous_run(out)
+    if cfg.output.resume:
+        if latest is None and previous:
+            raise ConfigError(
+                f"option 'resume': {out} holds no complete checkpoint to resume from, only a previous run's "
+                f"{', '.join(previous)} (runs keep checkpoints with --save-every N); starting again at step 0 "
+                "would replace them. Choose another --out, or pass --overwrite instead of --resume to start over")
+        return
+    if cfg.output.overwrite:
+        return
+    finished = "summary.json" in previous
+    if finished or latest is not None:
+        what = "a finished run (summary.json, adapter/)" if finished else f"checkpoints of a run ({latest.name})"
+        raise ConfigError(
+            f"option 'out': {out} holds {what}; a new run there would replace it. Pass --resume to continue it"
+            f"{' from its newest checkpoint' if latest else ' (it kept no checkpoint)'}, --overwrite to replace it, "
+            "or choose another --out")
+
+
+def clear_for_overwrite(cfg: Config) -> None:
+    """With ``--overwrite``: drop the replaced run's checkpoints, so that a later ``--resume`` never
+    continues the old run's state; its adapter and summary stay until the new run replaces them."""
+    root = checkpoints_dir(Path(cfg.output.out))
+    if cfg.output.overwrite and root.is_dir():
+        log.warning("--overwrite: deleting the previous run's checkpoints in %s", root)
+        shutil.rmtree(root)
