@@ -94,7 +94,7 @@ def test_single_strategy_with_several_processes_is_refused_up_front(capsys, tmp_
     code = main(["finetune", "--model", "m", "--data", "d.jsonl", "--out", str(tmp_path / "o"),
                  "--strategy", "single", "--nproc", "2"])
     err = capsys.readouterr().err
-    assert code == 2 and "option 'strategy': single runs one process" in err and "--nproc 2" in err
+    assert code == 2 and "option 'strategy': single runs one process" in err and "2 ranks" in err
 
 
 def test_more_cpu_workers_than_cores_warns(caplog, tmp_path, tiny_llama, train_jsonl, monkeypatch):
@@ -102,7 +102,7 @@ def test_more_cpu_workers_than_cores_warns(caplog, tmp_path, tiny_llama, train_j
 
     import shardtune.launch
 
-    monkeypatch.setattr(shardtune.launch, "launch", lambda cfg: {})  # the checks' verdict is all this needs
+    monkeypatch.setattr(shardtune.launch, "launch", lambda cfg, plan: {})  # the checks' verdict is all this needs
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     code = main(["finetune", "--model", str(tiny_llama), "--data", str(train_jsonl), "--out", str(tmp_path / "o"),
                  "--device", "cpu", "--nproc", "4", "--batch-size", "4", "--steps", "1"])

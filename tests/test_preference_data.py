@@ -98,7 +98,7 @@ def test_identical_and_cut_pairs_are_warned_about_with_counts(tmp_path, no_worke
 
 
 @pytest.mark.parametrize("flag,value,message", [
-    ("--dpo-beta", "0", "option 'dpo-beta' must be positive"),
+    ("--dpo-beta", "0", "option 'dpo-beta' must be greater than 0"),
     ("--dpo-label-smoothing", "0.5", r"option 'dpo-label-smoothing' must be in \[0, 0.5\)"),
     ("--orpo-lambda", "-1", "option 'orpo-lambda' must be at least 0"),
 ])

@@ -340,8 +340,9 @@ def _unknown(key: str, where: str) -> ConfigError:
 
 
 def flatten(raw: dict[str, Any], where: str) -> dict[str, Any]:
-    """Turn a YAML/dict config (flat flag keys or nested sections) into {flag: value}."""
-    flat: dict[str, Any] = {}
+    """Turn a YAML/dict config (flat flag keys or nested sections) into {flag: value}; an option given
+    twice (``lora-r`` and ``lora_r``, or ``lora-r`` and ``lora: {r}``) is refused: one would be ignored."""
+    flat: dict[str, Any] = _Once(where)
     for key, value in raw.items():
         name = str(key).replace("_", "-")
         if name in SECTIONS and isinstance(value, dict):
@@ -357,7 +358,21 @@ def flatten(raw: dict[str, Any], where: str) -> dict[str, Any]:
             raise ConfigError(f"{where}: '{key}' is a section: give it a mapping of its options, not {value!r}")
         else:
             raise _unknown(str(key), where)
-    return flat
+    return dict(flat)
+
+
+class _Once(dict):
+    """A dict refusing a second value for a key: the options of one config file or call."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__()
+        self.where = where
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        if key in self:
+            raise ConfigError(f"{self.where}: option '{key}' is given twice (as flag name, field name or in its "
+                              "section); keep one")
+        super().__setitem__(key, value)
 
 
 class _DuplicateKey(yaml.YAMLError):

@@ -17,6 +17,7 @@ class _RankFormatter(logging.Formatter):
 _HARMLESS = (
     r".*is_gradient_checkpointing.*deprecated.*",
     r".*TypedStorage is deprecated.*",
+    r".*fan_in_fan_out is set to False but the target module is .Conv1D.*",  # peft sets it right itself
     r".*torch\.distributed\.checkpoint.*FileSystemReader.*",
     r".*barrier\(\).*device_id.*",
     r".*_get_pg_default_device.*",
