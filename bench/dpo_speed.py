@@ -99,7 +99,9 @@ class TreeSampler:
     def ranks_mb(self, n: int) -> list[float]:
         self._stop.set()
         self._thread.join()
-        return [round(kb / 1024, 1) for kb in sorted(self.peak_kb.values(), reverse=True)[:n]]
+        # the launcher (the root) holds no model: the n largest of the rest are the ranks
+        workers = [kb for pid, kb in self.peak_kb.items() if pid != self.root]
+        return [round(kb / 1024, 1) for kb in sorted(workers, reverse=True)[:n]]
 
 
 def run_sampled(cmd: list[str], log: Path, timeout: int, nproc: int) -> tuple[int, list[float], float]:
@@ -176,7 +178,7 @@ def _picked(row: dict) -> str | None:
 
 def run_trl(model: Path, data: Path, args: argparse.Namespace) -> dict:
     out = Path(tempfile.mkdtemp(prefix="dpo-trl-"))
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(args.nproc), "--cpu",
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(args.nproc), "--multi_gpu",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(Path(__file__).resolve()),
            "--trl-worker", "--model", str(model), "--data", str(data), "--out", str(out), "--steps", str(args.steps),
            "--batch", str(args.batch), "--nproc", str(args.nproc), "--seq-len", str(args.seq_len),
@@ -280,7 +282,8 @@ def ratio_lines(rows: list[dict]) -> list[str]:
 
 def table(rows: list[dict]) -> str:
     trl = next((r for r in rows if r["name"] == "trl-dpo-ddp" and "error" not in r), None)
-    head = f"{'row':<18} {'peak/rank MB':>14} {'pairs/s':>9} {'peak/TRL':>9} {'speed/TRL':>10} {'planner MB':>11} {'err':>7}"
+    head = (f"{'row':<18} {'peak/rank MB':>14} {'pairs/s':>9} {'peak/TRL':>9} {'speed/TRL':>10} "
+            f"{'planner MB':>11} {'err':>7}")
     lines = [head]
     for r in rows:
         if "error" in r:
@@ -309,7 +312,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", default="1.1b", help="a size of bench/fake_model.py (tiny, 80m, 150m, 1.1b, 7b)")
     parser.add_argument("--cache", type=Path, default=HERE / ".cache")
-    parser.add_argument("--rows", default=",".join([*ROWS, "trl"]), help="comma-separated: " + ", ".join([*ROWS, "trl"]))
+    names = [*ROWS, "trl"]
+    parser.add_argument("--rows", default=",".join(names), help="comma-separated: " + ", ".join(names))
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--batch", type=int, default=4, help="global batch in pairs")
     parser.add_argument("--nproc", type=int, default=2)
@@ -329,7 +333,8 @@ def main() -> None:
 
     args.dtype = args.dtype or ("bf16" if bf16_fast() else "fp32")
     model = make_checkpoint(args.size, args.cache)
-    data = make_pairs(args.cache / f"pairs-{args.side_chars}.jsonl", n=args.batch * args.steps * 2, side_chars=args.side_chars)
+    data = make_pairs(args.cache / f"pairs-{args.side_chars}.jsonl", n=args.batch * args.steps * 2,
+                      side_chars=args.side_chars)
     rows = []
     for name in args.rows.split(","):
         print(f"running {name} ...", flush=True)
