@@ -262,6 +262,20 @@ def preference_demo(name: str, data: Result) -> list[str]:
     return lines + ["", "Fine-tune: " + "; ".join(facts) + "."]
 
 
+def dpo_speed(name: str, data: Result) -> list[str]:
+    machine = data.get("machine") or {}
+    lines = header(name, {**data, "command": machine.get("command")}, data.get("dtype", NOT_RECORDED),
+                   f"python bench/dpo_speed.py --size {data.get('size')} --steps {data.get('steps')}")
+    lines += [f"{data.get('size')} Llama-shape model, {data.get('nproc')} ranks, {data.get('global_batch_pairs')} "
+              f"pairs a step of ~{data.get('side_tokens')} tokens a side, {data.get('steps')} steps (the first is "
+              "warm-up). TRL: `DPOTrainer` + peft under `accelerate launch`, as its docs run it (DPOConfig's "
+              "default gradient checkpointing on).", ""]
+    rows = [[r["name"], max(r["peak_mb"]), r.get("pairs_per_second"), (r.get("plan") or {}).get("peak_mb"),
+             (r.get("plan") or {}).get("error"), r.get("chosen", "")] for r in data["rows"]]
+    lines += table(["row", "peak MB per rank", "pairs/s", "planner MB", "planner error", "strategy run"], rows)
+    return lines + ["", "Targets, as the bench judged them:", ""] + [f"- {t}" for t in data.get("targets", [])]
+
+
 def other(name: str, data: Any) -> list[str]:
     keys = ", ".join(map(str, data)) if isinstance(data, dict) else type(data).__name__
     return [f"### {name}", "", f"No table layout is known for this file (fields: {keys}); "
@@ -278,6 +292,7 @@ KINDS: list[tuple[str, str, Callable[[str, Any], list[str]]]] = [
     ("page-faults", "Fresh against reused buffers: bench/page_faults.py", page_faults),
     ("qlora-quality", "How far 4-bit weights move the logits: bench/qlora_quality.py", qlora_quality),
     ("preference-demo", "Preference tuning: the DPO demo", preference_demo),
+    ("dpo-", "Preference tuning against TRL: bench/dpo_speed.py", dpo_speed),
     ("", "Other results", other),
 ]
 

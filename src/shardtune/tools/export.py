@@ -31,6 +31,7 @@ import torch
 from shardtune.errors import ShardtuneError
 from shardtune.model.directory import check_model_dir
 from shardtune.runtime.files import OutputError, check_writable, output_error
+from shardtune.runtime.progress import progress
 from shardtune.tools.merge import MergePlan, merged_tensors, plan_merge
 
 log = logging.getLogger("shardtune")
@@ -100,16 +101,18 @@ def export_gguf(model: str | Path, adapter: str | Path | None, out: str | Path, 
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
         by_name = {item.name: item for item in layout}
-        for file in model_dir.weight_files:
-            from safetensors import safe_open
+        with progress(f"export {quant}", len(layout), unit="tensor") as bar:
+            for file in model_dir.weight_files:
+                from safetensors import safe_open
 
-            with safe_open(str(file), framework="pt") as f:
-                names = [(n, s) for n, s in plan.names_in(file.name, list(f.keys())) if n in by_name]
-                for name, tensor in merged_tensors(f, names, plan.changes):
-                    data = _convert(tensor, by_name[name], family, config)
-                    writer.write_tensor_data(data)
-                    written += data.nbytes
-                    del tensor, data
+                with safe_open(str(file), framework="pt") as f:
+                    names = [(n, s) for n, s in plan.names_in(file.name, list(f.keys())) if n in by_name]
+                    for name, tensor in merged_tensors(f, names, plan.changes):
+                        data = _convert(tensor, by_name[name], family, config)
+                        writer.write_tensor_data(data)
+                        written += data.nbytes
+                        bar.advance()
+                        del tensor, data
         writer.close()
         os.replace(tmp, out)
     except OSError as err:

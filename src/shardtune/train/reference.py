@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from shardtune.runtime import distributed
+from shardtune.runtime.progress import progress
 from shardtune.train.data import Example
 from shardtune.train.preference import my_pairs, padded_forward, reference_logps
 
@@ -52,11 +53,14 @@ def compute_reference(model: nn.Module, examples: Sequence[Example], micro: int,
     values = torch.zeros(per_rank, 2, dtype=torch.float32)
     was_training = model.training
     model.eval()
-    for start in range(0, per_rank, micro):
-        chunk = mine[start:start + micro]
-        fwd = padded_forward(examples, chunk or [0], pad_id, device)
-        logps = reference_logps(model, fwd, adapters_on=adapters_on).cpu()
-        values[start:start + len(chunk)] = logps[:len(chunk)]
+    # rank 0 counts its own share: every rank runs as many forwards, so its bar is the run's
+    with progress("reference log-probs", per_rank * world_size, unit="pair", enabled=rank == 0) as bar:
+        for start in range(0, per_rank, micro):
+            chunk = mine[start:start + micro]
+            fwd = padded_forward(examples, chunk or [0], pad_id, device)
+            logps = reference_logps(model, fwd, adapters_on=adapters_on).cpu()
+            values[start:start + len(chunk)] = logps[:len(chunk)]
+            bar.advance(len(chunk) * world_size, tokens=fwd.real_tokens * world_size)
     model.train(was_training)
     shares = distributed.all_gather_object(values) if world_size > 1 else [values]
     table = torch.zeros(n, 2, dtype=torch.float32)
