@@ -42,3 +42,20 @@ def run_ranks(fn: Callable, world_size: int, *args, timeout: float = 900) -> lis
                 p.kill()
             raise TimeoutError(f"{fn.__name__} on {world_size} ranks did not finish within {timeout} s")
     return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
+
+
+def trained_job(options: dict):
+    """Inside a rank of ``run_ranks``: the job of ``options`` prepared and trained for its steps, with
+    the memory monitor and ``train``'s result: ``(job, memory, result)``; the caller closes ``memory``."""
+    from shardtune.config import build_config
+    from shardtune.runtime import distributed
+    from shardtune.runtime.memory import MemoryMonitor
+    from shardtune.train.recipe import prepare, train
+
+    cfg = build_config(options)
+    worker = distributed.init_worker()
+    memory = MemoryMonitor(worker.device)
+    job = prepare(cfg, worker, memory)
+    out = Path(cfg.output.out)
+    out.mkdir(parents=True, exist_ok=True)
+    return job, memory, train(job, memory, out)

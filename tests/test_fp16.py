@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dist_utils import run_ranks
+from dist_utils import run_ranks, trained_job
 from tiny import make_run_dir, run_options
 
 
@@ -20,18 +20,9 @@ def fp16_training(rank: int, world_size: int, options: dict) -> dict:
     """A short fp16 run; then one step whose gradient is inf on the last rank only."""
     from torch.distributed.tensor import DTensor
 
-    from shardtune.config import build_config
     from shardtune.runtime import distributed
-    from shardtune.runtime.memory import MemoryMonitor
-    from shardtune.train.recipe import prepare, train
 
-    cfg = build_config(options)
-    worker = distributed.init_worker()
-    memory = MemoryMonitor(worker.device)
-    job = prepare(cfg, worker, memory)
-    out = Path(cfg.output.out)
-    out.mkdir(parents=True, exist_ok=True)
-    result = train(job, memory, out)
+    job, memory, result = trained_job(options)
     scale_after_training = job.scaler.get_scale()
 
     params = list(job.strategy.trainable(job.model).values())

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dist_utils import run_ranks
+from dist_utils import run_ranks, trained_job
 from tiny import make_model, write_jsonl
 
 METRIC_KEYS = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen",
@@ -142,21 +142,11 @@ def test_two_ranks_fsdp2_gradients_equal_one_rank(pref_root):
 
 def reference_after_a_step(rank: int, world_size: int, options: dict) -> dict:
     """After one optimizer step under the strategy: the reference and the policy log-probs of every pair."""
-    from shardtune.config import build_config
-    from shardtune.runtime import distributed
-    from shardtune.runtime.memory import MemoryMonitor
     from shardtune.train import preference
-    from shardtune.train.recipe import prepare, train
 
-    cfg = build_config(options)
-    worker = distributed.init_worker()
-    memory = MemoryMonitor(worker.device)
-    job = prepare(cfg, worker, memory)
-    out = Path(cfg.output.out)
-    out.mkdir(parents=True, exist_ok=True)
-    train(job, memory, out)
+    job, memory, _ = trained_job(options)
     job.model.eval()
-    fwd = preference.padded_forward(job.train.examples, list(range(4)), job.pad_id, worker.device)
+    fwd = preference.padded_forward(job.train.examples, list(range(4)), job.pad_id, job.worker.device)
     with torch.no_grad():
         reference = preference.reference_logps(job.model, fwd)
         policy = preference.forward_logps(job.model, fwd)
