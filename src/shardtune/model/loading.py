@@ -250,9 +250,13 @@ def _load_nf4(params: dict[str, torch.Tensor], model_dir: ModelDir) -> None:
 def _check_finite(loaded: dict[str, torch.Tensor], model_dir: ModelDir) -> None:
     """A NaN/inf in a base weight, named here: found later it would read as a divergence blamed on --lr."""
     for key, tensor in loaded.items():
-        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-        if local.is_floating_point() and local.numel() and not bool(torch.isfinite(local).all()):
-            bad = "NaN" if bool(torch.isnan(local).any()) else "inf"
+        if isinstance(tensor, ShardView):  # FSDP1: the view's pieces are the real tensors
+            pieces = [piece for _, piece in piece_boxes(tensor)]
+        else:
+            pieces = [tensor.to_local() if isinstance(tensor, DTensor) else tensor]
+        bad_pieces = [p for p in pieces if p.is_floating_point() and p.numel() and not bool(torch.isfinite(p).all())]
+        if bad_pieces:
+            bad = "NaN" if any(bool(torch.isnan(p).any()) for p in bad_pieces) else "inf"
             raise ModelDirError(f"{model_dir.path}: base weight {key} holds {bad} values (a damaged or wrongly "
                                 f"converted checkpoint); training from it cannot work")
 
