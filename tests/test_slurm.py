@@ -69,7 +69,7 @@ def test_torchrun_with_c10d_rendezvous(tmp_path):
 
 
 @pytest.mark.parametrize("launcher", ["torchrun", "shardtune finetune"])
-def test_readme_shows_the_scripts_command_lines(launcher):
+def test_docs_show_the_scripts_command_lines(launcher):
     lines = [ln.strip() for ln in SCRIPT.read_text().splitlines() if ln.strip().startswith("srun ")]
     line = next(ln for ln in lines if f"bash -c '{launcher} " in ln)
-    assert line in (REPO / "README.md").read_text()
+    assert line in (REPO / "docs" / "multi-node.md").read_text()
