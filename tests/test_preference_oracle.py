@@ -12,11 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import trl  # noqa: F401  (the oracle: in the test extra, so never skipped)
 
 from dist_utils import run_ranks
 from tiny import make_model, write_jsonl
-
-trl = pytest.importorskip("trl")
 
 # ORPO's TRL trainer puts BOS before the prompt and counts its NLL over prompt and response; shardtune counts
 # responses only (as the ORPO paper): a prompt of BOS alone makes the two definitions the same.
