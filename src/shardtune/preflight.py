@@ -40,9 +40,9 @@ def preflight(cfg: Config) -> tuple[Config, RunPlan]:
     quiet_libraries()
     check_apis()  # a too-old torch/transformers fails here, by name, not later on a silent fallback
     validate(cfg)
-    check_input_paths(cfg)  # every path option, before anything opens one
     # Before any worker starts: a missing GPU, or more ranks than GPUs, is a config error, not an NCCL hang.
     check_local_ranks(device_type(cfg.parallel.device), cfg.parallel.nproc)
+    check_input_paths(cfg)  # every path option, before anything opens one
     warn_oversubscribed(device_type(cfg.parallel.device), cfg.parallel.nproc)
     cfg = decide_dtype(cfg)  # --dtype auto: for this machine's device, the same for every rank
     check_installed(cfg.output.report_to)
