@@ -13,7 +13,7 @@ FSDP it is a collective like any forward, so every rank runs it for every forwar
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +22,7 @@ from torch import nn
 from shardtune.runtime.compat import adapters_disabled
 from shardtune.train.data import Example, collate
 from shardtune.train.loss import next_token_losses
-from shardtune.train.objectives import Objective, PairTerms, pair_terms
+from shardtune.train.objectives import METRICS, Objective, PairTerms, pair_terms
 from shardtune.train.packing import collate_packed, forwards_per_rank
 
 
@@ -121,6 +121,17 @@ def my_pairs(n_pairs: int, rank: int, world_size: int) -> tuple[list[int], int]:
     return list(range(rank, n_pairs, world_size)), -(-n_pairs // world_size)
 
 
+def lockstep_forwards(examples: Sequence[Example], micro: int, pad_id: int, device: torch.device, rank: int,
+                      world_size: int) -> Iterator[tuple[int, list[int], PairForward]]:
+    """(position in this rank's share, its pairs, their forward) for every pair of ``examples``, ``micro`` a
+    forward; a rank out of pairs gets a stand-in forward (pair 0, empty pair list), so that it still joins
+    every collective of a sharded model."""
+    mine, per_rank = my_pairs(len(examples) // 2, rank, world_size)
+    for start in range(0, per_rank, micro):
+        chunk = mine[start:start + micro]
+        yield start, chunk, padded_forward(examples, chunk or [0], pad_id, device)
+
+
 @torch.no_grad()
 def evaluate_pairs(model: nn.Module, objective: Objective, examples: Sequence[Example], micro: int, pad_id: int,
                    device: torch.device, rank: int, world_size: int, reference: torch.Tensor | None = None
@@ -128,11 +139,8 @@ def evaluate_pairs(model: nn.Module, objective: Objective, examples: Sequence[Ex
     """This rank's sums over its share of the pairs: [pair losses, chosen NLL, chosen target tokens, pairs,
     *METRICS sums]; the caller adds them over ranks. ``reference``: precomputed (pairs, 2) log-probs, else the
     base model's are computed here (DPO). The caller chooses ``model.eval()`` / ``train()``."""
-    mine, per_rank = my_pairs(len(examples) // 2, rank, world_size)
-    sums = torch.zeros(4 + 6, dtype=torch.float64, device=device)
-    for start in range(0, per_rank, micro):
-        chunk = mine[start:start + micro]
-        fwd = padded_forward(examples, chunk or [0], pad_id, device)  # a rank out of pairs still joins in
+    sums = torch.zeros(4 + len(METRICS), dtype=torch.float64, device=device)
+    for _, chunk, fwd in lockstep_forwards(examples, micro, pad_id, device, rank, world_size):
         ref = None
         if objective.reference:
             ref = reference[fwd.pairs].to(device) if reference is not None else reference_logps(model, fwd)
@@ -149,8 +157,6 @@ def evaluate_pairs(model: nn.Module, objective: Objective, examples: Sequence[Ex
 
 def pair_summary(sums: torch.Tensor) -> dict[str, float]:
     """The loss and TRL's metrics from ``evaluate_pairs``' sums (added over ranks)."""
-    from shardtune.train.objectives import METRICS
-
     losses, nll, chosen_tokens, pairs, *rest = sums.tolist()
     return {"loss": losses / pairs + (nll / chosen_tokens if chosen_tokens else 0.0),
             **{name: v / pairs for name, v in zip(METRICS, rest)}}

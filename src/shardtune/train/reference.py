@@ -25,7 +25,7 @@ from torch import nn
 from shardtune.runtime import distributed
 from shardtune.runtime.progress import progress
 from shardtune.train.data import Example
-from shardtune.train.preference import my_pairs, padded_forward, reference_logps
+from shardtune.train.preference import lockstep_forwards, my_pairs, reference_logps
 
 log = logging.getLogger("shardtune")
 
@@ -49,15 +49,13 @@ def compute_reference(model: nn.Module, examples: Sequence[Example], micro: int,
                       rank: int, world_size: int, adapters_on: bool) -> torch.Tensor:
     """(pairs, 2) reference log-probs of every pair, on CPU, the same table on every rank."""
     n = len(examples) // 2
-    mine, per_rank = my_pairs(n, rank, world_size)
+    per_rank = my_pairs(n, rank, world_size)[1]
     values = torch.zeros(per_rank, 2, dtype=torch.float32)
     was_training = model.training
     model.eval()
     # rank 0 counts its own share: every rank runs as many forwards, so its bar is the run's
     with progress("reference log-probs", per_rank * world_size, unit="pair", enabled=rank == 0) as bar:
-        for start in range(0, per_rank, micro):
-            chunk = mine[start:start + micro]
-            fwd = padded_forward(examples, chunk or [0], pad_id, device)
+        for start, chunk, fwd in lockstep_forwards(examples, micro, pad_id, device, rank, world_size):
             logps = reference_logps(model, fwd, adapters_on=adapters_on).cpu()
             values[start:start + len(chunk)] = logps[:len(chunk)]
             bar.advance(len(chunk) * world_size, tokens=fwd.real_tokens * world_size)
