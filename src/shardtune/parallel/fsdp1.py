@@ -154,7 +154,7 @@ def gather_full(model: nn.Module, names: list[str], grads: bool = False) -> dict
         # NCCL gathers only on the GPU, also when the shards are offloaded to the CPU
         local = local.to(unit.compute_device).contiguous()
         full = local.new_empty(local.numel() * layout.world_size)
-        dist.all_gather_into_tensor(full, local, group=layout.process_group)
+        dist.all_gather_single(full, local, group=layout.process_group)
         tensors = {fqn: full[o:o + math.prod(shape)].view(shape)
                    for fqn, o, shape in zip(layout.fqns, layout.offsets, layout.shapes)}
         for n in names:

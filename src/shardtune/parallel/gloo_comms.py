@@ -80,7 +80,7 @@ class DeferredReduceScatter:
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op: object, async_op: bool = False) -> dist.Work | None:
-        work = dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=True)
+        work = dist.reduce_scatter_single(output_tensor, input_tensor, op=op, group=group, async_op=True)
         if async_op:
             return work
         if self.deferred:

@@ -71,8 +71,8 @@ def _build(model_dir: ModelDir, meta_model: nn.Module | None, cfg: Config, worke
         if p.requires_grad:
             p.data = p.data.float()  # trainable weights and their optimizer state stay fp32
     total, trainable = count_params(model)
-    why = plan.why or "requested"  # decided before the workers started (train/resolve.py)
-    log.info("strategy %s: %s", plan.strategy, why)
+    if not plan.why:  # an automatic choice is said once, by rank 0 of the recipe (cfg.parallel.chosen)
+        log.info("strategy %s: requested", plan.strategy)
     if cfg.model.quantize == "nf4":
         selection = quantize.select(model)
         quantize.warn_kept(selection)
@@ -85,7 +85,7 @@ def _build(model_dir: ModelDir, meta_model: nn.Module | None, cfg: Config, worke
         model, strategy, lambda m, targets: load(m, model_dir, worker.device, snapshot, targets, strategy.host_params),
         plan.activation_checkpointing,
     )
-    return Built(model, strategy, why, adapter_keys, total, trainable)
+    return Built(model, strategy, plan.why or "requested", adapter_keys, total, trainable)
 
 
 def load_sharded(
