@@ -72,7 +72,8 @@ def _build(model_dir: ModelDir, meta_model: nn.Module | None, cfg: Config, worke
             p.data = p.data.float()  # trainable weights and their optimizer state stay fp32
     total, trainable = count_params(model)
     why = plan.why or "requested"  # decided before the workers started (train/resolve.py)
-    log.info("strategy %s: %s", plan.strategy, why)
+    # the choice's reasons were said once already, by preflight's "configuration:" line
+    log.info("strategy %s%s", plan.strategy, " (the configuration chosen above)" if plan.why else ": requested")
     if cfg.model.quantize == "nf4":
         selection = quantize.select(model)
         quantize.warn_kept(selection)
