@@ -55,7 +55,8 @@ def test_choice_is_the_first_fitting_setting_by_the_speed_rule(root):
 
 
 def test_nothing_fits_names_the_budget_and_the_smallest_peak(root):
-    with pytest.raises(ConfigError, match=r"memory-per-rank.*no setting fits 1 MB per rank; the smallest"):
+    with pytest.raises(ConfigError, match=r"memory-per-rank.*no setting fits 1 MiB per rank; the smallest "
+                                          r"predicted peak is [0-9.]+ [KMG]iB \("):
         choose(_cfg(root, **{"memory-per-rank": "1MiB"}))
 
 

@@ -74,8 +74,15 @@ def test_bad_record_in_a_parquet_file_names_file_record_and_field(tmp_path: Path
 
 
 def test_hub_dataset_name_not_in_cache_is_a_clear_error(tmp_path: Path, tok, monkeypatch) -> None:
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    with pytest.raises(DataError, match="dataset 'nobody/none' is neither a file nor in the local"):
+    import huggingface_hub.constants as constants
+
+    from shardtune.model.hub import HubDatasetError
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")  # datasets' own switch is honoured as well as HF_HUB_OFFLINE
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    with pytest.raises(HubDatasetError, match="dataset 'nobody/none': there is no local file or directory "
+                                              "nobody/none .*not in the local Hugging Face cache.*HF_DATASETS_OFFLINE"):
         load_dataset("nobody/none", tok, 128)
 
 

@@ -22,9 +22,9 @@ from tiny import instruction_records, make_model, write_jsonl
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 
-def cache_layout(hub_cache: Path, repo_id: str, source: Path, commit: str = COMMIT) -> Path:
+def cache_layout(hub_cache: Path, repo_id: str, source: Path, commit: str = COMMIT, kind: str = "models") -> Path:
     """The layout huggingface_hub writes: refs/main names the commit, snapshots/<commit> holds the files."""
-    repo = hub_cache / f"models--{repo_id.replace('/', '--')}"
+    repo = hub_cache / f"{kind}--{repo_id.replace('/', '--')}"
     (repo / "refs").mkdir(parents=True, exist_ok=True)
     (repo / "refs" / "main").write_text(commit)
     snapshot = repo / "snapshots" / commit
@@ -138,6 +138,51 @@ def test_download_fetches_only_config_tokenizer_and_safetensors(source: Path, of
     assert calls[1] == sorted(f.name for f in source.glob("*.safetensors"))
 
 
+def test_dataset_id_online_fetches_data_files_only_and_a_typo_says_local_and_hub(offline_cache: Path, tmp_path: Path,
+                                                                                   monkeypatch) -> None:
+    import fnmatch
+
+    import huggingface_hub
+    import huggingface_hub.constants as constants
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    from shardtune.model.hub import HubDatasetError, resolve_dataset
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    remote = tmp_path / "remote"
+    (remote / "data").mkdir(parents=True)
+    write_jsonl(remote / "data" / "train.jsonl", instruction_records(2))
+    (remote / "README.md").write_text("---\nlicense: mit\n---\n")
+    (remote / "loader.py").write_text("")  # a dataset script: never fetched
+    real = huggingface_hub.snapshot_download
+
+    def fake(repo_id, repo_type=None, revision=None, allow_patterns=None, local_files_only=False, **kw):
+        if local_files_only:
+            return real(repo_id, repo_type=repo_type, revision=revision, local_files_only=True)
+        if repo_id != "org/remote":
+            refusal = RepositoryNotFoundError.__new__(RepositoryNotFoundError)
+            Exception.__init__(refusal, "404 Client Error")
+            raise refusal
+        snapshot = cache_layout(offline_cache, repo_id, tmp_path / "empty", kind="datasets")
+        for f in remote.rglob("*"):
+            name = f.relative_to(remote).as_posix()
+            if f.is_file() and any(fnmatch.fnmatch(name, pattern) for pattern in allow_patterns):
+                (snapshot / name).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy(f, snapshot / name)
+        return str(snapshot)
+
+    (tmp_path / "empty").mkdir()
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake)
+    found = resolve_dataset("org/remote")
+    assert found is not None and {f.relative_to(found).as_posix() for f in found.rglob("*") if f.is_file()} \
+        == {"README.md", "data/train.jsonl"}
+    assert resolve_dataset("org/remote") == found  # now from the cache
+    with pytest.raises(HubDatasetError, match="no local file or directory org/remtoe .*, and no Hub dataset "
+                                              "repository has that name"):
+        resolve_dataset("org/remtoe")
+
+
 def test_plan_on_an_id_reads_headers_not_weights(source: Path, offline_cache: Path, tmp_path: Path,
                                                  monkeypatch) -> None:
     import huggingface_hub
@@ -163,6 +208,9 @@ def test_cli_finetune_plan_eval_on_a_cached_id_offline(source: Path, tmp_path: P
     """The real environment variables, in fresh processes, as a user sets them."""
     cache_layout(tmp_path / "hf" / "hub", "org/tiny", source)
     data = write_jsonl(tmp_path / "train.jsonl", instruction_records(8))
+    (tmp_path / "card" / "data").mkdir(parents=True)
+    write_jsonl(tmp_path / "card" / "data" / "train.jsonl", instruction_records(8))  # a Hub dataset's files
+    cache_layout(tmp_path / "hf" / "hub", "org/records", tmp_path / "card", kind="datasets")
     env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
     env.pop("HF_HUB_CACHE", None)
 
@@ -172,9 +220,10 @@ def test_cli_finetune_plan_eval_on_a_cached_id_offline(source: Path, tmp_path: P
 
     plan = shardtune("plan", "--model", "org/tiny", "--batch-size", "2", "--seq-len", "32", "--json")
     assert plan.returncode == 0, plan.stderr
-    run = shardtune("finetune", "--model", "org/tiny", "--data", str(data), "--out", str(tmp_path / "out"),
+    run = shardtune("finetune", "--model", "org/tiny", "--data", "org/records", "--out", str(tmp_path / "out"),
                     "--steps", "1", "--batch-size", "2", "--seq-len", "128", "--dtype", "fp32")
     assert run.returncode == 0, run.stderr
+    assert "tokenizing records: 8/8 records" in run.stderr  # the dataset id, read from the cache
     adapter_config = json.loads((tmp_path / "out" / "adapter" / "adapter_config.json").read_text())
     assert adapter_config["base_model_name_or_path"] == "org/tiny"
     ev = shardtune("eval", "--model", "org/tiny", "--adapter", str(tmp_path / "out" / "adapter"),
@@ -183,3 +232,9 @@ def test_cli_finetune_plan_eval_on_a_cached_id_offline(source: Path, tmp_path: P
     missing = shardtune("finetune", "--model", "org/absent", "--data", str(data), "--out", str(tmp_path / "o2"))
     assert missing.returncode == 2 and "not in the local Hugging Face cache" in missing.stderr
     assert "Traceback" not in missing.stderr
+    typo = shardtune("finetune", "--model", "org/tiny", "--data", "org/recrods", "--out", str(tmp_path / "o3"))
+    assert typo.returncode == 2 and "Traceback" not in typo.stderr, typo.stderr
+    message = typo.stderr.strip().splitlines()[-1]  # one message, before any worker started
+    assert message.count("org/recrods") >= 2 and "option 'data'" in message, message
+    assert "no local file or directory org/recrods" in message and "not in the local Hugging Face cache" in message
+    assert "HF_HUB_OFFLINE" in message and not (tmp_path / "o3").exists()

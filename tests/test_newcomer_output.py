@@ -66,6 +66,17 @@ def test_finetune_prints_each_fact_once_without_library_noise(run) -> None:
     assert "step 3: val_loss" in result.stdout and result.stdout.count("val_loss") == 2  # the line and the table
 
 
+def test_load_says_once_how_much_rank_0_read_and_the_choice_is_in_binary_units(run) -> None:
+    _, result = run
+    log = lines(result.stderr)
+    # counted in the raw output: another rank's line may land inside a bar's redraws
+    assert result.stderr.count(" of weights in ") == 1, result.stderr
+    loaded = [ln for ln in log if ln.startswith("loaded ") and " of weights in " in ln]
+    assert len(loaded) == 1 and "KiB of weights" in loaded[0] and "rank 0's part" in loaded[0], loaded
+    choice = [ln for ln in log if "configuration: fastest setting that fits" in ln]
+    assert len(choice) == 1 and "iB per rank" in choice[0] and " MB" not in choice[0], choice
+
+
 def test_adapter_weights_are_written_0644_like_the_other_files(run) -> None:
     root, _ = run
     modes = {f.name: stat.S_IMODE(f.stat().st_mode) for f in (root / "out" / "adapter").iterdir()}

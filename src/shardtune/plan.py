@@ -18,7 +18,7 @@ from shardtune.config import Config, build_config, combination_refusal, validate
 from shardtune.model.footprint import model_facts
 from shardtune.model.meta import compute_dtype
 from shardtune.runplan import BatchError, BatchPlan, RunPlan
-from shardtune.runtime.memory import MB
+from shardtune.runtime.memory import MB, format_size
 from shardtune.train.choice import budget_of
 from shardtune.train.memory_model import STRATEGIES, TERMS, Prediction, default_memory_per_rank, plan_device, predict
 from shardtune.train.objectives import rows_per_forward
@@ -145,7 +145,7 @@ def run_plan(config: str | Path | None, overrides: dict[str, Any], as_json_outpu
         return 0
     ranks = cfg.parallel.nproc * cfg.parallel.nnodes
     quant = ", base in NF4 (--quantize nf4)" if cfg.model.quantize == "nf4" else ""
-    budget_text = "unknown" if budget is None else f"{budget / MB:.0f} MB"
+    budget_text = "unknown" if budget is None else format_size(budget)
     header = [
         f"shardtune plan: {cfg.model.path} ({cfg.model.dtype}{quant}), LoRA r={cfg.lora.r} on {cfg.lora.targets}",
         f"{ranks} rank{'s' * (ranks > 1)} (single: 1), global batch {cfg.train.batch_size}"

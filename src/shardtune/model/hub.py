@@ -1,4 +1,5 @@
-"""``--model`` as a Hugging Face Hub id (``org/name`` or ``org/name@revision``), resolved to a local directory.
+"""``--model`` and ``--data`` as Hugging Face Hub ids (``org/name`` or ``org/name@revision``), resolved to a
+local directory.
 
 Order: an existing local path always wins; then the local Hugging Face cache (``HF_HOME`` /
 ``HF_HUB_CACHE``, the layout huggingface_hub writes); then, when online, a download of only what a
@@ -6,12 +7,18 @@ fine-tune reads: config, tokenizer and safetensors files (never ``*.bin``, GGUF 
 ``HF_TOKEN`` is used for gated models as huggingface_hub does). Offline (``HF_HUB_OFFLINE=1``) a
 model missing from the cache is an error that says so. The planner asks for ``weights=False``: then
 only the config is fetched and the safetensors headers are read over HTTP, never the weights.
+A dataset id (``resolve_dataset``) follows the same order; its download is the data files ``datasets``
+reads and the dataset card (whose YAML may name the splits), and ``HF_DATASETS_OFFLINE`` counts as
+offline too. A miss always says both: no such local path, and why the Hub (or its cache) had nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,8 +35,17 @@ META_PATTERNS = [
 ]
 
 
+#: What a dataset download fetches: the files ``datasets`` can read, and the card naming the splits.
+DATA_SUFFIXES = (".parquet", ".arrow", ".jsonl", ".json", ".csv")
+DATA_PATTERNS = ["README.md", *(f"*{suffix}" for suffix in DATA_SUFFIXES)]
+
+
 class HubModelError(ConfigError):
     """A Hub model id that cannot be resolved: not cached while offline, not found, gated, ..."""
+
+
+class HubDatasetError(ConfigError):
+    """A Hub dataset id that cannot be resolved, for the same reasons."""
 
 
 @dataclass
@@ -57,8 +73,43 @@ def parse_hub_id(spec: str) -> tuple[str, str | None] | None:
     return (match["repo"], match["revision"]) if match else None
 
 
-def _not_local(spec: str) -> str:
-    return f"there is no local directory {spec} (paths are relative to the working directory, {Path.cwd()})"
+def _not_local(spec: str, what: str = "directory") -> str:
+    return f"there is no local {what} {spec} (paths are relative to the working directory, {Path.cwd()})"
+
+
+def _not_cached(kind: str, spec: str, local: str, error: type[ConfigError], offline_var: str) -> ConfigError:
+    from huggingface_hub import constants
+
+    return error(f"{kind} '{spec}': {_not_local(spec, local)}, and as a Hub id it is not in the local Hugging Face "
+                 f"cache ({constants.HF_HUB_CACHE}) and {offline_var} is set: download it while online (or unset "
+                 f"{offline_var}), or give a local {local}")
+
+
+@contextlib.contextmanager
+def _hub_errors(kind: str, spec: str, local: str, error: type[ConfigError]) -> Iterator[None]:
+    """The Hub's refusals while fetching ``kind`` ("model", "dataset") ``spec``, each as one message."""
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    repo_id, revision = parse_hub_id(spec) or (spec, None)
+    try:
+        yield
+    except GatedRepoError:
+        raise error(
+            f"{kind} '{spec}' is gated: accept its terms on huggingface.co and set HF_TOKEN (or `hf auth login`)"
+        ) from None
+    except RevisionNotFoundError:
+        raise error(f"{kind} '{repo_id}' has no revision '{revision}' on the Hub") from None
+    except RepositoryNotFoundError:
+        raise error(f"{kind} '{spec}': {_not_local(spec, local)}, and no Hub {kind} repository has that name "
+                    "(private ones need HF_TOKEN)") from None
+    except (LocalEntryNotFoundError, OSError) as err:
+        raise error(f"{kind} '{spec}': {_not_local(spec, local)}, and as a Hub id it could not be downloaded from "
+                    f"the Hugging Face Hub ({err})") from None
 
 
 def resolve(spec: str, weights: bool = True, remote_code: bool = False) -> HubModel | None:
@@ -73,25 +124,15 @@ def resolve(spec: str, weights: bool = True, remote_code: bool = False) -> HubMo
     if parsed is None:
         return None
     repo_id, revision = parsed
-    from huggingface_hub import constants, is_offline_mode, snapshot_download
-    from huggingface_hub.errors import (
-        GatedRepoError,
-        LocalEntryNotFoundError,
-        RepositoryNotFoundError,
-        RevisionNotFoundError,
-    )
+    from huggingface_hub import is_offline_mode, snapshot_download
 
     extra = ["*.py"] if remote_code else []
     cached = _cached_snapshot(repo_id, revision, weights)
     if cached is not None:
         return HubModel(repo_id, revision, cached)
     if is_offline_mode():
-        raise HubModelError(
-            f"model '{spec}': {_not_local(spec)}, and as a Hub id it is not in the local Hugging Face cache "
-            f"({constants.HF_HUB_CACHE}) and "
-            f"HF_HUB_OFFLINE is set: download it while online (or unset HF_HUB_OFFLINE), or give a local directory"
-        )
-    try:
+        raise _not_cached("model", spec, "directory", HubModelError, "HF_HUB_OFFLINE")
+    with _hub_errors("model", spec, "directory", HubModelError):
         path = Path(snapshot_download(repo_id, revision=revision, allow_patterns=META_PATTERNS + extra))
         headers: dict[str, dict] = {}
         wanted = _weight_files(path)
@@ -100,19 +141,6 @@ def resolve(spec: str, weights: bool = True, remote_code: bool = False) -> HubMo
                 snapshot_download(repo_id, revision=revision, allow_patterns=wanted)
         else:
             headers = _remote_headers(repo_id, revision)
-    except GatedRepoError:
-        raise HubModelError(
-            f"model '{spec}' is gated: accept its terms on huggingface.co and set HF_TOKEN (or `hf auth login`)"
-        ) from None
-    except RevisionNotFoundError:
-        raise HubModelError(f"model '{repo_id}' has no revision '{revision}' on the Hub") from None
-    except RepositoryNotFoundError:
-        raise HubModelError(
-            f"model '{spec}': {_not_local(spec)}, and no Hub repository has that name (private ones need HF_TOKEN)"
-        ) from None
-    except (LocalEntryNotFoundError, OSError) as err:
-        raise HubModelError(f"model '{spec}': {_not_local(spec)}, and as a Hub id it could not be downloaded from "
-                            f"the Hugging Face Hub ({err})") from None
     if not wanted and weights:
         raise HubModelError(f"model '{spec}' on the Hub has no safetensors weights (model.safetensors or an index)")
     return HubModel(repo_id, revision, path, headers)
@@ -157,3 +185,37 @@ def _remote_headers(repo_id: str, revision: str | None) -> dict[str, dict]:
                for key, info in file_meta.tensors.items()}
         for name, file_meta in meta.files_metadata.items()
     }
+
+
+def resolve_dataset(spec: str) -> Path | None:
+    """The local snapshot of Hub dataset id ``spec`` (cache first, then a download of its data files and
+    card); None when ``spec`` exists locally or does not read as a Hub id."""
+    if Path(spec).expanduser().exists():
+        return None
+    parsed = parse_hub_id(spec)
+    if parsed is None:
+        return None
+    repo_id, revision = parsed
+    from huggingface_hub import is_offline_mode, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        cached = Path(snapshot_download(repo_id, repo_type="dataset", revision=revision, local_files_only=True))
+    except (LocalEntryNotFoundError, OSError, ValueError):
+        cached = None
+    if cached is not None and _has_data(cached):
+        return cached
+    datasets_offline = os.environ.get("HF_DATASETS_OFFLINE", "").upper() in {"1", "ON", "YES", "TRUE"}
+    if is_offline_mode() or datasets_offline:
+        offline_var = "HF_HUB_OFFLINE" if is_offline_mode() else "HF_DATASETS_OFFLINE"
+        raise _not_cached("dataset", spec, "file or directory", HubDatasetError, offline_var)
+    with _hub_errors("dataset", spec, "file or directory", HubDatasetError):
+        path = Path(snapshot_download(repo_id, repo_type="dataset", revision=revision, allow_patterns=DATA_PATTERNS))
+    if not _has_data(path):
+        raise HubDatasetError(f"dataset '{spec}' on the Hub has no data file shardtune reads "
+                              f"({', '.join(DATA_SUFFIXES)})")
+    return path
+
+
+def _has_data(snapshot: Path) -> bool:
+    return any(f.suffix in DATA_SUFFIXES and f.is_file() for f in snapshot.rglob("*"))

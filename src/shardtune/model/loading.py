@@ -5,18 +5,21 @@ The order matters and lives here alone:
 2. ``to_empty``: allocate the local shards (a full tensor only where the strategy replicates),
 3. re-tie tied weights, put the buffers back,
 4. read the base weights with torch.distributed.checkpoint's ``HuggingFaceStorageReader``, which
-   reads from the safetensors files only the slices this rank's (possibly sharded) tensors cover,
+   reads from the safetensors files only the slices this rank's (possibly sharded) tensors cover
+   (rank 0 shows a progress bar of the bytes read, and says how much when done),
 5. write LoRA's initial values into the local shards, and DoRA's magnitudes (norms of the loaded rows),
 6. fail loudly if anything is unmapped or still on meta.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
@@ -27,6 +30,8 @@ from shardtune.model.lora import PEFT_PREFIX
 from shardtune.model.structure import base_model
 from shardtune.runtime.compat import ShardView, piece_boxes
 from shardtune.runtime.logs import EVERY_RANK
+from shardtune.runtime.memory import format_size
+from shardtune.runtime.progress import Bar, progress
 from shardtune.runtime.versions import tied_weights_keys
 
 log = logging.getLogger("shardtune")
@@ -217,16 +222,68 @@ def load_base_weights(model: nn.Module, model_dir: ModelDir, tensors: dict[str, 
                     break
             else:
                 plan.append({key: tensor.detach()})
-    reader_cls = dcp.HuggingFaceStorageReader
-    for round_ in plan:
-        _check_shapes(round_, model_dir)
-        dcp.load(round_, storage_reader=reader_cls(str(model_dir.path)))
-        _check_finite(round_, model_dir)
-    _load_nf4(four_bit, model_dir)
+    total = sum(_local_bytes(t) for round_ in plan for t in round_.values()) + \
+        sum(_local_bytes(t) for t in four_bit.values())
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    with progress("loading weights", total, unit="iB", enabled=rank0, summary=_loaded_line, unit_scale=True,
+                  unit_divisor=1024) as bar:
+        for round_ in plan:
+            _check_shapes(round_, model_dir)
+            dcp.load(round_, storage_reader=_counting_reader(str(model_dir.path), bar))
+            _check_finite(round_, model_dir)
+        _load_nf4(four_bit, model_dir, bar)
     return sorted(stored - used)
 
 
-def _load_nf4(params: dict[str, torch.Tensor], model_dir: ModelDir) -> None:
+class _Counted:
+    """A LoadPlanner seen through: each tensor the reader has filled advances the bar by its bytes."""
+
+    def __init__(self, planner, bar: Bar) -> None:
+        self._planner, self._bar = planner, bar
+
+    def commit_tensor(self, read_item, tensor: torch.Tensor) -> None:
+        self._planner.commit_tensor(read_item, tensor)
+        self._bar.advance(tensor.numel() * tensor.element_size())
+
+    def __getattr__(self, name: str):
+        return getattr(self._planner, name)
+
+
+def _counting_reader(path: str, bar: Bar):
+    """DCP's safetensors reader, counting what it reads into ``bar``: the same reads in the same one
+    dcp.load, through the reader's public interface (``read_data`` commits each tensor it fills to the
+    planner). Made here, not at import: versions.check_apis names a torch without the reader first."""
+    return _counting_reader_class()(path, bar)
+
+
+@functools.cache
+def _counting_reader_class() -> type:
+    class CountingReader(dcp.HuggingFaceStorageReader):
+        def __init__(self, path: str, bar: Bar) -> None:
+            super().__init__(path)
+            self.bar = bar
+
+        def read_data(self, plan, planner):
+            return super().read_data(plan, _Counted(planner, self.bar))
+
+    return CountingReader
+
+
+def _local_bytes(tensor: torch.Tensor) -> int:
+    """Bytes of the part of ``tensor`` this rank holds: what reading it fills."""
+    if isinstance(tensor, ShardView):
+        return sum(piece.numel() * piece.element_size() for _, piece in piece_boxes(tensor))
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.numel() * local.dtype.itemsize
+
+
+def _loaded_line(bar: Bar) -> str:
+    ranks = dist.get_world_size() if dist.is_initialized() else 1
+    part = f" (rank 0's part; each of the {ranks} ranks reads its own)" if ranks > 1 else ""
+    return f"loaded {format_size(bar.done)} of weights in {bar.seconds:.1f} s{part}"
+
+
+def _load_nf4(params: dict[str, torch.Tensor], model_dir: ModelDir, bar: Bar) -> None:
     """Each NF4 weight: read this rank's slice in the compute dtype, quantize it, free it, next.
 
     So a rank never holds more than its 4-bit shard plus one bf16 slice. The slice is read through a
@@ -242,7 +299,7 @@ def _load_nf4(params: dict[str, torch.Tensor], model_dir: ModelDir) -> None:
             group = param.device_mesh.get_group()
         else:
             rows, group = torch.empty(param.shape, dtype=param.dtype, device=param.device), None
-        dcp.load({key: rows}, storage_reader=dcp.HuggingFaceStorageReader(str(model_dir.path)))
+        dcp.load({key: rows}, storage_reader=_counting_reader(str(model_dir.path), bar))
         nf4_fill.fill(param, rows.to_local() if isinstance(rows, DTensor) else rows, group)
         del rows
 

@@ -16,6 +16,16 @@ from collections.abc import Iterator
 import torch
 
 MB = 1024 * 1024
+_BINARY_UNITS = (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10))
+
+
+def format_size(n_bytes: float) -> str:
+    """A size as every message prints one: binary units, three significant digits ("7.45 GiB", "339 MiB")."""
+    for unit, scale in _BINARY_UNITS:
+        if abs(n_bytes) >= scale:
+            value = n_bytes / scale
+            return f"{value:.0f} {unit}" if abs(value) >= 100 else f"{value:.3g} {unit}"
+    return f"{n_bytes:.0f} B"
 
 # glibc's mallopt parameter, and the threshold we set (glibc's own starting value).
 _M_MMAP_THRESHOLD = -3

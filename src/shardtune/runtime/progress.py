@@ -12,9 +12,10 @@ API::
 
 ``progress(desc, total, unit="item", enabled=None, summary=True)`` returns a ``Bar`` (a context
 manager). ``enabled=None`` draws on rank 0 only (``RANK`` unset or 0), so N ranks never draw N
-bars. ``Bar.advance(n=1, tokens=0)`` counts ``n`` items done; ``Bar.note(text)`` sets the text after
-the counts; ``Bar.close()`` (done by ``with``) draws the last state and writes the summary line.
-``Bar.done`` and ``Bar.tokens`` are what has been counted.
+bars. ``summary`` may also be a function of the finished ``Bar`` giving the line to print (sizes:
+``"loaded 1.10 GiB of weights in 12.3 s"``). ``Bar.advance(n=1, tokens=0)`` counts ``n`` items done;
+``Bar.note(text)`` sets the text after the counts; ``Bar.close()`` (done by ``with``) draws the last
+state and writes the summary line. ``Bar.done`` and ``Bar.tokens`` are what has been counted.
 
 Notebooks get a widget bar when ipywidgets is installed and a text bar otherwise, never tqdm's
 "IProgress not found" warning. Bars go to stderr, so a command's result on stdout stays parseable.
@@ -25,6 +26,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 #: seconds before a bar appears
@@ -63,7 +65,7 @@ class Bar:
     """A tqdm bar with a token rate and a one-line summary when it ends; see the module docstring."""
 
     def __init__(self, desc: str, total: int | None, unit: str = "item", enabled: bool | None = None,
-                 summary: bool = True, **tqdm_args: Any) -> None:
+                 summary: bool | Callable[[Bar], str] = True, **tqdm_args: Any) -> None:
         self.desc, self.total, self.unit, self.summary = desc, total, unit, summary
         self.enabled = is_rank_zero() if enabled is None else enabled
         self.done, self.tokens, self.started, self.closed = 0, 0, time.perf_counter(), False
@@ -99,7 +101,8 @@ class Bar:
         self.closed = True
         self.bar.close()
         if self.enabled and self.summary:
-            print(self.summary_line(), file=sys.stderr, flush=True)
+            line = self.summary(self) if callable(self.summary) else self.summary_line()
+            print(line, file=sys.stderr, flush=True)
 
     def __enter__(self) -> Bar:
         return self
@@ -113,6 +116,6 @@ class Bar:
 
 
 def progress(desc: str, total: int | None, unit: str = "item", enabled: bool | None = None,
-             summary: bool = True, **tqdm_args: Any) -> Bar:
+             summary: bool | Callable[[Bar], str] = True, **tqdm_args: Any) -> Bar:
     """A ``Bar``; see the module docstring."""
     return Bar(desc, total, unit, enabled, summary, **tqdm_args)

@@ -29,11 +29,11 @@ from dataclasses import dataclass
 from shardtune.config import Config, ConfigError, combination_refusal, parse_size
 from shardtune.model.footprint import model_facts
 from shardtune.model.meta import compute_dtype
+from shardtune.runtime.memory import MB, format_size
 from shardtune.train.memory_model import default_memory_per_rank, plan_device, predict
 from shardtune.train.objectives import rows_per_forward
 
 log = logging.getLogger("shardtune")
-MB = 1024 * 1024
 #: What ``--strategy auto`` chooses among on several ranks (fsdp1 only when named: fsdp2 does all it does).
 AUTO_STRATEGIES = ("ddp", "fsdp2")
 
@@ -149,17 +149,17 @@ def choose(cfg: Config, tokens_per_record: float | None = None) -> tuple[Config,
     fitting = sorted((c for c, fits in found if fits), key=Candidate.key)
     if fitting:
         best = fitting[0]
-        why = (f"fastest setting that fits {budget / MB:.0f} MB per rank ({where}): {best.describe()}, predicted "
-               f"peak {best.peak_mb:.0f} MB; {len(fitting)} of {len(found)} settings fit; rule: no activation "
-               f"checkpointing, then fewest weight collectives per step ({best.collectives}), then largest "
-               f"micro-batch")
+        why = (f"fastest setting that fits {format_size(budget)} per rank ({where}): {best.describe()}, predicted "
+               f"peak {format_size(best.peak_mb * MB)}; {len(fitting)} of {len(found)} settings fit; rule: no "
+               f"activation checkpointing, then fewest weight collectives per step ({best.collectives}), then "
+               f"largest micro-batch")
     else:
         best = min((c for c, _ in found), key=lambda c: c.peak_mb)
         if cfg.parallel.memory_per_rank:
-            raise ConfigError(f"option 'memory-per-rank': no setting fits {budget / MB:.0f} MB per rank; the "
-                              f"smallest predicted peak is {best.peak_mb:.0f} MB ({best.describe()})")
-        why = (f"nothing fits {budget / MB:.0f} MB per rank ({where}); the smallest predicted peak: "
-               f"{best.describe()}, {best.peak_mb:.0f} MB")
+            raise ConfigError(f"option 'memory-per-rank': no setting fits {format_size(budget)} per rank; the "
+                              f"smallest predicted peak is {format_size(best.peak_mb * MB)} ({best.describe()})")
+        why = (f"nothing fits {format_size(budget)} per rank ({where}); the smallest predicted peak: "
+               f"{best.describe()}, {format_size(best.peak_mb * MB)}")
     parallel = dataclasses.replace(
         cfg.parallel, strategy=best.strategy, activation_checkpointing=best.activation_checkpointing,
         fsdp_unit=best.fsdp_unit if best.strategy == "fsdp2" else cfg.parallel.fsdp_unit, chosen=why)

@@ -2,9 +2,10 @@
 
 Sources read with ``datasets`` (an optional extra: ``pip install 'shardtune[datasets]'``):
   a directory written by ``Dataset.save_to_disk`` (a DatasetDict: its "train" split),
-  ``.parquet``, ``.csv`` and ``.arrow`` files, and a Hub dataset name (``org/name``) already in the
-  local Hugging Face cache. ``.json``/``.jsonl`` files stay with data.py's reader, whose errors name
-  the line.
+  ``.parquet``, ``.csv`` and ``.arrow`` files, and a Hub dataset id (``org/name[@revision]``), resolved
+  like a Hub model id (model/hub.py: the Hugging Face cache, then a download unless offline) to a local
+  snapshot that ``datasets`` reads. ``.json``/``.jsonl`` files stay with data.py's reader, whose errors
+  name the line.
 ``--data-fields prompt=question,response=answer`` maps other column names onto the record shapes
 (prompt/instruction, input, response/output, messages, text, conversations).
 ShareGPT records ``{"conversations": [{"from": "human"|"gpt"|"system", "value": …}]}`` become chat
@@ -39,9 +40,24 @@ def is_datasets_source(path: str | Path) -> bool:
         return any((p / f).is_file() for f in ("dataset_info.json", "state.json", "dataset_dict.json"))
     if p.suffix.lower() in _FILE_BUILDERS:
         return True
+    return is_hub_name(path)
+
+
+def is_hub_name(path: str | Path) -> bool:
+    """Whether ``path`` is a Hub dataset id: no such local path, the form ``org/name``, no file suffix
+    (so a mistyped ``data/train.jsonl`` is named as a missing file, not looked up on the Hub)."""
     from shardtune.model.hub import parse_hub_id
 
+    p = Path(path).expanduser()
     return not p.exists() and p.suffix == "" and parse_hub_id(str(path)) is not None
+
+
+def local_source(path: str | Path) -> Path:
+    """Where a source's files are: ``path`` itself, or a Hub dataset id's snapshot in the Hugging Face
+    cache (found there, or downloaded; model/hub.py raises HubDatasetError, saying why, when neither)."""
+    from shardtune.model.hub import resolve_dataset
+
+    return (resolve_dataset(str(path)) if is_hub_name(path) else None) or Path(path)
 
 
 def location(path: str | Path, index: int) -> str:
@@ -57,16 +73,19 @@ def read_rows(path: str | Path) -> list[tuple[int, dict]]:
         raise ConfigError(f"{path}: reading this needs the datasets library: pip install 'shardtune[datasets]'") \
             from None
     datasets.disable_progress_bars()
-    p = Path(path)
+    hub = is_hub_name(path)
+    p = local_source(path)
     try:
-        if p.is_dir():
+        if hub:  # the snapshot's files, as datasets finds them (the card's splits, or train* files)
+            ds = datasets.load_dataset(str(p), split="train")
+        elif p.is_dir():
             ds = datasets.load_from_disk(str(p))
         elif p.suffix.lower() in _FILE_BUILDERS:
             if not p.is_file():
                 raise DataError(f"data file {p} does not exist")
             ds = datasets.load_dataset(_FILE_BUILDERS[p.suffix.lower()], data_files=str(p), split="train")
         else:
-            ds = _from_hub_cache(str(path))
+            raise DataError(f"{path}: not a data source datasets reads")
     except DataError:
         raise
     except Exception as err:  # noqa: BLE001 - datasets raises many kinds; the user needs the file and reason
@@ -79,20 +98,6 @@ def read_rows(path: str | Path) -> list[tuple[int, dict]]:
     if len(ds) == 0:
         raise DataError(f"{path}: no records")
     return [(i + 1, {k: v for k, v in row.items() if v is not None}) for i, row in enumerate(ds)]
-
-
-def _from_hub_cache(name: str):
-    """A Hub dataset from the local cache only: training never waits on (or fails for) the network here."""
-    import datasets
-
-    config = datasets.DownloadConfig(local_files_only=True)
-    try:
-        return datasets.load_dataset(name, split="train", download_config=config)
-    except Exception:  # noqa: BLE001
-        raise DataError(
-            f"dataset '{name}' is neither a file nor in the local Hugging Face datasets cache "
-            f"({datasets.config.HF_DATASETS_CACHE}); download it first (datasets.load_dataset('{name}'))"
-        ) from None
 
 
 def normalize(record: object, fields: dict[str, str], where: str) -> object:
@@ -165,7 +170,7 @@ class TokenizedExamples(Sequence):
 
 def cache_key(path: str | Path, tokenizer, seq_len: int, fields: str) -> str:
     """What the tokenized records depend on: the data (path, size, mtime), tokenizer, chat template, options."""
-    p = Path(path)
+    p = local_source(path)  # a Hub id: its snapshot, whose folder names the commit
     stat = _identity(p) if p.is_file() else []
     if p.is_dir():
         stat = [f"{f.relative_to(p)}:{_identity(f)}" for f in sorted(p.rglob("*")) if f.is_file()]

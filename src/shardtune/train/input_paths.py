@@ -11,19 +11,21 @@ from pathlib import Path
 
 from shardtune.config import Config, ConfigError
 from shardtune.errors import check_path
+from shardtune.model.hub import HubDatasetError
 from shardtune.runtime.files import OutputError
 from shardtune.train.data import token_cache
-from shardtune.train.datasets_io import is_datasets_source
-
-
-def _is_hub_name(path: str) -> bool:
-    return not Path(path).exists() and is_datasets_source(path)
+from shardtune.train.datasets_io import is_hub_name, local_source
 
 
 def check_input_paths(cfg: Config) -> None:
     """Refuse a bad --data, --val-data, --model, --out, --log-file or token cache before the run starts."""
     for flag, value in (("data", cfg.data.train), ("val-data", cfg.data.val)):
-        if value and not _is_hub_name(value):  # a Hub dataset name is looked up by datasets_io
+        if value and is_hub_name(value):
+            try:
+                local_source(value)  # found in the Hugging Face cache or downloaded, or refused saying why
+            except HubDatasetError as err:
+                raise HubDatasetError(f"option '{flag}': {err}") from None
+        elif value:
             check_path(value, f"option '{flag}':", "any", error=ConfigError)
     model = Path(cfg.model.path).expanduser()
     if model.exists() or model.is_symlink():  # otherwise a Hub id, resolved (or refused) by model/hub.py
