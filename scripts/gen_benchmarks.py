@@ -271,8 +271,11 @@ def dpo_speed(name: str, data: Result) -> list[str]:
               "warm-up). TRL: `DPOTrainer` + peft under `accelerate launch`, as its docs run it (DPOConfig's "
               "default gradient checkpointing on).", ""]
     rows = [[r["name"], max(r["peak_mb"]), r.get("pairs_per_second"), (r.get("plan") or {}).get("peak_mb"),
-             (r.get("plan") or {}).get("error"), r.get("chosen", "")] for r in data["rows"]]
-    lines += table(["row", "peak MB per rank", "pairs/s", "planner MB", "planner error", "strategy run"], rows)
+             (r.get("plan") or {}).get("error"), r.get("chosen", ""),
+             "yes" if "--activation-checkpointing" in r.get("command", "") or r["name"].startswith("trl") else "no",
+             " ".join(r.get("loadavg_before", [])[:1]) or NOT_RECORDED] for r in data["rows"] if "error" not in r]
+    lines += table(["row", "peak MB per rank", "pairs/s", "planner MB", "planner error", "strategy run",
+                    "activation checkpointing", "load average before"], rows)
     return lines + ["", "Targets, as the bench judged them:", ""] + [f"- {t}" for t in data.get("targets", [])]
 
 
