@@ -174,8 +174,9 @@ class Trackers:
             setattr(self, _ATTRIBUTE[name], None)
             reason = str(output_error(err, self._where(name))) if isinstance(err, OSError) else \
                 f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
-            log.warning("--report-to %s stopped working at step %d (%s): %s; training goes on without it, "
-                        "and metrics.jsonl keeps every step", name, step, self._where(name), reason)
+            log.warning("--report-to %s stopped working %s (%s): %s; training goes on without it, and "
+                        "metrics.jsonl keeps every step", name, f"at step {step}" if step else "as it started",
+                        self._where(name), reason)
 
     def log(self, record: dict[str, Any]) -> None:
         """One optimizer step's record (the metrics.jsonl line); ``record['step']`` is the x axis."""
