@@ -277,7 +277,8 @@ def dpo_speed(name: str, data: Result) -> list[str]:
 
 
 def hostile_sweep(name: str, data: Result) -> list[str]:
-    lines = header(name, data, "fp32 (tiny random models)", "nice -n 19 python bench/hostile_sweep.py")
+    lines = header(name, data, "fp32, unless a case names bf16 (tiny random models)",
+                   "nice -n 19 python bench/hostile_sweep.py")
     summary = data["summary"]
     counts = ", ".join(f"{verdict} {n}" for verdict, n in summary.items())
     lines += [f"Hostile new-user cases through `python -m shardtune`, {sum(summary.values())} of "
