@@ -279,6 +279,19 @@ def dpo_speed(name: str, data: Result) -> list[str]:
     return lines + ["", "Targets, as the bench judged them:", ""] + [f"- {t}" for t in data.get("targets", [])]
 
 
+def hostile_sweep(name: str, data: Result) -> list[str]:
+    lines = header(name, data, "fp32, unless a case names bf16 (tiny random models)",
+                   "nice -n 19 python bench/hostile_sweep.py")
+    summary = data["summary"]
+    counts = ", ".join(f"{verdict} {n}" for verdict, n in summary.items())
+    lines += [f"Hostile new-user cases through `python -m shardtune`, {sum(summary.values())} of "
+              f"{data.get('total', '?')} judged: {counts}. Good: the expected exit code, the expected words in the "
+              "message, no traceback, the protected files unchanged; weak: the right code, other words; bad: a "
+              "traceback, a hang, a silent success or something lost.", ""]
+    rows = [[c["case"], c["exit"], c["verdict"], c["seconds"]] for c in data["cases"]]
+    return lines + table(["case", "exit code", "verdict", "seconds"], rows)
+
+
 def other(name: str, data: Any) -> list[str]:
     keys = ", ".join(map(str, data)) if isinstance(data, dict) else type(data).__name__
     return [f"### {name}", "", f"No table layout is known for this file (fields: {keys}); "
@@ -296,6 +309,7 @@ KINDS: list[tuple[str, str, Callable[[str, Any], list[str]]]] = [
     ("qlora-quality", "How far 4-bit weights move the logits: bench/qlora_quality.py", qlora_quality),
     ("preference-demo", "Preference tuning: the DPO demo", preference_demo),
     ("dpo-", "Preference tuning against TRL: bench/dpo_speed.py", dpo_speed),
+    ("hostile-sweep", "Bad input and faults, as a hostile new user: bench/hostile_sweep.py", hostile_sweep),
     ("", "Other results", other),
 ]
 

@@ -45,6 +45,24 @@ def test_lr_1e30_stops_at_the_first_non_finite_step(tmp_path, capsys):
     assert all(torch.isfinite(t).all() for t in adapter.values())
 
 
+def test_lr_blowing_the_weights_up_is_named_at_the_first_zero_gradient(tmp_path):
+    """bf16 and --lr 1e6: an update saturates the outputs, the loss stays finite and the gradient is exactly 0."""
+    import json
+
+    make_model(tmp_path / "model", "llama")
+    write_jsonl(tmp_path / "train.jsonl", instruction_records(8))
+    out, log = tmp_path / "out", tmp_path / "run.log"
+    code = main(["finetune", "--model", str(tmp_path / "model"), "--data", str(tmp_path / "train.jsonl"),
+                 "--out", str(out), "--dtype", "bf16", "--steps", "4", "--batch-size", "4", "--seq-len", "64",
+                 "--strategy", "single", "--warmup-steps", "0", "--lr", "1e6", "--log-file", str(log)])
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    zero = [m["step"] for m in metrics if m["grad_norm"] == 0]
+    assert code == 0 and zero and zero[0] >= 2, metrics  # finite all along: no stop, and no word until now
+    text = log.read_text()
+    assert text.count("the gradient norm is exactly 0 right after an optimizer step") == 1, text
+    assert f"step {zero[0]}: the gradient norm is exactly 0" in text and "--lr 1e+06 is far too large" in text
+
+
 def _tensors(tree, prefix: str = "") -> dict[str, torch.Tensor]:
     """{dotted path: tensor} for every floating tensor in a nested state dict."""
     if isinstance(tree, torch.Tensor):
@@ -59,10 +77,20 @@ def test_guard_refuses_non_finite_values(tmp_path, loss, norm, what):
         TrainingGuard(tmp_path, 1e-3, True).check(7, loss, norm)
 
 
-def test_guard_warns_once_when_the_gradient_stays_exactly_zero(tmp_path, caplog):
+def test_guard_names_the_lr_at_the_first_zero_gradient_after_an_update(tmp_path, caplog):
+    """A zero gradient right after a step that had one: the update blew the weights up; said at that step."""
     caplog.set_level(logging.WARNING, logger="shardtune")
     guard = TrainingGuard(Path(tmp_path), 1e6, True)
     for step, norm in enumerate([0.5, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0], start=1):
         guard.check(step, 2.0, norm)
-    assert caplog.text.count("exactly 0 for 3 steps in a row (steps 5-7)") == 1
-    assert "--lr (now 1e+06)" in caplog.text
+    assert caplog.text.count("step 2: the gradient norm is exactly 0 right after an optimizer step") == 1
+    assert "--lr 1e+06 is far too large" in caplog.text and "in a row" not in caplog.text
+
+
+def test_guard_warns_once_when_the_gradient_is_zero_from_the_start(tmp_path, caplog):
+    caplog.set_level(logging.WARNING, logger="shardtune")
+    guard = TrainingGuard(Path(tmp_path), 1e-3, True)
+    for step in range(1, 7):
+        guard.check(step, 2.0, 0.0)
+    assert caplog.text.count("exactly 0 for 3 steps in a row (steps 1-3)") == 1
+    assert "right after an optimizer step" not in caplog.text

@@ -51,9 +51,9 @@ def preflight(cfg: Config) -> tuple[Config, RunPlan]:
         raise OutputError(f"option 'out': {out} is an existing file, not a directory")
     check_writable(out)
     check_run_folder(cfg)  # nothing finished in --out is replaced unless asked for
-    if cfg.output.resume:
-        resume_point(cfg)  # a refused resume must not get as far as touching --out
     model_dir = check_model_dir(cfg.model.path, cfg.model.trust_remote_code)
+    if cfg.output.resume:  # against the options, the data and the base model; before --out is touched
+        resume_point(cfg, model_dir)
     tokenizer = load_tokenizer(model_dir)
     vocab = vocab_size(model_dir)
     check_tokenizer_fits(tokenizer, vocab, model_dir)

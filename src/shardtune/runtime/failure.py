@@ -4,11 +4,14 @@ What failed, in which stage of the run, the exception's own message, and where i
 was written; a user never has to read a stack trace to know what happened. ``stage`` marks the
 stages (an exception leaving one carries its name as a note, which survives into the traceback a
 worker's error file holds), and lets a test inject a failure at any of them
-(``SHARDTUNE_TEST_FAIL_AT=STAGE``; ``stop@STAGE`` makes the last rank stop responding there).
+(``SHARDTUNE_TEST_FAIL_AT=STAGE``; ``stop@STAGE`` makes the last rank stop responding there;
+``full@NAME:STEP`` makes the writes of NAME, a run's file or tracker, find the disk full from that
+step on: see ``injected_full_disk``).
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import tempfile
@@ -47,6 +50,17 @@ def stage(name: str) -> Iterator[None]:
         if stage_of(err) is None:
             err.add_note(f"{STAGE_NOTE}{name}")
         raise
+
+
+def injected_full_disk(name: str, step: int, path: Path | str) -> None:
+    """Raise the OSError of a full disk at a write of ``name`` (``metrics.jsonl``, ``tensorboard``, ...)
+    at optimizer step ``step`` when a test asked for it (``SHARDTUNE_TEST_FAIL_AT=full@NAME:STEP``,
+    several joined by commas): how the tests fill a disk at one chosen write, in a worker process,
+    without a file system to fill."""
+    for injected in os.environ.get(FAIL_AT, "").split(","):
+        target, _, first = injected.removeprefix("full@").partition(":")
+        if injected.startswith("full@") and target == name and first.isdigit() and step >= int(first):
+            raise OSError(errno.ENOSPC, f"No space left on device (injected by {FAIL_AT})", str(path))
 
 
 def stage_of(err: BaseException | str) -> str | None:

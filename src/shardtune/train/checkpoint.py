@@ -6,7 +6,8 @@ A resumable checkpoint ``OUT/checkpoints/step-N/`` holds:
   ``rng/rank-K.pt``               every rank's torch RNG states (LoRA dropout)
   ``adapter_config.json``         peft's config, so that ``adapter-from-checkpoint`` needs no model
   ``checkpoint.json``             data position (``step``: the next step to run), world size, LR
-                                  scheduler state, running totals, the run's options, adapter key names
+                                  scheduler state, running totals, the run's options, adapter key names,
+                                  the data's and the base model's fingerprints (what ``--resume`` checks)
   ``COMPLETE``                    written last: a directory without it is never resumed from
 It is written as ``.step-N.tmp`` and renamed by rank 0 once every rank has finished writing, so a
 crash mid-write leaves the previous checkpoints as they were.
@@ -33,10 +34,11 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from shardtune.config import FLAGS, FREE, MUST_MATCH, Config
 from shardtune.errors import ShardtuneError
+from shardtune.model.directory import ModelDir, check_model_dir
+from shardtune.model.fingerprint import differences, model_fingerprint
 from shardtune.model.hub import base_model_name
 from shardtune.parallel import Strategy
 from shardtune.runtime.files import check_output_dir, fingerprint, output_error, replace_dir
-from shardtune.runtime.logs import EVERY_RANK
 from shardtune.train.adapter import peft_config_dict, write_adapter
 
 log = logging.getLogger("shardtune")
@@ -135,8 +137,10 @@ class Checkpointer:
         self.optimizer, self.scheduler, self.scaler = optimizer, scheduler, scaler
         self.worker = strategy.worker
         self.root = checkpoints_dir(Path(cfg.output.out))
-        # Hashed once, by the rank that writes the metadata: what --resume compares the data against.
+        # Hashed once, by the rank that writes the metadata: what --resume compares data and model against.
         self._data = fingerprint(cfg.data.train) if self.worker.is_main and cfg.data.train else None
+        self._model = (model_fingerprint(check_model_dir(cfg.model.path, cfg.model.trust_remote_code))
+                       if self.worker.is_main else None)
 
     def due(self, step: int) -> bool:
         every = self.cfg.output.save_every
@@ -176,7 +180,7 @@ class Checkpointer:
             (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
             meta = {"step": state.step, "world_size": self.worker.world_size, "state": asdict(state),
                     "scheduler": self.scheduler.state_dict(), "options": self.cfg.flat(),
-                    "adapter_keys": self.keys, "data": self._data, "saved_at": time.time()}
+                    "adapter_keys": self.keys, "data": self._data, "model": self._model, "saved_at": time.time()}
             if self.scaler is not None and self.scaler.is_enabled():  # fp16's loss scale continues too
                 meta["loss_scaler"] = self.scaler.state_dict()
             (tmp / META).write_text(json.dumps(meta, indent=1) + "\n")
@@ -206,14 +210,15 @@ class Checkpointer:
         path = find_latest(out) if self.worker.is_main else None
         path = _broadcast(path)  # one rank decides, so that all load the same one
         if path is None:
-            log.warning("--resume: no complete checkpoint under %s; starting from step 0", out, extra=EVERY_RANK)
+            if self.worker.is_main:  # legal: a scheduler passes --resume on every start (run_folder.py)
+                log.info("nothing to resume in %s: starting at step 0", out)
             return TrainState()
         meta = json.loads((path / META).read_text())
         refused = None
         if self.worker.is_main:  # one rank decides and all follow: none is left waiting for another
             try:
-                for k, (a, b) in check_resumable(self.cfg, path, meta, self._data).items():
-                    log.warning("resuming from %s with option '%s' changed from %r to %r", path, k, a, b)
+                for message in check_resumable(self.cfg, path, meta, self._data, self._model):
+                    log.warning("%s", message)
             except CheckpointError as err:
                 refused = str(err)
         refused = _broadcast(refused)
@@ -260,11 +265,12 @@ def _reason(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}"
 
 
-def check_resumable(cfg: Config, path: Path, meta: dict, data: dict | None) -> dict[str, tuple]:
-    """Refuse to resume ``cfg`` from checkpoint ``path`` when its tensors or its data no longer fit.
+def check_resumable(cfg: Config, path: Path, meta: dict, data: dict | None, model: dict | None) -> list[str]:
+    """Refuse to resume ``cfg`` from checkpoint ``path`` when its tensors, its base model or its data no
+    longer fit.
 
-    ``data`` is the training data's fingerprint now. Returns the other options that changed
-    ({flag: (before, now)}), which a resume accepts with a warning.
+    ``data`` and ``model`` are the training data's and the base model's fingerprints now. Returns what a
+    resume accepts with a warning: the other options that changed, a base model stored in other dtypes.
     """
     saved, now = meta["options"], cfg.flat()
     # Each option's policy is declared with it in the schema (config.py, ``opt(..., resume)``).
@@ -275,6 +281,8 @@ def check_resumable(cfg: Config, path: Path, meta: dict, data: dict | None) -> d
         raise CheckpointError(f"cannot resume from {path}: " + "; ".join(
             f"option '{k}' was {a!r}, now {b!r}" for k, (a, b) in bad.items())
             + " (these decide which tensors the checkpoint holds; use the old values or a new --out)")
+    notes = [f"resuming from {path} with option '{k}' changed from {a!r} to {b!r}" for k, (a, b) in changed.items()]
+    notes += _check_base_model(cfg, path, meta, model)
     before = meta.get("data")
     if before and data and (before["bytes"], before["sha256"]) != (data["bytes"], data["sha256"]):
         message = (f"the training data {data['path']} changed since checkpoint {path} was written "
@@ -283,19 +291,38 @@ def check_resumable(cfg: Config, path: Path, meta: dict, data: dict | None) -> d
         if not cfg.output.allow_data_change:
             raise CheckpointError(f"cannot resume: {message}; the saved data position would point at other "
                                   "records. Restore the file, or pass --allow-data-change to continue anyway")
-        log.warning("%s; continuing (--allow-data-change)", message)
-    return changed
+        notes.append(f"{message}; continuing (--allow-data-change)")
+    return notes
 
 
-def resume_point(cfg: Config) -> Path | None:
-    """The checkpoint ``--resume`` will continue from (None: none), checked against ``cfg`` and its data.
+def _check_base_model(cfg: Config, path: Path, meta: dict, now: dict | None) -> list[str]:
+    """Refuse another base model than the checkpoint's (its LoRA tensors were trained on that one)."""
+    before = meta.get("model")
+    if before is None:  # written before checkpoints recorded it
+        return [f"checkpoint {path} does not record its base model (an older shardtune wrote it): "
+                f"--model {cfg.model.path} is assumed to be the one it was made from"]
+    if now is None:
+        return []
+    other, stored = differences(before, now)
+    if other:
+        raise CheckpointError(
+            f"cannot resume from {path}: it was made from another base model than --model {cfg.model.path}: "
+            f"{other}. Resume with the model the checkpoint was made from (its run's --model was "
+            f"{meta['options'].get('model')}), or train this one in a new --out")
+    return [f"resuming from {path}: the base model is the same, but {stored}"] if stored else []
 
-    Run once in the launching process, so that a refused resume changes nothing under ``--out``.
+
+def resume_point(cfg: Config, model_dir: ModelDir) -> Path | None:
+    """The checkpoint ``--resume`` will continue from (None: none), checked against ``cfg``, its base
+    model and its data.
+
+    Run once in the launching process, before any worker loads a weight, so that a refused resume
+    changes nothing under ``--out``.
     """
     path = find_latest(Path(cfg.output.out))
     if path is not None:
         meta = json.loads((path / META).read_text())
-        check_resumable(cfg, path, meta, fingerprint(cfg.data.train))
+        check_resumable(cfg, path, meta, fingerprint(cfg.data.train), model_fingerprint(model_dir))
     return path
 
 

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from shardtune.runtime.failure import injected_full_disk
 from shardtune.runtime.files import output_error
 from shardtune.runtime.progress import tqdm_class
 
@@ -55,7 +56,11 @@ class Progress:
 
 
 class MetricsLog:
-    """Appends one JSON object per optimizer step to metrics.jsonl (rank 0 only)."""
+    """Appends one JSON object per optimizer step to metrics.jsonl (rank 0 only).
+
+    A write that fails (a full disk, a lost permission) ends the run with an OutputError naming the
+    file, and leaves it as it was before that write: whole lines only, each a step that was done.
+    """
 
     def __init__(self, path: Path, enabled: bool, resume_from_step: int = 0) -> None:
         self.path, self.enabled = path, enabled
@@ -64,12 +69,34 @@ class MetricsLog:
             if resume_from_step and path.is_file():
                 # A resumed run replaces the lines of the steps it redoes.
                 kept = [ln for ln in path.read_text().splitlines() if ln and json.loads(ln)["step"] <= resume_from_step]
-            path.write_text("".join(line + "\n" for line in kept))
+            _replace(path, "".join(line + "\n" for line in kept))
 
     def write(self, record: dict[str, Any]) -> None:
-        if self.enabled:
+        if not self.enabled:
+            return
+        line = json.dumps(_finite(record)) + "\n"
+        size = self.path.stat().st_size if self.path.is_file() else 0
+        try:
+            injected_full_disk(self.path.name, int(record["step"]), self.path)
             with self.path.open("a") as f:
-                f.write(json.dumps(_finite(record)) + "\n")
+                f.write(line)
+        except OSError as err:
+            try:  # a line half written is no step: cut it off again
+                os.truncate(self.path, size)
+            except OSError:
+                pass
+            raise output_error(err, self.path) from None
+
+
+def _replace(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` under a temporary name first: a failed write leaves the old file whole."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        raise output_error(err, path) from None
 
 
 def _finite(record: dict[str, Any]) -> dict[str, Any]:
@@ -78,10 +105,4 @@ def _finite(record: dict[str, Any]) -> dict[str, Any]:
 
 
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    try:
-        tmp.write_text(json.dumps(_finite(data), indent=2) + "\n")
-        os.replace(tmp, path)
-    except OSError as err:  # a full disk: the old file stays, no half-written one is left, the path is named
-        tmp.unlink(missing_ok=True)
-        raise output_error(err, path) from None
+    _replace(path, json.dumps(_finite(data), indent=2) + "\n")

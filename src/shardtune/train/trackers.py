@@ -11,12 +11,17 @@ Where they write: TensorBoard under ``OUT/tensorboard``; W&B under ``OUT/wandb``
 ``MLFLOW_TRACKING_URI`` or else a local SQLite store ``OUT/mlflow.db`` (MLflow 3 retired the
 plain file store) (experiment from
 ``MLFLOW_EXPERIMENT_NAME``, default "shardtune").
+
+A tracker that fails during the run (a full disk under ``OUT/tensorboard``, a tracking server gone)
+is dropped with one warning naming it, where it writes and why; training goes on, and metrics.jsonl
+keeps every step. A tracker is a view of the run, not the run: hours of training are not given up for it.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import math
 import os
 import uuid
@@ -24,10 +29,15 @@ from pathlib import Path
 from typing import Any
 
 from shardtune.config import ConfigError
+from shardtune.runtime.failure import injected_full_disk
+from shardtune.runtime.files import output_error
+
+log = logging.getLogger("shardtune")
 
 #: tracker name: (module to import, pip package)
 TRACKERS = {"tensorboard": ("torch.utils.tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"),
             "mlflow": ("mlflow", "mlflow")}
+_ATTRIBUTE = {"tensorboard": "_tb", "wandb": "_wandb", "mlflow": "_mlflow"}  # where Trackers holds each
 
 
 def parse_report_to(value: str | None) -> list[str]:
@@ -95,66 +105,116 @@ class Trackers:
         ids_file = out / "trackers.json"
         ids = json.loads(ids_file.read_text()) if resume_from_step and ids_file.is_file() else {}
         if "tensorboard" in self.names:
-            from torch.utils.tensorboard import SummaryWriter
-
-            # purge_step drops events of the steps the resumed run redoes: one curve, no overlap.
-            purge = resume_from_step + 1 if resume_from_step else None
-            self._tb = SummaryWriter(str(out / "tensorboard"), purge_step=purge)
-            self._tb.add_text("config", "\n".join(f"    {k}: {v}" for k, v in config.items()), 0)
+            self._guard("tensorboard", resume_from_step, self._start_tensorboard, config, resume_from_step)
         if "wandb" in self.names:
-            import wandb
-
-            ids.setdefault("wandb", uuid.uuid4().hex[:12])
-            (out / "wandb").mkdir(parents=True, exist_ok=True)
-            self._wandb = wandb.init(project=os.environ.get("WANDB_PROJECT", "shardtune"), name=out.name,
-                                     id=ids["wandb"], resume="allow", dir=str(out), config=config)
+            self._guard("wandb", resume_from_step, self._start_wandb, config, ids)
         if "mlflow" in self.names:
-            import mlflow
+            self._guard("mlflow", resume_from_step, self._start_mlflow, config, ids)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            ids_file.write_text(json.dumps(ids, indent=2) + "\n")
+        except OSError as err:
+            raise output_error(err, ids_file) from None
 
-            uri = os.environ.get("MLFLOW_TRACKING_URI")
-            mlflow.set_tracking_uri(uri or mlflow_store(out))
-            experiment = os.environ.get("MLFLOW_EXPERIMENT_NAME", "shardtune")
-            if not uri and mlflow.get_experiment_by_name(experiment) is None:
-                # A SQLite store puts artifacts under ./mlruns of the current directory unless told:
-                # the run's summary.json belongs in OUT, not wherever the user started shardtune.
-                mlflow.create_experiment(experiment, artifact_location=(out / "mlflow-artifacts").resolve().as_uri())
-            mlflow.set_experiment(experiment)
-            run = mlflow.start_run(run_id=ids.get("mlflow"), run_name=None if "mlflow" in ids else out.name)
-            if "mlflow" not in ids:
-                mlflow.log_params({k: "" if v is None else v for k, v in config.items()})
-            ids["mlflow"] = run.info.run_id
-            self._mlflow = mlflow
-        out.mkdir(parents=True, exist_ok=True)
-        ids_file.write_text(json.dumps(ids, indent=2) + "\n")
+    def _start_tensorboard(self, config: dict[str, Any], resume_from_step: int) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        # purge_step drops events of the steps the resumed run redoes: one curve, no overlap.
+        purge = resume_from_step + 1 if resume_from_step else None
+        self._tb = SummaryWriter(str(self.out / "tensorboard"), purge_step=purge)
+        self._tb.add_text("config", "\n".join(f"    {k}: {v}" for k, v in config.items()), 0)
+
+    def _start_wandb(self, config: dict[str, Any], ids: dict[str, str]) -> None:
+        import wandb
+
+        ids.setdefault("wandb", uuid.uuid4().hex[:12])
+        (self.out / "wandb").mkdir(parents=True, exist_ok=True)
+        self._wandb = wandb.init(project=os.environ.get("WANDB_PROJECT", "shardtune"), name=self.out.name,
+                                 id=ids["wandb"], resume="allow", dir=str(self.out), config=config)
+
+    def _start_mlflow(self, config: dict[str, Any], ids: dict[str, str]) -> None:
+        import mlflow
+
+        out = self.out
+        uri = os.environ.get("MLFLOW_TRACKING_URI")
+        mlflow.set_tracking_uri(uri or mlflow_store(out))
+        experiment = os.environ.get("MLFLOW_EXPERIMENT_NAME", "shardtune")
+        if not uri and mlflow.get_experiment_by_name(experiment) is None:
+            # A SQLite store puts artifacts under ./mlruns of the current directory unless told:
+            # the run's summary.json belongs in OUT, not wherever the user started shardtune.
+            mlflow.create_experiment(experiment, artifact_location=(out / "mlflow-artifacts").resolve().as_uri())
+        mlflow.set_experiment(experiment)
+        run = mlflow.start_run(run_id=ids.get("mlflow"), run_name=None if "mlflow" in ids else out.name)
+        if "mlflow" not in ids:
+            mlflow.log_params({k: "" if v is None else v for k, v in config.items()})
+        ids["mlflow"] = run.info.run_id
+        self._mlflow = mlflow
+
+    def _where(self, name: str) -> str:
+        if name == "mlflow":
+            return os.environ.get("MLFLOW_TRACKING_URI") or mlflow_store(self.out)
+        return str(self.out / name)
+
+    def _guard(self, name: str, step: int, call, *args) -> None:
+        """``call(*args)`` for tracker ``name``; when it fails, the tracker is dropped with one warning."""
+        if name not in self.names:
+            return
+        try:
+            injected_full_disk(name, step, self._where(name))
+            call(*args)
+        # Any failure of a tracker's library (its own exception classes, an OSError from its writer
+        # thread) ends that tracker, never the training.
+        except Exception as err:
+            self.names.remove(name)
+            if name == "tensorboard" and self._tb is not None:
+                try:  # stop its writer thread; what it still holds cannot be written either
+                    self._tb.close()
+                except Exception:
+                    pass
+            setattr(self, _ATTRIBUTE[name], None)
+            reason = str(output_error(err, self._where(name))) if isinstance(err, OSError) else \
+                f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
+            log.warning("--report-to %s stopped working %s (%s): %s; training goes on without it, and "
+                        "metrics.jsonl keeps every step", name, f"at step {step}" if step else "as it started",
+                        self._where(name), reason)
 
     def log(self, record: dict[str, Any]) -> None:
         """One optimizer step's record (the metrics.jsonl line); ``record['step']`` is the x axis."""
         if not self.names:
             return
         step, values = int(record["step"]), _numbers(record)
-        if self._tb:
+
+        def tensorboard() -> None:
             for k, v in values.items():
                 self._tb.add_scalar(f"train/{k}" if k != "val_loss" else "val/loss", v, step)
-        if self._wandb:
-            self._wandb.log(values, step=step)
-        if self._mlflow:
-            self._mlflow.log_metrics(values, step=step)
+
+        self._guard("tensorboard", step, tensorboard)
+        self._guard("wandb", step, lambda: self._wandb.log(values, step=step))
+        self._guard("mlflow", step, lambda: self._mlflow.log_metrics(values, step=step))
 
     def finish(self, summary: dict[str, Any] | None, failed: bool = False) -> None:
         """Record the final summary (when there is one) and close every tracker."""
         if not self.names:
             return
         numbers = _numbers(summary or {})
-        if self._tb:
+        step = int((summary or {}).get("steps") or 0)
+
+        def tensorboard() -> None:
             if summary:
                 self._tb.add_text("summary", "\n".join(f"    {k}: {v}" for k, v in summary.items()), 0)
             self._tb.close()
-        if self._wandb:
+
+        def wandb() -> None:
             self._wandb.summary.update({f"final/{k}": v for k, v in numbers.items()})
             self._wandb.finish(exit_code=1 if failed else 0)
-        if self._mlflow:
+
+        def mlflow() -> None:
             if summary:
                 self._mlflow.log_dict(summary, "summary.json")
                 self._mlflow.log_metrics({f"final_{k}": v for k, v in numbers.items()})
             self._mlflow.end_run(status="FAILED" if failed else "FINISHED")
+
+        self._guard("tensorboard", step, tensorboard)
+        self._guard("wandb", step, wandb)
+        self._guard("mlflow", step, mlflow)
         self.names = []
