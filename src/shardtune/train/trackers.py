@@ -85,22 +85,25 @@ def _numbers(record: dict[str, Any]) -> dict[str, float]:
 class Trackers:
     """The trackers of one run; on ranks other than 0 every call does nothing."""
 
-    def __init__(self, report_to: str | None, config: dict[str, Any], out: Path, enabled: bool,
-                 resume_from_step: int = 0) -> None:
+    def __init__(self, report_to: str | None, config: dict[str, Any] | None, out: Path, enabled: bool,
+                 resume_from_step: int = 0, continue_run: bool = False) -> None:
+        """``continue_run``: add to the run whose ids ``OUT/trackers.json`` holds (``shardtune eval`` of a
+        finished fine-tune), keeping every event it has; ``config`` None logs no config."""
         self.names = parse_report_to(report_to) if enabled else []
         self.out = out
         self._tb = self._wandb = self._mlflow = None
         if not self.names:
             return
         ids_file = out / "trackers.json"
-        ids = json.loads(ids_file.read_text()) if resume_from_step and ids_file.is_file() else {}
+        ids = json.loads(ids_file.read_text()) if (resume_from_step or continue_run) and ids_file.is_file() else {}
         if "tensorboard" in self.names:
             from torch.utils.tensorboard import SummaryWriter
 
             # purge_step drops events of the steps the resumed run redoes: one curve, no overlap.
             purge = resume_from_step + 1 if resume_from_step else None
             self._tb = SummaryWriter(str(out / "tensorboard"), purge_step=purge)
-            self._tb.add_text("config", "\n".join(f"    {k}: {v}" for k, v in config.items()), 0)
+            if config is not None:
+                self._tb.add_text("config", "\n".join(f"    {k}: {v}" for k, v in config.items()), 0)
         if "wandb" in self.names:
             import wandb
 
@@ -120,7 +123,7 @@ class Trackers:
                 mlflow.create_experiment(experiment, artifact_location=(out / "mlflow-artifacts").resolve().as_uri())
             mlflow.set_experiment(experiment)
             run = mlflow.start_run(run_id=ids.get("mlflow"), run_name=None if "mlflow" in ids else out.name)
-            if "mlflow" not in ids:
+            if "mlflow" not in ids and config is not None:
                 mlflow.log_params({k: "" if v is None else v for k, v in config.items()})
             ids["mlflow"] = run.info.run_id
             self._mlflow = mlflow
@@ -137,6 +140,20 @@ class Trackers:
                 self._tb.add_scalar(f"train/{k}" if k != "val_loss" else "val/loss", v, step)
         if self._wandb:
             self._wandb.log(values, step=step)
+        if self._mlflow:
+            self._mlflow.log_metrics(values, step=step)
+
+    def log_results(self, values: dict[str, float], step: int) -> None:
+        """Named results (an evaluation's), at ``step`` (the fine-tune's last) where the tracker takes one."""
+        if not self.names:
+            return
+        values = _numbers(values)
+        if self._tb:
+            for k, v in values.items():
+                self._tb.add_scalar(k, v, step)
+        if self._wandb:  # a resumed W&B run refuses steps below its last one: no step, and in the summary
+            self._wandb.log(values)
+            self._wandb.summary.update(values)
         if self._mlflow:
             self._mlflow.log_metrics(values, step=step)
 
