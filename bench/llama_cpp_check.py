@@ -109,6 +109,12 @@ def scores(answers: list[str], expected: list[str]) -> dict:
             "exact_match": sum(exact_match(a, e) for a, e in zip(answers, expected))}
 
 
+def _shown(path: str) -> str:
+    """A path inside the repository relative to it (as the docs show it), any other as given."""
+    resolved = Path(path).resolve()
+    return str(resolved.relative_to(ROOT)) if resolved.is_relative_to(ROOT) else path
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=str(ROOT / "models/smollm2-135m"))
@@ -141,7 +147,8 @@ def main() -> None:
     prompts, prompt_ids = render(merged, template, questions)
     reference = transformers_answers(merged, prompt_ids, args.max_new_tokens)
     ref_text = [r["answer"] for r in reference]
-    result = {"model": args.model, "adapter": args.adapter, "heldout": args.heldout, "questions": len(questions),
+    result = {"model": _shown(args.model), "adapter": _shown(args.adapter), "heldout": _shown(args.heldout),
+              "questions": len(questions),
               "max_new_tokens": args.max_new_tokens, "decoding": "greedy (argmax), no repetition penalty",
               "prompt": "rendered with the GGUF file's chat template by transformers' renderer",
               "transformers": {"dtype": "fp32", **scores(ref_text, expected)}, "quants": {}}
