@@ -292,6 +292,29 @@ def hostile_sweep(name: str, data: Result) -> list[str]:
     return lines + table(["case", "exit code", "verdict", "seconds"], rows)
 
 
+def llama_cpp_check(name: str, data: Result) -> list[str]:
+    lines = header(name, data, "transformers fp32; llama.cpp as each GGUF stores it", "python bench/llama_cpp_check.py")
+    n, ref = data["questions"], data["transformers"]
+    lines += [f"{n} held-out questions of {code(data.get('heldout', '?'))}, {data.get('decoding')}, at most "
+              f"{data.get('max_new_tokens')} new tokens; prompt {data.get('prompt')}. llama.cpp: "
+              f"{data.get('binding')}. Reference: transformers on the `shardtune merge` output "
+              f"({ref['contains_match']}/{n} contains-match, {ref['exact_match']}/{n} exact-match).", ""]
+    rows = [[quant, f"{q['prompt_ids_identical']}/{n}", f"{q['same_answer_text']}/{n}",
+             f"{q['same_answer_tokens']}/{n}", pct(q["mean_common_prefix"]),
+             f"{q['llama_cpp']['contains_match']}/{n}", f"{q['llama_cpp']['exact_match']}/{n}",
+             q["gguf_bytes"] / 2**20] for quant, q in data["quants"].items()]
+    lines += table(["GGUF", "prompt ids = transformers'", "same answer text", "same answer tokens",
+                    "answer tokens before the first difference (mean)", "llama.cpp contains-match",
+                    "llama.cpp exact-match", "file MiB"], rows)
+    builtin = data.get("builtin_template_matches")
+    if builtin is not None:
+        lines += ["", "llama.cpp's built-in chat formatting (it matches the Jinja template to a known format) "
+                  f"{'gives' if builtin else 'does not give'} the template's own prompt for this model."]
+    differing = [f"- {quant}, {code(d['question'])}: transformers {code(d['transformers'])}, llama.cpp "
+                 f"{code(d['llama_cpp'])}" for quant, q in data["quants"].items() for d in q.get("differing", [])]
+    return lines + (["", "Answers that differ:", "", *differing] if differing else [])
+
+
 def other(name: str, data: Any) -> list[str]:
     keys = ", ".join(map(str, data)) if isinstance(data, dict) else type(data).__name__
     return [f"### {name}", "", f"No table layout is known for this file (fields: {keys}); "
@@ -310,6 +333,9 @@ KINDS: list[tuple[str, str, Callable[[str, Any], list[str]]]] = [
     ("preference-demo", "Preference tuning: the DPO demo", preference_demo),
     ("dpo-", "Preference tuning against TRL: bench/dpo_speed.py", dpo_speed),
     ("hostile-sweep", "Bad input and faults, as a hostile new user: bench/hostile_sweep.py", hostile_sweep),
+
+
+    ("llama-cpp-check", "The exported GGUF in llama.cpp: bench/llama_cpp_check.py", llama_cpp_check),
     ("", "Other results", other),
 ]
 

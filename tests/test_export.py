@@ -283,3 +283,41 @@ def test_untranslatable_template_is_said_not_guessed(tmp_path):
            "{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}")
     text = _modelfile_for(tmp_path, odd, [])
     assert "TEMPLATE" not in text.replace("# No TEMPLATE", "") and "# No TEMPLATE: the chat template does more" in text
+
+
+def test_llama3_rope_scaling_becomes_llama_cpps_rope_freqs(tmp_path):
+    """Llama 3.1's rope goes into the file as llama.cpp's ``rope_freqs`` divisors: base frequency over
+    transformers' own scaled one. transformers' GGUF reader does not read that tensor back, so the
+    rest of the file is checked through it with the scaling given as the config."""
+    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    # head_dim 16, theta 1e4: wavelengths 6, 20, 63, 198, ... against bounds 64/4 and 64/1, so the
+    # divisors take all three branches (1, the smooth blend, factor).
+    rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      rope_parameters=rope)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg)
+    model.save_pretrained(tmp_path / "base")
+    tok = _byte_level_tokenizer()
+    tok.chat_template = CHATML
+    tok.save_pretrained(tmp_path / "base")
+    out = tmp_path / "l3.gguf"
+    assert main(["export", "--model", str(tmp_path / "base"), "--out", str(out)]) == 0
+
+    tensors = {t.name: t for t in gguf.GGUFReader(str(out)).tensors}
+    freqs = tensors["rope_freqs.weight"]
+    assert freqs.tensor_type == gguf.GGMLQuantizationType.F32
+    base_inv = 1.0 / (rope["rope_theta"] ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16))
+    scaled_inv, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg, "cpu")
+    torch.testing.assert_close(torch.from_numpy(freqs.data.copy()), base_inv / scaled_inv, rtol=1e-5, atol=0)
+    assert {1.0, 8.0} < set(freqs.data.tolist())  # and values in between
+
+    config = AutoConfig.from_pretrained(tmp_path / "base")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=out.name, config=config,
+                                                  dtype=torch.float32).eval()
+    ids = torch.randint(0, VOCAB, (1, 200), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(_logits(loaded, ids), _logits(_rounded(model.eval(), "f16"), ids), rtol=1e-4, atol=1e-4)

@@ -240,6 +240,26 @@ def test_report_writes_plots_and_markdown(tmp_path, capsys):
     assert "report.md" in capsys.readouterr().out
 
 
+def test_eval_results_go_to_the_run_folder_trackers_and_report(root, tmp_path, capsys):
+    """--data results: OUT/eval.json (--out), the run's TensorBoard at its last step, a table in report.md."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    _fake_run(tmp_path / "run")
+    args = ["eval", "--model", str(root / "model"), "--adapter", str(root / "adapter"), "--data",
+            str(root / "data.jsonl"), "--max-new-tokens", "4", "--report-to", "tensorboard"]
+    assert cli_main(args) == 2  # no run folder: neither a fine-tune's adapter nor --out
+    assert "--report-to needs a run folder" in capsys.readouterr().err
+    assert cli_main([*args, "--out", str(tmp_path / "run" / "eval.json")]) == 0
+    saved = json.loads((tmp_path / "run" / "eval.json").read_text())
+    acc = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    acc.Reload()
+    [event] = acc.Scalars("eval/adapter/data/loss")
+    assert event.step == 6 and event.value == pytest.approx(saved["loss"])
+    assert cli_main(["report", str(tmp_path / "run")]) == 0
+    md = (tmp_path / "run" / "report.md").read_text()
+    assert "## Evaluation on" in md and f"| loss | {saved['loss']:.4g} |" in md
+
+
 def test_report_without_summary_still_plots(tmp_path):
     _fake_run(tmp_path / "run")
     (tmp_path / "run" / "summary.json").unlink()

@@ -117,3 +117,26 @@ def test_unknown_task_and_uncached_data_are_clear_errors(setup, tmp_path, capsys
     (missing / "gone.yaml").write_text(TASK.replace("tiny_choice", "gone").format(data=tmp_path / "absent.jsonl"))
     assert main(["eval", "--model", str(model), "--tasks", "gone", "--include-path", str(missing)]) == 2
     assert "task data could not be loaded" in capsys.readouterr().err
+
+
+def test_results_go_to_the_runs_tracker_and_report(setup, capsys):
+    """--report-to: the fine-tune's TensorBoard gets each metric at its last step; report.md shows them."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    root, model, adapter, tasks, records = setup
+    run = root / "run"
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in (1, 2, 3)))
+    (run / "summary.json").write_text(json.dumps({"steps": 3}))
+    assert main(["eval", "--model", str(model), "--adapter", str(adapter), "--tasks", "tiny_choice",
+                 "--include-path", str(tasks), "--dtype", "fp32", "--limit", "6", "--report-to", "tensorboard"]) == 0
+    saved = json.loads((run / "lm_eval.json").read_text())["results"]
+    acc = EventAccumulator(str(run / "tensorboard"))
+    acc.Reload()
+    for label in ("base", "adapter"):
+        [event] = acc.Scalars(f"lm_eval/{label}/tiny_choice/acc")
+        assert event.step == 3 and event.value == pytest.approx(saved[label]["tiny_choice"]["acc,none"])
+    capsys.readouterr()
+    assert main(["report", str(run)]) == 0
+    md = (run / "report.md").read_text()
+    base, tuned = saved["base"]["tiny_choice"]["acc,none"], saved["adapter"]["tiny_choice"]["acc,none"]
+    assert f"| tiny_choice | acc | {base:.4f} | {tuned:.4f} | {tuned - base:+.4f} |" in md

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from shardtune.config import DataConfig
 
@@ -50,6 +51,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from shardtune.runtime.logs import quiet_libraries
+    from shardtune.tools import eval_results as results
     from shardtune.tools.evaluate import evaluate
 
     quiet_libraries()
@@ -66,9 +68,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
                                       args.dtype, args.quantize, args.data_fields, args.trust_remote_code)
         print(json.dumps(result, indent=2) if args.json else table(result))
         return 0
+    out = Path(args.out) if args.out else results.default_out(args.adapter, results.EVAL_FILE)
+    results.check_report_to(args.report_to, out)
     result = evaluate(args.model, args.data, args.adapter, args.nproc, args.seq_len, args.batch_size,
                       args.max_new_tokens, args.dtype, answers=args.answers, quantize=args.quantize,
                       data_fields=args.data_fields, trust_remote_code=args.trust_remote_code)
+    if out is not None:
+        results.write_json(out, {"model": str(args.model), "adapter": args.adapter, "data": str(args.data), **result})
+        results.send(args.report_to, out.parent, results.data_values(result, args.data, args.adapter))
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
@@ -87,12 +94,16 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _cmd_harness(args: argparse.Namespace) -> int:
-    from shardtune.tools.harness import default_out, run_tasks, side_by_side
+    from shardtune.tools import eval_results as results
+    from shardtune.tools.harness import run_tasks, side_by_side
 
-    out = args.out or default_out(args.adapter)
+    out = Path(args.out) if args.out else results.default_out(args.adapter, results.HARNESS_FILE)
+    results.check_report_to(args.report_to, out)
     report = run_tasks(args.model, args.adapter, [t for t in args.tasks.split(",") if t], args.limit,
                        args.num_fewshot, args.dtype, args.quantize, args.batch_size, args.include_path, out,
                        args.trust_remote_code)
+    if out is not None:
+        results.send(args.report_to, out.parent, results.harness_values(report))
     if args.json:
         print(json.dumps(report["results"], indent=2, default=str))
         return 0
@@ -189,8 +200,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--limit", type=int, help="with --tasks: at most N documents per task [default: all]")
     p.add_argument("--num-fewshot", type=int, help="with --tasks: K few-shot examples [default: the task's]")
     p.add_argument("--include-path", metavar="DIR", help="with --tasks: a folder of custom task YAML files")
-    p.add_argument("--out", help="with --tasks: the JSON file to write [default: OUT_DIR/lm_eval.json beside the "
-                   "adapter of a fine-tune, else none]")
+    p.add_argument("--out", help="the JSON file of the results [default: beside the adapter of a fine-tune, "
+                   "OUT_DIR/lm_eval.json with --tasks, OUT_DIR/eval.json with --data; else none]")
+    p.add_argument("--report-to", default="", metavar="tensorboard,wandb,mlflow",
+                   help="also send the results to these trackers of the fine-tune's run (the folder of --out): "
+                        "W&B/MLflow continue its run, at its last step [default: none]")
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser(

@@ -10,6 +10,8 @@ What llama.cpp's convert_hf_to_gguf.py does per family, and so does this:
   llama, mistral   arch "llama"; q/k projection rows permuted into llama.cpp's rotary order
   qwen2, qwen3     arch "qwen2"/"qwen3"; no change
   gemma, gemma2    arch "gemma"/"gemma2"; norm weights + 1 (Hugging Face stores w - 1); no lm_head
+Rope scaling: linear as two metadata keys; Llama 3's ``llama3`` (llama and mistral) as the extra
+``rope_freqs`` tensor of per-frequency divisors (convert_hf_to_gguf's LlamaModel.generate_extra_tensors).
 Tensor types: 1-D tensors (norms, biases) stay F32; matrices are F16, BF16 or Q8_0 (--quant); a Q8_0
 matrix whose rows are not a multiple of its 32-value blocks is written F16, as llama.cpp does.
 
@@ -91,6 +93,10 @@ def export_gguf(model: str | Path, adapter: str | Path | None, out: str | Path, 
     writer = gguf.GGUFWriter(None, gguf.MODEL_ARCH_NAMES[arch])
     _add_hparams(writer, config, family, quant, name=model_dir.path.name)
     add_tokenizer(writer, model_dir.path, config["vocab_size"])
+    rope_freqs = _llama3_rope_freqs(config) if family.permute_qk else None
+    if rope_freqs is not None:  # written first: tensor data follows the order of the tensor infos
+        writer.add_tensor_info(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", rope_freqs.shape,
+                               rope_freqs.dtype, rope_freqs.nbytes, raw_dtype=gguf.GGMLQuantizationType.F32)
     for item in layout:
         writer.add_tensor_info(item.gguf_name, item.shape, item.np_dtype, item.nbytes, raw_dtype=item.qtype)
 
@@ -100,6 +106,8 @@ def export_gguf(model: str | Path, adapter: str | Path | None, out: str | Path, 
         writer.write_header_to_file(path=tmp)
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
+        if rope_freqs is not None:
+            writer.write_tensor_data(rope_freqs)
         by_name = {item.name: item for item in layout}
         with progress(f"export {quant}", len(layout), unit="tensor") as bar:
             for file in model_dir.weight_files:
@@ -223,6 +231,50 @@ def _rope_theta(config: dict) -> float:
     return float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
 
 
+def _rope_params(config: dict) -> dict:
+    """The rope scaling entry (transformers 5: ``rope_parameters``; older files: ``rope_scaling``)."""
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    return params.get("full_attention", params)
+
+
+def _rope_kind(config: dict) -> str:
+    params = _rope_params(config)
+    return str(params.get("rope_type", params.get("type")) or "default").lower()
+
+
+def _llama3_rope_freqs(config: dict):
+    """Llama 3's rope as llama.cpp reads it: one divisor per rotary frequency, the ``rope_freqs`` tensor.
+
+    llama.cpp rotates by ``pos * theta_i / rope_freqs[i]``, so each entry is the base frequency over
+    the scaled one: 1 above the high-frequency bound, ``factor`` below the low one, and in between
+    the smooth interpolation of Llama 3.1's reference code (convert_hf_to_gguf's LlamaModel).
+    Returns None for any other rope type.
+    """
+    import math
+
+    import numpy as np
+
+    if _rope_kind(config) != "llama3":
+        return None
+    params = _rope_params(config)
+    dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    freqs = 1.0 / (_rope_theta(config) ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    factor = float(params.get("factor", 8.0))
+    low, high = float(params.get("low_freq_factor", 1.0)), float(params.get("high_freq_factor", 4.0))
+    old_context = float(params.get("original_max_position_embeddings", 8192))
+    divisors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old_context / high:
+            divisors.append(1.0)
+        elif wavelen > old_context / low:
+            divisors.append(factor)
+        else:
+            smooth = (old_context / wavelen - low) / (high - low)
+            divisors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(divisors, dtype=np.float32)
+
+
 def _add_hparams(writer, config: dict, family: Family, quant: str, name: str) -> None:
     """The model's shape under llama.cpp's keys (convert_hf_to_gguf's TextModel.set_gguf_parameters)."""
     import gguf
@@ -250,10 +302,12 @@ def _add_hparams(writer, config: dict, family: Family, quant: str, name: str) ->
         writer.add_attn_logit_softcapping(config.get("attn_logit_softcapping") or 0.0)
         writer.add_final_logit_softcapping(config.get("final_logit_softcapping") or 0.0)
         writer.add_sliding_window(config.get("sliding_window") or 0)
-    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    kind = params.get("rope_type", params.get("type", "default"))
+    kind = _rope_kind(config)
     if kind == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        writer.add_rope_scaling_factor(float(params["factor"]))
-    elif kind not in ("default", None):
-        raise ExportError(f"config.json: rope scaling {kind!r} is not one this GGUF export writes (default, linear)")
+        writer.add_rope_scaling_factor(float(_rope_params(config)["factor"]))
+    elif kind == "llama3" and family.permute_qk:
+        pass  # the rope_freqs tensor carries it; llama.cpp reads no scaling keys for it
+    elif kind != "default":
+        supported = "default, linear, llama3 (llama and mistral)"
+        raise ExportError(f"config.json: rope scaling {kind!r} is not one this GGUF export writes ({supported})")

@@ -13,11 +13,11 @@ names the task. ``include_path`` adds a folder of task YAML files (the harness's
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
 from shardtune.errors import ShardtuneError
+from shardtune.tools.eval_results import write_json
 
 log = logging.getLogger("shardtune")
 
@@ -70,9 +70,7 @@ def run_tasks(model: str, adapter: str | None, tasks: list[str], limit: int | No
         report.setdefault("table", {})[label] = _make_table(result)
         del lm, lm_model
     if out is not None:
-        out = Path(out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=2, default=str) + "\n")
+        write_json(Path(out), report)
         report["out"] = str(out)
     return report
 
@@ -83,8 +81,8 @@ def _make_table(result: dict) -> str:
     return make_table(result)
 
 
-def side_by_side(report: dict) -> str:
-    """One row per task and metric: the base's value, the adapter's, and the difference."""
+def side_by_side_rows(report: dict) -> list[tuple[str, ...]]:
+    """The header and one row per task and metric: the base's value, the adapter's, and the difference."""
     base = report["results"]["base"]
     tuned = report["results"].get("adapter")
     rows = [("task", "metric", "base", *(("adapter", "delta") if tuned else ()))]
@@ -97,12 +95,10 @@ def side_by_side(report: dict) -> str:
                 other = tuned.get(task, {}).get(key)
                 row += (f"{other:.4f}", f"{other - value:+.4f}") if isinstance(other, (int, float)) else ("-", "-")
             rows.append(row)
+    return rows
+
+
+def side_by_side(report: dict) -> str:
+    rows = side_by_side_rows(report)
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
-
-
-def default_out(adapter: str | None) -> Path | None:
-    """The adapter's run folder (OUT_DIR of OUT_DIR/adapter) when it has the fine-tune's config.yaml."""
-    if adapter and (Path(adapter).parent / "config.yaml").is_file():
-        return Path(adapter).parent / "lm_eval.json"
-    return None

@@ -5,7 +5,8 @@ none) and writes next to them:
   loss.png        training loss by step, validation loss where it was measured
   throughput.png  tokens per second by step
   memory.png      peak memory per rank in each phase (load, train, save), grouped bars
-  report.md       the key summary fields as a table, and the plots
+  report.md       the key summary fields as a table, the plots, and the results of ``shardtune eval``
+                  written into the folder (eval.json: --data; lm_eval.json: --tasks, base against adapter)
 Plots are drawn on matplotlib Figure objects (Agg canvas), never through pyplot: no display is
 needed and no global state is touched.
 """
@@ -53,15 +54,16 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     return [by_step[s] for s in sorted(by_step)]
 
 
-def read_summary(path: Path) -> dict[str, Any] | None:
+def read_summary(path: Path, what: str = "summary") -> dict[str, Any] | None:
+    """A JSON object file of the run folder (``what``: the summary, or an evaluation's results), if present."""
     if not path.is_file():
         return None
     try:
-        summary = json.loads(read_text(path, "summary file", ReportError))
+        summary = json.loads(read_text(path, f"{what} file", ReportError))
     except json.JSONDecodeError as err:
         raise ReportError(f"{path}:{err.lineno}: not valid JSON: {err.msg}") from None
     if not isinstance(summary, dict):
-        raise ReportError(f"{path}: expected a JSON object (a fine-tune's summary), got {type(summary).__name__}")
+        raise ReportError(f"{path}: expected a JSON object (a fine-tune's {what}), got {type(summary).__name__}")
     return summary
 
 
@@ -191,4 +193,26 @@ def _markdown(out: Path, metrics: list[dict], summary: dict | None, plots: dict[
             lines += [f"## {title}", "", f"![{title}]({plots[name].name})", ""]
     if "memory" not in plots:
         lines += ["(No per-rank memory plot: summary.json is missing or has no peak memory fields.)", ""]
-    return "\n".join(lines)
+    return "\n".join(lines + _evaluation(out))
+
+
+def _evaluation(out: Path) -> list[str]:
+    """The ``shardtune eval`` results saved in the run folder, if any."""
+    from shardtune.tools.eval_results import DATA_METRICS, EVAL_FILE, HARNESS_FILE
+    from shardtune.tools.harness import side_by_side_rows
+
+    lines = []
+    data = read_summary(out / EVAL_FILE, "evaluation results")
+    if data is not None:
+        which = "base + adapter" if data.get("adapter") else "base model"
+        lines += [f"## Evaluation on `{data.get('data')}` ({which}, `shardtune eval --data`)", "",
+                  "| metric | value |", "|---|---|"]
+        lines += [f"| {k.replace('_', ' ')} | {_cell(data.get(k))} |" for k in DATA_METRICS if k in data]
+        lines.append("")
+    harness = read_summary(out / HARNESS_FILE, "lm-eval results")
+    if harness is not None and isinstance(harness.get("results"), dict) and "base" in harness["results"]:
+        header, *rows = side_by_side_rows(harness)
+        lines += [f"## Benchmarks (lm-evaluation-harness, `shardtune eval --tasks`; limit: "
+                  f"{_cell(harness.get('limit'))})", "", "| " + " | ".join(header) + " |",
+                  "|" + "---|" * len(header), *("| " + " | ".join(r) + " |" for r in rows), ""]
+    return lines

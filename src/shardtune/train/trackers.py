@@ -95,15 +95,17 @@ def _numbers(record: dict[str, Any]) -> dict[str, float]:
 class Trackers:
     """The trackers of one run; on ranks other than 0 every call does nothing."""
 
-    def __init__(self, report_to: str | None, config: dict[str, Any], out: Path, enabled: bool,
-                 resume_from_step: int = 0) -> None:
+    def __init__(self, report_to: str | None, config: dict[str, Any] | None, out: Path, enabled: bool,
+                 resume_from_step: int = 0, continue_run: bool = False) -> None:
+        """``continue_run``: add to the run whose ids ``OUT/trackers.json`` holds (``shardtune eval`` of a
+        finished fine-tune), keeping every event it has; ``config`` None logs no config."""
         self.names = parse_report_to(report_to) if enabled else []
         self.out = out
         self._tb = self._wandb = self._mlflow = None
         if not self.names:
             return
         ids_file = out / "trackers.json"
-        ids = json.loads(ids_file.read_text()) if resume_from_step and ids_file.is_file() else {}
+        ids = json.loads(ids_file.read_text()) if (resume_from_step or continue_run) and ids_file.is_file() else {}
         if "tensorboard" in self.names:
             self._guard("tensorboard", resume_from_step, self._start_tensorboard, config, resume_from_step)
         if "wandb" in self.names:
@@ -116,15 +118,16 @@ class Trackers:
         except OSError as err:
             raise output_error(err, ids_file) from None
 
-    def _start_tensorboard(self, config: dict[str, Any], resume_from_step: int) -> None:
+    def _start_tensorboard(self, config: dict[str, Any] | None, resume_from_step: int) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
         # purge_step drops events of the steps the resumed run redoes: one curve, no overlap.
         purge = resume_from_step + 1 if resume_from_step else None
         self._tb = SummaryWriter(str(self.out / "tensorboard"), purge_step=purge)
-        self._tb.add_text("config", "\n".join(f"    {k}: {v}" for k, v in config.items()), 0)
+        if config is not None:
+            self._tb.add_text("config", "\n".join(f"    {k}: {v}" for k, v in config.items()), 0)
 
-    def _start_wandb(self, config: dict[str, Any], ids: dict[str, str]) -> None:
+    def _start_wandb(self, config: dict[str, Any] | None, ids: dict[str, str]) -> None:
         import wandb
 
         ids.setdefault("wandb", uuid.uuid4().hex[:12])
@@ -132,7 +135,7 @@ class Trackers:
         self._wandb = wandb.init(project=os.environ.get("WANDB_PROJECT", "shardtune"), name=self.out.name,
                                  id=ids["wandb"], resume="allow", dir=str(self.out), config=config)
 
-    def _start_mlflow(self, config: dict[str, Any], ids: dict[str, str]) -> None:
+    def _start_mlflow(self, config: dict[str, Any] | None, ids: dict[str, str]) -> None:
         import mlflow
 
         out = self.out
@@ -145,7 +148,7 @@ class Trackers:
             mlflow.create_experiment(experiment, artifact_location=(out / "mlflow-artifacts").resolve().as_uri())
         mlflow.set_experiment(experiment)
         run = mlflow.start_run(run_id=ids.get("mlflow"), run_name=None if "mlflow" in ids else out.name)
-        if "mlflow" not in ids:
+        if "mlflow" not in ids and config is not None:
             mlflow.log_params({k: "" if v is None else v for k, v in config.items()})
         ids["mlflow"] = run.info.run_id
         self._mlflow = mlflow
@@ -191,6 +194,20 @@ class Trackers:
         self._guard("tensorboard", step, tensorboard)
         self._guard("wandb", step, lambda: self._wandb.log(values, step=step))
         self._guard("mlflow", step, lambda: self._mlflow.log_metrics(values, step=step))
+
+    def log_results(self, values: dict[str, float], step: int) -> None:
+        """Named results (an evaluation's), at ``step`` (the fine-tune's last) where the tracker takes one."""
+        if not self.names:
+            return
+        values = _numbers(values)
+        if self._tb:
+            for k, v in values.items():
+                self._tb.add_scalar(k, v, step)
+        if self._wandb:  # a resumed W&B run refuses steps below its last one: no step, and in the summary
+            self._wandb.log(values)
+            self._wandb.summary.update(values)
+        if self._mlflow:
+            self._mlflow.log_metrics(values, step=step)
 
     def finish(self, summary: dict[str, Any] | None, failed: bool = False) -> None:
         """Record the final summary (when there is one) and close every tracker."""
