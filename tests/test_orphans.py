@@ -47,15 +47,18 @@ def test_workers_exit_when_the_launcher_is_killed(launcher, tmp_path):
     if launcher == "shardtune":
         command = [sys.executable, "-c", OUR_LAUNCHER]
     else:
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                   "--master-port", "0", str(TESTS / "sleeping_worker.py")]
+        # --standalone: a rendezvous on a free port (``--master-port 0`` alone never lets the workers meet)
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                   str(TESTS / "sleeping_worker.py")]
     log = (tmp_path / "out.log").open("w")
     proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     workers: list = []
     try:
         workers = _workers(proc.pid)
         deadline = time.monotonic() + 120
-        while (tmp_path / "out.log").read_text().count("worker ready") < 2 and time.monotonic() < deadline:
+        while (tmp_path / "out.log").read_text().count("worker ready") < 2:
+            if time.monotonic() > deadline:  # a kill before init_worker would not test its parent-death signal
+                pytest.fail("the workers did not get past init_worker: " + (tmp_path / "out.log").read_text()[-2000:])
             time.sleep(0.2)  # both past init_worker: the parent-death signal is set
         # Each worker has a process group of its own: a signal to the launcher's group does not reach them.
         assert all(os.getpgid(w.pid) != os.getpgid(proc.pid) for w in workers) or launcher == "torchrun"
