@@ -269,14 +269,14 @@ def ratio_lines(rows: list[dict]) -> list[str]:
         lines.append(f"{what}: {value:.2f} {op} {target}: {'met' if ok else 'NOT met'}")
 
     if trl:
-        for name in ("fsdp2", "auto"):
-            if name in by:
-                check(f"peak {name} / TRL (unquantized)", max(by[name]["peak_mb"]) / max(trl["peak_mb"]), "<=", 0.6)
+        # the issue's targets: memory of the fsdp2 rows (set as TRL runs), speed of the best shardtune row
+        # (auto may pick any strategy); the other rows' ratios are in the table
+        if "fsdp2" in by:
+            check("peak fsdp2 / TRL (unquantized)", max(by["fsdp2"]["peak_mb"]) / max(trl["peak_mb"]), "<=", 0.6)
         if "fsdp2-nf4" in by:
             check("peak fsdp2-nf4 / TRL", max(by["fsdp2-nf4"]["peak_mb"]) / max(trl["peak_mb"]), "<=", 0.35)
-        for name in ("fsdp2", "fsdp2-nf4", "fsdp2-noac", "fsdp2-precompute", "auto"):
-            if name in by:
-                check(f"pairs/s {name} / TRL", by[name]["pairs_per_second"] / trl["pairs_per_second"], ">=", 1.0)
+        if "auto" in by:
+            check("pairs/s auto / TRL", by["auto"]["pairs_per_second"] / trl["pairs_per_second"], ">=", 1.0)
     if "fsdp2-noac" in by and "fsdp2-precompute" in by:
         check("step speed precompute / plain", by["fsdp2-precompute"]["pairs_per_second"]
               / by["fsdp2-noac"]["pairs_per_second"], ">=", 1.3)
