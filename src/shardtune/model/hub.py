@@ -112,15 +112,20 @@ def _hub_errors(kind: str, spec: str, local: str, error: type[ConfigError]) -> I
                     f"the Hugging Face Hub ({err})") from None
 
 
+def _hub_id_not_local(spec: str) -> tuple[str, str | None] | None:
+    """(repo id, revision) when ``spec`` is no local path and reads as a Hub id; else None."""
+    if Path(spec).expanduser().exists():
+        return None
+    return parse_hub_id(spec)
+
+
 def resolve(spec: str, weights: bool = True, remote_code: bool = False) -> HubModel | None:
     """The local directory for Hub id ``spec`` (cache first, then download); None when ``spec`` is a local path.
 
     ``weights=False`` fetches only config, tokenizer and index files and reads the safetensors headers
     remotely. ``remote_code`` also fetches the repository's ``*.py`` files (trust_remote_code opted in).
     """
-    if Path(spec).expanduser().exists():
-        return None
-    parsed = parse_hub_id(spec)
+    parsed = _hub_id_not_local(spec)
     if parsed is None:
         return None
     repo_id, revision = parsed
@@ -190,9 +195,7 @@ def _remote_headers(repo_id: str, revision: str | None) -> dict[str, dict]:
 def resolve_dataset(spec: str) -> Path | None:
     """The local snapshot of Hub dataset id ``spec`` (cache first, then a download of its data files and
     card); None when ``spec`` exists locally or does not read as a Hub id."""
-    if Path(spec).expanduser().exists():
-        return None
-    parsed = parse_hub_id(spec)
+    parsed = _hub_id_not_local(spec)
     if parsed is None:
         return None
     repo_id, revision = parsed
