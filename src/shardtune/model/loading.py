@@ -224,8 +224,7 @@ def load_base_weights(model: nn.Module, model_dir: ModelDir, tensors: dict[str, 
                 plan.append({key: tensor.detach()})
     total = sum(_local_bytes(t) for round_ in plan for t in round_.values()) + \
         sum(_local_bytes(t) for t in four_bit.values())
-    rank0 = not dist.is_initialized() or dist.get_rank() == 0
-    with progress("loading weights", total, unit="iB", enabled=rank0, summary=_loaded_line, unit_scale=True,
+    with progress("loading weights", total, unit="iB", summary=_loaded_line, unit_scale=True,
                   unit_divisor=1024) as bar:
         for round_ in plan:
             _check_shapes(round_, model_dir)

@@ -34,6 +34,11 @@ DELAY_S = 2.0
 
 
 def is_rank_zero() -> bool:
+    """This process's rank is 0: the process group's rank once one is up (a script's own spawn may set
+    no RANK), else RANK (unset: a single process). torch is not imported for it."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return dist.get_rank() == 0
     return os.environ.get("RANK", "0") == "0"
 
 
