@@ -200,14 +200,18 @@ class Trackers:
         if not self.names:
             return
         values = _numbers(values)
-        if self._tb:
+
+        def tensorboard() -> None:
             for k, v in values.items():
                 self._tb.add_scalar(k, v, step)
-        if self._wandb:  # a resumed W&B run refuses steps below its last one: no step, and in the summary
+
+        def wandb() -> None:  # a resumed W&B run refuses steps below its last one: no step, and in the summary
             self._wandb.log(values)
             self._wandb.summary.update(values)
-        if self._mlflow:
-            self._mlflow.log_metrics(values, step=step)
+
+        self._guard("tensorboard", step, tensorboard)
+        self._guard("wandb", step, wandb)
+        self._guard("mlflow", step, lambda: self._mlflow.log_metrics(values, step=step))
 
     def finish(self, summary: dict[str, Any] | None, failed: bool = False) -> None:
         """Record the final summary (when there is one) and close every tracker."""
