@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from shardtune.config import FLAGS, FREE, MUST_MATCH, Config
 from shardtune.errors import ShardtuneError
-from shardtune.model.directory import ModelDir, check_model_dir
+from shardtune.model.directory import ModelDir
 from shardtune.model.fingerprint import differences, model_fingerprint
 from shardtune.model.hub import base_model_name
 from shardtune.parallel import Strategy
@@ -131,7 +131,7 @@ class Checkpointer:
 
     def __init__(self, cfg: Config, model: nn.Module, strategy: Strategy, keys: dict[str, str],
                  optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
-                 scaler: torch.amp.GradScaler | None = None) -> None:
+                 model_dir: ModelDir, scaler: torch.amp.GradScaler | None = None) -> None:
         self.cfg, self.model, self.strategy = cfg, model, strategy
         self.keys, self.names = keys, list(keys.values())
         self.optimizer, self.scheduler, self.scaler = optimizer, scheduler, scaler
@@ -139,8 +139,7 @@ class Checkpointer:
         self.root = checkpoints_dir(Path(cfg.output.out))
         # Hashed once, by the rank that writes the metadata: what --resume compares data and model against.
         self._data = fingerprint(cfg.data.train) if self.worker.is_main and cfg.data.train else None
-        self._model = (model_fingerprint(check_model_dir(cfg.model.path, cfg.model.trust_remote_code))
-                       if self.worker.is_main else None)
+        self._model = model_fingerprint(model_dir) if self.worker.is_main else None
 
     def due(self, step: int) -> bool:
         every = self.cfg.output.save_every

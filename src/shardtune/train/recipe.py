@@ -21,7 +21,7 @@ from torch import nn
 
 from shardtune.config import Config, build_config, validate
 from shardtune.errors import ShardtuneError
-from shardtune.model.directory import check_model_dir
+from shardtune.model.directory import ModelDir, check_model_dir
 from shardtune.model.meta import compute_dtype, vocab_size
 from shardtune.parallel import Strategy
 from shardtune.parallel.sharded_model import Built, build_model, plan_for
@@ -67,6 +67,7 @@ class Job:
     pad_id: int
     scaler: ShardedGradScaler  # fp16's loss scaling; passes everything through otherwise
     objective: Objective
+    model_dir: ModelDir
     reference: torch.Tensor | None = None  # (pairs, 2): precomputed reference log-probs of the training pairs
     val_reference: torch.Tensor | None = None  # the same for the validation pairs
 
@@ -253,7 +254,8 @@ def prepare(cfg: Config, worker: Worker, memory: MemoryMonitor, plan: RunPlan | 
     built.model.train()
     n_items = len(train_data.examples) // fmt.per_record
     job = Job(cfg, worker, built, train_data, val_data, Sampler(n_items, plan.batch, cfg.train.seed),
-              total_steps(cfg, n_items), pad_id(tokenizer), make_scaler(cfg.model.dtype, worker.device), objective)
+              total_steps(cfg, n_items), pad_id(tokenizer), make_scaler(cfg.model.dtype, worker.device), objective,
+              model_dir)
     if objective.reference and (cfg.preference.precompute_reference or cfg.lora.init_adapter):
         job.reference, job.val_reference = reference_tables(job, tokenizer, cache)
     torch.manual_seed(cfg.train.seed + worker.rank)  # LoRA dropout differs per rank, reproducibly
@@ -290,7 +292,7 @@ def train(job: Job, memory: MemoryMonitor, out: Path) -> dict:
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, job.steps, warmup, cfg.train.min_lr_ratio))
     checkpoints = Checkpointer(cfg, job.model, job.strategy, job.built.adapter_keys, optimizer, scheduler,
-                               job.scaler)
+                               job.model_dir, job.scaler)
     # Batch ``step`` depends only on (seed, step): starting the loop at the saved step is the data position.
     state = checkpoints.resume() if cfg.output.resume else TrainState()
     first_step = state.step
