@@ -143,12 +143,24 @@ def apply(name: str, weight: torch.Tensor, change: Change) -> torch.Tensor:
     return merged
 
 
+# A vision-language checkpoint in the layout transformers 4 saved (and transformers 5 still saves, renaming
+# on load): the model's own prefix first, the checkpoint's second.
+_VLM_STORED = (("model.language_model.", "language_model.model."), ("model.vision_tower.", "vision_tower."),
+               ("model.multi_modal_projector.", "multi_modal_projector."), ("lm_head.", "language_model.lm_head."))
+
+
+def _stored_spellings(name: str) -> list[str]:
+    """How a checkpoint may store the model's parameter ``name``: as is; GPT-2 hub files store "h.0…" for
+    "transformer.h.0…"; a vision-language checkpoint "language_model.model.…" for "model.language_model.…"."""
+    return [name, name.split(".", 1)[-1]] + [stored + name[len(own):] for own, stored in _VLM_STORED
+                                             if name.startswith(own)]
+
+
 def _resolve(changes: dict[str, Change], stored: dict[str, str], tied: dict[str, str]) -> dict[str, Change]:
-    """Changes keyed by the checkpoint's own names: GPT-2 hub files store "h.0…" for "transformer.h.0…"."""
+    """Changes keyed by the checkpoint's own names (``_stored_spellings``)."""
     out: dict[str, Change] = {}
     for name, change in changes.items():
-        short = name.split(".", 1)[-1]
-        key = name if name in stored else short if short in stored else name if name in tied else None
+        key = next((k for k in _stored_spellings(name) if k in stored), name if name in tied else None)
         if key is None:
             raise MergeError(f"the adapter changes {name}, which the model's checkpoint does not have")
         out[key] = change
@@ -225,7 +237,7 @@ def plan_merge(model_dir: ModelDir, adapter: Path) -> MergePlan:
         with safe_open(str(model_dir.weight_files[0]), framework="pt") as f:
             file_of = {k: model_dir.weight_files[0].name for k in f.keys()}
     changes = plan_changes(config, tensors)
-    unstored = [n for n in changes if n not in file_of and n.split(".", 1)[-1] not in file_of]
+    unstored = [n for n in changes if not any(k in file_of for k in _stored_spellings(n))]
     tied = _tied_sources(model_dir) if unstored else {}
     changes = _resolve(changes, file_of, tied)
     # A tied weight the adapter changes gets a tensor of its own, next to the one it was tied to.
