@@ -68,11 +68,23 @@ def _sentencepiece_tokenizer(cls_name: str = "LlamaTokenizer"):
     return tok
 
 
-def _config(family: str):
-    from transformers import Gemma2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+def _gemma3_text_config(**kwargs):
+    """Six layers (the sixth global, the rest sliding) with a window of 8, shorter than the 24 tokens the
+    tests run. transformers' GGUF reader takes Gemma 3's shape, rope base and sliding window from the file
+    but leaves at its defaults: query_pre_attn_scalar (256), layer_types (every sixth layer global), the
+    sliding layers' rope base (10000), rope scaling and final_logit_softcapping. This config has those
+    defaults, so the loaded model is the one written; head_dim 256 makes query_pre_attn_scalar also the
+    1/sqrt(head_dim) scale llama.cpp uses."""
+    from transformers import Gemma3TextConfig
 
-    dims = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
+    return Gemma3TextConfig(**{**DIMS, "tie_word_embeddings": True, "num_hidden_layers": 6, **kwargs}, head_dim=256,
+                            sliding_window=8)
+
+
+def _config(family: str):
+    from transformers import Gemma2Config, Gemma3Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    dims = DIMS
     if family == "llama":
         return LlamaConfig(**dims)
     if family == "mistral":
@@ -83,12 +95,23 @@ def _config(family: str):
         return Qwen3Config(**dims, head_dim=Qwen3Config().head_dim)
     if family == "gemma2":  # tied, as every Gemma; the reader leaves softcapping and scaling at their defaults
         return Gemma2Config(**{**dims, "tie_word_embeddings": True}, head_dim=16, sliding_window=128)
+    if family == "gemma3_text":
+        return _gemma3_text_config()
+    if family == "gemma3":  # Gemma3ForConditionalGeneration: the text model above and a one-layer vision tower
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                      image_size=28, patch_size=14)
+        return Gemma3Config(text_config=_gemma3_text_config().to_dict(), vision_config=vision, mm_tokens_per_image=1)
     raise ValueError(family)
+
+
+DIMS = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
 
 
 CASES = {  # name: (family, tokenizer)
     "llama-spm": ("llama", "spm"), "llama-bpe": ("llama", "bpe"), "mistral": ("mistral", "spm"),
     "qwen2": ("qwen2", "bpe"), "qwen3": ("qwen3", "bpe"), "gemma2": ("gemma2", "gemma"),
+    "gemma3": ("gemma3_text", "gemma"), "gemma3-vision": ("gemma3", "gemma"),
 }
 
 
@@ -102,7 +125,7 @@ def make_case(root: Path, family: str, tokenizer: str) -> tuple[Path, Path]:
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:  # near 1 (Gemma stores w - 1: near 0) keeps activations sane
-                p.normal_(0.0 if family == "gemma2" else 1.0, 0.05)
+                p.normal_(0.0 if family.startswith("gemma") else 1.0, 0.05)
             else:
                 p.normal_(0, 0.2)
     base = root / "base"
@@ -321,3 +344,80 @@ def test_llama3_rope_scaling_becomes_llama_cpps_rope_freqs(tmp_path):
                                                   dtype=torch.float32).eval()
     ids = torch.randint(0, VOCAB, (1, 200), generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(_logits(loaded, ids), _logits(_rounded(model.eval(), "f16"), ids), rtol=1e-4, atol=1e-4)
+
+
+def _gemma3_base(root: Path, **config) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_gemma3_text_config(**config))
+    model.save_pretrained(root)
+    tok = _sentencepiece_tokenizer("GemmaTokenizer")
+    tok.chat_template = CHATML
+    tok.save_pretrained(root)
+    return root
+
+
+def _field(reader, key: str):
+    field = reader.fields[key]
+    value = field.parts[field.data[0]]
+    return bytes(value).decode() if field.types[0] == gguf.GGUFValueType.STRING else value.item()
+
+
+def test_gemma3_keys_norms_and_linear_rope_of_the_global_layers(tmp_path):
+    """What transformers' reader does not read back, read with gguf's: the sliding layers' rope base, the
+    global layers' linear rope scaling (Gemma 3 4B and up), every norm + 1, no output tensor."""
+    rope = {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+    base = _gemma3_base(tmp_path / "base", rope_parameters=rope)
+    out = tmp_path / "g3.gguf"
+    assert main(["export", "--model", str(base), "--out", str(out)]) == 0
+    reader = gguf.GGUFReader(str(out))
+    assert _field(reader, "general.architecture") == "gemma3"
+    assert _field(reader, "gemma3.rope.freq_base") == 1e6 and _field(reader, "gemma3.rope.freq_base_swa") == 1e4
+    assert _field(reader, "gemma3.rope.scaling.type") == "linear" and _field(reader, "gemma3.rope.scaling.factor") == 8
+    assert _field(reader, "gemma3.attention.sliding_window") == 8
+    assert _field(reader, "gemma3.attention.key_length") == _field(reader, "gemma3.attention.value_length") == 256
+    tensors = {t.name: torch.from_numpy(t.data.copy()) for t in reader.tensors}
+    assert "output.weight" not in tensors
+    from safetensors.torch import load_file
+
+    stored = load_file(base / "model.safetensors")
+    norms = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+             "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
+             "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+    for hf, ours in norms.items():
+        torch.testing.assert_close(tensors[f"blk.5.{ours}.weight"], stored[f"model.layers.5.{hf}.weight"] + 1)
+    torch.testing.assert_close(tensors["output_norm.weight"], stored["model.norm.weight"] + 1)
+
+
+def test_gemma3_all_global_layers_have_no_sliding_window(tmp_path):
+    base = _gemma3_base(tmp_path / "base", layer_types=["full_attention"] * 6)
+    assert main(["export", "--model", str(base), "--out", str(tmp_path / "g.gguf")]) == 0
+    assert "gemma3.attention.sliding_window" not in gguf.GGUFReader(str(tmp_path / "g.gguf")).fields
+
+
+@pytest.mark.parametrize(("config", "named"), [
+    ({"layer_types": ["full_attention"] + ["sliding_attention"] * 5}, "layer_types"),
+    ({"query_pre_attn_scalar": 100}, "query_pre_attn_scalar"),
+    ({"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                          "sliding_attention": {"rope_type": "default", "rope_theta": 20000.0}}},
+     "sliding layers' rope"),
+    ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+])
+def test_gemma3_that_llama_cpp_would_run_otherwise_is_refused(tmp_path, capsys, config, named):
+    base = _gemma3_base(tmp_path / "base", **config)
+    assert main(["export", "--model", str(base), "--out", str(tmp_path / "g.gguf")]) == 2
+    err = capsys.readouterr().err
+    assert named in err and "config.json" in err and "llama.cpp's gemma3" in err
+    assert not (tmp_path / "g.gguf").exists()
+
+
+def test_gemma3_vision_checkpoint_gives_its_text_model_only(tmp_path, caplog):
+    base, _ = make_case(tmp_path, "gemma3", "gemma")
+    with caplog.at_level("WARNING", logger="shardtune"):
+        assert main(["export", "--model", str(base), "--out", str(tmp_path / "g.gguf")]) == 0
+    names = {t.name for t in gguf.GGUFReader(str(tmp_path / "g.gguf")).tensors}
+    assert names and all(n.startswith(("blk.", "token_embd.", "output_norm.")) for n in names), names
+    assert len([n for n in names if n.startswith("blk.")]) == 6 * 13
+    assert "vision tower and projector" in caplog.text

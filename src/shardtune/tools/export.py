@@ -10,6 +10,8 @@ What llama.cpp's convert_hf_to_gguf.py does per family, and so does this:
   llama, mistral   arch "llama"; q/k projection rows permuted into llama.cpp's rotary order
   qwen2, qwen3     arch "qwen2"/"qwen3"; no change
   gemma, gemma2    arch "gemma"/"gemma2"; norm weights + 1 (Hugging Face stores w - 1); no lm_head
+  gemma3_text      arch "gemma3"; as gemma2, plus the sliding-window keys of gguf_gemma3.py
+  gemma3           the multimodal checkpoint's text model, as gemma3_text (no vision tower)
 Rope scaling: linear as two metadata keys; Llama 3's ``llama3`` (llama and mistral) as the extra
 ``rope_freqs`` tensor of per-frequency divisors (convert_hf_to_gguf's LlamaModel.generate_extra_tensors).
 Tensor types: 1-D tensors (norms, biases) stay F32; matrices are F16, BF16 or Q8_0 (--quant); a Q8_0
@@ -34,6 +36,7 @@ from shardtune.errors import ShardtuneError
 from shardtune.model.directory import check_model_dir
 from shardtune.runtime.files import OutputError, check_writable, output_error
 from shardtune.runtime.progress import progress
+from shardtune.tools import gguf_gemma3
 from shardtune.tools.merge import MergePlan, merged_tensors, plan_merge
 
 log = logging.getLogger("shardtune")
@@ -50,6 +53,7 @@ class Family:
     arch: str  # gguf's MODEL_ARCH member name
     permute_qk: bool = False
     norm_plus_one: bool = False
+    multimodal: bool = False  # the text model of a vision-language checkpoint is exported
 
 
 # Hugging Face model_type -> how llama.cpp converts it.
@@ -60,7 +64,10 @@ FAMILIES = {
     "qwen3": Family("QWEN3"),
     "gemma": Family("GEMMA", norm_plus_one=True),
     "gemma2": Family("GEMMA2", norm_plus_one=True),
+    "gemma3_text": Family("GEMMA3", norm_plus_one=True),
+    "gemma3": Family("GEMMA3", norm_plus_one=True, multimodal=True),
 }
+_TIED_ARCHS = ("GEMMA", "GEMMA2", "GEMMA3")  # llama.cpp has no output tensor for these: the embedding serves
 
 
 def export_gguf(model: str | Path, adapter: str | Path | None, out: str | Path, quant: str = "f16",
@@ -86,9 +93,14 @@ def export_gguf(model: str | Path, adapter: str | Path | None, out: str | Path, 
     if family is None:
         raise ExportError(f"{model_dir.path / 'config.json'}: model_type {config.get('model_type')!r} is not one this "
                           f"GGUF export knows ({', '.join(FAMILIES)})")
+    if family.arch == "GEMMA3":
+        config = gguf_gemma3.text_config(model_dir)
+        if (problem := gguf_gemma3.problem(config)) is not None:
+            raise ExportError(f"{model_dir.path / 'config.json'}: {problem}; llama.cpp's gemma3 would not run this "
+                              "model as transformers does, so this GGUF export does not write it")
     arch = getattr(gguf.MODEL_ARCH, family.arch)
     plan = plan_merge(model_dir, Path(adapter)) if adapter else MergePlan({}, _stored_names(model_dir), {})
-    layout = _layout(model_dir, plan, config, arch, quant)
+    layout = _layout(model_dir, plan, config, family, quant)
 
     writer = gguf.GGUFWriter(None, gguf.MODEL_ARCH_NAMES[arch])
     _add_hparams(writer, config, family, quant, name=model_dir.path.name)
@@ -159,25 +171,31 @@ def _stored_names(model_dir) -> dict[str, str]:
     return names
 
 
-def _layout(model_dir, plan: MergePlan, config: dict, arch, quant: str) -> list[_Item]:
+def _layout(model_dir, plan: MergePlan, config: dict, family: Family, quant: str) -> list[_Item]:
     """Every tensor the file will hold, in writing order, from the safetensors headers alone."""
     import gguf
     import numpy as np
     from safetensors import safe_open
 
+    arch = getattr(gguf.MODEL_ARCH, family.arch)
     tmap = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
-    tied = config.get("tie_word_embeddings", False) or arch in (gguf.MODEL_ARCH.GEMMA, gguf.MODEL_ARCH.GEMMA2)
+    tied = config.get("tie_word_embeddings", False) or family.arch in _TIED_ARCHS
+    left_out = 0
     matrix_type = {"f16": gguf.GGMLQuantizationType.F16, "bf16": gguf.GGMLQuantizationType.BF16,
                    "q8_0": gguf.GGMLQuantizationType.Q8_0}[quant]
     items = []
     for file in model_dir.weight_files:
         with safe_open(str(file), framework="pt") as f:
             for name, source in plan.names_in(file.name, list(f.keys())):
+                text = gguf_gemma3.text_name(name) if family.multimodal else name
+                if text is None:
+                    left_out += 1
+                    continue
                 if name.endswith("rotary_emb.inv_freq"):
                     continue  # recomputed from rope_theta by every reader
-                if name == "lm_head.weight" and tied and name not in plan.extra:
+                if text == "lm_head.weight" and tied and name not in plan.extra:
                     continue  # the embedding serves as the output layer
-                gguf_name = tmap.get_name(name, try_suffixes=(".weight", ".bias"))
+                gguf_name = tmap.get_name(text, try_suffixes=(".weight", ".bias"))
                 if gguf_name is None:
                     raise ExportError(f"{file}: tensor {name} has no llama.cpp name for architecture "
                                       f"{gguf.MODEL_ARCH_NAMES[arch]!r}; this GGUF export cannot write it")
@@ -188,6 +206,10 @@ def _layout(model_dir, plan: MergePlan, config: dict, arch, quant: str) -> list[
                 block, type_size = gguf.GGML_QUANT_SIZES[qtype]
                 nbytes = int(np.prod(shape)) // block * type_size
                 items.append(_Item(name, gguf_name, shape, qtype, np.float32, nbytes))
+    if left_out:
+        log.warning("%s: the GGUF holds the text model only; the vision tower and projector (%d tensors) are left "
+                    "out (llama.cpp reads them from a separate mmproj file, which this export does not write)",
+                    model_dir.path, left_out)
     return items
 
 
@@ -227,8 +249,8 @@ _ROWS = 1024  # rows quantized at a time: bounds Q8_0's fp32 and block temporari
 
 
 def _rope_theta(config: dict) -> float:
-    params = config.get("rope_parameters") or {}
-    return float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
+    """The (global layers') rope base."""
+    return float(_rope_params(config).get("rope_theta", config.get("rope_theta", 10000.0)))
 
 
 def _rope_params(config: dict) -> dict:
@@ -302,6 +324,8 @@ def _add_hparams(writer, config: dict, family: Family, quant: str, name: str) ->
         writer.add_attn_logit_softcapping(config.get("attn_logit_softcapping") or 0.0)
         writer.add_final_logit_softcapping(config.get("final_logit_softcapping") or 0.0)
         writer.add_sliding_window(config.get("sliding_window") or 0)
+    if family.arch == "GEMMA3":
+        gguf_gemma3.add_hparams(writer, config)
     kind = _rope_kind(config)
     if kind == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
