@@ -216,6 +216,8 @@ def test_modelfile_template_and_stop_tokens(case):
     text = (root / "Modelfile").read_text()
     assert text.startswith("FROM ./mf.gguf\n")
     assert 'TEMPLATE """{{- range .Messages }}{{- if eq .Role "system" }}<|im_start|>system\n{{ .Content }}' in text
+    template = text.split('TEMPLATE """', 1)[1].split('"""', 1)[0]
+    assert '<|im_end|>\n{{ else if eq .Role "user" }}' in template and _dashes_follow_no_text(template)
     assert 'PARAMETER stop "<|im_end|>"' in text
 
 
@@ -297,8 +299,14 @@ def test_llama3_style_template_becomes_a_go_template(tmp_path):
               "{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
               "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
     text = _modelfile_for(tmp_path, llama3, ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"])
-    assert '{{- else if eq .Role "user" }}<|start_header_id|>user<|end_header_id|>\n\n{{ .Content }}<|eot_id|>' in text
+    assert '{{ else if eq .Role "user" }}<|start_header_id|>user<|end_header_id|>\n\n{{ .Content }}<|eot_id|>' in text
     assert text.rstrip().endswith('PARAMETER stop "<|eot_id|>"')
+
+
+def _dashes_follow_no_text(template: str) -> bool:
+    """Go's ``{{-`` trims the whitespace of the text before it: only actions that follow another action
+    (or open the template) may carry it, or the newline that ends a turn is lost."""
+    return all(i == 0 or template[:i].endswith("}}") for i in range(len(template)) if template.startswith("{{-", i))
 
 
 def test_untranslatable_template_is_said_not_guessed(tmp_path):

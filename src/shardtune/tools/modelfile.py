@@ -89,13 +89,17 @@ def _go(text: str) -> str:
 
 
 def go_template(pieces: dict) -> str:
-    """The Go template of Ollama's .Messages form, each role wrapped as the chat template wraps it."""
+    """The Go template of Ollama's .Messages form, each role wrapped as the chat template wraps it.
+
+    Only actions that follow no text carry ``{{-``: Go's dash trims the whitespace of the text before
+    it, which would drop the newline that ends a turn.
+    """
     branches = []
     for i, role in enumerate(r for r in ("system", "user", "assistant") if r in pieces):
         before, after = pieces[role]
-        keyword = "if" if i == 0 else "else if"
-        branches.append(f'{{{{- {keyword} eq .Role "{role}" }}}}{_go(before)}{{{{ .Content }}}}{_go(after)}')
-    return "{{- range .Messages }}" + "".join(branches) + "{{- end }}{{- end }}" + _go(pieces["gen"])
+        keyword = "{{- if" if i == 0 else "{{ else if"
+        branches.append(f'{keyword} eq .Role "{role}" }}}}{_go(before)}{{{{ .Content }}}}{_go(after)}')
+    return "{{- range .Messages }}" + "".join(branches) + "{{ end }}{{ end }}" + _go(pieces["gen"])
 
 
 def _stop_tokens(tok, pieces: dict | None) -> list[str]:
