@@ -303,10 +303,49 @@ def test_llama3_style_template_becomes_a_go_template(tmp_path):
     assert text.rstrip().endswith('PARAMETER stop "<|eot_id|>"')
 
 
+# Gemma 3's chat template (text content only): no system turn, the system text opens the first user message.
+GEMMA3_TEMPLATE = (
+    "{{ bos_token }}{%- if messages[0]['role'] == 'system' -%}{%- set first_user_prefix = messages[0]['content'] + "
+    "'\n\n' -%}{%- set loop_messages = messages[1:] -%}{%- else -%}{%- set first_user_prefix = '' -%}"
+    "{%- set loop_messages = messages -%}{%- endif -%}{%- for message in loop_messages -%}"
+    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{%- endif -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}{{ message['content'] | trim }}"
+    "{{ '<end_of_turn>\n' }}{%- endfor -%}{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}")
+# Gemma 1 and 2: the same turns, and a system message is an error.
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+    "{% endif %}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}")
+
+
 def _dashes_follow_no_text(template: str) -> bool:
     """Go's ``{{-`` trims the whitespace of the text before it: only actions that follow another action
     (or open the template) may carry it, or the newline that ends a turn is lost."""
     return all(i == 0 or template[:i].endswith("}}") for i in range(len(template)) if template.startswith("{{-", i))
+
+
+def test_gemma3_template_puts_the_system_text_into_the_first_user_turn(tmp_path):
+    text = _modelfile_for(tmp_path, GEMMA3_TEMPLATE, ["<start_of_turn>", "<end_of_turn>"])
+    template = text.split('TEMPLATE """', 1)[1].split('"""', 1)[0]
+    assert ('{{- if eq .Role "user" }}<start_of_turn>user\n{{ if and $first $system }}{{ $system }}\n\n{{ end }}'
+            "{{ $first = false }}{{ .Content }}<end_of_turn>\n") in template
+    assert '{{ else if eq .Role "assistant" }}<start_of_turn>model\n{{ .Content }}<end_of_turn>\n' in template
+    assert template.endswith("{{ end }}{{ end }}<start_of_turn>model\n") and _dashes_follow_no_text(template)
+    assert 'PARAMETER stop "<end_of_turn>"' in text
+
+
+def test_gemma2_template_without_system_turns_gets_its_turns(tmp_path):
+    text = _modelfile_for(tmp_path, GEMMA_TEMPLATE, ["<start_of_turn>", "<end_of_turn>"])
+    template = text.split('TEMPLATE """', 1)[1].split('"""', 1)[0]
+    assert template == ('{{- range .Messages }}{{- if eq .Role "user" }}<start_of_turn>user\n{{ .Content }}'
+                        '<end_of_turn>\n{{ else if eq .Role "assistant" }}<start_of_turn>model\n{{ .Content }}'
+                        "<end_of_turn>\n{{ end }}{{ end }}<start_of_turn>model\n")
+    assert 'PARAMETER stop "<end_of_turn>"' in text
 
 
 def test_untranslatable_template_is_said_not_guessed(tmp_path):

@@ -3,11 +3,15 @@
 Ollama templates are Go templates, not Jinja. Instead of translating Jinja source, the model's chat
 template is rendered with placeholder messages: one message per role gives that role's text before
 and after its content, and the generation prompt is what ``add_generation_prompt`` adds. Those
-pieces make a Go template. It is kept only if it renders a sample conversation exactly as the Jinja
-template does (checked here, by replaying the Go template's logic); a template with logic beyond
-"wrap each message by its role" (tools, thinking blocks, per-position rules) fails that check and
-the Modelfile says so instead of carrying a wrong TEMPLATE. The BOS token is left out: llama.cpp
-adds it itself, as the GGUF's add_bos_token says.
+pieces make a Go template. A template that takes no lone assistant turn (Gemma: turns must alternate
+from a user's) gives the assistant's pieces after a user turn. One with no system turn of its own
+but the system text at the start of the first user message (Gemma 3) gets a Go template that does
+the same; one that refuses system messages (Gemma 1 and 2) gets no system branch. It is kept only
+if it renders a sample conversation exactly as the Jinja template does (checked here, by replaying
+the Go template's logic); a template with logic beyond "wrap each message by its role" (tools,
+thinking blocks, per-position rules) fails that check and the Modelfile says so instead of carrying
+a wrong TEMPLATE. The BOS token is left out: llama.cpp adds it itself, as the GGUF's add_bos_token
+says.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from pathlib import Path
 log = logging.getLogger("shardtune")
 
 _MARK = "\x00CONTENT\x00"
+_SYSTEM = "\x00SYSTEM\x00"
 _SAMPLE = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi there"},
            {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Capital of France?"}]
 
@@ -46,25 +51,61 @@ def _render(tok, messages: list[dict], generation: bool) -> str:
     return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation, bos_token="")
 
 
+def _wrap(tok, context: list[dict], role: str) -> tuple[str, str] | None:
+    """(text before, text after) a ``role`` message's content following the ``context`` turns, or None when
+    the template refuses that (some refuse a lone assistant or any system turn) or writes the content other
+    than once."""
+    try:
+        prefix = _render(tok, context, False) if context else ""
+        text = _render(tok, [*context, {"role": role, "content": _MARK}], False)
+    except Exception:  # noqa: BLE001 - a template raises its own errors for turns it does not accept
+        return None
+    if not text.startswith(prefix) or text[len(prefix):].count(_MARK) != 1:
+        return None
+    before, after = text[len(prefix):].split(_MARK)
+    return before, after
+
+
+def _folded_system(tok, user: tuple[str, str]) -> str | None:
+    """Gemma's way: no system turn, the system text opens the first user message. The text between the
+    two (Gemma: a blank line), or None when the template does not do that."""
+    try:
+        text = _render(tok, [{"role": "system", "content": _SYSTEM}, {"role": "user", "content": _MARK}], False)
+    except Exception:  # noqa: BLE001
+        return None
+    head, tail = user[0] + _SYSTEM, _MARK + user[1]
+    if not (text.startswith(head) and text.endswith(tail)) or len(text) < len(head) + len(tail):
+        return None
+    sep = text[len(head):len(text) - len(tail)]
+    return None if _MARK in sep or _SYSTEM in sep else sep
+
+
 def _pieces(tok) -> tuple[dict | None, str]:
-    """{role: (before, after)} + "gen": the generation prompt; or None and why it cannot be translated."""
+    """{role: (before, after)}, "gen": the generation prompt and, for a template that puts the system text
+    into the first user message, "system_in_user": what follows it there; or None and why it cannot be
+    translated."""
     pieces: dict = {}
     try:
-        for role in ("user", "assistant", "system"):
-            try:
-                text = _render(tok, [{"role": role, "content": _MARK}], False)
-            except Exception:  # noqa: BLE001 - a template may refuse a lone system/assistant turn
-                if role == "user":
-                    raise
-                continue
-            if text.count(_MARK) != 1:
-                return None, f"the chat template writes a {role} message's content other than once"
-            pieces[role] = tuple(text.split(_MARK))
-        user = [{"role": "user", "content": _MARK}]
-        pieces["gen"] = _render(tok, user, True).removeprefix(_render(tok, user, False))
+        user = _render(tok, [{"role": "user", "content": _MARK}], False)
+        if user.count(_MARK) != 1:
+            return None, "the chat template writes a user message's content other than once"
+        pieces["user"] = tuple(user.split(_MARK))
+        assistant = _wrap(tok, [], "assistant") or _wrap(tok, [{"role": "user", "content": "x"}], "assistant")
+        if assistant is None:
+            return None, "the chat template writes an assistant message's content other than once"
+        pieces["assistant"] = assistant
+        system = _wrap(tok, [], "system")
+        if system is not None:
+            pieces["system"] = system
+        elif (sep := _folded_system(tok, pieces["user"])) is not None:
+            pieces["system_in_user"] = sep
+        elif _accepts_system(tok):
+            return None, "the chat template writes a system message's content other than once"
+        turn = [{"role": "user", "content": _MARK}]
+        pieces["gen"] = _render(tok, turn, True).removeprefix(_render(tok, turn, False))
     except Exception as err:  # noqa: BLE001 - Jinja errors of any kind mean: not translatable
         return None, f"the chat template could not be rendered ({type(err).__name__}: {err})"
-    sample = _SAMPLE if "system" in pieces else _SAMPLE[1:]
+    sample = _SAMPLE if "system" in pieces or "system_in_user" in pieces else _SAMPLE[1:]
     try:
         expected = _render(tok, sample, True)
     except Exception as err:  # noqa: BLE001
@@ -75,12 +116,33 @@ def _pieces(tok) -> tuple[dict | None, str]:
     return pieces, ""
 
 
+def _accepts_system(tok) -> bool:
+    """Whether the template renders a system message at all (Gemma 1 and 2 refuse one)."""
+    try:
+        _render(tok, [{"role": "system", "content": _SYSTEM}, {"role": "user", "content": _MARK}], False)
+    except Exception:  # noqa: BLE001
+        return False
+    return True
+
+
 def _replay(pieces: dict, messages: list[dict]) -> str:
     """What ``go_template(pieces)`` renders for ``messages``, as Ollama would (system first, then the turns)."""
-    out = ""
+    folded = "system_in_user" in pieces
+    system = ""
     for m in messages:
+        if m["role"] == "system":
+            system = m["content"]
+    out, first = "", True
+    for m in messages:
+        if m["role"] == "system" and folded:
+            continue
         before, after = pieces[m["role"]]
-        out += before + m["content"] + after
+        out += before
+        if m["role"] == "user":
+            if first and folded and system:
+                out += system + pieces["system_in_user"]
+            first = False
+        out += m["content"] + after
     return out + pieces["gen"]
 
 
@@ -94,12 +156,19 @@ def go_template(pieces: dict) -> str:
     Only actions that follow no text carry ``{{-``: Go's dash trims the whitespace of the text before
     it, which would drop the newline that ends a turn.
     """
+    folded = "system_in_user" in pieces
+    head = ('{{- $system := "" }}{{- range .Messages }}{{- if eq .Role "system" }}{{- $system = .Content }}'
+            "{{- end }}{{- end }}{{- $first := true }}") if folded else ""
     branches = []
     for i, role in enumerate(r for r in ("system", "user", "assistant") if r in pieces):
         before, after = pieces[role]
         keyword = "{{- if" if i == 0 else "{{ else if"
-        branches.append(f'{keyword} eq .Role "{role}" }}}}{_go(before)}{{{{ .Content }}}}{_go(after)}')
-    return "{{- range .Messages }}" + "".join(branches) + "{{ end }}{{ end }}" + _go(pieces["gen"])
+        content = "{{ .Content }}"
+        if role == "user" and folded:
+            content = (f'{{{{ if and $first $system }}}}{{{{ $system }}}}{_go(pieces["system_in_user"])}{{{{ end }}}}'
+                       "{{ $first = false }}{{ .Content }}")
+        branches.append(f'{keyword} eq .Role "{role}" }}}}{_go(before)}{content}{_go(after)}')
+    return head + "{{- range .Messages }}" + "".join(branches) + "{{ end }}{{ end }}" + _go(pieces["gen"])
 
 
 def _stop_tokens(tok, pieces: dict | None) -> list[str]:
