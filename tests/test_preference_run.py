@@ -137,6 +137,20 @@ def test_eval_on_pairs_reports_preference_accuracy_for_base_and_adapter(run_dir,
     tuned, base = result["adapter_figures"], result["base"]
     assert tuned["mean_margin"] > base["mean_margin"] and tuned["reward_margin"] > 0
     assert tuned["reward_margin"] == pytest.approx(tuned["mean_margin"] - base["mean_margin"], rel=1e-4)
+    # saved in the run folder, sent to its trackers at the run's last step, shown by `shardtune report`
+    assert json.loads((run_dir / "live" / "eval.json").read_text()) == result
+    assert main([*args, "--adapter", str(trained), "--report-to", "tensorboard"]) == 0
+    capsys.readouterr()
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir / "live" / "tensorboard"))
+    acc.Reload()
+    [event] = acc.Scalars("eval/adapter/pairs/reward_margin")
+    assert event.step == 3 and event.value == pytest.approx(tuned["reward_margin"])
+    assert acc.Scalars("eval/base/pairs/accuracy")[0].value == pytest.approx(base["accuracy"])
+    assert main(["report", str(run_dir / "live")]) == 0
+    md = (run_dir / "live" / "report.md").read_text()
+    assert "## Preference evaluation on" in md and f"| reward margin | — | {tuned['reward_margin']:.4g} |" in md
     assert main(args) == 0  # the base alone: one column
     out = capsys.readouterr().out
     assert "accuracy: log p(chosen) > log p(rejected)" in out and "+ adapter" not in out

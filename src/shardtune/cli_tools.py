@@ -63,13 +63,16 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise InputError("shardtune eval needs --data FILE (your own data) or --tasks NAME[,NAME] (lm-eval tasks)")
     from shardtune.tools.preference_eval import evaluate_preferences, is_preference_data, table
 
+    out = Path(args.out) if args.out else results.default_out(args.adapter, results.EVAL_FILE)
+    results.check_report_to(args.report_to, out)
     if is_preference_data(args.data, args.data_fields):  # pairs: preference accuracy, base against adapter
         result = evaluate_preferences(args.model, args.data, args.adapter, args.seq_len, args.batch_size,
                                       args.dtype, args.quantize, args.data_fields, args.trust_remote_code)
+        if out is not None:
+            results.write_json(out, result)
+            results.send(args.report_to, out.parent, results.preference_values(result, args.data))
         print(json.dumps(result, indent=2) if args.json else table(result))
         return 0
-    out = Path(args.out) if args.out else results.default_out(args.adapter, results.EVAL_FILE)
-    results.check_report_to(args.report_to, out)
     result = evaluate(args.model, args.data, args.adapter, args.nproc, args.seq_len, args.batch_size,
                       args.max_new_tokens, args.dtype, answers=args.answers, quantize=args.quantize,
                       data_fields=args.data_fields, trust_remote_code=args.trust_remote_code)

@@ -21,6 +21,8 @@ from shardtune.errors import InputError
 HARNESS_FILE = "lm_eval.json"
 EVAL_FILE = "eval.json"
 DATA_METRICS = ("loss", "perplexity", "exact_match", "contains_match")
+#: A preference evaluation's figures (the base's and the adapter's; the reward ones: the adapter's only).
+PAIR_METRICS = ("accuracy", "mean_margin", "reward_accuracy", "reward_margin")
 
 
 def run_folder_of(adapter: str | Path | None) -> Path | None:
@@ -74,6 +76,14 @@ def data_values(result: dict, data: str, adapter: str | None) -> dict[str, float
     label, stem = "adapter" if adapter else "base", Path(data).stem
     return {_key(f"eval/{label}/{stem}/{k}"): result[k] for k in DATA_METRICS
             if isinstance(result.get(k), (int, float))}
+
+
+def preference_values(result: dict, data: str) -> dict[str, float]:
+    """eval/{base,adapter}/{data}/{figure} of a preference evaluation (tools/preference_eval.py)."""
+    stem, values = Path(data).stem, {}
+    for label, figures in (("base", result["base"]), ("adapter", result.get("adapter_figures") or {})):
+        values.update({_key(f"eval/{label}/{stem}/{k}"): float(v) for k, v in figures.items() if k in PAIR_METRICS})
+    return values
 
 
 def send(report_to: str | None, folder: Path, values: dict[str, float]) -> None:

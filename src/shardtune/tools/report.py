@@ -198,12 +198,19 @@ def _markdown(out: Path, metrics: list[dict], summary: dict | None, plots: dict[
 
 def _evaluation(out: Path) -> list[str]:
     """The ``shardtune eval`` results saved in the run folder, if any."""
-    from shardtune.tools.eval_results import DATA_METRICS, EVAL_FILE, HARNESS_FILE
+    from shardtune.tools.eval_results import DATA_METRICS, EVAL_FILE, HARNESS_FILE, PAIR_METRICS
     from shardtune.tools.harness import side_by_side_rows
 
     lines = []
     data = read_summary(out / EVAL_FILE, "evaluation results")
-    if data is not None:
+    if data is not None and isinstance(data.get("base"), dict):  # preference pairs: base against adapter
+        tuned = data.get("adapter_figures") or {}
+        lines += [f"## Preference evaluation on `{data.get('data')}` ({_cell(data.get('pairs'))} pairs, "
+                  f"`shardtune eval --data`)", "", "| figure | base | + adapter |", "|---|---|---|"]
+        lines += [f"| {k.replace('_', ' ')} | {_cell(data['base'].get(k))} | {_cell(tuned.get(k))} |"
+                  for k in PAIR_METRICS if k in data["base"] or k in tuned]
+        lines.append("")
+    elif data is not None:
         which = "base + adapter" if data.get("adapter") else "base model"
         lines += [f"## Evaluation on `{data.get('data')}` ({which}, `shardtune eval --data`)", "",
                   "| metric | value |", "|---|---|"]
