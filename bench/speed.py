@@ -186,13 +186,13 @@ def rule_jobs(model: Path, data: Path, gib: float, dtype: str, top: int) -> list
     from shardtune.config import build_config
     from shardtune.model.directory import check_model_dir, load_tokenizer
     from shardtune.train.choice import Candidate, candidates
-    from shardtune.train.data import load_dataset, mean_tokens
+    from shardtune.train.data import lengths_of, load_dataset
 
     cfg = build_config({"model": str(model), "data": str(data), "nproc": 2, "strategy": "auto", "packing": True,
                         "batch-size": 16, "micro-batch-size": "auto", "fsdp-unit": "auto", "seq-len": 512,
                         "lora-r": 8, "lora-alpha": 16, "lora-targets": "q_proj,v_proj", "dtype": dtype})
     tokenizer = load_tokenizer(check_model_dir(str(model)))
-    mean = mean_tokens(load_dataset(str(data), tokenizer, 512).examples)
+    mean = lengths_of(load_dataset(str(data), tokenizer, 512).examples).mean
     fitting = sorted((c for c, fits in candidates(cfg, int(gib * GIB), mean) if fits), key=Candidate.key)
     jobs = []
     for i, c in enumerate(fitting[:top], 1):

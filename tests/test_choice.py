@@ -11,6 +11,7 @@ import yaml
 from shardtune import cli
 from shardtune.config import ConfigError, build_config
 from shardtune.train.choice import candidates, choose
+from shardtune.train.data import Lengths
 
 from tiny import make_run_dir
 
@@ -85,13 +86,13 @@ def test_packing_counts_packed_rows_not_records(root):
     """Under --packing the forwards per step come from the rows the records fill, not the record count:
     8 short records a rank fill one 512-token row, so one row per forward is already one forward."""
     cfg = _cfg(root, packing=True, **{"seq-len": 512, "batch-size": 16, "memory-per-rank": "1TiB"})
-    _, by_records, _ = choose(cfg)  # mean length unknown (shardtune plan): a row per record
+    _, by_records, _ = choose(cfg)  # lengths unknown (no data read): a row per record
     assert by_records.forwards == 1 and by_records.micro_batch_size == 8
-    _, by_rows, _ = choose(cfg, tokens_per_record=40.0)  # 8 x 40 tokens: one row
+    _, by_rows, _ = choose(cfg, Lengths(40.0, 60))  # 8 x 40 tokens: one row
     assert by_rows.forwards == 1 and by_rows.micro_batch_size == 1  # no room reserved for 7 empty rows
     assert by_rows.peak_mb < by_records.peak_mb
-    _, two_rows, _ = choose(cfg, tokens_per_record=100.0)  # 800 tokens: two rows
+    _, two_rows, _ = choose(cfg, Lengths(100.0, 150))  # 800 tokens: two rows
     assert (two_rows.micro_batch_size, two_rows.forwards) == (2, 1)
-    found = candidates(cfg, 1 << 40, tokens_per_record=100.0)
+    found = candidates(cfg, 1 << 40, Lengths(100.0, 150))
     assert max(c.micro_batch_size for c, _ in found) == 2
     assert {c.forwards for c, _ in found if c.micro_batch_size == 1} == {2}

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from dist_utils import run_ranks
+from tiny import make_model, write_jsonl
 
 INPUT = torch.arange(1, 31).reshape(2, 15) * 11 % 250
 
@@ -121,19 +122,34 @@ def _assert_adapters_equal(a: Path, b: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def launcher_runs(setup_dir) -> tuple[dict, dict]:
+def launcher_dir(tmp_path_factory) -> Path:
+    """A model whose step is most of what a run adds to the process, so that the planner's check below
+    is about the model of the step: a 32k-row untied vocabulary (the logits, the loss's fp32 chunks and
+    the head are tens of MB) and records that all reach --seq-len."""
+    root = tmp_path_factory.mktemp("launcher")
+    make_model(root / "model", "llama", tied=False, hidden=64, vocab=32768)
+    words = "the quick brown fox jumps over a lazy dog".split()
+    long = [" ".join(words[(i + j) % 9] for j in range(60)) for i in range(16)]  # ~270 tokens, cut to 256
+    write_jsonl(root / "train.jsonl", [{"instruction": f"q{i}", "output": text} for i, text in enumerate(long)])
+    return root
+
+
+@pytest.fixture(scope="module")
+def launcher_runs(launcher_dir) -> tuple[dict, dict]:
     """The same run through the public API (fresh worker processes) on each strategy: (options, summaries)."""
     import shardtune
 
+    def options(name: str, **extra) -> dict:
+        return _options(launcher_dir, f"api-{name}", **{"seq-len": 256, **extra})
+
     runs = {
-        "single": _options(setup_dir, "api-single", strategy="single", nproc=1),
-        "fsdp2": _options(setup_dir, "api-fsdp2", strategy="fsdp2", nproc=2,
-                          **{"micro-batch-size": 2, "fsdp-unit": "part"}),
+        "single": options("single", strategy="single", nproc=1),
+        "fsdp2": options("fsdp2", strategy="fsdp2", nproc=2, **{"micro-batch-size": 2, "fsdp-unit": "part"}),
         # whole-layer units, each layer's forward prefetching the next one's gather
-        "fsdp2-layer": _options(setup_dir, "api-fsdp2-layer", strategy="fsdp2", nproc=2,
-                                **{"micro-batch-size": 1, "fsdp-unit": "layer"}),
-        "ddp": _options(setup_dir, "api-ddp", strategy="ddp", nproc=2),
-        "fsdp1": _options(setup_dir, "api-fsdp1", strategy="fsdp1", nproc=2, **{"micro-batch-size": 1}),
+        "fsdp2-layer": options("fsdp2-layer", strategy="fsdp2", nproc=2,
+                               **{"micro-batch-size": 1, "fsdp-unit": "layer"}),
+        "ddp": options("ddp", strategy="ddp", nproc=2),
+        "fsdp1": options("fsdp1", strategy="fsdp1", nproc=2, **{"micro-batch-size": 1}),
     }
     return runs, {name: shardtune.finetune(opts) for name, opts in runs.items()}
 
@@ -159,25 +175,25 @@ def test_launcher_runs_match_across_strategies_and_splits(launcher_runs):
     assert json.loads((Path(runs["fsdp2"]["out"]) / "summary.json").read_text())["steps"] == 4
 
 
-@pytest.mark.parametrize("strategy", ["fsdp2", "fsdp1", "ddp"])
-@pytest.mark.xfail(strict=True, reason="the planner's runtime constant absorbs what the process adds once loading "
-                   "starts (the model's and FSDP's imports, loading state), which differs per strategy; the model "
-                   "of the step is not yet within 10 % on its own (issue 22). strict: passing means remove this")
-def test_planner_predicts_the_measured_peak(launcher_runs, strategy):
-    """``shardtune plan`` against the peak the run measured (private memory per rank, or GPU memory),
-    without the fixed runtime: on a tiny model the process before loading is nearly all of the peak,
-    and a prediction of that alone would pass whatever the model of the step says. The part that
-    moves with the model and the strategy (peak - memory in use before loading) must be within 10 %."""
+@pytest.mark.parametrize("run", ["fsdp2", "fsdp2-layer", "fsdp1", "ddp"])
+def test_planner_predicts_the_measured_peak(launcher_runs, run):
+    """``shardtune plan`` against the peak the run measured (private memory per rank), without the
+    process before loading: on a small model that process is most of the peak, and a prediction of it
+    alone would pass whatever the model of the step says. What the run adds on top of it (the model,
+    the step, and the fixed cost of training) must be within 10 %, as the data's rows are sized."""
     from shardtune.config import build_config
     from shardtune.plan import plan
+    from shardtune.train.memory_model import runtime_cpu_mb
+    from shardtune.train.training_data import training_lengths
 
     runs, summaries = launcher_runs
-    options = {k: v for k, v in runs[strategy].items() if k != "out"}
-    prediction = plan(build_config(options))[strategy][0]
-    predicted = prediction.peak_mb - prediction.terms["runtime"]
-    summary = summaries[strategy]
+    options, summary, strategy = runs[run], summaries[run], run.split("-")[0]
+    cfg = build_config({k: v for k, v in options.items() if k != "out"})
+    prediction = plan(cfg, lengths=training_lengths(cfg))[strategy][0]
+    predicted = prediction.peak_mb - runtime_cpu_mb()
     measured = max(peak - before for peak, before in zip(summary["train_peak_mb"], summary["runtime_mb"]))
-    print(f"\n{strategy}: planner {predicted:.1f} MB above the runtime, measured {measured:.1f} MB "
-          f"({predicted / measured - 1:+.1%}); runtime predicted {prediction.terms['runtime']:.0f} MB, "
-          f"measured {max(summary['runtime_mb']):.0f} MB")
+    print(f"\n{run}: planner {predicted:.1f} MB above the process before loading, measured {measured:.1f} MB "
+          f"({predicted / measured - 1:+.1%}), peak at {prediction.moment}; before loading: predicted "
+          f"{runtime_cpu_mb():.0f} MB, measured {max(summary['runtime_mb']):.0f} MB")
+    assert prediction.terms["logits"] > predicted / 2  # the step is what is being predicted here
     assert predicted == pytest.approx(measured, rel=0.10)

@@ -217,3 +217,26 @@ def test_cpu_fsdp2_counts_the_shared_gather_buffers(model_dir: Path, monkeypatch
     # how big they are is checked against a real run's buffers (test_host_gather.py); here: when they exist
     assert buffers(True) >= max(units) / MB > 0
     assert buffers(False) == 0 and buffers(True, ranks=1) == 0
+
+
+def test_plan_sizes_rows_by_the_longest_record_of_the_data(model_dir: Path, tmp_path: Path, capsys,
+                                                           monkeypatch) -> None:
+    """Unpacked micro-batches are padded to their longest record: with --data, plan sizes the step by
+    the data (as finetune does), not by --seq-len; without it, by --seq-len."""
+    from tiny import write_jsonl
+
+    monkeypatch.setenv("SHARDTUNE_CACHE", str(tmp_path / "cache"))
+    data = write_jsonl(tmp_path / "short.jsonl", [{"instruction": "hi", "output": "x" * n} for n in (3, 9, 5)])
+    args = ["plan", "--model", str(model_dir), "--nproc", "2", "--batch-size", "4", "--seq-len", "200", "--json"]
+    assert cli.main(args) == 0
+    unknown = json.loads(capsys.readouterr().out)
+    assert cli.main([*args, "--data", str(data)]) == 0
+    short = json.loads(capsys.readouterr().out)
+    for strategy in ("fsdp2", "ddp"):
+        assert short[strategy]["terms"]["activations"] < unknown[strategy]["terms"]["activations"] / 4
+        assert short[strategy]["peak_mb"] < unknown[strategy]["peak_mb"]
+    assert cli.main([*args[:-1], "--data", str(data)]) == 0
+    out = capsys.readouterr().out
+    assert f"the longest record of {data}" in out and "rows of up to 200 tokens" not in out
+    assert cli.main([*args[:-1], "--data", str(data), "--packing"]) == 0
+    assert "rows of 200 tokens (packed)" in capsys.readouterr().out

@@ -31,11 +31,12 @@ def make_tokenizer(chat_template: bool = True):
     return fast
 
 
-def tiny_config(arch: str, tied: bool, hidden: int = 32):
-    """``hidden``: the width (the MLP is twice as wide); NF4 tests need multiples of its 64-blocks."""
+def tiny_config(arch: str, tied: bool, hidden: int = 32, vocab: int = VOCAB):
+    """``hidden``: the width (the MLP is twice as wide); NF4 tests need multiples of its 64-blocks.
+    ``vocab``: the embedding rows (the tokenizer uses the first ``VOCAB``)."""
     from transformers import FalconConfig, GPT2Config, LlamaConfig, Phi3Config, Qwen2Config
 
-    common = dict(vocab_size=VOCAB, tie_word_embeddings=tied, bos_token_id=256, eos_token_id=257, pad_token_id=258)
+    common = dict(vocab_size=vocab, tie_word_embeddings=tied, bos_token_id=256, eos_token_id=257, pad_token_id=258)
     dims = dict(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=256)
     if arch == "llama":
@@ -54,14 +55,15 @@ def tiny_config(arch: str, tied: bool, hidden: int = 32):
 
 
 def make_model(path: Path, arch: str = "llama", tied: bool = False, sharded: bool = False, seed: int = 0,
-               chat_template: bool = True, hidden: int = 32, row_scales: bool = False) -> Path:
+               chat_template: bool = True, hidden: int = 32, row_scales: bool = False,
+               vocab: int = VOCAB) -> Path:
     """Write a random tiny causal LM in Hugging Face layout (single file or sharded + index).
 
     ``row_scales``: matrices' rows scaled 0.5–2× (real weights' rows differ in scale; NF4 tests need that)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(arch, tied, hidden))
+    model = AutoModelForCausalLM.from_config(tiny_config(arch, tied, hidden, vocab))
     # Larger random weights than the default init make logits differ clearly between models.
     with torch.no_grad():
         for p in model.parameters():

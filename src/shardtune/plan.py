@@ -20,16 +20,28 @@ from shardtune.model.meta import compute_dtype
 from shardtune.runplan import BatchError, BatchPlan, RunPlan
 from shardtune.runtime.memory import MB, format_size
 from shardtune.train.choice import budget_of
-from shardtune.train.memory_model import STRATEGIES, TERMS, Prediction, default_memory_per_rank, plan_device, predict
+from shardtune.train.data import Lengths
+from shardtune.train.memory_model import (
+    STRATEGIES,
+    TERMS,
+    Prediction,
+    default_memory_per_rank,
+    plan_device,
+    predict,
+    row_tokens,
+)
 from shardtune.train.objectives import rows_per_forward
 from shardtune.train.resolve import resolve
+from shardtune.train.training_data import training_lengths
 
 
-def plan(cfg: Config, memory_per_rank: int | None = None, run: RunPlan | None = None) -> dict[str, list[Prediction]]:
+def plan(cfg: Config, memory_per_rank: int | None = None, run: RunPlan | None = None,
+         lengths: Lengths | None = None) -> dict[str, list[Prediction]]:
     """{strategy: predictions}; the first of each is for the configured checkpointing/offload flags,
     the others vary them. A row that cannot run says why in its note, in the words of the rule that
     refuses it (``config.combination_refusal``, ``BatchPlan.make``); ``run``: the plan ``finetune``
-    would run, whose row is marked (``Prediction.runs``). Single is shown on one rank."""
+    would run, whose row is marked (``Prediction.runs``); ``lengths``: the training data's, which size
+    a step's rows (``memory_model.row_tokens``). Single is shown on one rank."""
     device, traced = plan_device(cfg.parallel.device)
     ranks = cfg.parallel.nproc * cfg.parallel.nnodes
     budget = memory_per_rank or default_memory_per_rank(cfg.parallel.nproc, device)
@@ -43,7 +55,8 @@ def plan(cfg: Config, memory_per_rank: int | None = None, run: RunPlan | None = 
     micros = {b.micro_batch_size for b in batches.values() if isinstance(b, BatchPlan)}
     if not micros:
         raise BatchError(next(iter(batches.values())))  # type: ignore[arg-type]
-    facts = model_facts(cfg, {rows_per_forward(cfg, m) for m in micros}, {compute_dtype(cfg)}, traced)
+    width = row_tokens(cfg, lengths)
+    facts = model_facts(cfg, {rows_per_forward(cfg, m) for m in micros}, {compute_dtype(cfg)}, traced, width)
     out: dict[str, list[Prediction]] = {}
     for strategy in STRATEGIES:
         batch = batches[strategy]
@@ -60,7 +73,7 @@ def plan(cfg: Config, memory_per_rank: int | None = None, run: RunPlan | None = 
                 preds.append(Prediction(strategy, world, ac, off, {}, "", note=refused))
                 continue
             unit = "part" if cfg.parallel.fsdp_unit == "auto" else cfg.parallel.fsdp_unit
-            p = predict(facts, strategy, world, rows_per_forward(cfg, batch.micro_batch_size), cfg.data.seq_len,
+            p = predict(facts, strategy, world, rows_per_forward(cfg, batch.micro_batch_size), width,
                         ac, off, device, cfg.parallel.replicate_groups, unit)
             p.fits = None if budget is None else p.peak_mb * MB <= budget
             p.runs = run is not None and (run.strategy, run.activation_checkpointing, run.cpu_offload) == \
@@ -123,6 +136,16 @@ def render(predictions: dict[str, list[Prediction]], header: list[str]) -> str:
     return "\n".join(lines)
 
 
+def _rows_line(cfg: Config, lengths: Lengths | None) -> str:
+    width = row_tokens(cfg, lengths)
+    if cfg.data.packing:
+        return f"rows of {width} tokens (packed)"
+    if lengths is None:
+        return f"rows of up to {width} tokens (--seq-len: no --data to measure the records by)"
+    return (f"rows of up to {width} tokens: the longest record of {cfg.data.train} "
+            f"(mean {lengths.mean:.0f}), after --seq-len {cfg.data.seq_len}")
+
+
 def run_plan(config: str | Path | None, overrides: dict[str, Any], as_json_output: bool) -> int:
     """``shardtune plan``: the run plan ``finetune`` would resolve for these flags (refusing what it
     refuses), and the predictions per strategy for its micro-batch; reads no weights."""
@@ -132,9 +155,10 @@ def run_plan(config: str | Path | None, overrides: dict[str, Any], as_json_outpu
     cfg = build_config(config, overrides)
     validate(cfg, need_data=False)
     budget, where = budget_of(cfg)
-    cfg, run, chosen = resolve(cfg)
+    lengths = training_lengths(cfg)  # finetune sizes a step by them too (preflight)
+    cfg, run, chosen = resolve(cfg, lengths)
     device, traced = plan_device(cfg.parallel.device)
-    predictions = plan(cfg, budget, run)
+    predictions = plan(cfg, budget, run, lengths)
     why = run.why if run is not None else ""
     if as_json_output:
         out: dict[str, Any] = as_json(predictions)
@@ -151,6 +175,7 @@ def run_plan(config: str | Path | None, overrides: dict[str, Any], as_json_outpu
         f"{ranks} rank{'s' * (ranks > 1)} (single: 1), global batch {cfg.train.batch_size}"
         f"{' (packed)' if cfg.data.packing else ''}, --seq-len {cfg.data.seq_len}, device {device.type}; "
         f"memory per rank {budget_text} ({where})",
+        _rows_line(cfg, lengths),
     ]
     if why:
         header += [f"finetune would run: {why}"]

@@ -20,7 +20,7 @@ from shardtune.runtime.device import check_local_ranks, decide_dtype, device_typ
 from shardtune.runtime.files import OutputError, check_writable
 from shardtune.runtime.versions import check_apis
 from shardtune.train.checkpoint import resume_point
-from shardtune.train.data import SFT, load_dataset, mean_tokens, read_records, token_cache
+from shardtune.train.data import lengths_of, read_records
 from shardtune.train.data_checks import warn_about_data
 from shardtune.train.input_paths import check_input_paths
 from shardtune.train.packing import check_packing
@@ -28,6 +28,7 @@ from shardtune.train.pairs import PAIRS, pair_warnings
 from shardtune.train.resolve import resolve
 from shardtune.train.run_folder import check_run_folder
 from shardtune.train.trackers import check_installed
+from shardtune.train.training_data import read_split, record_format
 
 log = logging.getLogger("shardtune")
 
@@ -58,22 +59,20 @@ def preflight(cfg: Config) -> tuple[Config, RunPlan]:
     vocab = vocab_size(model_dir)
     check_tokenizer_fits(tokenizer, vocab, model_dir)
     # Tokenized once, here: the workers map the cache instead of each tokenizing every record again.
-    cache = token_cache(cfg)
-    fmt = PAIRS if cfg.train.objective != "sft" else SFT
-    train = load_dataset(cfg.data.train, tokenizer, cfg.data.seq_len, vocab, cfg.data.fields, cache, fmt,
-                         show_progress=True)
+    fmt = record_format(cfg)
+    train = read_split(cfg, cfg.data.train, tokenizer, vocab, show_progress=True)
     records = read_records(cfg.data.train, cfg.data.fields, fmt.check)
     warn_about_data(cfg.data.train, records, len(train.examples) // fmt.per_record, cfg.train.batch_size)
     if fmt is PAIRS:
         for message in pair_warnings(cfg.data.train, records, train.truncated, cfg.data.seq_len):
             log.warning("%s", message)
     if cfg.data.val:
-        load_dataset(cfg.data.val, tokenizer, cfg.data.seq_len, vocab, cfg.data.fields, cache, fmt, show_progress=True)
+        read_split(cfg, cfg.data.val, tokenizer, vocab, show_progress=True)
     model, _ = inject_lora(build_meta_model(model_dir, compute_dtype(cfg)), cfg.lora, cfg.train.seed)
     check_against_headers(model, model_dir)  # every weight there, of its shape and a float dtype
     if cfg.data.packing:
         check_packing(model)
-    cfg, plan, _ = resolve(cfg, mean_tokens(train.examples), model)
+    cfg, plan, _ = resolve(cfg, lengths_of(train.examples), model)
     assert plan is not None  # the device was checked above: a run always has one
     if plan.why:
         log.info("configuration: %s", plan.why)

@@ -134,7 +134,10 @@ def model_dir_for_plan(path: str | Path, trust_remote_code: bool = False) -> Mod
         raise
 
 
-def model_facts(cfg: Config, micro_batches: set[int], lora_dtypes: set[torch.dtype], device: torch.device) -> Facts:
+def model_facts(cfg: Config, micro_batches: set[int], lora_dtypes: set[torch.dtype], device: torch.device,
+                seq_len: int | None = None) -> Facts:
+    """The model's sizes, and the activations a micro-batch of ``seq_len`` tokens a row (default
+    --seq-len) saves, for each size in ``micro_batches`` and each LoRA dtype."""
     model_dir = model_dir_for_plan(cfg.model.path, cfg.model.trust_remote_code)
     dtype = compute_dtype(cfg)
     model, _ = inject_lora(build_meta_model(model_dir, dtype), cfg.lora, cfg.train.seed)
@@ -168,5 +171,5 @@ def model_facts(cfg: Config, micro_batches: set[int], lora_dtypes: set[torch.dty
     )
     for micro in micro_batches:
         for lora_dtype in lora_dtypes:
-            facts.saved[micro, lora_dtype] = _saved_bytes(model, micro, cfg.data.seq_len, lora_dtype, device)
+            facts.saved[micro, lora_dtype] = _saved_bytes(model, micro, seq_len or cfg.data.seq_len, lora_dtype, device)
     return facts

@@ -25,13 +25,17 @@ import dataclasses
 import logging
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from shardtune.config import Config, ConfigError, combination_refusal, parse_size
 from shardtune.model.footprint import model_facts
 from shardtune.model.meta import compute_dtype
 from shardtune.runtime.memory import MB, format_size
-from shardtune.train.memory_model import default_memory_per_rank, plan_device, predict
+from shardtune.train.memory_model import default_memory_per_rank, plan_device, predict, row_tokens
 from shardtune.train.objectives import rows_per_forward
+
+if TYPE_CHECKING:
+    from shardtune.train.data import Lengths
 
 log = logging.getLogger("shardtune")
 #: What ``--strategy auto`` chooses among on several ranks (fsdp1 only when named: fsdp2 does all it does).
@@ -74,13 +78,13 @@ def budget_of(cfg: Config) -> tuple[int | None, str]:
     return budget, where
 
 
-def rows_per_rank(cfg: Config, world: int, tokens_per_record: float | None) -> int:
+def rows_per_rank(cfg: Config, world: int, lengths: Lengths | None) -> int:
     """Sequences a rank runs per step: its records, or under --packing about as many packed rows as its
-    records' tokens fill (``tokens_per_record``: the data's mean; unknown: one row per record)."""
+    records' tokens fill (``lengths``: the data's; unknown: one row per record)."""
     per_rank = cfg.train.batch_size // world
-    if not cfg.data.packing or not tokens_per_record:
+    if not cfg.data.packing or lengths is None or not lengths.mean:
         return per_rank
-    return max(1, min(per_rank, math.ceil(per_rank * tokens_per_record / cfg.data.seq_len)))
+    return max(1, min(per_rank, math.ceil(per_rank * lengths.mean / cfg.data.seq_len)))
 
 
 def _micro_sizes(cfg: Config, world: int, rows: int) -> list[int]:
@@ -91,11 +95,11 @@ def _micro_sizes(cfg: Config, world: int, rows: int) -> list[int]:
     return [m for m in range(1, rows + 1) if rows % m == 0 or cfg.data.packing]
 
 
-def candidates(cfg: Config, budget: int, tokens_per_record: float | None = None) -> list[tuple[Candidate, bool]]:
+def candidates(cfg: Config, budget: int, lengths: Lengths | None = None) -> list[tuple[Candidate, bool]]:
     """Every setting the auto options allow, with its predicted peak and whether it fits.
 
-    ``tokens_per_record``: the training data's mean record length (preflight knows it); under
-    --packing it sets how many packed rows, so forwards, a step takes."""
+    ``lengths``: the training data's record lengths (preflight knows them): under --packing the mean
+    sets how many packed rows, so forwards, a step takes; unpacked, the longest sets a row's width."""
     ranks = cfg.parallel.nproc * cfg.parallel.nnodes
     if cfg.parallel.strategy != "auto":
         strategies = [cfg.parallel.strategy]
@@ -103,13 +107,14 @@ def candidates(cfg: Config, budget: int, tokens_per_record: float | None = None)
         strategies = ["single"]
     else:  # what auto may pick: those the combination rules allow
         strategies = [s for s in AUTO_STRATEGIES if combination_refusal(cfg, s) is None]
-    rows = {s: rows_per_rank(cfg, ranks, tokens_per_record) for s in strategies}
+    rows = {s: rows_per_rank(cfg, ranks, lengths) for s in strategies}
     micros = {s: _micro_sizes(cfg, ranks, rows[s]) for s in strategies}
     auto = cfg.parallel.strategy == "auto" or cfg.train.micro_batch_size == "auto"
     acs = [True] if cfg.parallel.activation_checkpointing else ([False, True] if auto else [False])
     device, traced = plan_device(cfg.parallel.device)
+    width = row_tokens(cfg, lengths)
     facts = model_facts(cfg, {rows_per_forward(cfg, m) for ms in micros.values() for m in ms},
-                        {compute_dtype(cfg)}, traced)
+                        {compute_dtype(cfg)}, traced, width)
     out = []
     for strategy in strategies:
         units = (["layer", "part"] if cfg.parallel.fsdp_unit == "auto" else [cfg.parallel.fsdp_unit]) \
@@ -118,7 +123,7 @@ def candidates(cfg: Config, budget: int, tokens_per_record: float | None = None)
             forwards = -(-rows[strategy] // micro)
             for ac in acs:
                 for unit in units:
-                    p = predict(facts, strategy, ranks, rows_per_forward(cfg, micro), cfg.data.seq_len, ac,
+                    p = predict(facts, strategy, ranks, rows_per_forward(cfg, micro), width, ac,
                                 cfg.parallel.cpu_offload, device, cfg.parallel.replicate_groups,
                                 unit if unit != "-" else "part")
                     gathers = _gathers_per_forward(strategy, unit, facts)
@@ -134,9 +139,9 @@ def _gathers_per_forward(strategy: str, unit: str, facts) -> int:
     return facts.layers * per_layer + 1  # + the root
 
 
-def choose(cfg: Config, tokens_per_record: float | None = None) -> tuple[Config, Candidate | None, str]:
+def choose(cfg: Config, lengths: Lengths | None = None) -> tuple[Config, Candidate | None, str]:
     """``cfg`` with its auto options decided, the candidate chosen, and why, in words
-    (``tokens_per_record``: see ``candidates``)."""
+    (``lengths``: see ``candidates``)."""
     if not needs_choice(cfg):
         return cfg, None, ""
     budget, where = budget_of(cfg)
@@ -145,7 +150,7 @@ def choose(cfg: Config, tokens_per_record: float | None = None) -> tuple[Config,
             raise ConfigError("option 'micro-batch-size': 'auto' needs --memory-per-rank when planning for GPUs "
                               "on a machine without one")
         return cfg, None, ""
-    found = candidates(cfg, budget, tokens_per_record)
+    found = candidates(cfg, budget, lengths)
     fitting = sorted((c for c, fits in found if fits), key=Candidate.key)
     if fitting:
         best = fitting[0]

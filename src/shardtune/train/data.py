@@ -293,11 +293,20 @@ def load_dataset(path: str | Path, tokenizer, seq_len: int, vocab_size: int | No
     return dataset
 
 
-def mean_tokens(examples: Sequence[Example]) -> float:
-    """The mean record length in tokens (what packing fills rows with)."""
+@dataclass(frozen=True)
+class Lengths:
+    """The training data's record lengths in tokens, after --seq-len: what the planner sizes a step by."""
+
+    mean: float  # what packing fills rows with
+    longest: int  # an unpacked micro-batch is padded to its longest record
+
+
+def lengths_of(examples: Sequence[Example]) -> Lengths:
     if isinstance(examples, TokenizedExamples):
-        return examples.ids.numel() / max(1, len(examples))
-    return sum(len(e.input_ids) for e in examples) / max(1, len(examples))
+        sizes = examples.offsets.diff()
+        return Lengths(examples.ids.numel() / max(1, len(examples)), int(sizes.max()) if len(sizes) else 0)
+    sizes = [len(e.input_ids) for e in examples]
+    return Lengths(sum(sizes) / max(1, len(sizes)), max(sizes, default=0))
 
 
 class Sampler:

@@ -10,6 +10,7 @@ peaks (bench/memory.py); ``shardtune plan`` (plan.py) renders the predictions.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,9 +20,18 @@ from shardtune.runtime.device import memory_per_rank
 from shardtune.runtime.memory import MB
 from shardtune.train.loss import CHUNK_BYTES
 
+if TYPE_CHECKING:
+    from shardtune.config import Config
+    from shardtune.train.data import Lengths
+
 STRATEGIES = ("fsdp2", "fsdp1", "ddp", "single")
-#: A worker's private memory before loading (CPU): torch, transformers, peft, gloo, tokenizer, data.
-RUNTIME_CPU_MB = 275
+#: A worker's private memory before loading (CPU): torch, transformers, peft, gloo, tokenizer, data
+#: (the recipe imports peft before it starts loading, so this is all code, no model).
+RUNTIME_CPU_MB = 295
+#: What a CPU worker adds once it loads and trains, whatever the model: the model's and optimizer's
+#: Python objects, autograd's and the memory sampler's threads, glibc's per-thread arenas. The limit of
+#: the measured peak minus RUNTIME_CPU_MB as the model shrinks to nothing (tests/test_equivalence.py).
+STEP_OVERHEAD_CPU_MB = 8
 #: transformers before 5.2x imports scikit-learn (and with it pandas) whenever it is installed, from
 #: ``generation/candidate_generator.py``: that much more in every worker (bench/memory.py measures it).
 EAGER_SKLEARN_MB = 51
@@ -49,8 +59,8 @@ SHARED_BUFFERS = 2
 BACKWARD_BLOCKS = {("fsdp1", "cpu"): 3, ("fsdp1", "cuda"): 2}
 
 TERMS: dict[str, str] = {
-    "runtime": "the process before loading: torch, transformers, peft, process group, data "
-               "(on GPU: the CUDA context)",
+    "runtime": "the process before loading (torch, transformers, peft, process group, data) and what "
+               "training adds whatever the model (on GPU: the CUDA context)",
     "weights": "the frozen base weights this rank holds: 1/N of them under FSDP, all of them under DDP/single",
     "blocks": "decoder-layer weights all-gathered (unsharded) at once, in the compute dtype: FSDP1 whole "
               "layers; FSDP2 the unit computing plus the next one gathered (a layer's attention, MLP "
@@ -65,8 +75,8 @@ TERMS: dict[str, str] = {
     "optimizer": "AdamW state: 2 fp32 values per trainable weight (1/N under FSDP)",
     "activations": "tensors saved for backward, all layers (with activation checkpointing: each layer's "
                    "input, plus one layer's recomputed set), and the backward of one layer",
-    "logits": "micro-batch tokens × vocabulary in the compute dtype, and their gradient in backward "
-              "(the loss works in fp32 a chunk of tokens at a time)",
+    "logits": "micro-batch tokens × vocabulary in the compute dtype, and their gradient in backward; "
+              "the loss works in fp32 a chunk of tokens at a time (its temporaries)",
     "dequant": "--quantize nf4: the largest 4-bit weight dequantized to the compute dtype for its matmul "
                "(forward and backward); while loading, a rank's bf16 slice of it being quantized",
 }
@@ -121,12 +131,12 @@ def _moments(strategy: str, device: str, f: Facts, n: int, acts: float, workspac
         return moments
     blocks = BACKWARD_BLOCKS.get((strategy, device), 0) * f.block_bytes
     if strategy == "fsdp1" and f.head_bytes:  # untied tables are units of their own (parallel/fsdp1.py)
+        # The gather's extra copies last only while it runs, before the logits exist.
         return {
             "start of forward (input embedding gathered)": {"root": copies * f.embed_bytes},
-            "end of forward (output embedding gathered)": {"root": copies * f.head_bytes, "activations": acts,
-                                                           "logits": logits_fwd},
-            "start of backward (logits)": {"root": copies * f.head_bytes, "activations": acts,
-                                           "logits": logits_bwd},
+            "output embedding gathered": {"root": copies * f.head_bytes, "activations": acts},
+            "end of forward": {"root": f.head_bytes, "activations": acts, "logits": logits_fwd},
+            "start of backward (logits)": {"root": f.head_bytes, "activations": acts, "logits": logits_bwd},
             "backward through the layers": {"blocks": blocks, "activations": acts + workspace},
         }
     # The whole root unsharded for the step: FSDP1's root (tied embeddings, final norm).
@@ -192,10 +202,16 @@ def predict(f: Facts, strategy: str, ranks: int, micro_batch: int, seq_len: int,
     else:
         acts, workspace = sum(per_layer) + outside, max(per_layer, default=0)
     logits = micro_tokens * vocab * f.compute_itemsize
-    logits_bwd = 2 * logits + min(CHUNK_BYTES, micro_tokens * vocab * 4)
+    # The loss (train/loss.py) works on one fp32 chunk of tokens at a time: logsumexp makes a temporary
+    # of the chunk's size in forward; logits in a narrower dtype are first copied to fp32 a chunk at a
+    # time (fp32 logits are used in place), and backward writes the gradient of the whole logits.
+    chunk = min(CHUNK_BYTES, micro_tokens * vocab * 4)
+    upcast = chunk if f.compute_itemsize < 4 else 0
+    logits_fwd = logits + upcast + chunk
+    logits_bwd = 2 * logits + upcast
     lora = 4 * f.trainable_params / n
     kept = {
-        "runtime": (CUDA_CONTEXT_MB if device.type == "cuda" else runtime_cpu_mb()) * MB,
+        "runtime": (CUDA_CONTEXT_MB if device.type == "cuda" else runtime_cpu_mb() + STEP_OVERHEAD_CPU_MB) * MB,
         "weights": f.frozen_bytes / n,
         "lora": lora,
         "grads": lora * (2 if strategy == "ddp" else 1),
@@ -205,7 +221,7 @@ def predict(f: Facts, strategy: str, ranks: int, micro_batch: int, seq_len: int,
     if offload and device.type == "cuda":  # the shards and their optimizer live in host RAM
         host = sum(kept[k] for k in ("weights", "lora", "grads", "optimizer"))
         kept.update(weights=0.0, lora=0.0, grads=0.0, optimizer=0.0)
-    moments = _moments(strategy, "cuda" if device.type == "cuda" else "cpu", f, n, acts, workspace, logits,
+    moments = _moments(strategy, "cuda" if device.type == "cuda" else "cpu", f, n, acts, workspace, logits_fwd,
                        logits_bwd, unit)
     if f.dequant_bytes:
         moments["backward through the layers"]["dequant"] = f.dequant_bytes
@@ -222,6 +238,15 @@ def predict(f: Facts, strategy: str, ranks: int, micro_batch: int, seq_len: int,
                       host_mb=host / MB, read_mb=f.checkpoint_bytes / n / MB, block_mb=f.block_bytes / MB,
                       quantize_slice_mb=f.quantize_slice_bytes / n / MB,
                       note=note)
+
+
+def row_tokens(cfg: Config, lengths: Lengths | None) -> int:
+    """Tokens in each row of a step's widest micro-batch: packed rows are --seq-len long; unpacked ones
+    are padded to their micro-batch's longest record, so at most the data's longest (``lengths``,
+    after --seq-len; unknown: --seq-len)."""
+    if cfg.data.packing or lengths is None or not lengths.longest:
+        return cfg.data.seq_len
+    return min(cfg.data.seq_len, lengths.longest)
 
 
 def plan_device(requested: str = "auto") -> tuple[torch.device, torch.device]:

@@ -247,6 +247,10 @@ def prepare(cfg: Config, worker: Worker, memory: MemoryMonitor, plan: RunPlan | 
     if train_data.without_targets:
         log.warning("%d training %s have no target token within --seq-len and are skipped",
                     train_data.without_targets, what, extra=EVERY_RANK)
+    # peft (and the transformers modelling code it brings) is code, not loading: imported before the
+    # phase starts, it is part of the runtime the planner holds fixed (memory_model.RUNTIME_CPU_MB).
+    import peft  # noqa: F401
+
     with memory.phase("load"):
         built = build_model(cfg, worker, plan)
     if cfg.data.packing:

@@ -8,6 +8,8 @@ is therefore what ``finetune`` refuses.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from torch import nn
 
 from shardtune.config import Config
@@ -19,13 +21,16 @@ from shardtune.runplan import BatchPlan, RunPlan, make_plan
 from shardtune.runtime.device import backend, decide_dtype, planned_device_type
 from shardtune.train.choice import Candidate, choose
 
+if TYPE_CHECKING:
+    from shardtune.train.data import Lengths
 
-def resolve(cfg: Config, tokens_per_record: float | None = None, model: nn.Module | None = None
+
+def resolve(cfg: Config, lengths: Lengths | None = None, model: nn.Module | None = None
             ) -> tuple[Config, RunPlan | None, Candidate | None]:
     """(``cfg`` with nothing left on 'auto', its run plan, the automatic choice's candidate or None).
 
-    ``cfg`` must have passed ``config.validate``. ``tokens_per_record``: the training data's mean record
-    length, when known (under --packing it sets how many rows a step packs). ``model``: the LoRA model
+    ``cfg`` must have passed ``config.validate``. ``lengths``: the training data's record lengths, when
+    known (the planner sizes a step's rows by them: ``choice.candidates``). ``model``: the LoRA model
     on meta, when the caller has built it (otherwise built here if a rule needs it).
     The plan is None only when planning for GPUs from a machine without one with something left to
     choose: nothing measures the fit there (``shardtune plan`` still prints every prediction).
@@ -37,7 +42,7 @@ def resolve(cfg: Config, tokens_per_record: float | None = None, model: nn.Modul
     ranks = cfg.parallel.nproc * cfg.parallel.nnodes
     if cfg.train.micro_batch_size != "auto":  # before the choice: the error names the user's value
         BatchPlan.make(cfg.train.batch_size, cfg.train.micro_batch_size, ranks, cfg.data.packing)
-    cfg, chosen, why = choose(cfg, tokens_per_record)
+    cfg, chosen, why = choose(cfg, lengths)
     if cfg.parallel.strategy == "auto":
         return cfg, None, chosen
     kind = planned_device_type(cfg.parallel.device)
