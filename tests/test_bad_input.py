@@ -51,8 +51,9 @@ def test_valid_tiny_config_passes_preflight(monkeypatch, model_dir, data, tmp_pa
     import shardtune.preflight as pre
 
     read, built = [], []
-    load_dataset, inject_lora = pre.load_dataset, pre.inject_lora
-    monkeypatch.setattr(pre, "load_dataset", lambda path, *a, **k: read.append(path) or load_dataset(path, *a, **k))
+    read_split, inject_lora = pre.read_split, pre.inject_lora
+    monkeypatch.setattr(pre, "read_split",
+                        lambda cfg, path, *a, **k: read.append(path) or read_split(cfg, path, *a, **k))
 
     def spy_inject_lora(*a):
         result = inject_lora(*a)

@@ -49,6 +49,7 @@ from shardtune.train.resolve import resolve
 from shardtune.train.scaling import ShardedGradScaler, make_scaler
 from shardtune.train.stop import GracefulStop, stop_message
 from shardtune.train.trackers import Trackers
+from shardtune.train.training_data import training_lengths
 
 log = logging.getLogger("shardtune")
 
@@ -430,11 +431,12 @@ def run(cfg: Config, plan: RunPlan | None = None) -> dict:
 def _plan_of_rank0(cfg: Config, plan: RunPlan | None, worker: Worker) -> tuple[Config, RunPlan]:
     """Rank 0's (config, plan), on every rank: under plain torchrun each rank resolved its own in
     preflight, and only one may count; without a plan rank 0 resolves it here. A refusal reaches
-    every rank, so none waits for a plan that never comes."""
+    every rank, so none waits for a plan that never comes. Rank 0 sizes the step by the training data,
+    as preflight does."""
     decided: object = None
     if worker.rank == 0:
         try:
-            decided = (cfg, plan) if plan is not None else resolve(cfg)[:2]
+            decided = (cfg, plan) if plan is not None else resolve(cfg, training_lengths(cfg))[:2]
         except ShardtuneError as err:
             decided = err
     if worker.world_size > 1:
