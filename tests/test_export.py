@@ -191,6 +191,24 @@ def test_gguf_loads_in_transformers_with_the_merged_logits(case, quant):
     assert (got - base_logits).abs().max() > 1.0  # the adapter is in the file
 
 
+@pytest.mark.parametrize("quant", ["f16", "bf16", "q8_0"])
+def test_blocks_of_rows_write_the_bytes_of_whole_tensors(case, quant, monkeypatch):
+    """Matrices are converted and written a block of rows at a time. With one row a block (every row
+    boundary a block boundary, the q/k permutation taken across blocks) the file is the one that
+    whole tensors in one block give."""
+    from shardtune.tools import export
+
+    root, base, adapter = case
+    written = {}
+    for values in (1 << 30, 1):
+        monkeypatch.setattr(export, "_BLOCK_VALUES", values)
+        out = root / f"blocks-{values}-{quant}.gguf"
+        assert main(["export", "--model", str(base), "--adapter", str(adapter), "--out", str(out),
+                     "--quant", quant, "--force"]) == 0
+        written[values] = out.read_bytes()
+    assert written[1] == written[1 << 30]
+
+
 def test_gguf_tokenizer_gives_the_same_ids(case):
     from transformers import AutoTokenizer
 

@@ -2,7 +2,9 @@
 
 The merge is ``merge.py``'s (its plan and its per-tensor iterator): each base tensor is read, merged
 in fp32, renamed to llama.cpp's name with the gguf package's own tensor-name map, converted and
-written before the next is read, so the model is never whole in memory. A QLoRA adapter merges into
+written a block of rows at a time before the next is read, so the model is never whole in memory and
+no tensor has a converted copy of all of it. Each tensor is read through its own safetensors handle,
+so the weight files' pages do not stay mapped in this process once written. A QLoRA adapter merges into
 the unquantized base on disk (the fine-tune quantized it only in memory), so no uint8 4-bit weights
 reach the file. The GGUF layout is computed from the safetensors headers before any data is read.
 
@@ -25,19 +27,26 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, BinaryIO
 
 import torch
 
 from shardtune.errors import ShardtuneError
 from shardtune.model.directory import check_model_dir
 from shardtune.runtime.files import OutputError, check_writable, output_error
+from shardtune.runtime.memory import MMAP_THRESHOLD, tune_malloc
 from shardtune.runtime.progress import progress
 from shardtune.tools import gguf_gemma3
 from shardtune.tools.merge import MergePlan, merged_tensors, plan_merge
+
+if TYPE_CHECKING:
+    import numpy as np
 
 log = logging.getLogger("shardtune")
 
@@ -102,6 +111,9 @@ def export_gguf(model: str | Path, adapter: str | Path | None, out: str | Path, 
     plan = plan_merge(model_dir, Path(adapter)) if adapter else MergePlan({}, _stored_names(model_dir), {})
     layout = _layout(model_dir, plan, config, family, quant)
 
+    # Each merged matrix is a fresh fp32 copy: with malloc's threshold fixed (memory.py), freeing it gives
+    # it back to the system at once instead of leaving the heap grown by it.
+    tune_malloc()
     writer = gguf.GGUFWriter(None, gguf.MODEL_ARCH_NAMES[arch])
     _add_hparams(writer, config, family, quant, name=model_dir.path.name)
     add_tokenizer(writer, model_dir.path, config["vocab_size"])
@@ -113,27 +125,23 @@ def export_gguf(model: str | Path, adapter: str | Path | None, out: str | Path, 
         writer.add_tensor_info(item.gguf_name, item.shape, item.np_dtype, item.nbytes, raw_dtype=item.qtype)
 
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    start, written = time.perf_counter(), 0
+    start = time.perf_counter()
     try:
         writer.write_header_to_file(path=tmp)
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
-        if rope_freqs is not None:
-            writer.write_tensor_data(rope_freqs)
-        by_name = {item.name: item for item in layout}
-        with progress(f"export {quant}", len(layout), unit="tensor") as bar:
-            for file in model_dir.weight_files:
-                from safetensors import safe_open
-
-                with safe_open(str(file), framework="pt") as f:
-                    names = [(n, s) for n, s in plan.names_in(file.name, list(f.keys())) if n in by_name]
-                    for name, tensor in merged_tensors(f, names, plan.changes):
-                        data = _convert(tensor, by_name[name], family, config)
-                        writer.write_tensor_data(data)
-                        written += data.nbytes
-                        bar.advance()
-                        del tensor, data
-        writer.close()
+        writer.close()  # the tensor data is appended below, a block at a time
+        by_name, scratch = {item.name: item for item in layout}, _Scratch()
+        with open(tmp, "r+b") as data, progress(f"export {quant}", len(layout), unit="tensor") as bar:
+            data.seek(0, os.SEEK_END)
+            if rope_freqs is not None:
+                _append_tensor(data, [rope_freqs], rope_freqs.nbytes, writer.data_alignment)
+            for name, tensor in _merged_one_by_one(model_dir, plan, set(by_name)):
+                item = by_name[name]
+                _append_tensor(data, _blocks(tensor, item, family, config, scratch), item.nbytes,
+                               writer.data_alignment)
+                bar.advance()
+                del tensor
         os.replace(tmp, out)
     except OSError as err:
         raise output_error(err, out) from None
@@ -213,39 +221,116 @@ def _layout(model_dir, plan: MergePlan, config: dict, family: Family, quant: str
     return items
 
 
-def _convert(tensor: torch.Tensor, item: _Item, family: Family, config: dict):
-    """The merged tensor as the file stores it (llama.cpp's per-family changes, then its type).
+def _merged_one_by_one(model_dir, plan: MergePlan, wanted: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, merged tensor) for each tensor in ``wanted``, in file order, each read through its own handle.
 
-    Only tensors that change go through fp32 whole (norms, q/k: small); a matrix is converted in
-    blocks of rows, so no fp32 copy of the largest tensor (the embedding) is made beside it.
+    safetensors maps the whole file while a handle is open, and every page read through it stays
+    resident in this process until the handle closes; a handle per tensor keeps that to the tensor
+    being written instead of growing to the whole weight file.
+    """
+    from safetensors import safe_open
+
+    for file in model_dir.weight_files:
+        with safe_open(str(file), framework="pt") as f:
+            names = [(n, s) for n, s in plan.names_in(file.name, list(f.keys())) if n in wanted]
+        for pair in names:
+            with safe_open(str(file), framework="pt") as f:
+                ((name, tensor),) = merged_tensors(f, [pair], plan.changes)
+            yield name, tensor
+            del tensor
+
+
+def _append_tensor(data: BinaryIO, blocks: Iterable[np.ndarray], nbytes: int, alignment: int) -> None:
+    """One tensor's data at the end of ``data``, laid out as ``GGUFWriter.write_tensor_data`` lays it out.
+
+    The writer takes each tensor as one array, which for a matrix means a converted copy of all of it
+    beside the stored one; writing the blocks ourselves keeps that to one block. The layout is the GGUF
+    format's: each tensor starts at a multiple of the file's alignment (the writer's ``data_alignment``),
+    in the order of the tensor infos, and is padded with zeros to the next multiple.
+    """
+    data.write(bytes(-data.tell() % alignment))
+    written = 0
+    for block in blocks:
+        data.write(block.data)
+        written += block.nbytes
+    if written != nbytes:  # the tensor infos already promised nbytes: a mismatch would corrupt the file
+        raise ExportError(f"internal error: {written} bytes of tensor data where its tensor info says {nbytes}")
+    data.write(bytes(-written % alignment))
+
+
+def _blocks(tensor: torch.Tensor, item: _Item, family: Family, config: dict,
+            scratch: _Scratch) -> Iterator[np.ndarray]:
+    """The merged tensor as the file stores it (llama.cpp's per-family changes, then its type), in blocks of rows.
+
+    Each block is converted on its own, so the largest tensor (the embedding) never has a converted
+    copy of all of it beside the stored one; a bf16 block that needs no change is a view of the stored
+    tensor. Every conversion is per value (per row of 32-value blocks for Q8_0), so the bytes are those
+    of converting the whole tensor at once.
     """
     import gguf
-    import numpy as np
 
-    changed = family.norm_plus_one and item.name.endswith("norm.weight")
-    permuted = family.permute_qk and item.name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight",
-                                                          "k_proj.bias"))
-    t = tensor
-    if changed:
-        t = t.float() + 1
-    if permuted:
-        heads = config["num_attention_heads"]
-        if ".k_proj." in item.name:
-            heads = config.get("num_key_value_heads") or heads
-        t = t.reshape(heads, 2, t.shape[0] // heads // 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
-    if item.qtype == gguf.GGMLQuantizationType.F32:
-        return t.float().contiguous().numpy()
-    if item.qtype == gguf.GGMLQuantizationType.F16:
-        return t.to(torch.float16).contiguous().numpy()
-    if item.qtype == gguf.GGMLQuantizationType.BF16:
-        return t.to(torch.bfloat16).contiguous().view(torch.int16).numpy()
-    out = np.empty(gguf.quants.quant_shape_to_byte_shape(t.shape, item.qtype), dtype=np.uint8)
-    for start in range(0, t.shape[0], _ROWS):
-        out[start:start + _ROWS] = gguf.quants.quantize(t[start:start + _ROWS].float().numpy(), item.qtype)
-    return out
+    if family.norm_plus_one and item.name.endswith("norm.weight"):
+        tensor = tensor.float() + 1  # 1-D: small
+    order = _rotary_order(tensor.shape[0], item, family, config)
+    step = max(1, _BLOCK_VALUES // math.prod(tensor.shape[1:])) if tensor.dim() > 1 else tensor.shape[0]
+    want = {gguf.GGMLQuantizationType.F16: torch.float16,
+            gguf.GGMLQuantizationType.BF16: torch.bfloat16}.get(item.qtype, torch.float32)  # Q8_0 from fp32
+    for start in range(0, tensor.shape[0], step):
+        block = tensor[start:start + step]
+        if order is not None:
+            block = torch.index_select(tensor, 0, order[start:start + step],
+                                       out=scratch.take("rows", tensor.dtype, block.shape))
+        if block.dtype != want or not block.is_contiguous():
+            block = scratch.take("converted", want, block.shape).copy_(block)
+        if item.qtype == gguf.GGMLQuantizationType.BF16:
+            yield block.view(torch.int16).numpy()
+        elif item.qtype == gguf.GGMLQuantizationType.Q8_0:
+            # quantize's temporaries are the size of its input: slices under malloc's threshold are served
+            # from (and given back to) its heap, where a whole block would map fresh pages every time
+            rows = max(1, _Q8_VALUES // math.prod(block.shape[1:]))
+            for part in block.split(rows):
+                yield gguf.quants.quantize(part.numpy(), item.qtype)
+        else:
+            yield block.numpy()
 
 
-_ROWS = 1024  # rows quantized at a time: bounds Q8_0's fp32 and block temporaries to a slice of the tensor
+class _Scratch:
+    """Buffers reused from block to block and tensor to tensor, one per use and dtype, grown as needed.
+
+    Under ``tune_malloc`` every allocation above its threshold is a fresh mapping whose pages fault in
+    (and are zeroed) on first write; converting into the same buffer each time skips that. A block
+    taken from here is valid until the next ``take`` for the same use and dtype: ``_append_tensor``
+    writes each block before the next is made.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+
+    def take(self, use: str, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
+        n = math.prod(shape)
+        buffer = self._buffers.get((use, dtype))
+        if buffer is None or buffer.numel() < n:
+            buffer = self._buffers[(use, dtype)] = torch.empty(n, dtype=dtype)
+        return buffer[:n].view(shape)
+
+
+def _rotary_order(n_rows: int, item: _Item, family: Family, config: dict) -> torch.Tensor | None:
+    """For a q/k projection of a family llama.cpp permutes: the stored row of each row it writes.
+
+    Hugging Face's rotary layout holds each head's two halves apart; llama.cpp's interleaves them
+    (convert_hf_to_gguf's LlamaModel.permute). None for every other tensor: rows as stored.
+    """
+    if not (family.permute_qk and item.name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight",
+                                                          "k_proj.bias"))):
+        return None
+    heads = config["num_attention_heads"]
+    if ".k_proj." in item.name:
+        heads = config.get("num_key_value_heads") or heads
+    return torch.arange(n_rows).reshape(heads, 2, n_rows // heads // 2).swapaxes(1, 2).reshape(-1)
+
+
+_BLOCK_VALUES = 1 << 20  # values converted at a time: bounds each conversion's temporaries to a slice of the tensor
+_Q8_VALUES = MMAP_THRESHOLD // 8  # values quantized at a time: fp32 temporaries of half malloc's threshold
 
 
 def _rope_theta(config: dict) -> float:
