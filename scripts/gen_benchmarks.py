@@ -330,6 +330,27 @@ def llama_cpp_check(name: str, data: Result) -> list[str]:
     return lines + (["", "Answers that differ:", "", *differing] if differing else [])
 
 
+def export_cost(name: str, data: Result) -> list[str]:
+    dtype = f"{data.get('checkpoint_dtype', NOT_RECORDED)} checkpoint; GGUF matrices as each row's --quant"
+    lines = header(name, data, dtype, f"nice -n 19 python bench/export_bench.py --size {data.get('size')}")
+    native = data.get("bf16_native")
+    lines += [f"Random Llama-shape {data.get('size')} model ({cell(data['model_bytes'] / 1e9)} GB of safetensors), "
+              "rank-16 LoRA on q/k/v/o, each command its own process; CPU bf16 native: "
+              f"{NOT_RECORDED if native is None else cell(native)}; load average at start: "
+              f"{' / '.join(data.get('loadavg_at_start') or [NOT_RECORDED])}. Peak RSS is `ru_maxrss` (it counts "
+              "the touched pages of the memory-mapped weight files); private is RssAnon + RssShmem, sampled. "
+              "Seconds per GB are per GB of checkpoint read; write seconds are export's own (no start-up).", ""]
+    merge = data["merge"]
+    rows = [["`shardtune merge`", merge.get("peak_rss_mb"), merge.get("peak_private_mb"), merge.get("seconds"),
+             merge.get("seconds_per_gb_read"), "–", "–"]]
+    for quant, r in data["export"].items():
+        rows.append([f"`shardtune export --quant {quant}`", r.get("peak_rss_mb"), r.get("peak_private_mb"),
+                     r.get("seconds"), r.get("seconds_per_gb_read"), r.get("write_seconds_per_gb_read"),
+                     r["file_bytes"] / 2**20])
+    return lines + table(["command", "peak RSS MB", "peak private MB", "seconds", "s per GB", "write s per GB",
+                          "file MiB"], rows)
+
+
 def other(name: str, data: Any) -> list[str]:
     keys = ", ".join(map(str, data)) if isinstance(data, dict) else type(data).__name__
     return [f"### {name}", "", f"No table layout is known for this file (fields: {keys}); "
@@ -349,8 +370,7 @@ KINDS: list[tuple[str, str, Callable[[str, Any], list[str]]]] = [
     ("dpo-", "Preference tuning against TRL: bench/dpo_speed.py", dpo_speed),
     ("planner-", "The planner against measured peaks: bench/planner_check.py", planner_check),
     ("hostile-sweep", "Bad input and faults, as a hostile new user: bench/hostile_sweep.py", hostile_sweep),
-
-
+    ("export-", "GGUF export against merge: bench/export_bench.py", export_cost),
     ("llama-cpp-check", "The exported GGUF in llama.cpp: bench/llama_cpp_check.py", llama_cpp_check),
     ("", "Other results", other),
 ]
