@@ -39,8 +39,7 @@ def root(tmp_path_factory) -> Path:
 def _verdict(code: int, err: str, plan: dict | None) -> tuple:
     if code:
         return code, err.strip().splitlines()[-1]
-    plan = dict(plan)  # under --packing finetune counts rows from the data's lengths: the reason may differ
-    return code, {k: v for k, v in plan.items() if k != "why" or "--packing" not in plan}
+    return code, plan  # the reason included: plan sizes rows by the same data, so it predicts the same peaks
 
 
 def finetune_verdict(root: Path, flags: list[str], capsys, monkeypatch) -> tuple:
@@ -51,8 +50,8 @@ def finetune_verdict(root: Path, flags: list[str], capsys, monkeypatch) -> tuple
     return _verdict(code, err, launched[0].as_dict() if launched else None)
 
 
-def plan_verdict(flags: list[str], capsys) -> tuple:
-    code = cli.main(["plan", *flags, "--json"])
+def plan_verdict(root: Path, flags: list[str], capsys) -> tuple:
+    code = cli.main(["plan", *flags, "--data", str(root / "train.jsonl"), "--json"])
     captured = capsys.readouterr()
     return _verdict(code, captured.err, json.loads(captured.out)["run_plan"] if code == 0 else None)
 
@@ -62,7 +61,7 @@ def test_plan_refuses_exactly_what_finetune_refuses(root, capsys, monkeypatch):
     for nproc, strategy, extra, batch in GRID:
         flags = ["--model", str(root / "model"), "--nproc", str(nproc), "--strategy", strategy, "--seq-len", "64",
                  "--lora-r", "4", "--memory-per-rank", "64GiB", *extra, *batch]
-        finetune, planned = finetune_verdict(root, flags, capsys, monkeypatch), plan_verdict(flags, capsys)
+        finetune, planned = finetune_verdict(root, flags, capsys, monkeypatch), plan_verdict(root, flags, capsys)
         assert finetune == planned, " ".join(flags)
         verdicts[" ".join(flags)] = finetune[0]
     refused = [f for f, code in verdicts.items() if code == 2]
@@ -76,7 +75,7 @@ def test_packing_counts_rows_so_a_micro_batch_need_not_divide_the_batch(root, ca
     counts packed rows (the packing rule won); without packing the split must be exact."""
     flags = ["--model", str(root / "model"), "--nproc", "2", "--batch-size", "8", "--micro-batch-size", "3",
              "--seq-len", "64", "--memory-per-rank", "64GiB"]
-    for command in (lambda f: finetune_verdict(root, f, capsys, monkeypatch), lambda f: plan_verdict(f, capsys)):
+    for command in (lambda f: finetune_verdict(root, f, capsys, monkeypatch), lambda f: plan_verdict(root, f, capsys)):
         code, packed = command([*flags, "--packing"])
         assert code == 0 and packed["batch"] == {"batch_size": 8, "micro_batch_size": 3, "world_size": 2,
                                                  "packing": True}
