@@ -33,6 +33,7 @@ from shardtune.model.loading import checkpoint_key
 from shardtune.model.lora import PEFT_PREFIX
 from shardtune.model.meta import DTYPES
 from shardtune.runtime.files import check_output_dir, staged_dir
+from shardtune.runtime.memory import tune_malloc
 from shardtune.runtime.progress import Bar, progress
 from shardtune.runtime.safetensors_header import TORCH_DTYPES, encode_header
 from shardtune.runtime.versions import tied_weights_keys
@@ -261,6 +262,9 @@ def merge(model: str | Path, adapter: str | Path, out: str | Path, dtype: str = 
     plan = plan_merge(model_dir, Path(adapter))
     wanted = None if dtype == "auto" else DTYPES[dtype]
     changes, file_of, extra = plan.changes, plan.file_of, plan.extra
+    # Each merged tensor is a fresh copy: with malloc's threshold fixed (runtime/memory.py), freeing it gives
+    # it back to the system at once, where glibc's moving threshold would leave the heap grown by it.
+    tune_malloc()
 
     with staged_dir(out) as tmp, progress("merge", len(file_of), unit="tensor") as bar:
         total, largest = 0, 0
