@@ -36,7 +36,7 @@ from shardtune.runtime.workers import Stopped
 from shardtune.train import preference, validation
 from shardtune.train.adapter import save_adapter
 from shardtune.train.checkpoint import Checkpointer, TrainState
-from shardtune.train.data import SFT, Dataset, Sampler, collate, load_dataset, pad_id, token_cache
+from shardtune.train.data import Dataset, Sampler, collate, pad_id, token_cache
 from shardtune.train.datasets_io import cache_key
 from shardtune.train.guard import TrainingGuard
 from shardtune.train.loss import next_token_loss_sum
@@ -49,7 +49,7 @@ from shardtune.train.resolve import resolve
 from shardtune.train.scaling import ShardedGradScaler, make_scaler
 from shardtune.train.stop import GracefulStop, stop_message
 from shardtune.train.trackers import Trackers
-from shardtune.train.training_data import training_lengths
+from shardtune.train.training_data import read_split, record_format, training_lengths
 
 log = logging.getLogger("shardtune")
 
@@ -234,12 +234,12 @@ def prepare(cfg: Config, worker: Worker, memory: MemoryMonitor, plan: RunPlan | 
     model_dir = check_model_dir(cfg.model.path, cfg.model.trust_remote_code)
     tokenizer = AutoTokenizer.from_pretrained(model_dir.path, trust_remote_code=model_dir.trust_remote_code)
     objective = objective_of(cfg)
-    fmt = PAIRS if objective.pairs else SFT
+    fmt = record_format(cfg)
     # Before any collective: a bad token id stops every rank here, with the record named.
     vocab = vocab_size(model_dir)
     cache = token_cache(cfg)  # written by preflight: each rank maps it instead of tokenizing again
-    train_data = load_dataset(cfg.data.train, tokenizer, cfg.data.seq_len, vocab, cfg.data.fields, cache, fmt)
-    val_data = (load_dataset(cfg.data.val, tokenizer, cfg.data.seq_len, vocab, cfg.data.fields, cache, fmt)
+    train_data = read_split(cfg, cfg.data.train, tokenizer, vocab)
+    val_data = (read_split(cfg, cfg.data.val, tokenizer, vocab)
                 if cfg.data.val else None)
     what = "pairs" if objective.pairs else "records"
     if train_data.truncated and not objective.pairs:  # pairs: preflight warned, with which side is cut
