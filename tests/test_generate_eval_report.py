@@ -14,7 +14,8 @@ from shardtune.cli import main as cli_main
 from shardtune.tools.evaluate import contains_match, evaluate, exact_match, normalize
 from shardtune.tools.generate import generate_answers, load_model, prompt_ids, read_prompts, stop_ids
 from shardtune.tools.report import ReportError, write_report
-from shardtune.train.data import IGNORE, tokenize
+from shardtune.train.data.records import IGNORE
+from shardtune.train.data.sft import tokenize
 
 from tiny import instruction_records, make_model, write_jsonl
 

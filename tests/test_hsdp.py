@@ -35,13 +35,14 @@ def hsdp_training(rank: int, world_size: int, options: dict) -> dict:
     from shardtune.runtime import distributed
     from shardtune.runtime.memory import MemoryMonitor
     from shardtune.train.adapter import save_adapter
-    from shardtune.train.recipe import prepare, train, train_step
+    from shardtune.train.job import setup
+    from shardtune.train.recipe import train
 
     cfg = build_config(options)
     worker = distributed.init_worker()
     memory = MemoryMonitor(worker.device)
-    job = prepare(cfg, worker, memory)
-    train_step(job, 0)
+    job = setup(cfg, worker, memory)
+    job.step(0)
     grads = gather_full(job.model, list(job.built.adapter_keys.values()), grads=True)
     job.model.zero_grad(set_to_none=True)
     out = Path(cfg.output.out)

@@ -20,7 +20,7 @@ from shardtune.model.meta import compute_dtype
 from shardtune.runplan import BatchError, BatchPlan, RunPlan
 from shardtune.runtime.memory import MB, format_size
 from shardtune.train.choice import budget_of
-from shardtune.train.data import Lengths
+from shardtune.train.data.records import Lengths
 from shardtune.train.memory_model import (
     STRATEGIES,
     TERMS,
@@ -30,7 +30,7 @@ from shardtune.train.memory_model import (
     predict,
     row_tokens,
 )
-from shardtune.train.objectives import rows_per_forward
+from shardtune.train.objectives import objective_of
 from shardtune.train.resolve import resolve
 from shardtune.train.training_data import training_lengths
 
@@ -56,7 +56,8 @@ def plan(cfg: Config, memory_per_rank: int | None = None, run: RunPlan | None = 
     if not micros:
         raise BatchError(next(iter(batches.values())))  # type: ignore[arg-type]
     width = row_tokens(cfg, lengths)
-    facts = model_facts(cfg, {rows_per_forward(cfg, m) for m in micros}, {compute_dtype(cfg)}, traced, width)
+    rows = {objective_of(cfg).rows_per_forward(m) for m in micros}
+    facts = model_facts(cfg, rows, {compute_dtype(cfg)}, traced, width)
     out: dict[str, list[Prediction]] = {}
     for strategy in STRATEGIES:
         batch = batches[strategy]
@@ -73,7 +74,7 @@ def plan(cfg: Config, memory_per_rank: int | None = None, run: RunPlan | None = 
                 preds.append(Prediction(strategy, world, ac, off, {}, "", note=refused))
                 continue
             unit = "part" if cfg.parallel.fsdp_unit == "auto" else cfg.parallel.fsdp_unit
-            p = predict(facts, strategy, world, rows_per_forward(cfg, batch.micro_batch_size), width,
+            p = predict(facts, strategy, world, objective_of(cfg).rows_per_forward(batch.micro_batch_size), width,
                         ac, off, device, cfg.parallel.replicate_groups, unit)
             p.fits = None if budget is None else p.peak_mb * MB <= budget
             p.runs = run is not None and (run.strategy, run.activation_checkpointing, run.cpu_offload) == \

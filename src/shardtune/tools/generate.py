@@ -22,7 +22,9 @@ from shardtune.model.directory import AdapterDirError, check_model_dir, load_tok
 from shardtune.model.directory import check_adapter_dir as check_peft_dir
 from shardtune.model.meta import DTYPES
 from shardtune.runtime.device import auto_dtype, pick_device
-from shardtune.train.data import DataError, as_messages, pad_id, render_prompt
+from shardtune.train.data.batch import pad_id
+from shardtune.train.data.chat import as_messages, render_prompt
+from shardtune.train.data.records import DataError
 
 # A prompt is a user message's text, or a whole conversation whose next turn is the assistant's.
 Prompt = str | list[dict]

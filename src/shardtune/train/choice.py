@@ -32,10 +32,10 @@ from shardtune.model.footprint import model_facts
 from shardtune.model.meta import compute_dtype
 from shardtune.runtime.memory import MB, format_size
 from shardtune.train.memory_model import default_memory_per_rank, plan_device, predict, row_tokens
-from shardtune.train.objectives import rows_per_forward
+from shardtune.train.objectives import objective_of
 
 if TYPE_CHECKING:
-    from shardtune.train.data import Lengths
+    from shardtune.train.data.records import Lengths
 
 log = logging.getLogger("shardtune")
 #: What ``--strategy auto`` chooses among on several ranks (fsdp1 only when named: fsdp2 does all it does).
@@ -113,7 +113,7 @@ def candidates(cfg: Config, budget: int, lengths: Lengths | None = None) -> list
     acs = [True] if cfg.parallel.activation_checkpointing else ([False, True] if auto else [False])
     device, traced = plan_device(cfg.parallel.device)
     width = row_tokens(cfg, lengths)
-    facts = model_facts(cfg, {rows_per_forward(cfg, m) for ms in micros.values() for m in ms},
+    facts = model_facts(cfg, {objective_of(cfg).rows_per_forward(m) for ms in micros.values() for m in ms},
                         {compute_dtype(cfg)}, traced, width)
     out = []
     for strategy in strategies:
@@ -123,7 +123,7 @@ def candidates(cfg: Config, budget: int, lengths: Lengths | None = None) -> list
             forwards = -(-rows[strategy] // micro)
             for ac in acs:
                 for unit in units:
-                    p = predict(facts, strategy, ranks, rows_per_forward(cfg, micro), width, ac,
+                    p = predict(facts, strategy, ranks, objective_of(cfg).rows_per_forward(micro), width, ac,
                                 cfg.parallel.cpu_offload, device, cfg.parallel.replicate_groups,
                                 unit if unit != "-" else "part")
                     gathers = _gathers_per_forward(strategy, unit, facts)
