@@ -18,6 +18,7 @@ from torch import nn
 from shardtune.config import Config
 from shardtune.model import quantize
 from shardtune.model.directory import ModelDir, ModelDirError, check_model_dir
+from shardtune.model.head import head_transform
 from shardtune.model.lora import inject_lora
 from shardtune.model.meta import build_meta_model, compute_dtype
 from shardtune.model.structure import decoder_layers, embedding_tables, layer_parts, tables_by_rows
@@ -46,6 +47,8 @@ class Facts:
     #: the largest weight's slice a rank quantizes while loading; 0 without quantization
     dequant_bytes: int = 0
     quantize_slice_bytes: int = 0
+    #: whether the loss head scores chunk by chunk (model/head.py); False: the full logits exist
+    chunked_head: bool = True
     #: {(micro-batch size, LoRA weight dtype): (saved bytes per decoder layer, outside them, vocabulary)}
     saved: dict[tuple[int, torch.dtype], tuple[list[int], int, int]] = field(default_factory=dict)
 
@@ -168,6 +171,7 @@ def model_facts(cfg: Config, micro_batches: set[int], lora_dtypes: set[torch.dty
         else sum(p.numel() for p in params.values() if not p.requires_grad) * dtype.itemsize,
         dequant_bytes=largest_nf4.numel() * dtype.itemsize if largest_nf4 is not None else 0,
         quantize_slice_bytes=largest_nf4.numel() * dtype.itemsize if largest_nf4 is not None else 0,
+        chunked_head=head_transform(base, head)[0] is not None,
     )
     for micro in micro_batches:
         for lora_dtype in lora_dtypes:

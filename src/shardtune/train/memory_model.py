@@ -19,10 +19,11 @@ from shardtune.parallel import host_gather
 from shardtune.runtime.device import memory_per_rank
 from shardtune.runtime.memory import MB
 from shardtune.train.loss import CHUNK_BYTES
+from shardtune.train.loss_head import chunk_tokens as loss_head_chunk
 
 if TYPE_CHECKING:
     from shardtune.config import Config
-    from shardtune.train.data import Lengths
+    from shardtune.train.data.records import Lengths
 
 STRATEGIES = ("fsdp2", "fsdp1", "ddp", "single")
 #: A worker's private memory before loading (CPU): torch, transformers, peft, gloo, tokenizer, data
@@ -32,6 +33,10 @@ RUNTIME_CPU_MB = 295
 #: Python objects, autograd's and the memory sampler's threads, glibc's per-thread arenas. The limit of
 #: the measured peak minus RUNTIME_CPU_MB as the model shrinks to nothing (tests/test_equivalence.py).
 STEP_OVERHEAD_CPU_MB = 8
+#: What a sharded strategy (FSDP1, FSDP2) adds to that on a CPU worker, whatever the model: FSDP's state
+#: per unit, its hooks and DTensor metadata, gloo's work objects. Fitted to tests/test_equivalence.py's
+#: runs, where it was 7–9 MB for fsdp1 and fsdp2 (part and layer units) and nothing for ddp.
+SHARDED_OVERHEAD_CPU_MB = 8
 #: transformers before 5.2x imports scikit-learn (and with it pandas) whenever it is installed, from
 #: ``generation/candidate_generator.py``: that much more in every worker (bench/memory.py measures it).
 EAGER_SKLEARN_MB = 51
@@ -75,8 +80,8 @@ TERMS: dict[str, str] = {
     "optimizer": "AdamW state: 2 fp32 values per trainable weight (1/N under FSDP)",
     "activations": "tensors saved for backward, all layers (with activation checkpointing: each layer's "
                    "input, plus one layer's recomputed set), and the backward of one layer",
-    "logits": "micro-batch tokens × vocabulary in the compute dtype, and their gradient in backward; "
-              "the loss works in fp32 a chunk of tokens at a time (its temporaries)",
+    "logits": "the loss head: one chunk of tokens' logits in fp32 at a time, and what it keeps per token for "
+              "backward (tokens × hidden); without it (a trained head) the full logits and their gradient",
     "dequant": "--quantize nf4: the largest 4-bit weight dequantized to the compute dtype for its matmul "
                "(forward and backward); while loading, a rank's bf16 slice of it being quantized",
 }
@@ -201,17 +206,12 @@ def predict(f: Facts, strategy: str, ranks: int, micro_batch: int, seq_len: int,
         workspace = 2 * max(per_layer, default=0)
     else:
         acts, workspace = sum(per_layer) + outside, max(per_layer, default=0)
-    logits = micro_tokens * vocab * f.compute_itemsize
-    # The loss (train/loss.py) works on one fp32 chunk of tokens at a time: logsumexp makes a temporary
-    # of the chunk's size in forward; logits in a narrower dtype are first copied to fp32 a chunk at a
-    # time (fp32 logits are used in place), and backward writes the gradient of the whole logits.
-    chunk = min(CHUNK_BYTES, micro_tokens * vocab * 4)
-    upcast = chunk if f.compute_itemsize < 4 else 0
-    logits_fwd = logits + upcast + chunk
-    logits_bwd = 2 * logits + upcast
+    by_rows = strategy == "fsdp2" and f.tables_by_rows["head"]
+    logits_fwd, logits_bwd = _head_terms(f, micro_tokens, vocab, n if by_rows else 1)
     lora = 4 * f.trainable_params / n
     kept = {
-        "runtime": (CUDA_CONTEXT_MB if device.type == "cuda" else runtime_cpu_mb() + STEP_OVERHEAD_CPU_MB) * MB,
+        "runtime": (CUDA_CONTEXT_MB if device.type == "cuda" else runtime_cpu_mb() + STEP_OVERHEAD_CPU_MB
+                    + (SHARDED_OVERHEAD_CPU_MB if sharded else 0)) * MB,
         "weights": f.frozen_bytes / n,
         "lora": lora,
         "grads": lora * (2 if strategy == "ddp" else 1),
@@ -238,6 +238,33 @@ def predict(f: Facts, strategy: str, ranks: int, micro_batch: int, seq_len: int,
                       host_mb=host / MB, read_mb=f.checkpoint_bytes / n / MB, block_mb=f.block_bytes / MB,
                       quantize_slice_mb=f.quantize_slice_bytes / n / MB,
                       note=note)
+
+
+def _head_terms(f: Facts, tokens: int, vocab: int, blocks: int) -> tuple[float, float]:
+    """What the output head and the loss add at the end of forward and at the start of backward.
+
+    The loss head (train/loss_head.py) makes the logits of one chunk of tokens at a time, in fp32 (and in
+    the compute dtype first when that is narrower), for one block of the vocabulary (a rank's rows under
+    FSDP2's row-sharded head, else all of it); it keeps the derivative of each token's log-probability
+    by its hidden state (tokens × hidden) for backward, plus a few fp32 values per token; over several
+    blocks, running sums of tokens × hidden in fp32 and the compute dtype. Backward makes the hidden
+    states' gradient from it. Without the loss head (a trained or adapted head) the model's full logits
+    exist, and the chunked cross-entropy (train/loss.py) works on them a fp32 chunk at a time."""
+    item = f.compute_itemsize
+    if f.chunked_head:
+        chunk = min(tokens, loss_head_chunk(vocab))
+        logit_chunk = chunk * -(-vocab // blocks) * (4 + (item if item < 4 else 0))
+        deriv = tokens * f.hidden * item
+        running = tokens * f.hidden * (4 + item) if blocks > 1 else chunk * f.hidden * (4 + item)
+        per_token = tokens * 32  # the running log-sum-exp, target logit, best logit and token, results
+        return deriv + logit_chunk + running + per_token, 2 * deriv + chunk * f.hidden * 4
+    logits = tokens * vocab * item
+    # The loss works on one fp32 chunk of tokens at a time: logsumexp makes a temporary of the chunk's
+    # size in forward; logits in a narrower dtype are first copied to fp32 a chunk at a time (fp32 logits
+    # are used in place), and backward writes the gradient of the whole logits.
+    chunk = min(CHUNK_BYTES, tokens * vocab * 4)
+    upcast = chunk if item < 4 else 0
+    return logits + upcast + chunk, 2 * logits + upcast
 
 
 def row_tokens(cfg: Config, lengths: Lengths | None) -> int:
