@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from shardtune.parallel.context_parallel import gather_sequence, local_piece, split_sequence
-from shardtune.parallel.ulysses import head_layout, record_attention, ulysses_attention
+from shardtune.parallel.ulysses import head_shares, record_attention, ulysses_attention
 
 from dist_utils import run_ranks
 
@@ -75,18 +75,21 @@ def test_split_pads_to_the_ranks_and_cuts_contiguous_pieces():
         split_sequence({"targets": targets}, {}, 2, 0)
 
 
-@pytest.mark.parametrize("heads,kv,size,padded,repeat", [
-    (9, 3, 2, 10, 3),  # SmolLM2-135M on 2 ranks: kv heads sent to both ranks, one dummy query head
-    (9, 3, 4, 12, 1),  # on 4 ranks: one dummy key/value group (3 query heads)
-    (32, 8, 8, 32, 1),  # Llama-3.1-8B on 8: no padding
-    (32, 8, 16, 32, 2),  # on 16: each key/value head on the two ranks of its query heads
-    (4, 4, 2, 4, 1),
+@pytest.mark.parametrize("heads,kv,size,share,held", [
+    (9, 3, 2, 5, 9),  # SmolLM2-135M on 2 ranks: 4 + 5 query heads, the middle kv head on both
+    (9, 3, 4, 3, 5),  # on 4 ranks: a kv group (3 query heads) each, one rank idle
+    (32, 8, 8, 4, 6),  # Llama-3.1-8B on 8: a group each
+    (32, 8, 16, 2, 4),  # on 16: half a group each, every kv head on two ranks
+    (4, 4, 2, 2, 6),
+    (2, 1, 4, 1, 3),  # more ranks than heads
 ])
-def test_head_layout_pads_least(heads, kv, size, padded, repeat):
-    layout = head_layout(heads, kv, size)
-    assert (layout.heads_padded, layout.repeat) == (padded, repeat)
-    assert layout.overhead == pytest.approx(padded / heads - 1)
-    assert sum(layout.real_kv_heads(r) for r in range(size)) * layout.group == heads
+def test_head_shares_are_fastest_then_smallest(heads, kv, size, share, held):
+    shares = head_shares(heads, kv, size)
+    assert max(b - a for a, b in shares.q) == share and shares.most_heads == held
+    assert shares.overhead == pytest.approx(share * size / heads - 1)
+    assert shares.cuts[0] == 0 and shares.cuts[-1] == heads and list(shares.cuts) == sorted(shares.cuts)
+    for (a, b), (ka, kb) in zip(shares.q, shares.kv):  # every query head's kv head is on its rank
+        assert all(ka <= h // (heads // kv) < kb for h in range(a, b))
 
 
 def test_record_attention_keeps_records_apart_and_the_check_would_see_a_leak():
@@ -166,7 +169,7 @@ def two_rank_cases():
     return [
         case("packed", 4, 4, packed, 13),
         case("unpacked", 4, 2, None, 12, seed=1),
-        case("smollm_heads", 9, 3, packed, 13, seed=2),  # 9 query heads, 3 kv heads: padded to 10
+        case("smollm_heads", 9, 3, packed, 13, seed=2),  # 9 query heads, 3 kv heads: shares of 4 and 5
         case("one_row_many_records", 2, 1, packed_segments([[1, 4, 2, 1, 5]], 13), 13, rows=1, seed=3),
     ]
 
@@ -180,9 +183,10 @@ def test_two_ranks_equal_one_process():
 
 
 def test_four_ranks_and_two_by_two_equal_one_process():
-    """CP = 4 on 4 processes (heads padded, a rank with dummy heads only), then CP = 2 x DP = 2 with
-    different data in each CP group."""
+    """CP = 4 on 4 processes (uneven shares, kv heads on two ranks, ranks without heads), then
+    CP = 2 x DP = 2 with different data in each CP group."""
     cp4 = [("cp4_smollm_heads", [case("", 9, 3, packed_segments([[5, 6, 2], [3, 7]], 13), 13, seed=4)[1]]),
+           ("cp4_half_groups", [case("", 8, 2, packed_segments([[9, 2], [4, 4, 3]], 11), 11, seed=6)[1]]),
            ("cp4_more_ranks_than_heads", [case("", 2, 1, packed_segments([[7, 3], [10]], 10), 10, seed=5)[1]])]
     two = two_rank_cases()
     cp2 = [(f"dp_{name}", [d, case("", d["q"].shape[1], d["k"].shape[1], d["segments"], d["q"].shape[2],
