@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardtune.parallel.context_parallel import gather_sequence, local_piece, split_sequence
+from shardtune.parallel.context_parallel import gather_sequence, local_piece, split_sequence, sum_over_group
 from shardtune.parallel.ulysses import head_shares, record_attention, ulysses_attention
 
 from dist_utils import run_ranks
@@ -118,6 +118,12 @@ def attention_on_ranks(rank: int, world_size: int, runs: list[tuple[int, list]])
     for cp, cases in runs:
         groups = [dist.new_group(list(range(g * cp, (g + 1) * cp))) for g in range(world_size // cp)]
         out.update(_cases_on_group(cases, groups[rank // cp], rank // cp, rank % cp))
+    # A per-sequence sum whose terms lie on several ranks (DPO's log-probabilities), then a nonlinear
+    # loss of it: every rank's terms get d loss / d sum once.
+    terms = torch.tensor([1.0 + rank, 2.0 * rank], requires_grad=True)
+    total = sum_over_group(terms.sum() * terms[0])
+    (total ** 2).backward()
+    out["sum_over_group"] = (total.detach(), terms.grad)
     distributed.teardown()
     return out
 
@@ -179,6 +185,12 @@ def test_two_ranks_equal_one_process():
     results = run_ranks(attention_on_ranks, 2, [(2, cases)])
     check_against_one_process(results, cases, 2)
     assert results[1]["leak"] == {"others_same": True, "own_changed": None}
+    # sum_over_group against one process holding both ranks' terms
+    terms = [torch.tensor([1.0 + r, 2.0 * r], requires_grad=True) for r in range(2)]
+    total = sum(t.sum() * t[0] for t in terms)
+    (total ** 2).backward()
+    for r, (got, grad) in enumerate(r["sum_over_group"] for r in results):
+        assert torch.equal(got, total.detach()) and torch.allclose(grad, terms[r].grad)
     assert results[0]["leak"] == {"others_same": True, "own_changed": True}
 
 
