@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 import torch
 import torch.distributed as dist
@@ -92,6 +92,7 @@ def _held(q: tuple[int, int], kv: tuple[int, int]) -> int:
     return q[1] - q[0] + 2 * (kv[1] - kv[0])
 
 
+@lru_cache(maxsize=64)  # every layer of every forward asks
 def head_shares(heads: int, kv_heads: int, size: int) -> HeadShares:
     """The cuts of the query heads over ``size`` ranks: shares of at most ``ceil(heads / size)``
     heads (the fastest), and among those the cuts whose busiest rank holds the fewest heads
@@ -198,6 +199,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout:
         raise ValueError(f"q/k/v hold {q.shape[2]} positions; this rank's piece is {layout.piece}")
     if layout.size == 1:
         return attend(q, k, v, layout.bounds, scale)
+    if dist.get_world_size(group) != layout.size:
+        raise ValueError(f"the sequence is cut for {layout.size} ranks; the group has {dist.get_world_size(group)}")
     shares = head_shares(q.shape[1], k.shape[1], layout.size)
     rank = layout.rank
     wq, wk, wv = _ToHeads.apply((shares.q, shares.kv, shares.kv), rank, group, q, k, v)
