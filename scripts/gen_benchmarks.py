@@ -351,6 +351,21 @@ def export_cost(name: str, data: Result) -> list[str]:
                           "file MiB"], rows)
 
 
+def cp_attention_memory(name: str, data: Result) -> list[str]:
+    shape = data["shape"]
+    lines = header(name, data, shape.get("dtype", NOT_RECORDED), "python bench/cp_attention_memory.py")
+    lines += [f"One record of each length, {shape['heads']} query and {shape['kv_heads']} key/value heads of "
+              f"{shape['head_dim']} (SmolLM2-135M's shape), forward and backward of attention alone; 1 process: "
+              "the per-record SDPA, N processes: Ulysses attention over gloo, each rank holding 1/N of the "
+              "sequence. Per busiest rank: the peak resident memory above q, k, v and the upstream gradient "
+              "(one layer's transient cost), and what autograd saves for backward (kept per layer). Seconds are "
+              "wall time with the ranks sharing the cores: no speed result.", ""]
+    rows = [[r["ranks"], r["length"], r["q_piece_mib"], r["peak_mib"], r["peak_over_q_piece"],
+             r["saved_for_backward_mib"], r["seconds"]] for r in data["rows"]]
+    return lines + table(["ranks", "tokens", "q piece MiB", "peak MiB", "peak / q piece", "saved for backward MiB",
+                          "seconds"], rows)
+
+
 def other(name: str, data: Any) -> list[str]:
     keys = ", ".join(map(str, data)) if isinstance(data, dict) else type(data).__name__
     return [f"### {name}", "", f"No table layout is known for this file (fields: {keys}); "
@@ -372,6 +387,7 @@ KINDS: list[tuple[str, str, Callable[[str, Any], list[str]]]] = [
     ("hostile-sweep", "Bad input and faults, as a hostile new user: bench/hostile_sweep.py", hostile_sweep),
     ("export-", "GGUF export against merge: bench/export_bench.py", export_cost),
     ("llama-cpp-check", "The exported GGUF in llama.cpp: bench/llama_cpp_check.py", llama_cpp_check),
+    ("cp-attention-memory", "Context-parallel attention's memory: bench/cp_attention_memory.py", cp_attention_memory),
     ("", "Other results", other),
 ]
 
