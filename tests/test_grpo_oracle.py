@@ -35,6 +35,7 @@ EOS, PAD = 257, 258
 PROMPTS = [{"prompt": f"Q{i}: what is {i}+{i}?" + " ok" * i, "answer": str(2 * i)} for i in range(3)]
 ROWS = [p for p in PROMPTS for _ in range(G)]  # what TRL's sampler hands a generation batch: each prompt G times
 TOLERANCE = 1e-5
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _completions() -> list[list[int]]:
@@ -69,15 +70,6 @@ class Oracle:
     model: torch.nn.Module
     tokenizer: object
     completions: list[list[int]]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls: one thread is 10x faster than two on a loaded machine (no spinning OpenMP workers)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
