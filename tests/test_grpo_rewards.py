@@ -16,7 +16,16 @@ import pytest
 import torch
 
 from shardtune.errors import ShardtuneError
-from shardtune.train.rewards import BUILTINS, RewardError, RewardFunction, RewardLog, load_rewards, score, weights_of
+from shardtune.train.rewards import (
+    BUILTINS,
+    RewardError,
+    RewardFunction,
+    RewardLog,
+    completions_for,
+    load_rewards,
+    score,
+    weights_of,
+)
 
 PROMPTS = ["What is 2+2?", "What is 3+3?", "Name a colour."]
 COMPLETIONS = ["4", "The answer is 6.", "<think>hmm</think>blue"]
@@ -48,7 +57,8 @@ def test_conversational_completions_reach_the_functions_as_message_lists(tmp_pat
     """As TRL: for message-list prompts each completion is [{"role": "assistant", "content": ...}]; TRL's own
     think_format_reward (module:name) and the built-ins read them unchanged."""
     prompts = [[{"role": "user", "content": p}] for p in PROMPTS]
-    completions = [[{"role": "assistant", "content": c}] for c in COMPLETIONS]
+    completions = completions_for(prompts, COMPLETIONS)
+    assert completions[0] == [{"role": "assistant", "content": "4"}] and completions_for(PROMPTS, ["a"]) == ["a"]
     got = scores(["trl.rewards:think_format_reward", "exact_match"], completions, prompts)
     assert got == [[0.0, 1.0], [0.0, 0.0], [1.0, 0.0]]
 

@@ -271,6 +271,17 @@ class RewardLog:
     extra: dict[str, list[Any]] = field(default_factory=lambda: defaultdict(list))
 
 
+def is_conversational(prompt: str | list[dict]) -> bool:
+    """Whether a prompt is a message list (TRL then hands reward functions message-list completions)."""
+    return isinstance(prompt, list)
+
+
+def completions_for(prompts: Sequence[str | list[dict]], texts: Sequence[str]) -> list[str | list[dict]]:
+    """The completions as reward functions receive them: the texts, or for conversational prompts one
+    assistant message each, as TRL (``[{"role": "assistant", "content": text}]``)."""
+    return [[{"role": "assistant", "content": t}] if is_conversational(p) else t for p, t in zip(prompts, texts)]
+
+
 def describe_prompt(prompt: str | list[dict], limit: int = 80) -> str:
     """A prompt in a line: its text (a conversation: its last message's), shortened to ``limit`` characters."""
     text = completion_text(prompt) if not isinstance(prompt, str) else prompt

@@ -123,26 +123,27 @@ def sample(next_logits: NextLogits, prompts: Sequence[Sequence[int]], keys: Sequ
         raise ValueError(f"{len(prompts)} prompts but {len(keys)} keys")
     device = torch.device(device)
     generators = [completion_generator(seed, step, p, c) for p, c in keys]
-    eos = torch.tensor(sorted(set(settings.eos_ids)), device=device)
     ids, mask, positions = _left_padded(prompts, settings.pad_id, device)
     cache = new_cache()
-    done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
+    eos = set(settings.eos_ids)
+    done = [False] * len(prompts)
     out: list[list[int]] = [[] for _ in prompts]
     logits = next_logits(ids, mask, positions, cache)
     for t in range(settings.max_new_tokens):
-        tokens = pick(logits, settings, generators)
-        tokens = torch.where(done, settings.pad_id, tokens)
-        for i in (~done).nonzero().flatten().tolist():
-            out[i].append(int(tokens[i]))
-        done |= torch.isin(tokens, eos)
-        unfinished = not bool(done.all())
+        picked = pick(logits, settings, generators).tolist()  # the step's one device-to-host copy
+        for i, token in enumerate(picked):
+            if not done[i]:
+                out[i].append(token)
+                done[i] = token in eos
+        unfinished = not all(done)
         if t == settings.max_new_tokens - 1 or not (keep_going(unfinished) if keep_going else unfinished):
             break
+        # a finished row is fed padding (its logits are never read again); the batch keeps its shape
+        tokens = torch.tensor([settings.pad_id if d else tok for d, tok in zip(done, picked)], device=device)
         mask = torch.cat([mask, mask.new_ones(len(prompts), 1)], dim=1)
         positions = positions[:, -1:] + 1
         logits = next_logits(tokens.unsqueeze(1), mask, positions, cache)
-    eos_set = set(settings.eos_ids)
-    return [Completion(ids, truncated=not ids or ids[-1] not in eos_set) for ids in out]
+    return [Completion(ids, truncated=not ids or ids[-1] not in eos) for ids in out]
 
 
 def hf_cache(model: nn.Module) -> Callable[[], object]:
