@@ -366,6 +366,41 @@ def cp_attention_memory(name: str, data: Result) -> list[str]:
                           "seconds"], rows)
 
 
+def long_context(name: str, data: Result) -> list[str]:
+    shape = data.get("shape") or {}
+    derived = f"python bench/long_context.py --layers {data.get('layers')}" + (" --quick" if data.get("quick") else "")
+    lines = header(name, data, data.get("dtype", NOT_RECORDED), derived)
+    extra = f"; shardtune's rows also had `{data['shardtune_flags']}`" if data.get("shardtune_flags") else ""
+    lines += [f"A random Llama of SmolLM2-135M-Instruct's shape ({shape.get('hidden_size')} hidden, "
+              f"{shape.get('intermediate_size')} MLP, {shape.get('num_attention_heads')}/"
+              f"{shape.get('num_key_value_heads')} heads, {shape.get('vocab_size')}-token vocabulary, tied) with "
+              f"{data.get('layers')} layers, LoRA {data.get('lora')}, one record of exactly the row's tokens per "
+              f"process and step (fsdp2: 2 ranks, one each; packed: several records in one row), "
+              f"{data.get('steps')} steps, tokens/s without step 1. Peak: each process's RssAnon + RssShmem, sampled "
+              "from outside (MB = 2^20 bytes); summary: shardtune's own train peak; planner: `shardtune plan --json` "
+              f"for the same flags{extra}. Rows can come from several runs of the bench (`--rows`): the command "
+              "above is the last one's; the file keeps each row's own command, commit and date.", ""]
+    rows = [[r["recipe"], r.get("ranks"), r["tokens"], r.get("records_per_row"),
+             job_error(r) or r.get("peak_mb"), r.get("summary_peak_mb"), r.get("tokens_per_second"),
+             (r.get("plan") or {}).get("peak_mb"), " ".join((r.get("loadavg_before") or [])[:1]) or NOT_RECORDED]
+            for r in data["rows"]]
+    lines += table(["recipe", "ranks", "tokens", "records per row", "peak MB per process", "summary MB",
+                    "tokens/s", "planner MB", "load average before"], rows)
+    fig, floor = data.get("figures") or {}, data.get("floor") or {}
+    if floor:
+        lines += ["", f"The floor: {cell(floor['bytes_per_token'] / 1024)} KB per token = {floor.get('how')}."]
+    fits = fig.get("longest_fit") or {}
+    slopes = [[recipe, s.get("kb_per_token"), s.get("summary_kb_per_token"), " – ".join(map(str, s["between"])),
+               s.get("over_floor"), (fits.get(recipe) or {}).get("tokens"), (fits.get(recipe) or {}).get("from")]
+              for recipe, s in (fig.get("slopes") or {}).items()]
+    if slopes:
+        lines += ["", f"Memory per extra token, between the two longest rows, and the longest context within "
+                  f"{cell(fig.get('budget_mb'))} MB per process:", ""]
+        lines += table(["recipe", "KB per token", "summary KB per token", "between tokens", "× the floor",
+                        "longest context", "from"], slopes)
+    return lines + ["", "Targets, as the bench judged them:", ""] + [f"- {t}" for t in data.get("targets", [])]
+
+
 def other(name: str, data: Any) -> list[str]:
     keys = ", ".join(map(str, data)) if isinstance(data, dict) else type(data).__name__
     return [f"### {name}", "", f"No table layout is known for this file (fields: {keys}); "
@@ -388,6 +423,7 @@ KINDS: list[tuple[str, str, Callable[[str, Any], list[str]]]] = [
     ("export-", "GGUF export against merge: bench/export_bench.py", export_cost),
     ("llama-cpp-check", "The exported GGUF in llama.cpp: bench/llama_cpp_check.py", llama_cpp_check),
     ("cp-attention-memory", "Context-parallel attention's memory: bench/cp_attention_memory.py", cp_attention_memory),
+    ("long-context-", "Long context against TRL and transformers: bench/long_context.py", long_context),
     ("", "Other results", other),
 ]
 
