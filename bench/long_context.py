@@ -125,10 +125,10 @@ def floor(model: Path, lengths: tuple[int, int]) -> dict:
     import torch
 
     from shardtune.config import build_config
+    from shardtune.model.attention import use_shardtune_attention
     from shardtune.model.footprint import _saved_bytes, model_dir_for_plan
     from shardtune.model.lora import inject_lora
     from shardtune.model.meta import build_meta_model
-    from shardtune.train.attention import use_shardtune_attention
 
     cfg = build_config({"model": str(model), "dtype": "fp32", "lora-r": LORA["r"], "lora-alpha": LORA["alpha"],
                         "lora-targets": "all-linear"})

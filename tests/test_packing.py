@@ -76,8 +76,8 @@ def test_packed_token_losses_and_gradients_equal_padded(tmp_path, arch, attentio
     """Packed records score exactly as padded ones: no token sees another record, positions restart."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from shardtune.model.attention import use_shardtune_attention
     from shardtune.train import loss_head
-    from shardtune.train.attention import use_shardtune_attention
 
     path = make_model(tmp_path / arch, arch)
     tok = AutoTokenizer.from_pretrained(path)

@@ -17,6 +17,7 @@ from torch import nn
 
 from shardtune.config import Config
 from shardtune.model import quantize
+from shardtune.model.attention import shardtune_attention
 from shardtune.model.directory import ModelDir, ModelDirError, check_model_dir
 from shardtune.model.head import head_transform
 from shardtune.model.lora import inject_lora
@@ -67,7 +68,8 @@ def _saved_bytes(model: nn.Module, batch: int, seq: int, lora_dtype: torch.dtype
     """Bytes autograd saves for backward per decoder layer and outside them, and the vocabulary.
 
     One forward pass on fake tensors: the real kernels' shapes and dtypes (and the real attention
-    path for ``device``), no memory and no arithmetic.
+    path for ``device``, with the attention implementation training switches to), no memory and no
+    arithmetic.
     """
     from torch.func import functional_call
 
@@ -97,7 +99,8 @@ def _saved_bytes(model: nn.Module, batch: int, seq: int, lora_dtype: torch.dtype
 
         ids = torch.zeros(batch, seq, dtype=torch.long, device=device)
         try:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            # the attention training runs (no s×s mask: model/attention.py), not the model's default
+            with shardtune_attention(model), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 logits = functional_call(model, {**params, **buffers}, (), {"input_ids": ids}).logits
         finally:
             for h in hooks:

@@ -118,8 +118,9 @@ def _loss_share(model, tokenizer, spec: EvalSpec, work: _Work, rank: int, world_
     """This rank's summed token losses and target count (of its every world_size-th record), by the
     training's loss rule: the loss head (no full logits), attention without a square mask. Every rank
     holds the whole model here: no rank waits for another's forward."""
+    from shardtune.model import attention
     from shardtune.runtime.distributed import Worker
-    from shardtune.train import attention, loss_head
+    from shardtune.train import loss_head
     from shardtune.train.data.batch import Batcher, Layout, pad_id
     from shardtune.train.objectives.sft import Sft
     from shardtune.train.step import Trainee, evaluation_sums

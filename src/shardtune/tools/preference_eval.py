@@ -33,7 +33,8 @@ def is_preference_data(data: str | Path, fields: str = "") -> bool:
 def pair_logps(model, examples, pad_id: int, batch_size: int, progress=None) -> torch.Tensor:
     """(pairs, 2) summed log-probs of every pair's chosen and rejected response, scored as training does
     (the loss head, attention without a square mask)."""
-    from shardtune.train import attention, loss_head
+    from shardtune.model import attention
+    from shardtune.train import loss_head
     from shardtune.train.data.batch import Batcher, Layout, sequence_sums
 
     param = next(model.parameters())

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from shardtune.config import Config
+from shardtune.model import attention
 from shardtune.model.directory import ModelDir, check_model_dir
 from shardtune.model.meta import compute_dtype, vocab_size
 from shardtune.parallel import Strategy
@@ -22,7 +23,7 @@ from shardtune.runtime import distributed
 from shardtune.runtime.distributed import Worker
 from shardtune.runtime.logs import EVERY_RANK
 from shardtune.runtime.memory import MemoryMonitor
-from shardtune.train import attention, loss_head
+from shardtune.train import loss_head
 from shardtune.train.data.batch import Batcher, Layout, Sampler, pad_id
 from shardtune.train.data.cache import cache_key, token_cache
 from shardtune.train.data.pack import check_packing

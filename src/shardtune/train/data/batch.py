@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from shardtune.model.attention import VARLEN
 from shardtune.runplan import BatchPlan
-from shardtune.train.attention import VARLEN
 from shardtune.train.data.pack import block_causal_mask, forwards_per_rank
 from shardtune.train.data.records import IGNORE, Example
 

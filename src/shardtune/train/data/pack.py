@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from shardtune.config import ConfigError
-from shardtune.train.attention import MASKED, VARLEN, implementation
+from shardtune.model.attention import MASKED, VARLEN, implementation
 
 
 def check_packing(model: nn.Module) -> None:
