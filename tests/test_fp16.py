@@ -70,3 +70,48 @@ def test_scaler_is_off_for_bf16():
 
     assert not make_scaler("bf16", torch.device("cpu")).is_enabled()
     assert make_scaler("fp16", torch.device("cpu")).is_enabled()
+
+
+# --- fp16 through the planner: what --dtype auto picks on GPUs without bf16 (T4, V100) ---------------
+
+PLANNED = {"nproc": 2, "batch-size": 4, "seq-len": 128, "lora-r": 4}
+
+
+def _flags(options: dict) -> list[str]:
+    return [f for k, v in options.items() for f in (f"--{k}", str(v))]
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_plan_with_fp16_predicts_every_strategy(setup_dir, capsys, device):
+    """The fake-tensor pass saves its activations under fp16 too (a KeyError at (4, bfloat16) was the
+    first thing every fp16 user met); ``plan --device cuda`` plans for a T4 from this CPU machine."""
+    import json
+
+    from shardtune import cli
+
+    flags = ["plan", "--model", str(setup_dir / "model"), "--data", str(setup_dir / "train.jsonl"),
+             "--dtype", "fp16", "--device", device, "--memory-per-rank", "8GiB", *_flags(PLANNED), "--json"]
+    assert cli.main(flags) == 0, capsys.readouterr().err
+    doc = json.loads(capsys.readouterr().out)
+    for strategy in ("fsdp2", "fsdp1", "ddp", "single"):
+        assert doc[strategy]["terms"]["activations"] > 0 and doc[strategy]["fits"], strategy
+
+
+@pytest.mark.parametrize("strategy", ["auto", "fsdp2", "fsdp1", "ddp", "single"])
+def test_finetune_with_fp16_passes_preflight_for_every_strategy(setup_dir, monkeypatch, strategy):
+    """Each strategy's fp16 fine-tune is planned (preflight) and handed to the launcher."""
+    import shardtune.launch
+    from shardtune import cli
+
+    launched = []
+
+    def launch(cfg, plan):
+        launched.append((cfg.model.dtype, plan.strategy))
+        return {}
+
+    monkeypatch.setattr(shardtune.launch, "launch", launch)
+    options = {**PLANNED, "nproc": 1 if strategy == "single" else 2, "strategy": strategy}
+    code = cli.main(["finetune", "--model", str(setup_dir / "model"), "--data", str(setup_dir / "train.jsonl"),
+                     "--out", str(setup_dir / f"pre-{strategy}"), "--dtype", "fp16", *_flags(options)])
+    assert code == 0 and len(launched) == 1 and launched[0][0] == "fp16"
+    assert strategy == "auto" or launched[0][1] == strategy

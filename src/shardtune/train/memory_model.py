@@ -191,9 +191,8 @@ def predict(f: Facts, strategy: str, ranks: int, micro_batch: int, seq_len: int,
     """
     sharded = strategy in ("fsdp2", "fsdp1")
     n = ranks // replicate_groups if sharded else 1
-    # LoRA computes in the compute dtype under every strategy (parallel/compute_dtype.py)
-    lora_dtype = {2: torch.bfloat16, 4: torch.float32}[f.compute_itemsize]
-    per_layer, outside, vocab = f.saved[micro_batch, lora_dtype]
+    # LoRA computes in the compute dtype under every strategy (parallel/compute_dtype.py): fp16's too
+    per_layer, outside, vocab = f.saved[micro_batch, f.dtype]
     micro_tokens = micro_batch * seq_len
     if ac:
         # Each layer keeps only its input; in backward one layer at a time recomputes its own set.
