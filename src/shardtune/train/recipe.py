@@ -317,7 +317,7 @@ def _loop(job: Job, memory: MemoryMonitor, optimizer, scheduler, checkpoints: Ch
     out = Path(cfg.output.out)
     progress = Progress(job.steps, state.step, job.worker.is_main)
     losses, fills, stopped_by = [], [], 0
-    guard = TrainingGuard(out, cfg.train.lr, job.worker.is_main, cfg.lora.alpha)
+    guard = TrainingGuard(out, cfg.train.lr, job.worker.is_main, cfg.lora.alpha, job.scaler)
     with memory.phase("train"), GracefulStop(job.worker.device) as stop:
         for step in range(state.step, job.steps):
             started = time.perf_counter()
@@ -325,7 +325,8 @@ def _loop(job: Job, memory: MemoryMonitor, optimizer, scheduler, checkpoints: Ch
             loss, tokens, fill = result.loss, result.tokens, result.fill
             job.scaler.unscale_(optimizer)  # fp16: clip and step see the true gradients
             grad_norm = job.strategy.clip_grad_norm(job.model, cfg.train.max_grad_norm)
-            guard.check(step + 1, loss, grad_norm)  # before the optimizer step: no NaN weight is ever kept
+            # before the optimizer step: no NaN weight is ever kept (fp16: an overflow is skipped and counted)
+            guard.check(step + 1, loss, grad_norm)
             lr = scheduler.get_last_lr()[0]
             job.scaler.step(optimizer)  # fp16: skipped on every rank when a gradient is inf/NaN on one
             job.scaler.update()
@@ -337,7 +338,8 @@ def _loop(job: Job, memory: MemoryMonitor, optimizer, scheduler, checkpoints: Ch
             fills.append(fill)
             record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
                       "tokens_per_second": tokens / seconds, "fill_ratio": fill, "seconds": seconds,
-                      "memory_mb": memory.now_mb(), "peak_mb": memory.peak_so_far_mb(), **result.metrics}
+                      "memory_mb": memory.now_mb(), "peak_mb": memory.peak_so_far_mb(), **result.metrics,
+                      **guard.fields()}
             progress.update(record)  # before validation: the step's rate is the step's own
             if job.val and ((cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0) or step + 1 == job.steps):
                 record.update(evaluate(job))
