@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -110,12 +112,35 @@ def test_auto_dtype_is_bf16_only_where_the_hardware_computes_in_it(gpus, monkeyp
     monkeypatch.setattr(device, "cpu_has_fast_bf16", lambda: True)  # AVX512 / AMX
     assert device.auto_dtype("cpu") == "bf16"
     gpus(1)
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)  # T4, V100
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(major=7))  # T4, V100
     assert device.auto_dtype("cuda") == "fp16"
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(major=8))  # A100 on
     assert device.auto_dtype("cuda") == "bf16"
     gpus(0)
     assert device.auto_dtype("cuda") == "bf16"  # plan --device cuda on a CPU machine: a recent GPU
+
+
+def test_auto_dtype_counts_no_emulated_bf16_and_asks_only_this_ranks_gpu(gpus, monkeypatch):
+    """torch's is_bf16_supported() says yes on a T4/V100 (it counts emulation, trying an allocation),
+    and asks current_device(), GPU 0 in every rank before set_device: auto must pick fp16 there, read
+    from the properties of the rank's own GPU, touching no other."""
+    gpus(4)
+    asked = []
+
+    def properties(index):
+        asked.append(index)
+        return SimpleNamespace(major=7, minor=5)  # a T4
+
+    def touches_gpu(*args, **kwargs):
+        raise AssertionError("the dtype probe touched a GPU (current_device / an allocation)")
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", properties)
+    monkeypatch.setattr(torch.cuda, "current_device", touches_gpu)
+    monkeypatch.setattr(torch.cuda, "_check_bf16_tensor_supported", lambda device: True)  # emulation works
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)  # torch's own lazy init is not in question
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert device.auto_dtype("cuda") == "fp16"
+    assert asked == [3]
 
 
 def test_decide_dtype_replaces_auto_once_and_keeps_a_given_dtype(gpus, monkeypatch):
