@@ -239,3 +239,28 @@ def test_plan_counts_nf4_and_plans_for_cuda_from_a_config_json_alone(tmp_path):
     with pytest.raises(ConfigError) as refused:  # plan's row says what finetune says, in the same words
         validate(build_config({**options, "quantize": "nf4", "strategy": "fsdp1", "data": "d", "out": "o"}))
     assert plan(build_config({**options, "quantize": "nf4"}), 1 << 30)["fsdp1"][0].note == str(refused.value)
+
+
+def test_dequantization_builds_its_code_table_once_on_the_weights_device():
+    """Every NF4 matmul (forward, backward, decode) dequantizes: a table made there from CPU indices
+    was a synchronous host-to-GPU copy each time. It is made once, on the table's own device."""
+    from torch.overrides import TorchFunctionMode
+
+    made = []
+
+    class Aranges(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is torch.arange:
+                made.append(kwargs.get("device"))
+            return func(*args, **kwargs)
+
+    t = quantize.quantize_whole(_rows_of_uneven_scale(64, 256))
+    t.nf4 = t.nf4.clone()  # a table no earlier test has used
+    with Aranges():
+        first = nf4_torchao.dequantize(t)
+    assert made == [t.nf4.device]  # the indices are made where the table is
+    made.clear()
+    with Aranges():
+        again = nf4_torchao.dequantize(t)
+    assert made == [] and torch.equal(first, again) and torch.equal(first, t._torchao_get_original_weight())
