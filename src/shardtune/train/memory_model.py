@@ -183,6 +183,13 @@ def _fsdp2_moments(device: str, f: Facts, n: int, copies: int, acts: float, work
     }
 
 
+def row_sharded_bytes(f: Facts) -> float:
+    """The frozen embedding tables FSDP2 uses from row shards (parallel/fsdp2.py), whole: a tied table once."""
+    embed = f.embed_bytes if f.tables_by_rows["embed"] else 0
+    head = f.head_bytes if f.tables_by_rows["head"] else 0  # 0 when tied: the same table as embed
+    return float(embed + head)
+
+
 def predict(f: Facts, strategy: str, ranks: int, micro_batch: int, seq_len: int, ac: bool, offload: bool,
             device: torch.device, replicate_groups: int = 1, unit: str = "part") -> Prediction:
     """One strategy's per-rank peak, in MB, from the model's facts (``unit``: FSDP2's unit size).
@@ -217,9 +224,11 @@ def predict(f: Facts, strategy: str, ranks: int, micro_batch: int, seq_len: int,
         "optimizer": 2 * lora,
     }
     host = 0.0
-    if offload and device.type == "cuda":  # the shards and their optimizer live in host RAM
-        host = sum(kept[k] for k in ("weights", "lora", "grads", "optimizer"))
-        kept.update(weights=0.0, lora=0.0, grads=0.0, optimizer=0.0)
+    if offload and device.type == "cuda":  # the shards and their optimizer live in host RAM...
+        # ...but for FSDP2's row-sharded embedding tables: outside FSDP, they stay on the GPU
+        on_gpu = row_sharded_bytes(f) / n if strategy == "fsdp2" else 0.0
+        host = sum(kept[k] for k in ("weights", "lora", "grads", "optimizer")) - on_gpu
+        kept.update(weights=on_gpu, lora=0.0, grads=0.0, optimizer=0.0)
     moments = _moments(strategy, "cuda" if device.type == "cuda" else "cpu", f, n, acts, workspace, logits_fwd,
                        logits_bwd, unit)
     if f.dequant_bytes:
