@@ -129,21 +129,6 @@ def local_world_size() -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
 
 
-def memory_per_rank(device: torch.device, local_ranks: int) -> int:
-    """Bytes one rank may use: its GPU's memory, or on CPU the available RAM split over the local ranks."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory
-    available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    available = int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return available // max(1, local_ranks)
-
-
 def planned_device_type(requested: str = "auto") -> str:
     """The device type a run is planned for: as ``device_type``, except that ``--device cuda`` on a machine
     without a GPU plans for GPUs (``shardtune plan`` answers for another machine; a run refuses earlier)."""
