@@ -29,7 +29,7 @@ from shardtune.runplan import RunPlan
 from shardtune.runtime import distributed
 from shardtune.runtime.device import device_type
 from shardtune.runtime.distributed import Worker
-from shardtune.runtime.failure import stage
+from shardtune.runtime.failure import stage, stage_of
 from shardtune.runtime.logs import EVERY_RANK, setup_logging
 from shardtune.runtime.memory import MemoryMonitor, tune_malloc
 from shardtune.runtime.workers import Stopped
@@ -42,6 +42,7 @@ from shardtune.train.guard import TrainingGuard
 from shardtune.train.loss import next_token_loss_sum
 from shardtune.train.metrics import MetricsLog, Progress, write_json_atomic
 from shardtune.train.objectives import METRICS, Objective, objective_of
+from shardtune.train.oom import out_of_memory
 from shardtune.train.packing import VARLEN, attention_of, check_packing, packed_forwards
 from shardtune.train.pairs import PAIRS
 from shardtune.train.reference import compute_reference, precomputed_reference, reference_key
@@ -423,6 +424,8 @@ def run(cfg: Config, plan: RunPlan | None = None) -> dict:
             write_json_atomic(out / "summary.json", summary)
         result["trackers"].finish(summary)
         return summary
+    except torch.OutOfMemoryError as err:  # a setting this device cannot hold: said with what would fit
+        raise out_of_memory(err, stage_of(err), cfg, plan, worker.rank, worker.local_world_size) from None
     finally:
         # The process group is left to the process's exit (workers leave through exit_worker). Destroying it
         # here made DDP's reducer drop the group's last reference when run() returned: the group's destructor
