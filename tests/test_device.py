@@ -106,6 +106,35 @@ def test_cuda_peaks_per_phase_for_the_summary():
                                        "train": {"allocated": None, "reserved": None}}
 
 
+def test_runtime_mb_on_gpu_is_the_memory_held_outside_torchs_allocator(monkeypatch):
+    """summary.json's runtime_mb is the planner's "runtime" measured: on a GPU not memory_allocated before
+    loading (about 0: the CUDA context is outside torch's counters) but what the device holds beyond
+    torch's reserved blocks (context, NCCL's buffers), the most seen at a phase's end."""
+    from shardtune.runtime.memory import MB, MemoryMonitor
+
+    reserved, outside = [1200 * MB], [700 * MB]
+    total = 80 * 1024 * MB
+    for name, value in {"memory_allocated": 0, "max_memory_allocated": 1000 * MB, "max_memory_reserved": 1300 * MB,
+                        "reset_peak_memory_stats": None}.items():
+        monkeypatch.setattr(torch.cuda, name, lambda device=None, value=value: value)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: reserved[0])
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (total - reserved[0] - outside[0], total))
+    monitor = MemoryMonitor(torch.device("cuda", 0))
+    monitor.close()
+    assert monitor.runtime_mb() is None
+    with monitor.phase("load"):
+        pass
+    assert monitor.runtime_mb() == 700
+    with monitor.phase("train"):
+        reserved[0], outside[0] = 5000 * MB, 1724 * MB  # NCCL's buffers came with the first collectives
+    assert monitor.runtime_mb() == 1724
+    cpu = MemoryMonitor(torch.device("cpu"))
+    cpu.close()
+    with cpu.phase("load"):
+        pass
+    assert cpu.runtime_mb() == round(cpu.starts["load"], 1) > 0  # CPU: the process before loading
+
+
 def test_auto_dtype_is_bf16_only_where_the_hardware_computes_in_it(gpus, monkeypatch):
     monkeypatch.setattr(device, "cpu_has_fast_bf16", lambda: False)  # AVX2 only: bf16 matmul ~50x slower
     assert device.auto_dtype("cpu") == "fp32"

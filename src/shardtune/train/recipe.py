@@ -389,7 +389,7 @@ def run(cfg: Config, plan: RunPlan | None = None) -> dict:
             adapter = save_adapter(job.model, job.strategy, job.built.adapter_keys, out / "adapter", cfg.model.path)
         phases = ("load", "train", "save")
         peaks = distributed.all_gather_object({**{k: memory.peak_mb(k) for k in phases},
-                                               "runtime": round(memory.starts["load"], 1)})
+                                               "runtime": memory.runtime_mb()})
         cuda_peaks = distributed.all_gather_object(memory.cuda_peaks_mb()) if worker.device.type == "cuda" else None
         summary = {
             "world_size": worker.world_size, "strategy": job.strategy.name, "dtype": cfg.model.dtype,
@@ -406,7 +406,7 @@ def run(cfg: Config, plan: RunPlan | None = None) -> dict:
             "load_seconds": round(load_seconds, 3),
             "load_peak_mb": [p["load"] for p in peaks], "train_peak_mb": [p["train"] for p in peaks],
             "save_peak_mb": [p["save"] for p in peaks],
-            "runtime_mb": [p["runtime"] for p in peaks],  # in use before loading: the planner's "runtime"
+            "runtime_mb": [p["runtime"] for p in peaks],  # the planner's "runtime", measured (memory.py)
             # GPU: torch's max_memory_allocated and max_memory_reserved per phase and rank; reserved
             # (allocated plus the caching allocator's free blocks) is what runs out first.
             **({f"cuda_max_{kind}_mb": {k: [c[k][kind] for c in cuda_peaks] for k in phases}
