@@ -228,10 +228,15 @@ def load_base_weights(model: nn.Module, model_dir: ModelDir, tensors: dict[str, 
                   unit_divisor=1024) as bar:
         for round_ in plan:
             _check_shapes(round_, model_dir)
-            dcp.load(round_, storage_reader=_counting_reader(str(model_dir.path), bar))
+            dcp.load(round_, storage_reader=_counting_reader(str(model_dir.path), bar), no_dist=_one_process())
             _check_finite(round_, model_dir)
         _load_nf4(four_bit, model_dir, bar)
     return sorted(stored - used)
+
+
+def _one_process() -> bool:
+    """No process group (eval and generate on one device): DCP reads alone instead of warning that it does."""
+    return not dist.is_initialized()
 
 
 class _Counted:
@@ -298,7 +303,7 @@ def _load_nf4(params: dict[str, torch.Tensor], model_dir: ModelDir, bar: Bar) ->
             group = _shard_group(param)
         else:
             rows, group = torch.empty(param.shape, dtype=param.dtype, device=param.device), None
-        dcp.load({key: rows}, storage_reader=_counting_reader(str(model_dir.path), bar))
+        dcp.load({key: rows}, storage_reader=_counting_reader(str(model_dir.path), bar), no_dist=_one_process())
         nf4_fill.fill(param, rows.to_local() if isinstance(rows, DTensor) else rows, group)
         del rows
 
