@@ -2,9 +2,10 @@
 
 CPU: the available RAM (``MemAvailable``) split over the node's ranks. GPU: the memory free on the
 GPU now (``torch.cuda.mem_get_info``: what other processes hold is gone already) less
-``GPU_MARGIN`` of the GPU's total, which the plan does not model: the caching allocator's
-fragmentation (reserved above allocated) and small allocations of libraries. The CUDA context
-and NCCL's buffers are terms of the prediction itself (train/memory_model.py).
+``GPU_MARGIN`` of it, which the plan does not model: the caching allocator's fragmentation
+(reserved above allocated, which grows with what the run allocates, so with the free memory it may
+use) and small allocations of libraries. The CUDA context and NCCL's buffers are terms of the
+prediction itself (train/memory_model.py).
 
 Reading a GPU's free memory makes a CUDA context on it. A rank reads its own GPU, where it makes
 one anyway; the launcher, which must hold no context during the run, asks a short-lived child
@@ -24,7 +25,7 @@ import torch
 from shardtune.config import ConfigError
 from shardtune.runtime.memory import format_size
 
-#: The share of each GPU's total memory the automatic budget leaves unplanned.
+#: The share of a GPU's free memory the automatic budget leaves unplanned.
 GPU_MARGIN = 0.10
 
 _PROBE = "import json, sys, torch; print(json.dumps([torch.cuda.mem_get_info(int(i)) for i in sys.argv[1:]]))"
@@ -34,7 +35,7 @@ def memory_per_rank(device: torch.device, local_ranks: int) -> tuple[int, str]:
     """(bytes one rank may use, where that number came from, for ``plan`` and the auto choice)."""
     if device.type == "cuda":
         free, total = gpu_memory(local_ranks)
-        margin = int(GPU_MARGIN * total)
+        margin = int(GPU_MARGIN * free)
         return max(0, free - margin), (f"free GPU memory {format_size(free)} of {format_size(total)}, less a "
                                        f"{GPU_MARGIN:.0%} margin of {format_size(margin)} for fragmentation")
     available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -53,7 +53,7 @@ def _budget(cfg: Config, device: torch.device, local_ranks: int) -> tuple[int, s
         return parse_size(cfg.parallel.memory_per_rank), f"--memory-per-rank {cfg.parallel.memory_per_rank}"
     if device.type == "cuda":  # what this process holds now makes the free memory meaningless: the total
         total = torch.cuda.get_device_properties(device).total_memory
-        return int((1 - GPU_MARGIN) * total), f"{format_size(total)} less the {GPU_MARGIN:.0%} margin"
+        return int((1 - GPU_MARGIN) * total), f"the GPU's {format_size(total)} less a {GPU_MARGIN:.0%} margin"
     return memory_per_rank(device, local_ranks)
 
 
