@@ -184,6 +184,6 @@ def run_plan(config: str | Path | None, overrides: dict[str, Any], as_json_outpu
         header += [f"finetune would run: {run.strategy}, micro-batch {run.batch.micro_batch_size} (as given)"]
     if traced != device:
         header.append("activations from a fake-tensor pass on the CPU device (no CUDA here); "
-                      "GPU terms (CUDA context, NCCL gathers) added")
+                      "GPU terms (CUDA context, NCCL buffers and gathers) added")
     print(render(predictions, header))
     return 0

@@ -50,6 +50,9 @@ class Facts:
     quantize_slice_bytes: int = 0
     #: whether the loss head scores chunk by chunk (model/head.py); False: the full logits exist
     chunked_head: bool = True
+    #: the compute dtype (--dtype): LoRA computes in it too (parallel/compute_dtype.py), which sets the
+    #: dtype of what its matmuls save; ``saved`` is keyed by it
+    dtype: torch.dtype = torch.float32
     #: {(micro-batch size, LoRA weight dtype): (saved bytes per decoder layer, outside them, vocabulary)}
     saved: dict[tuple[int, torch.dtype], tuple[list[int], int, int]] = field(default_factory=dict)
 
@@ -161,7 +164,7 @@ def model_facts(cfg: Config, micro_batches: set[int], lora_dtypes: set[torch.dty
     largest = max(layers, key=lambda layer: sum(p.numel() for p in layer.parameters()), default=None)
     facts = Facts(
         total_params=sum(p.numel() for p in params.values()), trainable_params=trainable,
-        frozen_bytes=frozen, compute_itemsize=dtype.itemsize, layers=len(layers),
+        frozen_bytes=frozen, compute_itemsize=dtype.itemsize, dtype=dtype, layers=len(layers),
         block_bytes=sum(_nbytes(p, dtype, nf4) for p in largest.parameters()) if largest else 0,
         embed_bytes=sum(p.numel() for p in embed.parameters()) * dtype.itemsize if embed else 0,
         head_bytes=0 if tied or head is None else sum(p.numel() for p in head.parameters()) * dtype.itemsize,

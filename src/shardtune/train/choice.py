@@ -31,7 +31,7 @@ from shardtune.config import Config, ConfigError, combination_refusal, parse_siz
 from shardtune.model.footprint import model_facts
 from shardtune.model.meta import compute_dtype
 from shardtune.runtime.memory import MB, format_size
-from shardtune.train.memory_model import default_memory_per_rank, plan_device, predict, row_tokens
+from shardtune.train.memory_model import default_budget, plan_device, predict, row_tokens
 from shardtune.train.objectives import objective_of
 
 if TYPE_CHECKING:
@@ -71,11 +71,7 @@ def budget_of(cfg: Config) -> tuple[int | None, str]:
     if cfg.parallel.memory_per_rank:
         return parse_size(cfg.parallel.memory_per_rank), f"--memory-per-rank {cfg.parallel.memory_per_rank}"
     device, _ = plan_device(cfg.parallel.device)
-    budget = default_memory_per_rank(cfg.parallel.nproc, device)
-    where = ("no GPU here: give --memory-per-rank to judge fits" if budget is None
-             else "this GPU's memory" if device.type == "cuda"
-             else f"available RAM / {cfg.parallel.nproc} local rank{'s' * (cfg.parallel.nproc > 1)}")
-    return budget, where
+    return default_budget(cfg.parallel.nproc, device)
 
 
 def rows_per_rank(cfg: Config, world: int, lengths: Lengths | None) -> int:

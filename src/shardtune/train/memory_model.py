@@ -16,7 +16,7 @@ import torch
 
 from shardtune.model.footprint import Facts
 from shardtune.parallel import host_gather
-from shardtune.runtime.device import memory_per_rank
+from shardtune.runtime.budget import memory_per_rank
 from shardtune.runtime.memory import MB
 from shardtune.train.loss import CHUNK_BYTES
 from shardtune.train.loss_head import chunk_tokens as loss_head_chunk
@@ -51,6 +51,11 @@ def runtime_cpu_mb() -> float:
 
 #: On GPU: the CUDA context, which ``max_memory_allocated`` does not count but the GPU must hold.
 CUDA_CONTEXT_MB = 500
+#: On GPU, per NCCL communicator a rank uses (none with one rank): NCCL's own buffers, outside torch's
+#: allocator. They grow with NCCL's channels (NVLink machines use many, PCIe few) and its algorithms;
+#: NCCL's maintainers put one communicator at 1-2 GB on NVLink (NVIDIA/nccl#864). An upper estimate
+#: for NVLink nodes, not a measurement: bench/gpu_check.sh measures what a run holds outside torch.
+NCCL_COMM_MB = 1024
 #: Copies of a unit held while it is all-gathered. FSDP2 gathers into a buffer, then copies out
 #: (shardtune's gloo all-gather adds nothing); FSDP1 gathers into the unsharded flat parameter, but
 #: gloo's all-gather receives into a buffer of its own first. Measured on CPU (bench/memory.py); the
@@ -65,7 +70,8 @@ BACKWARD_BLOCKS = {("fsdp1", "cpu"): 3, ("fsdp1", "cuda"): 2}
 
 TERMS: dict[str, str] = {
     "runtime": "the process before loading (torch, transformers, peft, process group, data) and what "
-               "training adds whatever the model (on GPU: the CUDA context)",
+               f"training adds whatever the model (on GPU: the CUDA context, {CUDA_CONTEXT_MB} MB, and NCCL's "
+               f"buffers, {NCCL_COMM_MB} MB per communicator: one on several ranks, three under HSDP)",
     "weights": "the frozen base weights this rank holds: 1/N of them under FSDP, all of them under DDP/single",
     "blocks": "decoder-layer weights all-gathered (unsharded) at once, in the compute dtype: FSDP1 whole "
               "layers; FSDP2 the unit computing plus the next one gathered (a layer's attention, MLP "
@@ -188,6 +194,21 @@ def _fsdp2_moments(device: str, f: Facts, n: int, copies: int, acts: float, work
     }
 
 
+def row_sharded_bytes(f: Facts) -> float:
+    """The frozen embedding tables FSDP2 uses from row shards (parallel/fsdp2.py), whole: a tied table once."""
+    embed = f.embed_bytes if f.tables_by_rows["embed"] else 0
+    head = f.head_bytes if f.tables_by_rows["head"] else 0  # 0 when tied: the same table as embed
+    return float(embed + head)
+
+
+def nccl_communicators(strategy: str, ranks: int, replicate_groups: int = 1) -> int:
+    """NCCL communicators a rank of ``strategy`` uses on ``ranks`` GPUs: the world's (FSDP, DDP, the loss's
+    all-reduce); HSDP adds its shard and replica groups (parallel/mesh.py)."""
+    if strategy == "single" or ranks == 1:
+        return 0
+    return 3 if replicate_groups > 1 and strategy in ("fsdp2", "fsdp1") else 1
+
+
 def predict(f: Facts, strategy: str, ranks: int, micro_batch: int, seq_len: int, ac: bool, offload: bool,
             device: torch.device, replicate_groups: int = 1, unit: str = "part") -> Prediction:
     """One strategy's per-rank peak, in MB, from the model's facts (``unit``: FSDP2's unit size).
@@ -196,9 +217,8 @@ def predict(f: Facts, strategy: str, ranks: int, micro_batch: int, seq_len: int,
     """
     sharded = strategy in ("fsdp2", "fsdp1")
     n = ranks // replicate_groups if sharded else 1
-    # LoRA computes in the compute dtype under every strategy (parallel/compute_dtype.py)
-    lora_dtype = {2: torch.bfloat16, 4: torch.float32}[f.compute_itemsize]
-    per_layer, outside, vocab = f.saved[micro_batch, lora_dtype]
+    # LoRA computes in the compute dtype under every strategy (parallel/compute_dtype.py): fp16's too
+    per_layer, outside, vocab = f.saved[micro_batch, f.dtype]
     micro_tokens = micro_batch * seq_len
     if ac:
         # Each layer keeps only its input; in backward one layer at a time recomputes its own set.
@@ -209,18 +229,22 @@ def predict(f: Facts, strategy: str, ranks: int, micro_batch: int, seq_len: int,
     by_rows = strategy == "fsdp2" and f.tables_by_rows["head"]
     logits_fwd, logits_bwd = _head_terms(f, micro_tokens, vocab, n if by_rows else 1)
     lora = 4 * f.trainable_params / n
+    runtime = (CUDA_CONTEXT_MB + NCCL_COMM_MB * nccl_communicators(strategy, ranks, replicate_groups)
+               if device.type == "cuda" else
+               runtime_cpu_mb() + STEP_OVERHEAD_CPU_MB + (SHARDED_OVERHEAD_CPU_MB if sharded else 0))
     kept = {
-        "runtime": (CUDA_CONTEXT_MB if device.type == "cuda" else runtime_cpu_mb() + STEP_OVERHEAD_CPU_MB
-                    + (SHARDED_OVERHEAD_CPU_MB if sharded else 0)) * MB,
+        "runtime": runtime * MB,
         "weights": f.frozen_bytes / n,
         "lora": lora,
         "grads": lora * (2 if strategy == "ddp" else 1),
         "optimizer": 2 * lora,
     }
     host = 0.0
-    if offload and device.type == "cuda":  # the shards and their optimizer live in host RAM
-        host = sum(kept[k] for k in ("weights", "lora", "grads", "optimizer"))
-        kept.update(weights=0.0, lora=0.0, grads=0.0, optimizer=0.0)
+    if offload and device.type == "cuda":  # the shards and their optimizer live in host RAM...
+        # ...but for FSDP2's row-sharded embedding tables: outside FSDP, they stay on the GPU
+        on_gpu = row_sharded_bytes(f) / n if strategy == "fsdp2" else 0.0
+        host = sum(kept[k] for k in ("weights", "lora", "grads", "optimizer")) - on_gpu
+        kept.update(weights=on_gpu, lora=0.0, grads=0.0, optimizer=0.0)
     moments = _moments(strategy, "cuda" if device.type == "cuda" else "cpu", f, n, acts, workspace, logits_fwd,
                        logits_bwd, unit)
     if f.dequant_bytes:
@@ -288,10 +312,16 @@ def plan_device(requested: str = "auto") -> tuple[torch.device, torch.device]:
     return torch.device(target, 0) if target == "cuda" else torch.device("cpu"), torch.device(traced)
 
 
-def default_memory_per_rank(local_ranks: int, device: torch.device) -> int | None:
-    """This machine's memory per rank; None when planning for GPUs on a machine without one."""
+def default_budget(local_ranks: int, device: torch.device) -> tuple[int | None, str]:
+    """This machine's memory per rank (runtime/budget.py) and where the number came from; None when
+    planning for GPUs on a machine without one."""
     if device.type == "cuda" and not torch.cuda.is_available():
-        return None
+        return None, "no GPU here: give --memory-per-rank to judge fits"
     return memory_per_rank(device, local_ranks)
+
+
+def default_memory_per_rank(local_ranks: int, device: torch.device) -> int | None:
+    """``default_budget``'s bytes."""
+    return default_budget(local_ranks, device)[0]
 
 

@@ -11,13 +11,15 @@ import logging
 import time
 from pathlib import Path
 
+import torch
+
 from shardtune.config import Config
 from shardtune.errors import ShardtuneError
 from shardtune.runplan import RunPlan
 from shardtune.runtime import distributed
 from shardtune.runtime.device import device_type
 from shardtune.runtime.distributed import Worker
-from shardtune.runtime.failure import stage
+from shardtune.runtime.failure import stage, stage_of
 from shardtune.runtime.logs import setup_logging
 from shardtune.runtime.memory import MemoryMonitor, tune_malloc
 from shardtune.runtime.workers import Stopped
@@ -26,6 +28,7 @@ from shardtune.train.checkpoint import Checkpointer, TrainState
 from shardtune.train.guard import TrainingGuard
 from shardtune.train.job import Job, setup
 from shardtune.train.metrics import MetricsLog, Progress, write_json_atomic
+from shardtune.train.oom import out_of_memory
 from shardtune.train.resolve import resolve
 from shardtune.train.schedule import optimizer_and_schedule
 from shardtune.train.stop import GracefulStop, stop_message
@@ -61,14 +64,15 @@ def _loop(job: Job, memory: MemoryMonitor, optimizer, scheduler, checkpoints: Ch
     out = Path(cfg.output.out)
     progress = Progress(job.steps, state.step, job.worker.is_main)
     losses, fills, stopped_by = [], [], 0
-    guard = TrainingGuard(out, cfg.train.lr, job.worker.is_main, cfg.lora.alpha)
+    guard = TrainingGuard(out, cfg.train.lr, job.worker.is_main, cfg.lora.alpha, job.scaler)
     with memory.phase("train"), GracefulStop(job.worker.device) as stop:
         for step in range(state.step, job.steps):
             started = time.perf_counter()
             result = job.step(step)
             job.scaler.unscale_(optimizer)  # fp16: clip and step see the true gradients
             grad_norm = job.strategy.clip_grad_norm(job.model, cfg.train.max_grad_norm)
-            guard.check(step + 1, result.loss, grad_norm)  # before the optimizer step: no NaN weight is ever kept
+            # before the optimizer step: no NaN weight is ever kept (fp16: an overflow is skipped and counted)
+            guard.check(step + 1, result.loss, grad_norm)
             lr = scheduler.get_last_lr()[0]
             job.scaler.step(optimizer)  # fp16: skipped on every rank when a gradient is inf/NaN on one
             job.scaler.update()
@@ -81,7 +85,7 @@ def _loop(job: Job, memory: MemoryMonitor, optimizer, scheduler, checkpoints: Ch
             record = {"step": step + 1, "loss": result.loss, "lr": lr, "grad_norm": grad_norm,
                       "tokens": result.tokens, "tokens_per_second": result.tokens / seconds,
                       "fill_ratio": result.fill, "seconds": seconds, "memory_mb": memory.now_mb(),
-                      "peak_mb": memory.peak_so_far_mb(), **result.metrics}
+                      "peak_mb": memory.peak_so_far_mb(), **result.metrics, **guard.fields()}
             progress.update(record)  # before validation: the step's rate is the step's own
             if job.val and ((cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0) or step + 1 == job.steps):
                 record.update(job.validate())
@@ -132,6 +136,8 @@ def run(cfg: Config, plan: RunPlan | None = None) -> dict:
             write_json_atomic(out / "summary.json", summary)
         result["trackers"].finish(summary)
         return summary
+    except torch.OutOfMemoryError as err:  # a setting this device cannot hold: said with what would fit
+        raise out_of_memory(err, stage_of(err), cfg, plan, worker.rank, worker.local_world_size) from None
     finally:
         # The process group is left to the process's exit (workers leave through exit_worker). Destroying it
         # here made DDP's reducer drop the group's last reference when run() returned: the group's destructor

@@ -14,7 +14,7 @@ from torch import nn
 
 from shardtune.config import Config
 from shardtune.model import quantize
-from shardtune.model.directory import check_model_dir
+from shardtune.model.footprint import model_dir_for_plan
 from shardtune.model.lora import inject_lora
 from shardtune.model.meta import build_meta_model, compute_dtype
 from shardtune.runplan import BatchPlan, RunPlan, make_plan
@@ -49,7 +49,9 @@ def resolve(cfg: Config, lengths: Lengths | None = None, model: nn.Module | None
     plan = make_plan(cfg, ranks, kind, backend(kind, cfg.parallel.cpu_offload), why)
     if cfg.model.quantize == "nf4" and plan.strategy == "fsdp2":
         if model is None:
-            model_dir = check_model_dir(cfg.model.path, cfg.model.trust_remote_code)
+            # the weights' shapes come from config.json: a plan before the download works (finetune's
+            # preflight has checked the weights files already)
+            model_dir = model_dir_for_plan(cfg.model.path, cfg.model.trust_remote_code)
             model, _ = inject_lora(build_meta_model(model_dir, compute_dtype(cfg)), cfg.lora, cfg.train.seed)
         quantize.check_even_split(quantize.select(model), ranks // plan.replicate_groups)
     return cfg, plan, chosen

@@ -22,7 +22,7 @@ def run_summary(job: Job, plan: RunPlan, memory: MemoryMonitor, result: dict, ad
     """The summary (a collective: every rank's peaks are gathered; every rank gets the same dict)."""
     cfg, worker, state = job.cfg, job.worker, result["state"]
     peaks = distributed.all_gather_object({**{k: memory.peak_mb(k) for k in PHASES},
-                                           "runtime": round(memory.starts["load"], 1)})
+                                           "runtime": memory.runtime_mb()})
     cuda_peaks = distributed.all_gather_object(memory.cuda_peaks_mb()) if worker.device.type == "cuda" else None
     return {
         "world_size": worker.world_size, "strategy": job.strategy.name, "dtype": cfg.model.dtype,
@@ -40,7 +40,7 @@ def run_summary(job: Job, plan: RunPlan, memory: MemoryMonitor, result: dict, ad
         "load_seconds": round(load_seconds, 3),
         "load_peak_mb": [p["load"] for p in peaks], "train_peak_mb": [p["train"] for p in peaks],
         "save_peak_mb": [p["save"] for p in peaks],
-        "runtime_mb": [p["runtime"] for p in peaks],  # in use before loading: the planner's "runtime"
+        "runtime_mb": [p["runtime"] for p in peaks],  # the planner's "runtime", measured (memory.py)
         # GPU: torch's max_memory_allocated and max_memory_reserved per phase and rank; reserved
         # (allocated plus the caching allocator's free blocks) is what runs out first.
         **({f"cuda_max_{kind}_mb": {k: [c[k][kind] for c in cuda_peaks] for k in PHASES}
