@@ -132,14 +132,15 @@ def overflowing_training(rank: int, world_size: int, options: dict, overflow_at:
     from shardtune.runtime.memory import MemoryMonitor
     from shardtune.train import guard
     from shardtune.train.guard import Diverged
-    from shardtune.train.recipe import prepare, train
+    from shardtune.train.job import setup
+    from shardtune.train.recipe import train
 
     if max_in_a_row is not None:
         guard.MAX_OVERFLOWS_IN_A_ROW = max_in_a_row
     cfg = build_config(options)
     worker = distributed.init_worker()
     memory = MemoryMonitor(worker.device)
-    job = prepare(cfg, worker, memory)
+    job = setup(cfg, worker, memory)
     backwards = [0]
 
     def overflow(grad: torch.Tensor) -> torch.Tensor:

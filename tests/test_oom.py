@@ -19,14 +19,15 @@ def root(tmp_path_factory) -> Path:
 
 
 def run_out_of_memory(rank: int, world_size: int, options: dict, where: str) -> dict:
-    """``recipe.run`` with ``where`` (build_model: loading; train_step: a step) raising torch's OOM error."""
+    """``recipe.run`` with ``where`` (build_model: loading; train_step: a step; both called by train/job.py)
+    raising torch's OOM error."""
     from shardtune.config import build_config
-    from shardtune.train import recipe
+    from shardtune.train import job, recipe
 
     def out_of_memory(*args, **kwargs):
         raise torch.OutOfMemoryError(TORCH_SAYS)
 
-    setattr(recipe, where, out_of_memory)
+    setattr(job, where, out_of_memory)  # the job runs the step and builds the model
     Path(options["out"]).mkdir(parents=True, exist_ok=True)  # the launcher's part
     try:
         recipe.run(build_config(options))
