@@ -65,6 +65,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     out = Path(args.out) if args.out else results.default_out(args.adapter, results.EVAL_FILE)
     results.check_report_to(args.report_to, out)
+    results.check_out(out, args.model, args.adapter, args.data)
     if is_preference_data(args.data, args.data_fields):  # pairs: preference accuracy, base against adapter
         result = evaluate_preferences(args.model, args.data, args.adapter, args.seq_len, args.batch_size,
                                       args.dtype, args.quantize, args.data_fields, args.trust_remote_code)
@@ -102,6 +103,7 @@ def _cmd_harness(args: argparse.Namespace) -> int:
 
     out = Path(args.out) if args.out else results.default_out(args.adapter, results.HARNESS_FILE)
     results.check_report_to(args.report_to, out)
+    results.check_out(out, args.model, args.adapter, args.include_path)
     report = run_tasks(args.model, args.adapter, [t for t in args.tasks.split(",") if t], args.limit,
                        args.num_fewshot, args.dtype, args.quantize, args.batch_size, args.include_path, out,
                        args.trust_remote_code)

