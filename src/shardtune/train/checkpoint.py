@@ -81,20 +81,35 @@ def resume_command(out: Path, nnodes: int = 1, node_rank: int = 0) -> str:
     return f"shardtune finetune --config {Path(out) / 'config.yaml'}{node} --resume"
 
 
-def find_latest(out: Path) -> Path | None:
-    """The newest complete checkpoint under ``out``; incomplete or unreadable ones are skipped, with a warning."""
+def find_latest(out: Path, before: int | None = None) -> Path | None:
+    """The newest complete checkpoint under ``out`` (of a step before ``before``, when given); incomplete
+    or unreadable ones are skipped, with a warning."""
     root = checkpoints_dir(out)
     if not root.is_dir():
         return None
     for tmp in sorted(root.glob(".step-*.tmp")):
         log.warning("skipping %s: a checkpoint whose writing never finished", tmp)
-    found = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)))
+    found = sorted((int(m.group(1)), p) for p in root.iterdir()
+                   if (m := _STEP_DIR.match(p.name)) and (before is None or int(m.group(1)) < before))
     for step, path in reversed(found):
         problem = _problem(path, step)
         if problem is None:
             return path
         log.warning("skipping checkpoint %s: %s", path, problem)
     return None
+
+
+def discard_checkpoints(out: Path, first: int) -> list[Path]:
+    """Delete the checkpoints of step ``first`` and later (weights an update blew up, train/guard.py);
+    return them. The older ones, written before, stay."""
+    root = checkpoints_dir(out)
+    if not root.is_dir():
+        return []
+    doomed = sorted((p for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and int(m.group(1)) >= first),
+                    key=lambda p: int(p.name.split("-")[1]))
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
+    return doomed
 
 
 def _problem(path: Path, step: int | None) -> str | None:
