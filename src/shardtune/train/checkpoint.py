@@ -249,6 +249,7 @@ class Checkpointer:
         set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"],
                        options=StateDictOptions(strict=False, ignore_frozen_params=True))
         self.scheduler.load_state_dict(meta["scheduler"])
+        follow_this_schedule(self.scheduler, self.cfg.train.lr)
         if self.scaler is not None and self.scaler.is_enabled() and "loss_scaler" in meta:
             self.scaler.load_state_dict(meta["loss_scaler"])
         rng_file = path / "rng" / f"rank-{self.worker.rank}.pt"
@@ -262,6 +263,21 @@ class Checkpointer:
                      meta["world_size"], self.worker.world_size)
         log.info("resumed from %s (step %d)", path, meta["step"])
         return TrainState(**meta["state"])
+
+
+def follow_this_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR, lr: float) -> None:
+    """Resume on this run's learning-rate schedule from the first resumed step: the checkpoint gives the
+    step only; the peak (--lr) and the shape (--steps or --epochs, --warmup-steps, --min-lr-ratio: the
+    scheduler's lambda, built from this run's options) are this run's.
+
+    The scheduler's saved state holds the old peak and the old schedule's last rate, which the first
+    resumed step would otherwise use before the new schedule took over at the second (a run resumed with
+    a smaller --lr, as a divergence advises, kept its old peak altogether). Unchanged options give
+    exactly the rates of an uninterrupted run.
+    """
+    scheduler.base_lrs = [lr for _ in scheduler.base_lrs]
+    scheduler.last_epoch -= 1
+    scheduler.step()  # this step's rate, recomputed from this run's lambda and peak
 
 
 def _write_error(err: BaseException, tmp: Path) -> ShardtuneError:
