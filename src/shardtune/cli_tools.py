@@ -225,7 +225,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", help="the base model directory the adapter was trained on")
     p.add_argument("--adapter", help="LoRA adapter directory (peft format) [default: none, the base alone]")
     p.add_argument("--format", default="gguf", choices=("gguf",), help="output format [default: gguf]")
-    p.add_argument("--out", help="the .gguf file to write; the Modelfile goes beside it")
+    p.add_argument("--out", help="the .gguf file to write; its Ollama Modelfile, NAME.Modelfile, goes beside it")
     p.add_argument("--quant", default="f16", help="matrix type: f16, bf16 or q8_0 (norms stay f32) [default: f16]")
     p.add_argument("--force", action="store_true", help="replace an existing --out (and its Modelfile)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
