@@ -3,7 +3,10 @@
 Each case runs the real command in a fresh process (timeout: a hang is a verdict, not a wait) and is
 judged: good (the expected exit code, the expected words in the message, no traceback, and the
 protected files unchanged), weak (right code, the message misses the words), bad (a traceback, a
-hang, a silent success, or something lost). Prints a table and writes bench/results/hostile-sweep.json
+hang, a silent success, or something lost). A case may also stop its command inside its write
+(SHARDTUNE_TEST_FAIL_AT=stop@write) and send it a signal, run it while another writer stopped the same
+way holds its output, and check what is left on disk afterwards (a temporary, a lock, an adapter from
+garbage weights): a failed check is "bad" too. Prints a table and writes bench/results/hostile-sweep.json
 after every case (scripts/gen_benchmarks.py renders it in docs/benchmarks.md).
 
     nice -n 19 python bench/hostile_sweep.py [--only SUBSTRING ...] [--list] [--merge FILE ...]
