@@ -124,15 +124,25 @@ ADAPTER_COMMANDS = ("merge", "export", "export --check vllm", "generate", "eval"
 
 
 def _with_adapter(command: str, adapter: str) -> Callable[[Path], list[str]]:
+    """``command`` reading ``adapter``; what it writes goes to its own folder, ``_written_by(command, adapter)``."""
     def argv(r: Path) -> list[str]:
-        a, model = str(r / adapter), str(r / "model")
-        return {"merge": ["merge", "--model", model, "--adapter", a, "--out", str(r / "gguf-out" / "m")],
-                "export": ["export", "--model", model, "--adapter", a, "--out", str(r / "gguf-out" / "m.gguf")],
+        a, model, folder = str(r / adapter), str(r / "model"), _written_by(command, adapter)(r)
+        folder.mkdir(parents=True, exist_ok=True)
+        return {"merge": ["merge", "--model", model, "--adapter", a, "--out", str(folder / "m")],
+                "export": ["export", "--model", model, "--adapter", a, "--out", str(folder / "m.gguf")],
                 "export --check vllm": ["export", "--adapter", a, "--check", "vllm"],
                 "generate": ["generate", "--model", model, "--adapter", a, "--prompt", "hi"],
                 "eval": ["eval", "--model", model, "--adapter", a, "--data", str(r / "train.jsonl")],
-                "--init-adapter": ft("--init-adapter", a, out="init-out")(r)}[command]
+                "--init-adapter": ft("--init-adapter", a, out=str(folder / "run"))(r)}[command]
     return argv
+
+
+def _written_by(command: str, adapter: str) -> Callable[[Path], Path]:
+    return lambda r: r / f"w-{adapter}-{command.strip('-').replace(' ', '').replace('-', '')}"
+
+
+def _nothing_written(command: str, adapter: str) -> Callable[[Path], str | None]:
+    return lambda r: _only(_written_by(command, adapter)(r), [])
 
 
 def _adapter_variant(name: str, change: Callable[[dict], None]) -> Callable[[Path], None]:
@@ -147,17 +157,12 @@ def _adapter_variant(name: str, change: Callable[[dict], None]) -> Callable[[Pat
         tensors = load_file(r / name / "adapter_model.safetensors")
         change(tensors)
         save_file(tensors, r / name / "adapter_model.safetensors", metadata={"format": "pt"})
-        (r / "gguf-out").mkdir(exist_ok=True)
     return setup
 
 
 def _one_nan(tensors: dict) -> None:
     name = sorted(k for k in tensors if ".lora_B." in k)[0]
     tensors[name] = tensors[name].clone().view(-1).index_fill(0, torch.tensor([0]), float("nan")).view_as(tensors[name])
-
-
-def _nothing_written(r: Path) -> str | None:
-    return _only(r / "gguf-out", []) if (r / "gguf-out").is_dir() else None
 
 
 def _only(folder: Path, names: list[str]) -> str | None:
@@ -183,7 +188,6 @@ def _merge(name: str) -> Callable[[Path], list[str]]:
 def _export(folder: str, name: str) -> Callable[[Path], list[str]]:
     def argv(r: Path) -> list[str]:
         (r / folder).mkdir(exist_ok=True)
-        (r / "gguf-out").mkdir(exist_ok=True)
         return ["export", "--model", str(r / "model"), "--adapter", str(r / "finished" / "adapter"), "--out",
                 str(r / folder / f"{name}.gguf")]
     return argv
@@ -364,13 +368,13 @@ CASES = [
     Case("--lr 1e30", ft("--lr", "1e30", "--steps", "4", "--save-every", "1", "--strategy", "single", out="lr1e30"),
          words="training diverged at step", check=lambda r: _absent(r / "lr1e30" / "adapter")),
     *[Case(f"{command} an adapter of no tensors", _with_adapter(command, "empty-adapter"), words="holds no tensors",
-           setup=_adapter_variant("empty-adapter", lambda t: t.clear()), check=_nothing_written)
-      for command in ADAPTER_COMMANDS],
+           setup=_adapter_variant("empty-adapter", lambda t: t.clear()),
+           check=_nothing_written(command, "empty-adapter")) for command in ADAPTER_COMMANDS],
     *[Case(f"{command} an adapter with NaN", _with_adapter(command, "nan-adapter"), words=".lora_B.weight holds 1 "
-           "non-finite", setup=_adapter_variant("nan-adapter", _one_nan), check=_nothing_written)
-      for command in ("merge", "export", "--init-adapter")],
+           "non-finite", setup=_adapter_variant("nan-adapter", _one_nan),
+           check=_nothing_written(command, "nan-adapter")) for command in ("merge", "export", "--init-adapter")],
     Case("merge an adapter whose update overflows", _with_adapter("merge", "huge-adapter"),
-         words="not finite once the adapter's update is added", check=_nothing_written,
+         words="not finite once the adapter's update is added", check=_nothing_written("merge", "huge-adapter"),
          setup=_adapter_variant("huge-adapter", lambda t: t.update({k: v * 1e30 for k, v in t.items()}))),
     Case("DPO with chosen == rejected in every pair", ft("--objective", "dpo", data="same-pairs.jsonl", out="same"),
          words="the chosen and the rejected response are the same", setup=_identical_pairs),
@@ -484,7 +488,11 @@ def _finish(proc: subprocess.Popen, signum: int, timeout: float) -> tuple[int, s
 
 def judge(case: Case, r: Path, timeout: float = TIMEOUT) -> dict:
     if case.setup:
-        case.setup(r)
+        try:
+            case.setup(r)
+        except Exception as err:  # an earlier case destroyed what this one needs (a model a GGUF overwrote, say)
+            return {"case": case.name, "exit": None, "verdict": f"bad: its setup failed ({type(err).__name__})",
+                    "seconds": 0.0, "message": str(err)[:300]}
     kept = case.keep(r) if case.keep else None
     before = _snapshot(kept) if kept else None
     env = {**os.environ, **{k: v.replace("{r}", str(r)) for k, v in case.env.items()}}
