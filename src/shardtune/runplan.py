@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from shardtune.config import Config, ConfigError, combination_refusal
+from shardtune.config import Config, ConfigError, combination_refusal, unit_of
 
 
 class BatchError(ConfigError):
@@ -115,8 +115,6 @@ def make_plan(cfg: Config, ranks: int, device: str, backend: str, why: str = "")
     if refused:
         raise ConfigError(refused)
     batch = BatchPlan.make(t.batch_size, t.micro_batch_size, ranks, cfg.data.packing)
-    # FSDP2's unit when nothing chose one (a GPU planned for from a machine without one): the lower peak
-    unit = ("part" if p.fsdp_unit == "auto" else p.fsdp_unit) if p.strategy == "fsdp2" else "-"
-    return RunPlan(p.strategy, unit, batch, cfg.data.seq_len, cfg.model.dtype, device, backend,
-                   p.activation_checkpointing, p.cpu_offload, p.replicate_groups, cfg.model.quantize,
+    return RunPlan(p.strategy, unit_of(p.strategy, p.fsdp_unit), batch, cfg.data.seq_len, cfg.model.dtype, device,
+                   backend, p.activation_checkpointing, p.cpu_offload, p.replicate_groups, cfg.model.quantize,
                    cfg.lora.variant, why)

@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from shardtune.config.strategies import FSDP_UNITS, STRATEGY_CHOICES
 from shardtune.errors import ShardtuneError
 
 
@@ -196,7 +197,7 @@ class ParallelConfig:
     nproc: int = opt(1, "nproc", FREE, "Worker processes to start on this node (one per GPU on GPU machines).",
         range=AT_LEAST_1)
     strategy: str = opt(
-        "auto", "strategy", FREE, "How to split the model over ranks.", ("auto", "fsdp2", "fsdp1", "ddp", "single")
+        "auto", "strategy", FREE, "How to split the model over ranks.", STRATEGY_CHOICES
     )
     activation_checkpointing: bool = opt(
         False, "activation-checkpointing", FREE,
@@ -207,7 +208,7 @@ class ParallelConfig:
         "auto", "fsdp-unit", FREE,
         "FSDP2's unit of sharding: whole decoder layers (fewer, larger collectives: faster) or "
         "their parts (attention and MLP projections: a lower peak); auto: layers when they fit --memory-per-rank.",
-        ("auto", "layer", "part"),
+        ("auto", *FSDP_UNITS),
     )
     memory_per_rank: str | None = opt(
         None, "memory-per-rank", FREE, "Memory one rank may use, e.g. 8GiB or 3000MB, for the automatic choices and "

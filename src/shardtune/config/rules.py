@@ -1,8 +1,6 @@
-"""The rules about option values: ranges, which options combine with which strategy, sizes, the
---data-fields mapping and the LoRA initialisations a sharded model cannot have.
-
-``validate`` runs every check that needs no file read; ``combination_refusal`` is the one rule of
-which options a strategy can run, and ``STRATEGIES`` (beside it) what each strategy is.
+"""The rules about option values: ``validate`` (every check that needs no file read), ranges, which
+options combine with which strategy (``combination_refusal``, from the traits in strategies.py),
+sizes, the --data-fields mapping and the LoRA initialisations a sharded model cannot have.
 """
 
 from __future__ import annotations
@@ -11,6 +9,7 @@ import math
 import re
 
 from shardtune.config.options import FLAGS, Config, ConfigError
+from shardtune.config.strategies import groups_refusal, traits
 
 
 def validate(cfg: Config, need_data: bool = True) -> None:
@@ -28,11 +27,9 @@ def validate(cfg: Config, need_data: bool = True) -> None:
         raise ConfigError(f"option 'node-rank' must be in [0, {cfg.parallel.nnodes}), got {cfg.parallel.node_rank}")
     if cfg.parallel.nnodes > 1 and not cfg.parallel.rdzv_endpoint:
         raise ConfigError("option 'rdzv-endpoint' (HOST:PORT of node 0) is required with --nnodes > 1")
-    ranks = cfg.parallel.nproc * cfg.parallel.nnodes
-    if cfg.parallel.replicate_groups > 1:
-        if ranks % cfg.parallel.replicate_groups:
-            raise ConfigError(f"option 'replicate-groups': {cfg.parallel.replicate_groups} groups do not divide "
-                              f"the {ranks} ranks (--nproc {cfg.parallel.nproc} x --nnodes {cfg.parallel.nnodes})")
+    refused = groups_refusal(cfg.parallel.replicate_groups, cfg.parallel.nproc * cfg.parallel.nnodes)
+    if refused:
+        raise ConfigError(f"{refused} (--nproc {cfg.parallel.nproc} x --nnodes {cfg.parallel.nnodes})")
     if cfg.parallel.memory_per_rank is not None:
         parse_size(cfg.parallel.memory_per_rank)
     if cfg.parallel.strategy != "auto":
@@ -52,26 +49,36 @@ def validate_preference(cfg: Config) -> None:
                           f"(got --objective {cfg.train.objective})")
 
 
+NF4_FSDP1 = ("option 'quantize': nf4 is not supported with --strategy fsdp1 (its flat parameters cannot hold "
+             "4-bit tensors); use --strategy fsdp2 (which gathers the 4-bit data), ddp or single")
+DORA_FSDP1 = ("option 'lora-variant': dora does not work under --strategy fsdp1 (DoRA reads its base layer's "
+              "weight outside that layer's FSDP1 unit); use fsdp2, ddp or single")
+
+
 def combination_refusal(cfg: Config, strategy: str, ranks: int | None = None) -> str | None:
-    """Why ``strategy`` cannot run ``cfg`` (None: it can): every rule about which options combine, once.
+    """Why ``strategy`` cannot run ``cfg`` (None: it can): every rule about which options combine, once,
+    read from the strategies' traits (strategies.py).
 
     ``validate`` refuses a strategy given by name with it, the automatic choice skips the strategies it
-    refuses, ``plan`` prints it on their rows, and the run plan is never made without passing it.
+    refuses, ``shardtune plan`` prints it on their rows, and no run plan is made without passing it.
     ``ranks``: the ranks the strategy would run on (default: --nproc × --nnodes).
     """
     ranks = cfg.parallel.nproc * cfg.parallel.nnodes if ranks is None else ranks
-    replicated = strategy in ("ddp", "single")
-    if strategy == "single" and ranks > 1:
-        return (f"option 'strategy': single runs one process, but {ranks} ranks were asked for "
+    t = traits(strategy)
+    if t.one_process and ranks > 1:
+        return (f"option 'strategy': {strategy} runs one process, but {ranks} ranks were asked for "
                 "(--nproc × --nnodes); use ddp, fsdp2 or fsdp1, or --nproc 1")
-    if cfg.model.quantize == "nf4" and strategy == "fsdp1":
-        return ("option 'quantize': nf4 is not supported with --strategy fsdp1 (its flat parameters cannot hold "
-                "4-bit tensors); use --strategy fsdp2 (which gathers the 4-bit data), ddp or single")
-    if cfg.lora.variant == "dora" and strategy == "fsdp1":
+    if cfg.model.quantize == "nf4" and not t.nf4:
+        return NF4_FSDP1
+    if cfg.lora.variant == "dora" and not t.dora:
         return DORA_FSDP1
-    if cfg.parallel.replicate_groups > 1 and replicated:
-        return f"option 'replicate-groups' needs an FSDP strategy, not '{strategy}'"
-    if cfg.parallel.cpu_offload and replicated:
+    if cfg.parallel.replicate_groups > 1:
+        if not t.hsdp:
+            return f"option 'replicate-groups' needs an FSDP strategy, not '{strategy}'"
+        refused = groups_refusal(cfg.parallel.replicate_groups, ranks)
+        if refused:
+            return refused
+    if cfg.parallel.cpu_offload and not t.cpu_offload:
         return f"option 'cpu-offload' needs an FSDP strategy, not '{strategy}'"
     return None
 
@@ -134,11 +141,6 @@ REFUSED_INITS = {
     "orthogonal": "reads each whole base weight",
     "mica": "an SVD of each whole base weight",
 }
-DORA_FSDP1 = (
-    "option 'lora-variant': dora does not work under --strategy fsdp1 (DoRA reads its base layer's weight "
-    "outside that layer's FSDP1 unit); use fsdp2, ddp or single"
-)
-
 
 def validate_lora_init(init: str) -> None:
     name = init.lower()

@@ -76,10 +76,9 @@ def _build(model_dir: ModelDir, meta_model: nn.Module | None, cfg: Config, worke
     if cfg.model.quantize == "nf4":
         selection = quantize.select(model)
         quantize.warn_kept(selection)
-        if plan.strategy == "fsdp2":  # the rule resolve() checked too; load_sharded has no resolve before it
-            quantize.check_even_split(selection, worker.world_size // plan.replicate_groups)
+        quantize.check_sharding(selection, plan)
         quantize.make_meta_nf4(selection)
-    strategy = make_strategy(plan.strategy, worker, dtype, plan.cpu_offload, plan.replicate_groups, plan.fsdp_unit)
+    strategy = make_strategy(plan, worker, dtype)
     snapshot = take_snapshot(model, lora_init)
     model = parallelize(
         model, strategy, lambda m, targets: load(m, model_dir, worker.device, snapshot, targets, strategy.host_params),
