@@ -74,7 +74,7 @@ def run_job(recipe: str, malloc: str, model: Path, data: Path, args: argparse.Na
 def predictions(model: Path, args: argparse.Namespace) -> dict[str, dict]:
     """The planner's per-rank peak for each shardtune recipe, same flags as the jobs."""
     from shardtune.config import build_config
-    from shardtune.plan import plan
+    from shardtune.train.choice import strategy_rows
 
     out = {}
     for quantize in ("none", "nf4"):
@@ -82,7 +82,7 @@ def predictions(model: Path, args: argparse.Namespace) -> dict[str, dict]:
                             "micro-batch-size": 1, "seq-len": args.seq_len, "lora-r": 8,
                             "lora-targets": "q_proj,v_proj", "quantize": quantize, "device": "cpu",
                             "dtype": args.dtype})
-        for strategy, preds in plan(cfg).items():
+        for strategy, preds in strategy_rows(cfg).items():
             for p in preds:
                 name = (f"shardtune-{strategy}{'-ac' * p.activation_checkpointing}{'-offload' * p.cpu_offload}"
                         f"{'-nf4' * (quantize == 'nf4')}")

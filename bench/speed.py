@@ -192,8 +192,8 @@ def rule_jobs(model: Path, data: Path, gib: float, dtype: str, top: int) -> list
                         "batch-size": 16, "micro-batch-size": "auto", "fsdp-unit": "auto", "seq-len": 512,
                         "lora-r": 8, "lora-alpha": 16, "lora-targets": "q_proj,v_proj", "dtype": dtype})
     tokenizer = load_tokenizer(check_model_dir(str(model)))
-    mean = lengths_of(load_dataset(str(data), tokenizer, 512).examples).mean
-    fitting = sorted((c for c, fits in candidates(cfg, int(gib * GIB), mean) if fits), key=Candidate.key)
+    lengths = lengths_of(load_dataset(str(data), tokenizer, 512).examples)
+    fitting = sorted((c for c, fits in candidates(cfg, int(gib * GIB), lengths) if fits), key=Candidate.key)
     jobs = []
     for i, c in enumerate(fitting[:top], 1):
         argv = ["shardtune", "--strategy", c.strategy, "--fsdp-unit", c.fsdp_unit if c.fsdp_unit != "-" else "part",

@@ -124,9 +124,9 @@ def test_fsdp2_gathers_through_shared_memory_with_the_same_gradients(tmp_path, m
             assert torch.equal(s["grads"][name], grad), name
     # The planner's "buffers" term is what the run really kept in shared gather buffers (not a formula restated)
     from shardtune.config import build_config
-    from shardtune.plan import plan
+    from shardtune.train.choice import strategy_rows
 
     cfg = build_config({"model": model_dir, "dtype": "fp32", "strategy": "fsdp2", "fsdp-unit": "layer", "nproc": 2})
     monkeypatch.delenv("SHARDTUNE_SHARED_GATHER")
     kept = sum(nbytes * n for nbytes, (_, n) in shared[0]["pools"].items())
-    assert plan(cfg, 1 << 40)["fsdp2"][0].terms["buffers"] * 2**20 == pytest.approx(kept, rel=0.05)
+    assert strategy_rows(cfg, 1 << 40)["fsdp2"][0].terms["buffers"] * 2**20 == pytest.approx(kept, rel=0.05)

@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from shardtune import cli
-from shardtune.config import ConfigError, build_config, parse_size
+from shardtune.config import STRATEGIES, ConfigError, build_config, parse_size
+from shardtune.memory_table import as_json
 from shardtune.model.footprint import model_facts
-from shardtune.plan import as_json, plan
-from shardtune.train.memory_model import MB, STRATEGIES, TERMS, predict
+from shardtune.train.choice import strategy_rows
+from shardtune.train.memory_model import MB, TERMS, Setting, predict
 
 from tiny import make_model
 
@@ -45,7 +46,7 @@ def test_parse_size_units() -> None:
 
 
 def test_terms_add_up_and_json_keys(model_dir: Path) -> None:
-    predictions = plan(_cfg(model_dir), memory_per_rank=1 << 40)
+    predictions = strategy_rows(_cfg(model_dir), memory_per_rank=1 << 40)
     doc = as_json(predictions)
     assert list(doc) == list(STRATEGIES)
     for entry in doc.values():
@@ -61,16 +62,16 @@ def test_terms_add_up_and_json_keys(model_dir: Path) -> None:
 
 def test_fits_follows_memory_per_rank(model_dir: Path) -> None:
     cfg = _cfg(model_dir)
-    peak = _first(plan(cfg, memory_per_rank=1 << 40), "fsdp2").peak_mb
-    tight = plan(cfg, memory_per_rank=int((peak - 0.01) * MB))
-    roomy = plan(cfg, memory_per_rank=int((peak + 0.01) * MB))
+    peak = _first(strategy_rows(cfg, memory_per_rank=1 << 40), "fsdp2").peak_mb
+    tight = strategy_rows(cfg, memory_per_rank=int((peak - 0.01) * MB))
+    roomy = strategy_rows(cfg, memory_per_rank=int((peak + 0.01) * MB))
     assert _first(tight, "fsdp2").fits is False and _first(roomy, "fsdp2").fits is True
     # single holds the whole model: it cannot fit where sharding barely does
     assert _first(tight, "single").fits is False
 
 
 def test_more_ranks_shrink_the_shard_terms(model_dir: Path) -> None:
-    by_ranks = {n: plan(_cfg(model_dir, nproc=n, dtype="fp32"), 1 << 40) for n in (1, 2, 4)}
+    by_ranks = {n: strategy_rows(_cfg(model_dir, nproc=n, dtype="fp32"), 1 << 40) for n in (1, 2, 4)}
     weights = [_first(by_ranks[n], "fsdp2").terms["weights"] for n in (1, 2, 4)]
     assert weights[0] > weights[1] > weights[2]
     # against the checkpoint itself (fp32, as stored; LoRA is not in it): the bytes of its tensors
@@ -85,13 +86,13 @@ def test_more_ranks_shrink_the_shard_terms(model_dir: Path) -> None:
 
 
 def test_checkpointing_cuts_activations_and_longer_sequences_cost_more(model_dir: Path) -> None:
-    predictions = plan(_cfg(model_dir), 1 << 40)
+    predictions = strategy_rows(_cfg(model_dir), 1 << 40)
     for strategy in ("fsdp2", "ddp"):
         plain = next(p for p in predictions[strategy] if not p.activation_checkpointing)
         ckpt = next(p for p in predictions[strategy] if p.activation_checkpointing)
         assert ckpt.peak_mb < plain.peak_mb
         assert ckpt.terms["activations"] < plain.terms["activations"] + plain.terms["logits"]
-    short = _first(plan(_cfg(model_dir, **{"seq-len": 32}), 1 << 40), "fsdp2")
+    short = _first(strategy_rows(_cfg(model_dir, **{"seq-len": 32}), 1 << 40), "fsdp2")
     long = _first(predictions, "fsdp2")
     # saved tensors grow linearly with tokens (the CPU attention kernel keeps no T × T matrix)
     ratio = (long.terms["activations"]) / (short.terms["activations"])
@@ -100,24 +101,23 @@ def test_checkpointing_cuts_activations_and_longer_sequences_cost_more(model_dir
 
 def test_offload_moves_shards_off_the_gpu(model_dir: Path) -> None:
     facts = model_facts(_cfg(model_dir, dtype="bf16"), {1}, {torch.bfloat16}, torch.device("cpu"))
-    cuda = torch.device("cuda", 0)  # predict() only reads the device's type
-    kept = predict(facts, "fsdp2", 2, 1, 64, ac=False, offload=False, device=cuda)
-    offloaded = predict(facts, "fsdp2", 2, 1, 64, ac=False, offload=True, device=cuda)
+    kept = predict(facts, Setting("fsdp2", 2, 1, 64), "cuda")
+    offloaded = predict(facts, Setting("fsdp2", 2, 1, 64, cpu_offload=True), "cuda")
     assert offloaded.terms["weights"] == 0 and kept.terms["weights"] > 0
     assert offloaded.peak_mb < kept.peak_mb and offloaded.host_mb >= kept.terms["weights"] > 0  # moved, not lost
     assert offloaded.terms["blocks"] == kept.terms["blocks"]  # gathering still happens on the GPU
-    on_cpu = predict(facts, "fsdp2", 2, 1, 64, ac=False, offload=True, device=torch.device("cpu"))
+    on_cpu = predict(facts, Setting("fsdp2", 2, 1, 64, cpu_offload=True), "cpu")
     assert on_cpu.terms["weights"] > 0 and "nothing" in on_cpu.note
 
 
 def test_tied_model_keeps_its_root(tmp_path: Path) -> None:
     tied = make_model(tmp_path / "tied", "llama", tied=True)
-    predictions = plan(_cfg(tied), 1 << 40)
+    predictions = strategy_rows(_cfg(tied), 1 << 40)
     assert _first(predictions, "fsdp2").terms["root"] > 0 and _first(predictions, "fsdp1").terms["root"] > 0
 
 
 def test_impossible_batch_is_reported_per_strategy(model_dir: Path) -> None:
-    predictions = plan(_cfg(model_dir, nproc=3), 1 << 40)  # batch 4 cannot split over 3 ranks
+    predictions = strategy_rows(_cfg(model_dir, nproc=3), 1 << 40)  # batch 4 cannot split over 3 ranks
     assert not _first(predictions, "fsdp2").terms and "multiple" in _first(predictions, "fsdp2").note
     assert _first(predictions, "single").terms
 
@@ -212,7 +212,7 @@ def test_cpu_fsdp2_counts_the_shared_gather_buffers(model_dir: Path, monkeypatch
 
     def buffers(shared: bool, ranks: int = 2) -> float:
         monkeypatch.setattr(host_gather, "enabled", lambda: shared)
-        return predict(facts, "fsdp2", ranks, 1, 64, False, False, torch.device("cpu"), unit=unit).terms["buffers"]
+        return predict(facts, Setting("fsdp2", ranks, 1, 64, fsdp_unit=unit), "cpu").terms["buffers"]
 
     # how big they are is checked against a real run's buffers (test_host_gather.py); here: when they exist
     assert buffers(True) >= max(units) / MB > 0

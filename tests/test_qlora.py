@@ -222,15 +222,15 @@ def test_bad_quantize_options_are_refused_before_loading(monkeypatch):
 
 
 def test_plan_counts_nf4_and_plans_for_cuda_from_a_config_json_alone(tmp_path):
-    from shardtune.plan import plan
+    from shardtune.train.choice import strategy_rows
 
     make_model(tmp_path / "full", "llama", hidden=64)
     only = tmp_path / "only-config"
     only.mkdir()
     (only / "config.json").write_text((tmp_path / "full" / "config.json").read_text())
     options = {"model": str(only), "nproc": 2, "batch-size": 2, "seq-len": 32, "device": "cuda"}
-    bf16 = plan(build_config(options), 1 << 30)["fsdp2"][0]
-    nf4 = plan(build_config({**options, "quantize": "nf4"}), 1 << 30)["fsdp2"][0]
+    bf16 = strategy_rows(build_config(options), 1 << 30)["fsdp2"][0]
+    nf4 = strategy_rows(build_config({**options, "quantize": "nf4"}), 1 << 30)["fsdp2"][0]
     layers = (2 * 64 * 64 + 2 * 32 * 64 + 3 * 64 * 128) * 2  # q,o + k,v + gate,up,down; 2 layers
     saved_mb = layers * (2 - quantize.bits_per_weight(64, 64) / 8) / 2 / 2**20  # per rank, 2 ranks
     assert bf16.terms["weights"] - nf4.terms["weights"] == pytest.approx(saved_mb, rel=0.05)
@@ -238,4 +238,4 @@ def test_plan_counts_nf4_and_plans_for_cuda_from_a_config_json_alone(tmp_path):
     assert nf4.terms["dequant"] == pytest.approx(64 * 128 * 2 / 2**20) and bf16.terms["dequant"] == 0
     with pytest.raises(ConfigError) as refused:  # plan's row says what finetune says, in the same words
         validate(build_config({**options, "quantize": "nf4", "strategy": "fsdp1", "data": "d", "out": "o"}))
-    assert plan(build_config({**options, "quantize": "nf4"}), 1 << 30)["fsdp1"][0].note == str(refused.value)
+    assert strategy_rows(build_config({**options, "quantize": "nf4"}), 1 << 30)["fsdp1"][0].note == str(refused.value)

@@ -50,9 +50,9 @@ def cmd_finetune(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from shardtune.plan import run_plan
+    from shardtune.memory_table import show
 
-    return run_plan(args.config, _overrides(args), args.json)
+    return show(args.config, _overrides(args), args.json)
 
 
 def _fmt(value: Any) -> str:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from shardtune.config import traits
 from shardtune.model.footprint import Facts
 from shardtune.parallel import host_gather
 from shardtune.runtime.device import memory_per_rank
@@ -24,7 +25,6 @@ if TYPE_CHECKING:
     from shardtune.config import Config
     from shardtune.train.data import Lengths
 
-STRATEGIES = ("fsdp2", "fsdp1", "ddp", "single")
 #: A worker's private memory before loading (CPU): torch, transformers, peft, gloo, tokenizer, data
 #: (the recipe imports peft before it starts loading, so this is all code, no model).
 RUNTIME_CPU_MB = 295
@@ -183,17 +183,30 @@ def _fsdp2_moments(device: str, f: Facts, n: int, copies: int, acts: float, work
     }
 
 
-def predict(f: Facts, strategy: str, ranks: int, micro_batch: int, seq_len: int, ac: bool, offload: bool,
-            device: torch.device, replicate_groups: int = 1, unit: str = "part") -> Prediction:
-    """One strategy's per-rank peak, in MB, from the model's facts (``unit``: FSDP2's unit size).
+@dataclass(frozen=True)
+class Setting:
+    """One way to run a training step, as the memory model sees it."""
 
-    HSDP (``replicate_groups`` > 1) shards over the ranks of one group only: a rank holds 1/(ranks/groups).
-    """
-    sharded = strategy in ("fsdp2", "fsdp1")
-    n = ranks // replicate_groups if sharded else 1
+    strategy: str
+    ranks: int
+    rows: int  # sequences one forward computes (a preference pair is two)
+    row_tokens: int  # tokens in each (train/choice.py: ``row_tokens``)
+    activation_checkpointing: bool = False
+    cpu_offload: bool = False
+    #: HSDP (> 1) shards over the ranks of one group only: a rank holds 1/(ranks/groups)
+    replicate_groups: int = 1
+    fsdp_unit: str = "part"  # FSDP2's unit of sharding, "layer" or "part" (others: ignored)
+
+
+def predict(f: Facts, s: Setting, device: str) -> Prediction:
+    """The per-rank peak of setting ``s`` on ``device`` ('cuda' or 'cpu'), in MB, from the model's facts."""
+    strategy, micro_batch, seq_len = s.strategy, s.rows, s.row_tokens
+    ac, offload, unit = s.activation_checkpointing, s.cpu_offload, s.fsdp_unit
+    t = traits(strategy)
+    n = s.ranks // s.replicate_groups if t.shards else 1
     # LoRA computes in the compute dtype under every strategy (parallel/compute_dtype.py)
     lora_dtype = {2: torch.bfloat16, 4: torch.float32}[f.compute_itemsize]
-    per_layer, outside, vocab = f.saved[micro_batch, lora_dtype]
+    per_layer, outside, vocab = f.saved_for(micro_batch, lora_dtype)
     micro_tokens = micro_batch * seq_len
     if ac:
         # Each layer keeps only its input; in backward one layer at a time recomputes its own set.
@@ -211,18 +224,17 @@ def predict(f: Facts, strategy: str, ranks: int, micro_batch: int, seq_len: int,
     logits_bwd = 2 * logits + upcast
     lora = 4 * f.trainable_params / n
     kept = {
-        "runtime": (CUDA_CONTEXT_MB if device.type == "cuda" else runtime_cpu_mb() + STEP_OVERHEAD_CPU_MB) * MB,
+        "runtime": (CUDA_CONTEXT_MB if device == "cuda" else runtime_cpu_mb() + STEP_OVERHEAD_CPU_MB) * MB,
         "weights": f.frozen_bytes / n,
         "lora": lora,
-        "grads": lora * (2 if strategy == "ddp" else 1),
+        "grads": lora * (2 if t.grad_buckets else 1),
         "optimizer": 2 * lora,
     }
     host = 0.0
-    if offload and device.type == "cuda":  # the shards and their optimizer live in host RAM
+    if offload and device == "cuda":  # the shards and their optimizer live in host RAM
         host = sum(kept[k] for k in ("weights", "lora", "grads", "optimizer"))
         kept.update(weights=0.0, lora=0.0, grads=0.0, optimizer=0.0)
-    moments = _moments(strategy, "cuda" if device.type == "cuda" else "cpu", f, n, acts, workspace, logits_fwd,
-                       logits_bwd, unit)
+    moments = _moments(strategy, device, f, n, acts, workspace, logits_fwd, logits_bwd, unit)
     if f.dequant_bytes:
         moments["backward through the layers"]["dequant"] = f.dequant_bytes
         # loading: the shard so far plus one slice being quantized (no gradients or optimizer yet)
@@ -232,7 +244,7 @@ def predict(f: Facts, strategy: str, ranks: int, micro_batch: int, seq_len: int,
     moment, extra = max(moments.items(), key=lambda kv: sum(kv[1].values()))
     terms = {k: kept.get(k, 0.0) + extra.get(k, 0.0) for k in TERMS}
     note = ""
-    if offload and device.type != "cuda":
+    if offload and device != "cuda":
         note = "on CPU, offloading changes nothing: the shards are in RAM already"
     return Prediction(strategy, n, ac, offload, {k: v / MB for k, v in terms.items()}, moment,
                       host_mb=host / MB, read_mb=f.checkpoint_bytes / n / MB, block_mb=f.block_bytes / MB,
@@ -249,22 +261,9 @@ def row_tokens(cfg: Config, lengths: Lengths | None) -> int:
     return min(cfg.data.seq_len, lengths.longest)
 
 
-def plan_device(requested: str = "auto") -> tuple[torch.device, torch.device]:
-    """(the device planned for, the device the fake-tensor pass runs on).
-
-    ``--device cuda`` plans for GPUs from any machine: without CUDA here the fake pass runs on the CPU
-    device (a CUDA fake pass needs CUDA: SDPA aborts the process without it) and the CUDA terms
-    (context, gathers, no glibc heap) come from ``predict``.
-    """
-    target = "cuda" if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()) else "cpu"
-    traced = target if target == "cpu" or torch.cuda.is_available() else "cpu"
-    return torch.device(target, 0) if target == "cuda" else torch.device("cpu"), torch.device(traced)
-
-
-def default_memory_per_rank(local_ranks: int, device: torch.device) -> int | None:
-    """This machine's memory per rank; None when planning for GPUs on a machine without one."""
-    if device.type == "cuda" and not torch.cuda.is_available():
+def default_memory_per_rank(local_ranks: int, device: str) -> int | None:
+    """This machine's memory per rank on ``device`` ('cuda' or 'cpu'); None when planning for GPUs on a
+    machine without one."""
+    if device == "cuda" and not torch.cuda.is_available():
         return None
-    return memory_per_rank(device, local_ranks)
-
-
+    return memory_per_rank(torch.device(device, 0) if device == "cuda" else torch.device("cpu"), local_ranks)

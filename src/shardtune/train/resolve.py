@@ -14,24 +14,22 @@ from torch import nn
 
 from shardtune.config import Config
 from shardtune.model import quantize
-from shardtune.model.directory import check_model_dir
-from shardtune.model.lora import inject_lora
-from shardtune.model.meta import build_meta_model, compute_dtype
 from shardtune.runplan import BatchPlan, RunPlan, make_plan
 from shardtune.runtime.device import backend, decide_dtype, planned_device_type
-from shardtune.train.choice import Candidate, choose
+from shardtune.train.choice import Candidate, Search, choose
 
 if TYPE_CHECKING:
     from shardtune.train.data import Lengths
 
 
-def resolve(cfg: Config, lengths: Lengths | None = None, model: nn.Module | None = None
-            ) -> tuple[Config, RunPlan | None, Candidate | None]:
+def resolve(cfg: Config, lengths: Lengths | None = None, model: nn.Module | None = None,
+            search: Search | None = None) -> tuple[Config, RunPlan | None, Candidate | None]:
     """(``cfg`` with nothing left on 'auto', its run plan, the automatic choice's candidate or None).
 
     ``cfg`` must have passed ``config.validate``. ``lengths``: the training data's record lengths, when
     known (the planner sizes a step's rows by them: ``choice.candidates``). ``model``: the LoRA model
-    on meta, when the caller has built it (otherwise built here if a rule needs it).
+    on meta, when the caller has built it (otherwise built here if a rule needs it). ``search``: the
+    command's search over settings, when the caller reads it too (``shardtune plan``).
     The plan is None only when planning for GPUs from a machine without one with something left to
     choose: nothing measures the fit there (``shardtune plan`` still prints every prediction).
     Raises ConfigError (a BatchError for the batch arithmetic) naming the option at fault.
@@ -42,14 +40,12 @@ def resolve(cfg: Config, lengths: Lengths | None = None, model: nn.Module | None
     ranks = cfg.parallel.nproc * cfg.parallel.nnodes
     if cfg.train.micro_batch_size != "auto":  # before the choice: the error names the user's value
         BatchPlan.make(cfg.train.batch_size, cfg.train.micro_batch_size, ranks, cfg.data.packing)
-    cfg, chosen, why = choose(cfg, lengths)
+    search = search or Search(cfg, lengths, model)
+    cfg, chosen, why = choose(cfg, lengths, search)
     if cfg.parallel.strategy == "auto":
         return cfg, None, chosen
     kind = planned_device_type(cfg.parallel.device)
     plan = make_plan(cfg, ranks, kind, backend(kind, cfg.parallel.cpu_offload), why)
-    if cfg.model.quantize == "nf4" and plan.strategy == "fsdp2":
-        if model is None:
-            model_dir = check_model_dir(cfg.model.path, cfg.model.trust_remote_code)
-            model, _ = inject_lora(build_meta_model(model_dir, compute_dtype(cfg)), cfg.lora, cfg.train.seed)
-        quantize.check_even_split(quantize.select(model), ranks // plan.replicate_groups)
+    if cfg.model.quantize == "nf4":
+        quantize.check_sharding(quantize.select(search.model), plan)
     return cfg, plan, chosen
