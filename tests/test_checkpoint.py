@@ -115,6 +115,35 @@ def test_resume_on_other_world_sizes_matches(root, reference):
     assert "resumed on 2" in (root / "one-to-two.log").read_text()
 
 
+def test_the_documented_resume_command_continues_on_other_ranks(root, reference):
+    """`shardtune finetune --config OUT/config.yaml --resume` (docs/checkpoints.md) on another number of
+    ranks: config.yaml keeps what was asked (auto), so the choice is made again for the new ranks (it used
+    to store the 1-rank choice, single, which 2 ranks refuse) and the run continues as the reference."""
+    import yaml
+
+    import shardtune
+    from shardtune.cli import main
+
+    out = root / "asked"
+    first = shardtune.finetune(_options(root, "asked", 1, strategy="auto"))
+    assert first["strategy"] == "single" and first["run_plan"]["why"]  # what auto chose: in the run plan
+    written = yaml.safe_load((out / "config.yaml").read_text())
+    assert written["strategy"] == "auto" and written["micro-batch-size"] is None and written["nproc"] == 1
+    for step in (4, 6):  # as if it had stopped right after step 2
+        shutil.rmtree(out / "checkpoints" / f"step-{step}")
+    assert main(["finetune", "--config", str(out / "config.yaml"), "--resume", "--nproc", "2"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["resumed_from_step"] == 2 and summary["world_size"] == 2 and summary["strategy"] != "single"
+    ref_metrics, metrics = _metrics(reference), _metrics(out)
+    assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
+    for key in ("loss", "grad_norm"):
+        torch.testing.assert_close(torch.tensor([m[key] for m in metrics]),
+                                   torch.tensor([m[key] for m in ref_metrics]), rtol=1e-5, atol=1e-6)
+    ref_adapter, adapter = _adapter(reference / "adapter"), _adapter(out / "adapter")
+    for key in ref_adapter:
+        torch.testing.assert_close(adapter[key], ref_adapter[key], rtol=1e-4, atol=1e-5, msg=key)
+
+
 def test_checkpoint_holds_lora_state_only_and_gives_the_final_adapter(root, reference, capsys):
     import torch.distributed.checkpoint as dcp
 

@@ -102,7 +102,8 @@ def test_more_cpu_workers_than_cores_warns(caplog, tmp_path, tiny_llama, train_j
 
     import shardtune.launch
 
-    monkeypatch.setattr(shardtune.launch, "launch", lambda cfg, plan: {})  # the checks' verdict is all this needs
+    # the checks' verdict is all this needs
+    monkeypatch.setattr(shardtune.launch, "launch", lambda cfg, plan, asked=None: {})
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     code = main(["finetune", "--model", str(tiny_llama), "--data", str(train_jsonl), "--out", str(tmp_path / "o"),
                  "--device", "cpu", "--nproc", "4", "--batch-size", "4", "--steps", "1"])

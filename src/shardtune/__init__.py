@@ -33,12 +33,12 @@ def finetune(config: str | Path | dict[str, Any] | None = None, nproc: int | Non
     if nproc is not None:
         overrides["nproc"] = nproc
     overrides.update(_torchrun_layout())
-    cfg = build_config(config, overrides)
+    asked = build_config(config, overrides)
     with stage("preflight"):
-        cfg, plan = preflight(cfg)  # the run plan, resolved once for every rank
+        cfg, plan = preflight(asked)  # the run plan, resolved once for every rank
     from shardtune.tools.vllm_check import warn_after_training
 
-    return warn_after_training(launch(cfg, plan))  # the adapter vLLM would refuse: say so now
+    return warn_after_training(launch(cfg, plan, asked))  # the adapter vLLM would refuse: say so now
 
 
 def _torchrun_layout() -> dict[str, Any]:

@@ -28,7 +28,7 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantize", default="none", choices=("none", "nf4"),
                    help="nf4: the decoder-layer Linear weights in 4-bit NF4, as a QLoRA fine-tune "
                         "(--quantize nf4) trained on them, quantized from --dtype as training does: give the "
-                        "fine-tune's dtype (its config.yaml) [default: none]")
+                        "fine-tune's dtype (its summary.json) [default: none]")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="allow a model whose config names its own Python code (auto_map); runs that code")
 

@@ -214,8 +214,6 @@ class ParallelConfig:
         None, "memory-per-rank", FREE, "Memory one rank may use, e.g. 8GiB or 3000MB, for the automatic choices and "
         "`plan` [default: this GPU's memory, or available RAM / local ranks]."
     )
-    chosen: str = opt("", "chosen", FREE,
-        "Written by shardtune into config.yaml: what the automatic choice picked and why.")
     cpu_offload: bool = opt(False, "cpu-offload", FREE, "Keep sharded parameters on CPU (FSDP only).")
     device: str = opt(
         "auto", "device", FREE,
@@ -272,7 +270,8 @@ class Config:
     output: OutputConfig = field(default_factory=OutputConfig)
 
     def flat(self) -> dict[str, Any]:
-        """The options keyed by flag name: what ``config.yaml`` holds and ``--config`` reads back."""
+        """The options keyed by flag name: what ``config.yaml`` holds (as the user gave them: what ``auto``
+        chose is the run plan's) and ``--config`` reads back."""
         return {f.metadata["flag"]: getattr(getattr(self, s), f.name) for s, f in all_fields()}
 
 

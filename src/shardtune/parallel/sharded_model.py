@@ -71,7 +71,7 @@ def _build(model_dir: ModelDir, meta_model: nn.Module | None, cfg: Config, worke
         if p.requires_grad:
             p.data = p.data.float()  # trainable weights and their optimizer state stay fp32
     total, trainable = count_params(model)
-    if not plan.why:  # an automatic choice is said once, by rank 0 of the recipe (cfg.parallel.chosen)
+    if not plan.why:  # an automatic choice is said once, by rank 0 of the recipe (plan.why)
         log.info("strategy %s: requested", plan.strategy)
     if cfg.model.quantize == "nf4":
         selection = quantize.select(model)

@@ -220,7 +220,7 @@ def choose(cfg: Config, lengths: Lengths | None = None,
                f"{best.describe()}, {format_size(best.peak_mb * MB)}")
     parallel = dataclasses.replace(
         cfg.parallel, strategy=best.strategy, activation_checkpointing=best.activation_checkpointing,
-        fsdp_unit=best.fsdp_unit if traits(best.strategy).fsdp_unit else cfg.parallel.fsdp_unit, chosen=why)
+        fsdp_unit=best.fsdp_unit if traits(best.strategy).fsdp_unit else cfg.parallel.fsdp_unit)
     train = dataclasses.replace(cfg.train, micro_batch_size=best.micro_batch_size)
     return dataclasses.replace(cfg, parallel=parallel, train=train), best, why
 

@@ -365,8 +365,8 @@ def run(cfg: Config, plan: RunPlan | None = None) -> dict:
     cfg, plan = _plan_of_rank0(cfg, plan, worker)
     out = Path(cfg.output.out)
     setup_logging(worker.rank, cfg.output.log_file)
-    if worker.is_main and cfg.parallel.chosen:
-        log.info("configuration: %s", cfg.parallel.chosen)
+    if worker.is_main and plan.why:
+        log.info("configuration: %s", plan.why)
     memory = MemoryMonitor(worker.device)
     try:
         load_started = time.perf_counter()
