@@ -96,10 +96,11 @@ def fsdp2_gradients(rank: int, world_size: int, model_dir: str) -> dict:
     from shardtune.config import build_config
     from shardtune.parallel.sharded_model import build_model
     from shardtune.runtime import distributed
+    from shardtune.train.resolve import resolve_on
 
     worker = distributed.init_worker()
     cfg = build_config({"model": model_dir, "dtype": "fp32", "strategy": "fsdp2", "fsdp-unit": "layer", "seed": 3})
-    built = build_model(cfg, worker)
+    built = build_model(cfg, worker, resolve_on(worker, cfg, batches=False))
     model, strategy = built.model.train(), built.strategy
     ids = torch.arange(16).reshape(1, 16) * (rank + 1) % 200
     model(input_ids=ids, labels=ids).loss.backward()

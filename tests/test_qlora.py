@@ -82,9 +82,11 @@ def test_fast_code_search_gives_torchaos_codes_bit_for_bit(dtype):
 def _local_nf4(rank: int, world_size: int, options: dict) -> dict:
     from shardtune.parallel.sharded_model import build_model
     from shardtune.runtime import distributed
+    from shardtune.train.resolve import resolve_on
 
     worker = distributed.init_worker()
-    built = build_model(build_config(options), worker)
+    cfg = build_config(options)
+    built = build_model(cfg, worker, resolve_on(worker, cfg, batches=False))
     out = {}
     for name, p in built.model.named_parameters():
         if nf4_fill.is_nf4(p):

@@ -4,7 +4,7 @@ Sizes come from the model built on the meta device with LoRA injected (model.py)
 safetensors headers. Activations are not guessed from a formula: one forward pass runs on fake
 tensors (shapes and dtypes only: no memory, no arithmetic, but the real kernels' choices, e.g. the
 attention path for the device) and records every tensor autograd saves for backward, per decoder
-layer. plan.py turns these facts into per-rank peaks.
+layer. train/memory_model.py turns these facts into per-rank peaks.
 """
 
 from __future__ import annotations

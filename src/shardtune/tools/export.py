@@ -1,7 +1,7 @@
 """Write base + LoRA adapter as one GGUF file for llama.cpp and Ollama, streaming one tensor at a time.
 
-The merge is ``merge.py``'s (its plan and its per-tensor iterator): each base tensor is read, merged
-in fp32, renamed to llama.cpp's name with the gguf package's own tensor-name map, converted and
+The merge is ``merge.py``'s (``merge_sources`` and its per-tensor iterator): each base tensor is read,
+merged in fp32, renamed to llama.cpp's name with the gguf package's own tensor-name map, converted and
 written a block of rows at a time before the next is read, so the model is never whole in memory and
 no tensor has a converted copy of all of it. Each tensor is read through its own safetensors handle,
 so the weight files' pages do not stay mapped in this process once written. A QLoRA adapter merges into
@@ -43,7 +43,7 @@ from shardtune.runtime.files import OutputError, check_writable, output_error
 from shardtune.runtime.memory import MMAP_THRESHOLD, tune_malloc
 from shardtune.runtime.progress import progress
 from shardtune.tools import gguf_gemma3
-from shardtune.tools.merge import MergePlan, merged_tensors, plan_merge
+from shardtune.tools.merge import MergeSources, merge_sources, merged_tensors
 
 if TYPE_CHECKING:
     import numpy as np
@@ -108,8 +108,8 @@ def export_gguf(model: str | Path, adapter: str | Path | None, out: str | Path, 
             raise ExportError(f"{model_dir.path / 'config.json'}: {problem}; llama.cpp's gemma3 would not run this "
                               "model as transformers does, so this GGUF export does not write it")
     arch = getattr(gguf.MODEL_ARCH, family.arch)
-    plan = plan_merge(model_dir, Path(adapter)) if adapter else MergePlan({}, _stored_names(model_dir), {})
-    layout = _layout(model_dir, plan, config, family, quant)
+    sources = merge_sources(model_dir, Path(adapter)) if adapter else MergeSources({}, _stored_names(model_dir), {})
+    layout = _layout(model_dir, sources, config, family, quant)
 
     # Each merged matrix is a fresh fp32 copy: with malloc's threshold fixed (memory.py), freeing it gives
     # it back to the system at once instead of leaving the heap grown by it.
@@ -136,7 +136,7 @@ def export_gguf(model: str | Path, adapter: str | Path | None, out: str | Path, 
             data.seek(0, os.SEEK_END)
             if rope_freqs is not None:
                 _append_tensor(data, [rope_freqs], rope_freqs.nbytes, writer.data_alignment)
-            for name, tensor in _merged_one_by_one(model_dir, plan, set(by_name)):
+            for name, tensor in _merged_one_by_one(model_dir, sources, set(by_name)):
                 item = by_name[name]
                 _append_tensor(data, _blocks(tensor, item, family, config, scratch), item.nbytes,
                                writer.data_alignment)
@@ -179,7 +179,7 @@ def _stored_names(model_dir) -> dict[str, str]:
     return names
 
 
-def _layout(model_dir, plan: MergePlan, config: dict, family: Family, quant: str) -> list[_Item]:
+def _layout(model_dir, sources: MergeSources, config: dict, family: Family, quant: str) -> list[_Item]:
     """Every tensor the file will hold, in writing order, from the safetensors headers alone."""
     import gguf
     import numpy as np
@@ -194,14 +194,14 @@ def _layout(model_dir, plan: MergePlan, config: dict, family: Family, quant: str
     items = []
     for file in model_dir.weight_files:
         with safe_open(str(file), framework="pt") as f:
-            for name, source in plan.names_in(file.name, list(f.keys())):
+            for name, source in sources.names_in(file.name, list(f.keys())):
                 text = gguf_gemma3.text_name(name) if family.multimodal else name
                 if text is None:
                     left_out += 1
                     continue
                 if name.endswith("rotary_emb.inv_freq"):
                     continue  # recomputed from rope_theta by every reader
-                if text == "lm_head.weight" and tied and name not in plan.extra:
+                if text == "lm_head.weight" and tied and name not in sources.extra:
                     continue  # the embedding serves as the output layer
                 gguf_name = tmap.get_name(text, try_suffixes=(".weight", ".bias"))
                 if gguf_name is None:
@@ -221,7 +221,7 @@ def _layout(model_dir, plan: MergePlan, config: dict, family: Family, quant: str
     return items
 
 
-def _merged_one_by_one(model_dir, plan: MergePlan, wanted: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
+def _merged_one_by_one(model_dir, sources: MergeSources, wanted: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, merged tensor) for each tensor in ``wanted``, in file order, each read through its own handle.
 
     safetensors maps the whole file while a handle is open, and every page read through it stays
@@ -232,10 +232,10 @@ def _merged_one_by_one(model_dir, plan: MergePlan, wanted: set[str]) -> Iterator
 
     for file in model_dir.weight_files:
         with safe_open(str(file), framework="pt") as f:
-            names = [(n, s) for n, s in plan.names_in(file.name, list(f.keys())) if n in wanted]
+            names = [(n, s) for n, s in sources.names_in(file.name, list(f.keys())) if n in wanted]
         for pair in names:
             with safe_open(str(file), framework="pt") as f:
-                ((name, tensor),) = merged_tensors(f, [pair], plan.changes)
+                ((name, tensor),) = merged_tensors(f, [pair], sources.changes)
             yield name, tensor
             del tensor
 

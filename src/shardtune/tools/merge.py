@@ -76,7 +76,7 @@ def read_adapter(adapter: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     return config, load_file(str(weights))
 
 
-def plan_changes(config: dict, tensors: dict[str, torch.Tensor]) -> dict[str, Change]:
+def changes_of(config: dict, tensors: dict[str, torch.Tensor]) -> dict[str, Change]:
     """{base tensor name (as the model names it): Change} for every tensor of the adapter."""
     from peft.utils.other import get_pattern_key
 
@@ -216,7 +216,7 @@ def merged_tensors(f, names: list[tuple[str, str]], changes: dict[str, Change]) 
 
 
 @dataclass
-class MergePlan:
+class MergeSources:
     """Where every merged tensor comes from: what ``merge`` writes, and what ``export`` streams."""
 
     changes: dict[str, Change]  # keyed by the checkpoint's own tensor names
@@ -228,7 +228,7 @@ class MergePlan:
         return [(n, n) for n in stored] + [(n, s) for n, s in self.extra.items() if self.file_of[s] == file_name]
 
 
-def plan_merge(model_dir: ModelDir, adapter: Path) -> MergePlan:
+def merge_sources(model_dir: ModelDir, adapter: Path) -> MergeSources:
     """Read the adapter and resolve each of its changes to a tensor of ``model_dir``'s checkpoint."""
     config, tensors = read_adapter(adapter)
     file_of = dict(model_dir.index["weight_map"]) if model_dir.index else {}
@@ -237,7 +237,7 @@ def plan_merge(model_dir: ModelDir, adapter: Path) -> MergePlan:
 
         with safe_open(str(model_dir.weight_files[0]), framework="pt") as f:
             file_of = {k: model_dir.weight_files[0].name for k in f.keys()}
-    changes = plan_changes(config, tensors)
+    changes = changes_of(config, tensors)
     unstored = [n for n in changes if not any(k in file_of for k in _stored_spellings(n))]
     tied = _tied_sources(model_dir) if unstored else {}
     changes = _resolve(changes, file_of, tied)
@@ -245,7 +245,7 @@ def plan_merge(model_dir: ModelDir, adapter: Path) -> MergePlan:
     extra = {name: tied[name] for name in changes if name not in file_of}
     for name, source in extra.items():
         file_of[name] = file_of[source]
-    return MergePlan(changes, file_of, extra)
+    return MergeSources(changes, file_of, extra)
 
 
 
@@ -259,9 +259,9 @@ def merge(model: str | Path, adapter: str | Path, out: str | Path, dtype: str = 
     """
     model_dir = check_model_dir(model, trust_remote_code)
     out = check_output_dir(out, overwrite=overwrite, inputs=(model, adapter))
-    plan = plan_merge(model_dir, Path(adapter))
+    sources = merge_sources(model_dir, Path(adapter))
     wanted = None if dtype == "auto" else DTYPES[dtype]
-    changes, file_of, extra = plan.changes, plan.file_of, plan.extra
+    changes, file_of, extra = sources.changes, sources.file_of, sources.extra
     # Each merged tensor is a fresh copy: with malloc's threshold fixed (runtime/memory.py), freeing it gives
     # it back to the system at once, where glibc's moving threshold would leave the heap grown by it.
     tune_malloc()

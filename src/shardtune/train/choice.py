@@ -40,7 +40,7 @@ from shardtune.config import (
     units_to_try,
 )
 from shardtune.model.footprint import Facts, meta_lora_model, model_facts
-from shardtune.runplan import BatchError, BatchPlan, RunPlan
+from shardtune.runplan import BatchError, BatchSplit, RunPlan
 from shardtune.runtime.device import decide_dtype, planned_device_type, trace_device
 from shardtune.runtime.memory import MB, format_size
 from shardtune.train.memory_model import Prediction, Setting, default_memory_per_rank, predict, row_tokens
@@ -230,20 +230,20 @@ def strategy_rows(cfg: Config, memory_per_rank: int | None = None, run: RunPlan 
     """``shardtune plan``'s rows: {strategy: predictions} for ``cfg``'s micro-batch (after the choice);
     the first of each is for the configured checkpointing/offload flags, the others vary them. A row
     that cannot run says why in its note, in the words of the rule that refuses it
-    (``config.combination_refusal``, ``BatchPlan.make``); ``run``: the plan ``finetune`` would run,
+    (``config.combination_refusal``, ``BatchSplit.of``); ``run``: the plan ``finetune`` would run,
     whose row is marked (``Prediction.runs``); ``lengths``: the training data's, which size a step's
     rows (``memory_model.row_tokens``); ``search``: the command's. Single is shown on one rank."""
     search = search or Search(cfg, lengths)
     ranks = cfg.parallel.nproc * cfg.parallel.nnodes
     budget = memory_per_rank or default_memory_per_rank(cfg.parallel.nproc, search.device)
-    batches: dict[str, BatchPlan | str] = {}
+    batches: dict[str, BatchSplit | str] = {}
     for strategy in STRATEGIES:
         try:
-            batches[strategy] = BatchPlan.make(cfg.train.batch_size, cfg.train.micro_batch_size,
+            batches[strategy] = BatchSplit.of(cfg.train.batch_size, cfg.train.micro_batch_size,
                                                ranks_of(strategy, ranks), cfg.data.packing)
         except BatchError as err:
             batches[strategy] = str(err)
-    if not any(isinstance(b, BatchPlan) for b in batches.values()):
+    if not any(isinstance(b, BatchSplit) for b in batches.values()):
         raise BatchError(next(iter(batches.values())))  # type: ignore[arg-type]
     given = (cfg.parallel.activation_checkpointing, cfg.parallel.cpu_offload)
     out: dict[str, list[Prediction]] = {}

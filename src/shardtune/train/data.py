@@ -24,7 +24,7 @@ import torch
 
 from shardtune.config import parse_fields
 from shardtune.errors import read_text
-from shardtune.runplan import BatchPlan
+from shardtune.runplan import BatchSplit
 from shardtune.train.datasets_io import (
     TokenizedExamples,
     cache_key,
@@ -315,7 +315,7 @@ class Sampler:
     Batch ``step`` depends only on (seed, step), which is what makes resuming exact.
     """
 
-    def __init__(self, dataset_size: int, plan: BatchPlan, seed: int) -> None:
+    def __init__(self, dataset_size: int, plan: BatchSplit, seed: int) -> None:
         self.n, self.plan, self.seed = dataset_size, plan, seed
         self._perms: dict[int, list[int]] = {}
 

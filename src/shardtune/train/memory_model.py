@@ -4,7 +4,7 @@ The model's sizes and saved activations come from footprint.py (config.json, a m
 safetensors headers). A rank's memory is what it keeps for the whole run (runtime, weights, LoRA
 state) plus what the busiest moment of a training step adds; the moments are listed per strategy in
 ``_moments`` and the prediction names the one that wins. The constants below were fitted to measured
-peaks (bench/memory.py); ``shardtune plan`` (plan.py) renders the predictions.
+peaks (bench/memory.py); ``shardtune plan`` (memory_table.py) renders the predictions.
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ class Prediction:
     quantize_slice_mb: float = 0.0  # --quantize nf4: the largest weight's bf16 slice a rank quantizes at load
     fits: bool | None = None
     note: str = ""
-    runs: bool = False  # the row `finetune` would run (plan.py marks it)
+    runs: bool = False  # the row `finetune` would run (choice.strategy_rows marks it)
 
     @property
     def peak_mb(self) -> float:
@@ -190,7 +190,7 @@ class Setting:
     strategy: str
     ranks: int
     rows: int  # sequences one forward computes (a preference pair is two)
-    row_tokens: int  # tokens in each (train/choice.py: ``row_tokens``)
+    row_tokens: int  # tokens in each (``row_tokens``)
     activation_checkpointing: bool = False
     cpu_offload: bool = False
     #: HSDP (> 1) shards over the ranks of one group only: a rank holds 1/(ranks/groups)

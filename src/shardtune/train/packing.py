@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from shardtune.config import ConfigError
-from shardtune.train.data import IGNORE, BatchPlan, Example
+from shardtune.train.data import IGNORE, BatchSplit, Example
 
 #: attention implementations that packing supports, and how they are told where records end
 MASKED = ("sdpa", "eager")
@@ -187,7 +187,7 @@ def collate_packed(rows: list[list[Example]], pad_id: int, device: torch.device,
     return PackedBatch(ids.to(device), labels.to(device), positions.to(device), segments.to(device), real)
 
 
-def packed_forwards(batch: Sequence[int], examples: Sequence[Example], plan: BatchPlan, seq_len: int, rank: int,
+def packed_forwards(batch: Sequence[int], examples: Sequence[Example], plan: BatchSplit, seq_len: int, rank: int,
                     pad_id: int, device: torch.device, one_row: bool) -> list[PackedBatch]:
     """This rank's forwards of global batch ``batch`` (record indices), packed."""
     per_rank = plan.batch_size // plan.world_size

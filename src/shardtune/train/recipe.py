@@ -24,7 +24,7 @@ from shardtune.errors import ShardtuneError
 from shardtune.model.directory import ModelDir, check_model_dir
 from shardtune.model.meta import compute_dtype, vocab_size
 from shardtune.parallel import Strategy
-from shardtune.parallel.sharded_model import Built, build_model, plan_for
+from shardtune.parallel.sharded_model import Built, build_model
 from shardtune.runplan import RunPlan
 from shardtune.runtime import distributed
 from shardtune.runtime.device import device_type
@@ -45,7 +45,7 @@ from shardtune.train.objectives import METRICS, Objective, objective_of
 from shardtune.train.packing import VARLEN, attention_of, check_packing, packed_forwards
 from shardtune.train.pairs import PAIRS
 from shardtune.train.reference import compute_reference, precomputed_reference, reference_key
-from shardtune.train.resolve import resolve
+from shardtune.train.resolve import resolve, resolve_on
 from shardtune.train.scaling import ShardedGradScaler, make_scaler
 from shardtune.train.stop import GracefulStop, stop_message
 from shardtune.train.trackers import Trackers
@@ -225,10 +225,10 @@ def evaluate(job: Job) -> dict[str, float]:
 
 
 def prepare(cfg: Config, worker: Worker, memory: MemoryMonitor, plan: RunPlan | None = None) -> Job:
-    """The job of ``plan`` (default, for callers that are their own entry point: ``plan_for(cfg, worker)``)."""
+    """The job of ``plan`` (default, for callers that are their own entry point: ``resolve_on(worker, cfg)``)."""
     from transformers import AutoTokenizer
 
-    plan = plan or plan_for(cfg, worker)
+    plan = plan or resolve_on(worker, cfg)
     plan.check(cfg, worker.world_size, worker.device.type)  # the batches too: this rank makes them
 
     model_dir = check_model_dir(cfg.model.path, cfg.model.trust_remote_code)

@@ -3,19 +3,22 @@
 Every entry point calls it once: ``shardtune finetune`` and the Python API (in preflight, before any
 worker starts), plain torchrun and ``python -m shardtune.train`` without a plan (rank 0, in
 ``recipe.run``, which hands its plan to every rank), and ``shardtune plan``. What ``plan`` refuses
-is therefore what ``finetune`` refuses.
+is therefore what ``finetune`` refuses. Callers that start their own ranks (tests, benches) get the
+plan of their ranks from ``resolve_on``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 from torch import nn
 
 from shardtune.config import Config
 from shardtune.model import quantize
-from shardtune.runplan import BatchPlan, RunPlan, make_plan
+from shardtune.runplan import BatchSplit, RunPlan
 from shardtune.runtime.device import backend, decide_dtype, planned_device_type
+from shardtune.runtime.distributed import Worker
 from shardtune.train.choice import Candidate, Search, choose
 
 if TYPE_CHECKING:
@@ -39,13 +42,26 @@ def resolve(cfg: Config, lengths: Lengths | None = None, model: nn.Module | None
         quantize.check_available()
     ranks = cfg.parallel.nproc * cfg.parallel.nnodes
     if cfg.train.micro_batch_size != "auto":  # before the choice: the error names the user's value
-        BatchPlan.make(cfg.train.batch_size, cfg.train.micro_batch_size, ranks, cfg.data.packing)
+        BatchSplit.of(cfg.train.batch_size, cfg.train.micro_batch_size, ranks, cfg.data.packing)
     search = search or Search(cfg, lengths, model)
     cfg, chosen, why = choose(cfg, lengths, search)
     if cfg.parallel.strategy == "auto":
         return cfg, None, chosen
     kind = planned_device_type(cfg.parallel.device)
-    plan = make_plan(cfg, ranks, kind, backend(kind, cfg.parallel.cpu_offload), why)
+    plan = RunPlan.of(cfg, ranks, kind, backend(kind, cfg.parallel.cpu_offload), why)
     if cfg.model.quantize == "nf4":
         quantize.check_sharding(quantize.select(search.model), plan)
     return cfg, plan, chosen
+
+
+def resolve_on(worker: Worker, cfg: Config, batches: bool = True) -> RunPlan:
+    """The run plan of ``cfg``, which must leave nothing to choose (``--dtype auto`` aside), on ``worker``'s
+    ranks and device: ``resolve`` for callers that started their own ranks (tests, benches,
+    ``recipe.prepare`` without a plan). ``batches=False``: for building a model, which makes no
+    batches (any batch that splits over these ranks)."""
+    cfg = decide_dtype(cfg)
+    if not batches:
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=worker.world_size,
+                                                                  micro_batch_size=None))
+    kind = worker.device.type
+    return RunPlan.of(cfg, worker.world_size, kind, backend(kind, cfg.parallel.cpu_offload))
