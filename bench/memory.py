@@ -7,7 +7,7 @@ Makes (once, under --cache) a random-weight Llama-shape bf16 checkpoint of the s
 (fake_model.py), then runs every recipe × malloc setting as its own fresh 2-process job
 (peers.py), prints a table and writes bench/results/memory-<size>.json. "default" runs glibc as
 it comes (shardtune too: SHARDTUNE_MALLOC=default); "mmap" sets MALLOC_MMAP_THRESHOLD_=131072 for
-every recipe, which is what shardtune sets for itself when nothing is said (memory.tune_malloc;
+every recipe, which is what shardtune sets for itself when nothing is said (cpu_tuning.tune_malloc;
 "asis" runs every recipe with nothing set).
 The planner's prediction (``shardtune plan``) for the same configuration sits next to shardtune's rows.
 """
@@ -43,7 +43,7 @@ RECIPES: dict[str, list[str]] = {
 }
 DEFAULT_RECIPES = "shardtune-fsdp2,shardtune-fsdp1,shardtune-ddp,naive,broadcast,fsdp1-peft"
 # default: glibc as it comes, for every recipe; mmap: the threshold in the environment, for every recipe;
-# asis: nothing set (shardtune then sets the threshold itself: memory.tune_malloc; peers run glibc's default).
+# asis: nothing set (shardtune then sets the threshold itself: cpu_tuning.tune_malloc; peers run glibc's default).
 MALLOC_ENV = {"default": {"SHARDTUNE_MALLOC": "default"}, "mmap": {"MALLOC_MMAP_THRESHOLD_": "131072"}, "asis": {}}
 
 

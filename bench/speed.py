@@ -44,7 +44,7 @@ import torch
 
 from fake_model import SIZES, make_checkpoint, make_data
 from record import run_record
-from shardtune.runtime.memory import worker_malloc_env
+from shardtune.runtime.cpu_tuning import worker_malloc_env
 
 HERE = Path(__file__).resolve().parent
 GIB = 1024**3

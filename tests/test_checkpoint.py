@@ -256,7 +256,7 @@ def test_sigint_to_the_launcher_stops_workers_cleanly(root):
 def test_a_rank_killed_with_sigkill_ends_the_run_naming_it(root):
     import psutil
 
-    from shardtune.train.checkpoint import adapter_from_checkpoint, find_latest
+    from shardtune.train.checkpoint import adapter_from_checkpoint, find_latest, resume_command
 
     out = root / "sigkill"
     proc = _cli(root, "sigkill", "--save-every", "2")
@@ -275,9 +275,17 @@ def test_a_rank_killed_with_sigkill_ends_the_run_naming_it(root):
     # The time is the guarantee here: the launcher ends rank 0 at once, where it would otherwise wait
     # in a collective until COLLECTIVE_TIMEOUT. Generous, for a busy 2-core machine.
     assert time.monotonic() - killed < COLLECTIVE_TIMEOUT.total_seconds() / 2
-    assert proc.returncode != 0
+    assert proc.returncode == 2
     assert "error: rank 1 failed (killed by SIGKILL)" in output, output[-3000:]
     assert not workers[0].is_running() or workers[0].status() == psutil.STATUS_ZOMBIE
     latest = find_latest(out)
     assert latest is not None and int(latest.name.removeprefix("step-")) >= 2
+    # The last line names the rank, its signal, the newest checkpoint and the command that resumes
+    # (as a SIGTERM's does); the rank that only lost its peer says so instead of gloo's raw error.
+    errors = [line for line in output.splitlines() if line.startswith("error:")]
+    assert output.strip().splitlines()[-1] == errors[-1], output[-3000:]
+    assert errors[-1].startswith("error: rank 1 failed (killed by SIGKILL)")
+    assert errors[-1].endswith(f"newest checkpoint: {latest}. To continue, run: {resume_command(out)}")
+    assert all("rank 0 lost another rank" in line for line in errors[:-1]), errors
+    assert "This is typically caused by" not in output, output[-3000:]  # gloo's advice, not ours
     assert adapter_from_checkpoint(latest, root / "sigkill-adapter").is_dir()

@@ -8,11 +8,13 @@ import time
 import pytest
 import torch
 
+from shardtune.runtime import cpu_tuning
+
 from dist_utils import run_ranks
 from tiny import make_model
 
 host_gather = pytest.importorskip("shardtune.parallel.host_gather")
-pytestmark = pytest.mark.skipif(not host_gather.supported(), reason="needs Linux memfd on an x86 CPU")
+pytestmark = pytest.mark.skipif(not cpu_tuning.shared_gather_supported(), reason="needs Linux memfd on an x86 CPU")
 
 
 def gathers(rank: int, world_size: int, other_host_rank: int | None = None) -> dict:

@@ -205,13 +205,13 @@ def test_runtime_counts_scikit_learn_where_transformers_imports_it_eagerly(monke
 def test_cpu_fsdp2_counts_the_shared_gather_buffers(model_dir: Path, monkeypatch, unit: str) -> None:
     """On CPU FSDP2 gathers into two shared buffers per unit size, kept for the run (host_gather.py);
     with them off (or on one rank) there are none, and a gather costs its private buffer instead."""
-    from shardtune.parallel import host_gather
+    from shardtune.runtime import cpu_tuning
 
     facts = model_facts(_cfg(model_dir, dtype="bf16"), {1}, {torch.bfloat16}, torch.device("cpu"))
     units = facts.units_bytes if unit == "part" else [facts.block_bytes]
 
     def buffers(shared: bool, ranks: int = 2) -> float:
-        monkeypatch.setattr(host_gather, "enabled", lambda: shared)
+        monkeypatch.setattr(cpu_tuning, "shared_gather_enabled", lambda: shared)
         return predict(facts, Setting("fsdp2", ranks, 1, 64, fsdp_unit=unit), "cpu").terms["buffers"]
 
     # how big they are is checked against a real run's buffers (test_host_gather.py); here: when they exist

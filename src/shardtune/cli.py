@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
 def _run(argv: list[str] | None) -> int:
     from shardtune.errors import ShardtuneError
     from shardtune.runtime.failure import stage_of, unexpected
-    from shardtune.runtime.workers import Stopped, WorkerCrash
+    from shardtune.runtime.worker_failures import Stopped, WorkerCrash
 
     args = build_parser().parse_args(argv)
     if getattr(args, "verbose", False):

@@ -23,15 +23,8 @@ from shardtune.runplan import RunPlan
 from shardtune.runtime.failure import stage, stage_of, unexpected
 from shardtune.runtime.files import output_error
 from shardtune.runtime.lock import RunLock
-from shardtune.runtime.workers import (
-    RankTimeout,
-    Stopped,
-    WorkerCrash,
-    WorkerError,
-    launch_workers,
-    run_id,
-    under_torchrun,
-)
+from shardtune.runtime.worker_failures import RankKilled, RankTimeout, Stopped, WorkerCrash, WorkerError
+from shardtune.runtime.workers import launch_workers, run_id, under_torchrun
 from shardtune.train.run_folder import clear_for_overwrite
 
 
@@ -80,12 +73,12 @@ def launch(cfg: Config, plan: RunPlan, asked: Config | None = None) -> dict:
                 return _launch(cfg, plan, asked, lock.run_id)
         except WorkerCrash as err:  # an exception none of our checks foresaw, in a worker
             raise unexpected(f"rank {err.rank}", stage_of(err.traceback), err.message, err.traceback, out) from None
-        except RankTimeout as err:
+        except (RankTimeout, RankKilled) as err:  # a rank was lost: say where the run can continue from
             from shardtune.train.checkpoint import find_latest, resume_command
 
             latest = find_latest(out)
-            raise RankTimeout(f"{err}; newest checkpoint: " + (
-                f"{latest} (continue with: {resume_command(out, cfg.parallel.nnodes, cfg.parallel.node_rank)})"
+            raise type(err)(f"{err}; newest checkpoint: " + (
+                f"{latest}. To continue, run: {resume_command(out, cfg.parallel.nnodes, cfg.parallel.node_rank)}"
                 if latest else "none (--save-every N keeps some)")) from None
         except ShardtuneError:
             raise

@@ -39,8 +39,8 @@ import torch
 
 from shardtune.errors import ShardtuneError
 from shardtune.model.directory import check_model_dir
+from shardtune.runtime.cpu_tuning import MMAP_THRESHOLD, tune_malloc
 from shardtune.runtime.files import OutputError, check_writable, output_error
-from shardtune.runtime.memory import MMAP_THRESHOLD, tune_malloc
 from shardtune.runtime.progress import progress
 from shardtune.tools import gguf_gemma3
 from shardtune.tools.merge import MergeSources, merge_sources, merged_tensors
@@ -111,7 +111,7 @@ def export_gguf(model: str | Path, adapter: str | Path | None, out: str | Path, 
     sources = merge_sources(model_dir, Path(adapter)) if adapter else MergeSources({}, _stored_names(model_dir), {})
     layout = _layout(model_dir, sources, config, family, quant)
 
-    # Each merged matrix is a fresh fp32 copy: with malloc's threshold fixed (memory.py), freeing it gives
+    # Each merged matrix is a fresh fp32 copy: with malloc's threshold fixed (cpu_tuning.py), freeing it gives
     # it back to the system at once instead of leaving the heap grown by it.
     tune_malloc()
     writer = gguf.GGUFWriter(None, gguf.MODEL_ARCH_NAMES[arch])

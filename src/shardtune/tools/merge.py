@@ -32,8 +32,8 @@ from shardtune.model.directory import ModelDir, check_adapter_dir, check_model_d
 from shardtune.model.loading import checkpoint_key
 from shardtune.model.lora import PEFT_PREFIX
 from shardtune.model.meta import DTYPES
+from shardtune.runtime.cpu_tuning import tune_malloc
 from shardtune.runtime.files import check_output_dir, staged_dir
-from shardtune.runtime.memory import tune_malloc
 from shardtune.runtime.progress import Bar, progress
 from shardtune.runtime.safetensors_header import TORCH_DTYPES, encode_header
 from shardtune.runtime.versions import tied_weights_keys
@@ -262,7 +262,7 @@ def merge(model: str | Path, adapter: str | Path, out: str | Path, dtype: str = 
     sources = merge_sources(model_dir, Path(adapter))
     wanted = None if dtype == "auto" else DTYPES[dtype]
     changes, file_of, extra = sources.changes, sources.file_of, sources.extra
-    # Each merged tensor is a fresh copy: with malloc's threshold fixed (runtime/memory.py), freeing it gives
+    # Each merged tensor is a fresh copy: with malloc's threshold fixed (runtime/cpu_tuning.py), freeing it gives
     # it back to the system at once, where glibc's moving threshold would leave the heap grown by it.
     tune_malloc()
 

@@ -16,7 +16,7 @@ import torch
 
 from shardtune.config import traits
 from shardtune.model.footprint import Facts
-from shardtune.parallel import host_gather
+from shardtune.runtime import cpu_tuning
 from shardtune.runtime.device import memory_per_rank
 from shardtune.runtime.memory import MB
 from shardtune.train.loss import CHUNK_BYTES
@@ -123,7 +123,7 @@ def _moments(strategy: str, device: str, f: Facts, n: int, acts: float, workspac
         # whole-layer units keep the last layer gathered from its forward into its backward
         last_kept = f.block_bytes if unit == "layer" else 0.0
         buffers = 0.0
-        if device == "cpu" and n > 1 and host_gather.enabled():
+        if device == "cpu" and n > 1 and cpu_tuning.shared_gather_enabled():
             copies, buffers = 1, SHARED_BUFFERS * sum(set(units))
         moments = _fsdp2_moments(device, f, n, copies, acts, workspace, logits_fwd, logits_bwd, units, last_kept)
         for terms in moments.values():

@@ -27,12 +27,13 @@ from shardtune.parallel import Strategy
 from shardtune.parallel.sharded_model import Built, build_model
 from shardtune.runplan import RunPlan
 from shardtune.runtime import distributed
+from shardtune.runtime.cpu_tuning import tune_malloc
 from shardtune.runtime.device import device_type
 from shardtune.runtime.distributed import Worker
 from shardtune.runtime.failure import stage
 from shardtune.runtime.logs import EVERY_RANK, setup_logging
-from shardtune.runtime.memory import MemoryMonitor, tune_malloc
-from shardtune.runtime.workers import Stopped
+from shardtune.runtime.memory import MemoryMonitor
+from shardtune.runtime.worker_failures import Stopped
 from shardtune.train import preference, validation
 from shardtune.train.adapter import save_adapter
 from shardtune.train.checkpoint import Checkpointer, TrainState
@@ -360,7 +361,7 @@ def run(cfg: Config, plan: RunPlan | None = None) -> dict:
     SIGTERM/SIGINT raises ``Stopped`` once every rank has checkpointed (its ``exit_code`` is 128 + signal)."""
     started = time.perf_counter()
     if device_type(cfg.parallel.device) == "cpu":
-        tune_malloc()  # before anything large is allocated: see memory.py (CPU memory only)
+        tune_malloc()  # before anything large is allocated: see cpu_tuning.py (CPU memory only)
     worker = distributed.init_worker(cfg.parallel.device, cfg.parallel.cpu_offload, cfg.parallel.collective_timeout)
     cfg, plan = _plan_of_rank0(cfg, plan, worker)
     out = Path(cfg.output.out)
