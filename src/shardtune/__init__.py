@@ -19,7 +19,16 @@ def finetune(config: str | Path | dict[str, Any] | None = None, nproc: int | Non
     ``config`` is a YAML path or a dict of options named like the CLI flags (``lora-r`` or
     ``lora_r``); keyword ``options`` override it. Works from scripts and notebooks alike.
     ``verbose=True`` keeps the library warnings that are filtered by default (``--verbose``).
+    ``os.environ`` is left as it was: what the workers need is set in their environment only.
     """
+    from shardtune.runtime.worker_env import kept_environ
+
+    with kept_environ():  # a notebook's os.environ is left as it was
+        return _finetune(config, nproc, verbose, options)
+
+
+def _finetune(config: str | Path | dict[str, Any] | None, nproc: int | None, verbose: bool | None,
+              options: dict[str, Any]) -> dict:
     from shardtune.config import build_config
     from shardtune.launch import launch
     from shardtune.preflight import preflight

@@ -1,4 +1,4 @@
-"""The environment of worker processes, set in their environment only.
+"""The environment of worker processes, set in their environment only; the caller's, kept as it was.
 
 The launching process (a notebook kernel, a script calling ``shardtune.finetune``) keeps its own
 ``os.environ`` as it was: what the workers need is added by each worker's first statement, which then
@@ -8,9 +8,11 @@ tunables, Python's unbuffered output and OpenMP's thread count must be read.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
+from collections.abc import Iterator
 
 from shardtune.config import ParallelConfig
 from shardtune.runtime import cpu_tuning
@@ -39,3 +41,19 @@ _BOOT = ("import json, os, sys; os.environ.update(json.loads(sys.argv[1])); "
 def worker_command(env: dict[str, str], module: str, args: list[str]) -> tuple[str, list[str]]:
     """(entrypoint, arguments) that run ``python -m module *args`` with ``env`` added to its environment."""
     return sys.executable, ["-c", _BOOT, json.dumps(env), "-m", module, *args]
+
+
+@contextlib.contextmanager
+def kept_environ() -> Iterator[None]:
+    """Put ``os.environ`` back as it was when the block ends: what a run sets for its own process while
+    it runs (torch's launcher: TORCHELASTIC_SIGNALS_TO_HANDLE; quiet logs: TOKENIZERS_PARALLELISM) does
+    not stay in a notebook that runs several fine-tunes."""
+    before = dict(os.environ)
+    try:
+        yield
+    finally:
+        for name in set(os.environ) - set(before):
+            del os.environ[name]
+        for name, value in before.items():
+            if os.environ.get(name) != value:
+                os.environ[name] = value

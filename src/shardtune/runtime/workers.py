@@ -19,7 +19,7 @@ from pathlib import Path
 
 from shardtune.config import ParallelConfig
 from shardtune.runtime.output_relay import OutputRelay
-from shardtune.runtime.worker_env import worker_command, worker_env
+from shardtune.runtime.worker_env import kept_environ, worker_command, worker_env
 from shardtune.runtime.worker_failures import TIMED_OUT, Stopped, WorkerError, describe
 
 # On SIGTERM/SIGINT the elastic agent forwards the signal and waits this long before SIGKILL: time for
@@ -73,10 +73,10 @@ def launch_workers(parallel: ParallelConfig, module: str, args: list[str], run: 
     entrypoint, command = worker_command(worker_env(p, launch_config.run_id), module, args)
     relay = OutputRelay(log_dir)
     relay.start()
-    environ = dict(os.environ)  # torch's launcher writes into it (TORCHELASTIC_SIGNALS_TO_HANDLE): put it back
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        elastic_launch(launch_config, entrypoint)(*command)
+        with kept_environ():  # torch's launcher writes into os.environ
+            elastic_launch(launch_config, entrypoint)(*command)
     except SignalException as err:  # the agent has forwarded it and waited for the workers
         raise Stopped(err.sigval) from None
     except ChildFailedError as err:
@@ -97,13 +97,4 @@ def launch_workers(parallel: ParallelConfig, module: str, args: list[str], run: 
                 signal.signal(sig, handler)
         relay.stop()
         shutil.rmtree(log_dir, ignore_errors=True)
-        _restore(environ)
 
-
-def _restore(environ: dict[str, str]) -> None:
-    """``os.environ`` as it was before the launch: a notebook that runs several fine-tunes keeps its own."""
-    for name in set(os.environ) - set(environ):
-        del os.environ[name]
-    for name, value in environ.items():
-        if os.environ.get(name) != value:
-            os.environ[name] = value
