@@ -214,7 +214,7 @@ def _one_case(rank: int, world: int, dist_: Worker, path: Path, options: dict) -
     out["trainable_bytes"] = count_params(model)[1] * 4
     strategy = FSDP1(dist_, torch.float32, cpu_offload=False)
     snapshot = take_snapshot(model, init)
-    model = parallelize(model, strategy, lambda m, targets: load(m, model_dir, dist_.device, snapshot, targets), False)
+    model = parallelize(model, strategy, lambda m: load(m, model_dir, dist_.device, snapshot, strategy), False)
     ids = torch.randint(0, VOCAB, (2 * world, 12), generator=torch.Generator().manual_seed(1))
     model.eval()
     with torch.no_grad():

@@ -17,6 +17,7 @@ import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -371,20 +372,23 @@ def assert_nothing_on_meta(model: nn.Module) -> None:
         raise RuntimeError(f"still on the meta device after loading: {', '.join(left[:8])}")
 
 
-def load(
-    model: nn.Module,
-    model_dir: ModelDir,
-    device: torch.device,
-    snapshot: Snapshot,
-    targets: Callable[[nn.Module], dict[str, torch.Tensor]] | None = None,
-    host_params: Callable[[nn.Module], set[int]] | None = None,
-) -> list[str]:
-    """Steps 2–6 of the module docstring; returns checkpoint keys the model did not use.
+class Placement(Protocol):
+    """Where a strategy wants what loading fills (parallel/base.py's ``Strategy`` is one).
 
-    ``targets`` maps the model to {parameter name: tensor to fill} when the strategy's view differs
-    from the parameters (FSDP1: views into each flat parameter's local slice).
-    """
-    materialize(model, device, snapshot, host_params)
+    ``load_targets`` maps the model to {parameter name: tensor to fill} when the strategy's view
+    differs from the parameters (FSDP1: views into each flat parameter's local slice);
+    ``host_params``: with CPU offload on a GPU, the ids of the parameters to allocate in host memory."""
+
+    load_targets: Callable[[nn.Module], dict[str, torch.Tensor]] | None
+    host_params: Callable[[nn.Module], set[int]] | None
+
+
+def load(model: nn.Module, model_dir: ModelDir, device: torch.device, snapshot: Snapshot,
+         placement: Placement | None = None) -> list[str]:
+    """Steps 2–6 of the module docstring; returns checkpoint keys the model did not use.
+    ``placement``: the strategy's (default: every parameter as it is, on ``device``)."""
+    targets = placement.load_targets if placement is not None else None
+    materialize(model, device, snapshot, placement.host_params if placement is not None else None)
     tensors = targets(model) if targets else dict(model.named_parameters())
     unused = load_base_weights(model, model_dir, tensors)
     init_lora(tensors, snapshot)

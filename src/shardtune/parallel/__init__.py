@@ -42,7 +42,7 @@ def make_strategy(plan: RunPlan, worker: Worker, compute_dtype: torch.dtype) -> 
 def parallelize(
     model: nn.Module,
     strategy: Strategy,
-    load: Callable[[nn.Module, Callable | None], object],
+    load: Callable[[nn.Module], object],
     activation_checkpointing: bool,
 ) -> nn.Module:
     """Apply, in this order: activation checkpointing → sharding (on meta) → loading → wrapping.
@@ -55,5 +55,5 @@ def parallelize(
         base = base_model(model)
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model = strategy.shard(model)
-    load(model, strategy.load_targets)
+    load(model)  # into the places the strategy made (Strategy.load_targets, host_params)
     return strategy.wrap(model)

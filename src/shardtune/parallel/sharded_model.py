@@ -67,7 +67,7 @@ def _build(model_dir: ModelDir, meta_model: nn.Module | None, cfg: Config, worke
     strategy = make_strategy(plan, worker, dtype)
     snapshot = take_snapshot(model, lora_init)
     model = parallelize(
-        model, strategy, lambda m, targets: load(m, model_dir, worker.device, snapshot, targets, strategy.host_params),
+        model, strategy, lambda m: load(m, model_dir, worker.device, snapshot, strategy),
         plan.activation_checkpointing,
     )
     return Built(model, strategy, plan.why or "requested", adapter_keys, total, trainable)

@@ -180,16 +180,16 @@ def _out_dtype(dtype: torch.dtype, wanted: torch.dtype | None) -> torch.dtype:
     return wanted if wanted is not None and dtype.is_floating_point else dtype
 
 
-def merge_file(src: Path, dst: Path, changes: dict[str, Change], extra: dict[str, str],
-               dtype: torch.dtype | None, bar: Bar | None = None) -> tuple[int, int]:
-    """Write ``dst``: every tensor of ``src``, merged, plus ``extra`` ({new name: stored tensor it starts from}).
+def merge_file(src: Path, dst: Path, sources: MergeSources, dtype: torch.dtype | None,
+               bar: Bar | None = None) -> tuple[int, int]:
+    """Write ``dst``: every tensor of ``src``, merged, plus the tied copies ``sources`` places in it.
 
     Returns (bytes written, the largest tensor's bytes).
     """
     from safetensors import safe_open
 
     with safe_open(str(src), framework="pt") as f, open(dst, "wb") as out:
-        names = [(n, n) for n in f.keys()] + list(extra.items())
+        names = sources.names_in(src.name, list(f.keys()))
         entries = []
         for name, source in names:
             piece = f.get_slice(source)  # the header only: no data is read here
@@ -197,7 +197,7 @@ def merge_file(src: Path, dst: Path, changes: dict[str, Change], extra: dict[str
             entries.append((name, _out_dtype(stored, dtype), list(piece.get_shape())))
         out.write(encode_header(entries, f.metadata()))
         written, largest = 0, 0
-        for (_, tensor), (_, out_dtype, _) in zip(merged_tensors(f, names, changes), entries):
+        for (_, tensor), (_, out_dtype, _) in zip(merged_tensors(f, names, sources.changes), entries):
             tensor = tensor.to(out_dtype).contiguous()
             out.write(tensor.reshape(-1).view(torch.uint8).numpy().data)
             written += tensor.nbytes
@@ -269,8 +269,7 @@ def merge(model: str | Path, adapter: str | Path, out: str | Path, dtype: str = 
     with staged_dir(out) as tmp, progress("merge", len(file_of), unit="tensor") as bar:
         total, largest = 0, 0
         for src in model_dir.weight_files:
-            new = {n: s for n, s in extra.items() if file_of[s] == src.name}
-            written, big = merge_file(src, tmp / src.name, changes, new, wanted, bar)
+            written, big = merge_file(src, tmp / src.name, sources, wanted, bar)
             total, largest = total + written, max(largest, big)
         _copy_other_files(model_dir.path, tmp, wanted, untie=bool(extra))
         if model_dir.index:
