@@ -100,7 +100,7 @@ def test_checkpointing_cuts_activations_and_longer_sequences_cost_more(model_dir
 
 
 def test_offload_moves_shards_off_the_gpu(model_dir: Path) -> None:
-    facts = model_facts(_cfg(model_dir, dtype="bf16"), {1}, {torch.bfloat16}, torch.device("cpu"))
+    facts = model_facts(_cfg(model_dir, dtype="bf16"), torch.device("cpu"))
     kept = predict(facts, Setting("fsdp2", 2, 1, 64), "cuda")
     offloaded = predict(facts, Setting("fsdp2", 2, 1, 64, cpu_offload=True), "cuda")
     assert offloaded.terms["weights"] == 0 and kept.terms["weights"] > 0
@@ -207,7 +207,7 @@ def test_cpu_fsdp2_counts_the_shared_gather_buffers(model_dir: Path, monkeypatch
     with them off (or on one rank) there are none, and a gather costs its private buffer instead."""
     from shardtune.runtime import cpu_tuning
 
-    facts = model_facts(_cfg(model_dir, dtype="bf16"), {1}, {torch.bfloat16}, torch.device("cpu"))
+    facts = model_facts(_cfg(model_dir, dtype="bf16"), torch.device("cpu"))
     units = facts.units_bytes if unit == "part" else [facts.block_bytes]
 
     def buffers(shared: bool, ranks: int = 2) -> float:

@@ -156,11 +156,10 @@ def meta_lora_model(cfg: Config, model_dir: ModelDir | None = None) -> nn.Module
     return model
 
 
-def model_facts(cfg: Config, micro_batches: set[int], lora_dtypes: set[torch.dtype], device: torch.device,
-                seq_len: int | None = None, model: nn.Module | None = None) -> Facts:
-    """The model's sizes, and the activations a micro-batch of ``seq_len`` tokens a row (default
-    --seq-len) saves, for each size in ``micro_batches`` and each LoRA dtype (others are traced when
-    first asked for: ``Facts.saved_for``). ``model``: ``meta_lora_model(cfg)``, when the caller has it."""
+def model_facts(cfg: Config, device: torch.device, seq_len: int | None = None, model: nn.Module | None = None) -> Facts:
+    """The model's sizes, and what a micro-batch of rows of ``seq_len`` tokens (default --seq-len) saves
+    for backward, traced on ``device`` for each micro-batch size and LoRA dtype when first asked for
+    (``Facts.saved_for``). ``model``: ``meta_lora_model(cfg)``, when the caller has it."""
     model_dir = model_dir_for_plan(cfg.model.path, cfg.model.trust_remote_code)
     dtype = compute_dtype(cfg)
     model = model if model is not None else meta_lora_model(cfg, model_dir)
@@ -193,9 +192,6 @@ def model_facts(cfg: Config, micro_batches: set[int], lora_dtypes: set[torch.dty
         quantize_slice_bytes=largest_nf4.numel() * dtype.itemsize if largest_nf4 is not None else 0,
     )
     facts.trace = functools.partial(_trace, model, seq_len or cfg.data.seq_len, device)
-    for micro in micro_batches:
-        for lora_dtype in lora_dtypes:
-            facts.saved_for(micro, lora_dtype)
     return facts
 
 

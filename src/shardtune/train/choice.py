@@ -101,7 +101,7 @@ class Search:
     @property
     def facts(self) -> Facts:
         if self._facts is None:
-            self._facts = model_facts(self.cfg, set(), set(), self.traced, self.width, self.model)
+            self._facts = model_facts(self.cfg, self.traced, self.width, self.model)
         return self._facts
 
     def setting(self, strategy: str, ranks: int, micro_batch_size: int) -> Setting:
