@@ -1,82 +1,258 @@
 #!/usr/bin/env bash
-# The GPU check, one short script for a lent GPU machine; it ASSERTS (exit code != 0 on any failure).
-#   1. the GPU-marked tests (tests/test_gpu.py: 1-rank NCCL fsdp2, bf16, CPU offload, resume, planner vs
-#      reserved; the 2-rank ones skip, saying why, on a one-GPU machine) and the device tests;
-#   2. a LoRA fine-tune of a random-weight 1.1B Llama-shape model (bf16, NCCL, one rank per GPU) on
-#      fsdp2, fsdp2 --cpu-offload and fsdp1, each asserted: NCCL, the loss goes down, finite numbers,
-#      CUDA peaks in summary.json, the planner's prediction within PLAN_BAND of max_memory_reserved.
-# Prints one line per run and writes bench/results/gpu_check.json. Uses the machine's own torch/
-# transformers/peft (nothing is installed there). About 4 minutes on one H200.
-set -euo pipefail
+# The GPU check: every feature once, on one GPU machine, in at most 10 minutes (--quick: 4), under one
+# overall `timeout` and `--collective-timeout 60`. Each row prints `PASS row  numbers` or `FAIL row: why`
+# (or `SKIP row: why` where a piece of the machine is missing); the exit code is 1 if any row failed
+# (124: the whole check ran past its limit). Results: bench/results/gpu_check.json (rows as JSON lines).
+#
+#   bash bench/gpu_check.sh              # everything (tiny and 1.1B models)
+#   bash bench/gpu_check.sh --quick      # tiny-model rows only, a first look
+#   bash bench/gpu_check.sh --list       # the rows;  --only ROW,ROW  runs some of them
+#   bash bench/gpu_check.sh --dry-run    # print each row's commands, run nothing (works anywhere)
+#   bash bench/gpu_check.sh --cpu-smoke  # the tiny rows on this machine's CPU: checks the script itself
+#   --with-tests: also the pytest rows marked gpu (tests/test_gpu.py);  --limit SECONDS: the overall limit
+#
+# Ranks: with 2+ GPUs the fine-tunes run 2 NCCL ranks (one per GPU). On one GPU they run one rank (an
+# NCCL group of one): NCCL refuses two ranks on one GPU and shardtune has no gloo-over-CUDA mode, so
+# the row `two-ranks-one-gpu` checks that the refusal comes as a clear error before anything starts.
+# `env` prints which mode applied. Uses the machine's own torch/transformers/peft (nothing installed).
+#
+# Rows (eval, eval-nf4, generate and harness use the adapters of sft-val and nf4): env, sft-val, fp16, dtype-auto, nf4, dpo-precomputed, orpo-dora, simpo-packed, varlen (flash-attn
+# packing, when flash_attn is installed), eval, eval-nf4, generate, harness (when lm_eval is installed),
+# torchrun, two-ranks-one-gpu; and on the 1.1B model a planner row per strategy (plan-fsdp2, plan-fsdp1,
+# plan-ddp, plan-single: the whole planned peak against torch's max reserved memory plus what the GPU
+# holds outside it, from mem_get_info), offload, ac, nf4-big, auto-limit (the automatic choice with only
+# 8 GiB of the GPU left free by a ballast process: the choice must fit what mem_get_info reports).
+set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH="$PWD/src:${PYTHONPATH:-}"
-CACHE=${CACHE:-/tmp/shardtune-gpu}
-STEPS=${STEPS:-12}
-PLAN_BAND=${PLAN_BAND:-0.25}   # |predicted - reserved| / reserved must stay below this
-mkdir -p "$CACHE" bench/results
-python3 -c "import torch; assert torch.cuda.is_available(), 'no GPU visible'; print(torch.__version__, torch.cuda.get_device_name(0))"
-NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
+ARGS=("$@")
+QUICK=0 ONLY="" LIST=0 DRY=0 CPU=0 TESTS=0 LIMIT=""
+while [ $# -gt 0 ]; do
+  case $1 in
+    --quick) QUICK=1 ;;
+    --only) ONLY=${2:?--only needs ROW,ROW}; shift ;;
+    --list) LIST=1 ;;
+    --dry-run) DRY=1 ;;
+    --cpu-smoke) CPU=1 QUICK=1 ;;
+    --with-tests) TESTS=1 ;;
+    --limit) LIMIT=${2:?--limit needs seconds}; shift ;;
+    -h|--help) sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "gpu_check.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
+  esac
+  shift
+done
+[ $QUICK = 1 ] && LIMIT=${LIMIT:-240} || LIMIT=${LIMIT:-600}
 
-if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  python3 -m pytest -q -rs tests/test_gpu.py tests/test_device.py -p no:cacheprovider
+QUICK_ROWS="env sft-val fp16 dtype-auto nf4 dpo-precomputed eval generate torchrun two-ranks-one-gpu"
+ALL_ROWS="env sft-val fp16 dtype-auto nf4 dpo-precomputed orpo-dora simpo-packed varlen eval eval-nf4 generate
+harness torchrun two-ranks-one-gpu plan-fsdp2 plan-fsdp1 plan-ddp plan-single offload ac nf4-big auto-limit tests"
+# Placeholders for the paths the lead is adding; each becomes a row like the ones below when it lands:
+#   long-context     --seq-len 32768 on the 1.1B model, activation checkpointing, planner row as plan-fsdp2
+#   context-parallel --context-parallel 2 (two GPUs), loss equal to the one-rank run's
+#   grpo             --objective grpo on the tiny model, generation on the GPU, rewards finite
+ROWS=$([ $QUICK = 1 ] && [ -z "$ONLY" ] && echo $QUICK_ROWS || echo $ALL_ROWS)  # --only picks from all
+if [ $LIST = 1 ]; then echo $ROWS | tr ' ' '\n'; exit 0; fi
+for r in ${ONLY//,/ }; do
+  [[ " $(echo $ALL_ROWS) " == *" $r "* ]] || { echo "gpu_check.sh: no row $r (see --list)" >&2; exit 2; }
+done
+
+# One overall limit for everything below: timeout signals the whole process group (launchers, workers).
+if [ -z "${GPU_CHECK_INNER:-}" ] && [ $DRY = 0 ]; then
+  GPU_CHECK_INNER=1 timeout --kill-after=20 "$LIMIT" bash "$0" "${ARGS[@]}"
+  code=$?
+  [ $code = 124 ] && echo "FAIL gpu_check: the whole check ran past its ${LIMIT} s limit"
+  exit $code
 fi
 
-MODEL=$(python3 -c "
-import sys; sys.path.insert(0, 'bench')
-from pathlib import Path
-from fake_model import make_checkpoint, make_data
-print(make_checkpoint('1.1b', Path('$CACHE')))
-make_data(Path('$CACHE') / 'data-512.jsonl', n=256, seq_len=512)
-from speed import mixed_data
-mixed_data(Path('$CACHE') / 'data-mixed.jsonl', n=256)
-" | tail -n1)
-rm -f "$CACHE/results.jsonl"
-run() {  # NAME, then extra flags
-  local name=$1; shift
-  local flags=(--model "$MODEL" --data "$CACHE/data-512.jsonl" --nproc "$NGPU" --device cuda --dtype bf16
-               --batch-size 8 --seq-len 512 --lora-targets q_proj,v_proj "$@")
-  rm -rf "$CACHE/run-$name"
-  python3 -m shardtune finetune "${flags[@]}" --out "$CACHE/run-$name" --steps "$STEPS" > "$CACHE/$name.log" 2>&1 \
-    || { tail -n 30 "$CACHE/$name.log"; echo "FAIL: $name"; exit 1; }
-  python3 -m shardtune plan "${flags[@]}" --json > "$CACHE/$name.plan.json"
-  python3 - "$name" "$CACHE/run-$name/summary.json" "$CACHE/$name.plan.json" "$PLAN_BAND" "$CACHE/results.jsonl" <<'PY'
-import json, math, sys
-name, summary, plan, band, results = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4]), sys.argv[5]
-s, p = json.load(open(summary)), json.load(open(plan))
-first = p[s["strategy"]]
-pred = next(x for x in [first, *first["variants"]] if x["cpu_offload"] == ("offload" in name)
-            and not x["activation_checkpointing"])
-predicted = pred["peak_mb"] - pred["terms"]["runtime"]  # the CUDA context is not in torch's counters
-reserved = max(s["cuda_max_reserved_mb"]["train"])
-allocated = max(s["cuda_max_allocated_mb"]["train"])
-row = {"run": name, "strategy": s["strategy"], "ranks": s["world_size"], "backend": s["backend"],
-       "tokens_per_second": s["tokens_per_second"], "fill_ratio": s.get("fill_ratio"), "loss_first": s["train_loss_first"],
-       "loss_last": s["train_loss_last"], "train_max_allocated_mb": allocated, "train_max_reserved_mb": reserved,
-       "load_max_reserved_mb": max(s["cuda_max_reserved_mb"]["load"]), "predicted_mb": round(predicted, 1),
-       "predicted_over_reserved": round(predicted / reserved, 3), "load_seconds": s["load_seconds"]}
-print("  ".join(f"{k} {v}" for k, v in row.items()))
-open(results, "a").write(json.dumps(row) + "\n")
-problems = []
-if s["device"] != "cuda" or "nccl" not in s["backend"]:
-    problems.append(f"ran on {s['device']}/{s['backend']}, not CUDA/NCCL")
-if not all(math.isfinite(x) for x in (s["train_loss_first"], s["train_loss_last"])):
-    problems.append("loss not finite")
-elif not s["train_loss_last"] < s["train_loss_first"]:
-    problems.append(f"loss did not go down: {s['train_loss_first']} -> {s['train_loss_last']}")
-if not 0 < allocated <= reserved:
-    problems.append(f"CUDA peaks missing or inconsistent: allocated {allocated}, reserved {reserved}")
-if abs(predicted - reserved) > band * reserved:
-    problems.append(f"planner predicted {predicted:.0f} MB, max reserved {reserved:.0f} MB (band {band:.0%})")
-if problems:
-    sys.exit(f"FAIL {name}: " + "; ".join(problems))
-PY
+export PYTHONPATH="$PWD/src:${PYTHONPATH:-}"
+CACHE=${CACHE:-/tmp/shardtune-gpu}
+RUNS=$CACHE/runs
+export GPU_CHECK_RESULTS=$CACHE/results.jsonl
+DEV=cuda
+[ $CPU = 1 ] && DEV=cpu
+export GPU_CHECK_DEVICE=$DEV
+PY=python3
+CHECK="$PY bench/gpu_check.py"
+mkdir -p "$RUNS" bench/results
+rm -f "$GPU_CHECK_RESULTS"
+
+want() { [ -z "$ONLY" ] || [[ ",$ONLY," == *",$1,"* ]]; }
+# x LOG CMD...: run CMD with its output in LOG (on --dry-run: print it); its exit code
+x() {
+  local log=$1; shift
+  if [ $DRY = 1 ]; then printf '  '; printf '%q ' "$@"; echo; return 0; fi
+  "$@" > "$log" 2>&1
 }
-run fsdp2 --strategy fsdp2
-run fsdp2-offload --strategy fsdp2 --cpu-offload
-run fsdp1 --strategy fsdp1
-# mixed-length records (16..512 tokens, median ~100: bench/speed.py), padded and packed; tokens/s counts real tokens
-run fsdp2-padded --strategy fsdp2 --data "$CACHE/data-mixed.jsonl" --micro-batch-size 8 --batch-size $((8 * NGPU))
-run fsdp2-packed --strategy fsdp2 --data "$CACHE/data-mixed.jsonl" --micro-batch-size 8 --batch-size $((8 * NGPU)) --packing
-python3 -c "
-import json; rows = [json.loads(l) for l in open('$CACHE/results.jsonl')]
-json.dump(rows, open('bench/results/gpu_check.json', 'w'), indent=1); print('all GPU checks passed')"
+# xo LOG OUT CMD...: as x, with CMD's standard output in OUT
+xo() {
+  local log=$1 out=$2; shift 2
+  if [ $DRY = 1 ]; then printf '  '; printf '%q ' "$@"; echo "> $out"; return 0; fi
+  "$@" > "$out" 2> "$log"
+}
+fail() { echo "FAIL $1: $2"; [ -f "${3:-}" ] && tail -n 15 "$3" | sed 's/^/    /'
+         echo "{\"row\": \"$1\", \"passed\": false, \"problems\": [\"$2\"]}" >> "$GPU_CHECK_RESULTS"; }
+skip() { echo "SKIP $1: $2"; echo "{\"row\": \"$1\", \"passed\": true, \"skipped\": \"$2\"}" >> "$GPU_CHECK_RESULTS"; }
+
+if [ $DRY = 1 ]; then
+  N=1 CAP=9.0 FLASH=yes LMEVAL=yes  # print every row's commands
+  eval "$($CHECK prepare "$CACHE" --quick 2>/dev/null | sed 's/^/export /')" || true
+  BIG=$CACHE/llama-1.1b
+else
+  $CHECK env $([ $CPU = 1 ] && echo --allow-cpu) | tee "$CACHE/env.txt" || exit 1
+  N=$([ $DEV = cuda ] && $PY -c "import torch; print(min(2, torch.cuda.device_count()))" || echo 1)
+  CAP=$(awk '/^capability:/ {print $2}' "$CACHE/env.txt")
+  FLASH=$(awk '/^flash_attn:/ {print $2}' "$CACHE/env.txt")
+  LMEVAL=$(awk '/^lm_eval:/ {print $2}' "$CACHE/env.txt")
+  eval "$($CHECK prepare "$CACHE" $([ $QUICK = 1 ] && echo --quick) 2> "$CACHE/prepare.log" | sed 's/^/export /')" \
+    || { tail -n 20 "$CACHE/prepare.log"; exit 1; }
+fi
+# --dtype auto: bf16 from compute capability 8.0 (Ampere) on, fp16 before; fp32 on this CPU (smoke)
+AUTO=$([ $DEV = cpu ] && echo fp32 || ([ "${CAP%%.*}" -ge 8 ] 2>/dev/null && echo bf16 || echo fp16))
+DTYPE=$([ $DEV = cpu ] && echo fp32 || echo bf16)  # the CPU smoke: bf16 matmul crawls without AVX512-BF16
+COMMON=(--device "$DEV" --collective-timeout 60 --seed 1 --overwrite)
+# (no --nproc here: torchrun's own parser would take it for an abbreviation of its --nproc-per-node)
+TINY_BASE=(--model "$TINY" --data "$DATA_SHORT" --seq-len 128 --batch-size $((4 * N)) --steps 8
+           --lr 1e-2 --warmup-steps 1 --lora-r 8 --dtype "$DTYPE" "${COMMON[@]}")
+TINY_RUN=("${TINY_BASE[@]}" --nproc "$N")
+# fsdp2 + --quantize nf4 on ONE rank fails in the first forward (torchao's NF4 all-gather extension gets
+# one output instead of three; reproduced on CPU, reported): on one GPU the NF4 rows run `single`
+NF4=$([ "$N" -ge 2 ] && echo fsdp2 || echo single)
+BIG_RUN=(--model "${BIG:-none}" --data "$DATA" --seq-len 512 --nproc "$N" --batch-size $((8 * N)) --steps 8
+         --micro-batch-size 8 --lr 1e-3 --warmup-steps 1 --lora-targets q_proj,v_proj --dtype "$DTYPE" "${COMMON[@]}")
+
+# A flag given again later wins (argparse), so rows change the runs above by appending flags.
+# finetune ROW FLAGS... -- CHECK-FLAGS...: a fine-tune, then its verdict
+finetune() {
+  local row=$1; shift
+  local flags=() checks=()
+  while [ $# -gt 0 ] && [ "$1" != -- ]; do flags+=("$1"); shift; done
+  [ $# -gt 0 ] && shift && checks=("$@")
+  if ! x "$RUNS/$row.log" $PY -m shardtune finetune "${flags[@]}" --out "$RUNS/$row"; then
+    fail "$row" "shardtune finetune exited non-zero" "$RUNS/$row.log"; return
+  fi
+  [ $DRY = 1 ] || $CHECK check "$row" --out "$RUNS/$row" --log "$RUNS/$row.log" "${checks[@]}"
+}
+# planned ROW FLAGS... -- CHECK-FLAGS...: as finetune, with `shardtune plan --json` of the same flags first
+planned() {
+  local row=$1; shift
+  local flags=()
+  while [ $# -gt 0 ] && [ "$1" != -- ]; do flags+=("$1"); shift; done
+  local plan_flags=()
+  for f in "${flags[@]}"; do [ "$f" != --overwrite ] && plan_flags+=("$f"); done
+  if ! xo "$RUNS/$row.plan.log" "$RUNS/$row.plan.json" $PY -m shardtune plan "${plan_flags[@]}" --json; then
+    fail "$row" "shardtune plan exited non-zero" "$RUNS/$row.plan.log"; return
+  fi
+  finetune "$row" "${flags[@]}" "$@" --plan "$RUNS/$row.plan.json"
+}
+
+row_env() { :; }  # printed above
+row_sft-val() {
+  finetune sft-val "${TINY_RUN[@]}" --strategy fsdp2 --val-data "$DATA_SHORT" --eval-every 4 \
+    -- --expect strategy=fsdp2 --val --loss-down
+}
+row_fp16() {  # loss scaling: an overflow is a skipped step (metrics.jsonl counts them), never "diverged"
+  finetune fp16 "${TINY_RUN[@]}" --dtype fp16 --strategy fsdp2 -- --expect dtype=fp16 --metric skipped_steps \
+    --metric loss_scale --loss-down
+}
+row_dtype-auto() { finetune dtype-auto "${TINY_RUN[@]}" --dtype auto -- --expect "dtype=$AUTO"; }
+row_nf4() { finetune nf4 "${TINY_RUN[@]}" --strategy "$NF4" --quantize nf4 -- --expect quantize=nf4 --loss-down; }
+row_dpo-precomputed() {
+  finetune dpo-precomputed "${TINY_RUN[@]}" --data "$PAIRS" --objective dpo --precompute-reference \
+    --val-data "$PAIRS_VAL" --strategy fsdp2 -- --val --metric "rewards/accuracies"
+}
+row_orpo-dora() {
+  finetune orpo-dora "${TINY_RUN[@]}" --data "$PAIRS" --objective orpo --lora-variant dora --strategy fsdp2 \
+    -- --expect lora_variant=dora
+}
+row_simpo-packed() {
+  finetune simpo-packed "${TINY_RUN[@]}" --data "$PAIRS" --objective simpo --packing --strategy fsdp2 \
+    -- --expect packing=true
+}
+row_varlen() {  # packed rows through flash-attention's variable-length kernel (cu_seq_lens)
+  if [ "$FLASH" != yes ]; then skip varlen "flash_attn is not installed here"; return; fi
+  finetune varlen "${TINY_RUN[@]}" --model "$TINY_FLASH" --data "$DATA_MIXED" --seq-len 512 --packing --dtype bf16 \
+    --strategy fsdp2 -- --expect packing=true --loss-down
+}
+row_eval() {
+  xo "$RUNS/eval.log" "$RUNS/eval.json" $PY -m shardtune eval --model "$TINY" \
+    --adapter "$RUNS/sft-val/adapter" --data "$DATA_SHORT" --dtype "$DTYPE" --max-new-tokens 8 --json \
+    || { fail eval "shardtune eval exited non-zero" "$RUNS/eval.log"; return; }
+  [ $DRY = 1 ] || $CHECK check-json eval "$RUNS/eval.json" --keys loss --keys perplexity
+}
+row_eval-nf4() {  # the 4-bit base built on the GPU weight by weight (tools/generate.py's load_quantized)
+  xo "$RUNS/eval-nf4.log" "$RUNS/eval-nf4.json" $PY -m shardtune eval --model "$TINY" \
+    --adapter "$RUNS/nf4/adapter" --data "$DATA_SHORT" --dtype "$DTYPE" --quantize nf4 --max-new-tokens 8 --json \
+    || { fail eval-nf4 "shardtune eval --quantize nf4 exited non-zero" "$RUNS/eval-nf4.log"; return; }
+  [ $DRY = 1 ] || $CHECK check-json eval-nf4 "$RUNS/eval-nf4.json" --keys loss
+}
+row_generate() {
+  x "$RUNS/generate.log" $PY -m shardtune generate --model "$TINY" --adapter "$RUNS/sft-val/adapter" \
+    --prompt "Name a color." --max-new-tokens 16 --dtype "$DTYPE" \
+    || { fail generate "shardtune generate exited non-zero" "$RUNS/generate.log"; return; }
+  [ $DRY = 1 ] || $CHECK check-json generate "$RUNS/generate.log"
+}
+row_harness() {  # lm-evaluation-harness on a local task (no dataset hub is reachable from the machine)
+  if [ "$LMEVAL" != yes ]; then skip harness "lm_eval is not installed here"; return; fi
+  x "$RUNS/harness.log" $PY -m shardtune eval --model "$TINY" --adapter "$RUNS/sft-val/adapter" \
+    --tasks tiny_choice --include-path "$TASKS" --limit 8 --dtype "$DTYPE" --out "$RUNS/harness" \
+    || { fail harness "shardtune eval --tasks exited non-zero" "$RUNS/harness.log"; return; }
+  [ $DRY = 1 ] || $CHECK check-json harness "$RUNS/harness/lm_eval.json" --keys "results.adapter.tiny_choice.acc,none"
+}
+row_torchrun() {  # plain torchrun: every rank runs the command (its ranks replace --nproc); rank 0 plans for all
+  x "$RUNS/torchrun.log" $PY -m torch.distributed.run --standalone --nproc-per-node "$N" -m shardtune finetune \
+    "${TINY_BASE[@]}" --strategy fsdp2 --out "$RUNS/torchrun" \
+    || { fail torchrun "torchrun exited non-zero" "$RUNS/torchrun.log"; return; }
+  [ $DRY = 1 ] || $CHECK check torchrun --out "$RUNS/torchrun" --log "$RUNS/torchrun.log" --expect "world_size=$N" \
+    --loss-down
+}
+row_two-ranks-one-gpu() {  # with one GPU: two ranks are refused before anything starts, saying why
+  if [ "$N" -ge 2 ] || [ $DEV != cuda ]; then skip two-ranks-one-gpu "not one GPU here"; return; fi
+  x "$RUNS/two.log" $PY -m shardtune finetune "${TINY_RUN[@]}" --nproc 2 --batch-size 8 --out "$RUNS/two"
+  local code=$?
+  [ $DRY = 1 ] && return
+  if [ $code = 2 ] && grep -q "NCCL needs one GPU per rank" "$RUNS/two.log"; then
+    echo "PASS two-ranks-one-gpu  exit 2, said: $(grep -o "[0-9]* ranks on this node but [0-9]* GPU(s) visible" "$RUNS/two.log")"
+    echo '{"row": "two-ranks-one-gpu", "passed": true}' >> "$GPU_CHECK_RESULTS"
+  else
+    fail two-ranks-one-gpu "expected exit 2 naming NCCL's one GPU per rank, got exit $code" "$RUNS/two.log"
+  fi
+}
+# The planner on a 1.1B model: per strategy, the whole peak (CUDA context and NCCL included) planned
+# against the measured one: torch's max reserved plus the memory the GPU holds outside torch.
+row_plan-fsdp2() { planned plan-fsdp2 "${BIG_RUN[@]}" --strategy fsdp2 --fsdp-unit layer -- --loss-down; }
+row_plan-fsdp1() { planned plan-fsdp1 "${BIG_RUN[@]}" --strategy fsdp1 -- --loss-down; }
+row_plan-ddp() { planned plan-ddp "${BIG_RUN[@]}" --strategy ddp -- --loss-down; }
+row_plan-single() {
+  planned plan-single "${BIG_RUN[@]}" --nproc 1 --batch-size 8 --strategy single -- --loss-down
+}
+row_offload() { planned offload "${BIG_RUN[@]}" --strategy fsdp2 --fsdp-unit layer --cpu-offload -- --loss-down; }
+row_ac() { planned ac "${BIG_RUN[@]}" --strategy fsdp2 --fsdp-unit layer --activation-checkpointing -- --loss-down; }
+row_nf4-big() { planned nf4-big "${BIG_RUN[@]}" --strategy "$NF4" --quantize nf4 -- --loss-down; }
+row_auto-limit() {  # the automatic choice against the device's real limit: a ballast leaves 8 GiB free
+  local leave=8 ready=$CACHE/ballast.ready
+  if [ $DRY = 1 ]; then echo "  $CHECK ballast --leave $leave --ready $ready &"; else
+    rm -f "$ready"; $CHECK ballast --leave $leave --ready "$ready" > "$RUNS/ballast.log" 2>&1 &
+    local ballast=$!
+    for _ in $(seq 60); do [ -f "$ready" ] && break; sleep 1; done
+  fi
+  finetune auto-limit "${BIG_RUN[@]}" --micro-batch-size auto --strategy auto -- --budget-gib $leave --loss-down
+  [ $DRY = 1 ] || kill "$ballast" 2>/dev/null
+}
+row_tests() {  # the pytest rows that ask for CUDA (two-GPU ones skip on one GPU, saying why)
+  if [ $TESTS = 0 ]; then skip tests "not asked for (--with-tests)"; return; fi
+  x "$RUNS/tests.log" $PY -m pytest -q -rs -p no:cacheprovider tests/test_gpu.py \
+    && { echo "PASS tests  $(tail -n 1 "$RUNS/tests.log")"; echo '{"row": "tests", "passed": true}' >> "$GPU_CHECK_RESULTS"; } \
+    || fail tests "pytest -m gpu failed" "$RUNS/tests.log"
+}
+
+START=$SECONDS
+for row in $ROWS; do
+  want "$row" || continue
+  [ $DRY = 1 ] && echo "row $row:"
+  t=$SECONDS
+  "row_$row"
+  [ $DRY = 1 ] || echo "      ($row: $((SECONDS - t)) s)"
+done
+[ $DRY = 1 ] && exit 0
+echo "all rows: $((SECONDS - START)) s"
+# the CPU smoke checks the script, not a GPU: its rows stay out of bench/results
+$CHECK collect "$GPU_CHECK_RESULTS" "$([ $CPU = 1 ] && echo "$CACHE/gpu_check-cpu-smoke.json" || echo bench/results/gpu_check.json)"

@@ -216,7 +216,8 @@ def run_peer(recipe: str, args: argparse.Namespace, rank: int, world: int) -> di
 
     from shardtune.runtime import distributed
     from shardtune.runtime.memory import MemoryMonitor
-    from shardtune.train.data import collate, load_dataset
+    from shardtune.train.data.batch import collate
+    from shardtune.train.data.tokenize import load_dataset
 
     d = distributed.init_worker()
     memory = MemoryMonitor(d.device)

@@ -2,8 +2,9 @@
 
 For each strategy: the prediction of `shardtune plan --config C --strategy S --json` (which reads the
 training data, as finetune does) and the train peak `finetune --steps N` records in summary.json
-(RssAnon + RssShmem per rank, the same quantity). Both the whole peak and the part above the process
-before loading (summary.json's runtime_mb) are compared.
+(RssAnon + RssShmem per rank, the same quantity; on a GPU torch's max reserved plus what the GPU
+holds outside it). Both the whole peak and the part above the runtime (summary.json's runtime_mb:
+the process before loading on CPU, the memory outside torch's allocator on a GPU) are compared.
 
     python bench/planner_check.py                      # examples/zarnovia.yaml, ddp/fsdp2/fsdp1, 4 steps
     python bench/planner_check.py --config my.yaml --strategies fsdp2 --steps 2 --results out.json
@@ -41,13 +42,20 @@ def check(config: str, strategy: str, steps: int, extra: list[str]) -> dict:
         if run.returncode:
             return {"strategy": strategy, "error": run.stderr[-1500:]}
         summary = json.loads((Path(out) / "summary.json").read_text())
-    peak, before = max(summary["train_peak_mb"]), max(summary["runtime_mb"])
-    runtime = prediction["terms"]["runtime"]
+    runtime, before = prediction["terms"]["runtime"], max(summary["runtime_mb"])
+    if summary["device"] == "cuda":
+        # torch's reserved blocks are the planned peak above the runtime; the runtime (context, NCCL)
+        # is what the GPU holds outside them (summary.json's runtime_mb on a GPU)
+        above = max(summary["cuda_max_reserved_mb"]["train"])
+        peak = above + before
+    else:  # RssAnon + RssShmem: the runtime is part of the peak
+        peak = max(summary["train_peak_mb"])
+        above = peak - before
     return {"strategy": strategy, "micro_batch_size": summary["micro_batch_size"], "dtype": summary["dtype"],
             "planned_mb": prediction["peak_mb"], "peak_at": prediction["peak_at"], "measured_mb": peak,
             "error": round(prediction["peak_mb"] / peak - 1, 4),
             "planned_above_runtime_mb": round(prediction["peak_mb"] - runtime, 1),
-            "measured_above_runtime_mb": round(peak - before, 1),
+            "measured_above_runtime_mb": round(above, 1),
             "train_peak_mb": summary["train_peak_mb"], "runtime_mb": summary["runtime_mb"]}
 
 

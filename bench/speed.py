@@ -186,7 +186,8 @@ def rule_jobs(model: Path, data: Path, gib: float, dtype: str, top: int) -> list
     from shardtune.config import build_config
     from shardtune.model.directory import check_model_dir, load_tokenizer
     from shardtune.train.choice import Candidate, candidates
-    from shardtune.train.data import lengths_of, load_dataset
+    from shardtune.train.data.records import lengths_of
+    from shardtune.train.data.tokenize import load_dataset
 
     cfg = build_config({"model": str(model), "data": str(data), "nproc": 2, "strategy": "auto", "packing": True,
                         "batch-size": 16, "micro-batch-size": "auto", "fsdp-unit": "auto", "seq-len": 512,

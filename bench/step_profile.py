@@ -79,7 +79,7 @@ def main() -> None:
     from shardtune.runtime.cpu_tuning import HUGE_PAGES, shared_gather_enabled, tune_malloc
     from shardtune.runtime.device import decide_dtype
     from shardtune.runtime.memory import MemoryMonitor
-    from shardtune.train.recipe import prepare, train_step
+    from shardtune.train.job import setup
 
     malloc = tune_malloc()
     shared = shared_gather_enabled()  # FSDP2 gathers through shared memory (else gloo broadcasts)
@@ -96,12 +96,12 @@ def main() -> None:
                         "batch-size": world * args.micro_batch_size, "micro-batch-size": args.micro_batch_size,
                         "seq-len": args.seq_len, "lora-targets": "q_proj,v_proj", "steps": 3, "dtype": args.dtype})
     cfg = decide_dtype(cfg)  # as preflight decides it before the workers start
-    job = prepare(cfg, worker, MemoryMonitor(worker.device))
+    job = setup(cfg, worker, MemoryMonitor(worker.device))
     params = list(job.strategy.trainable(job.model).values())
 
     def step(i: int) -> float:
         started = time.perf_counter()
-        train_step(job, i)
+        job.step(i)
         for p in params:
             p.grad = None
         return time.perf_counter() - started

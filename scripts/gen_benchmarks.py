@@ -351,6 +351,56 @@ def export_cost(name: str, data: Result) -> list[str]:
                           "file MiB"], rows)
 
 
+def cp_attention_memory(name: str, data: Result) -> list[str]:
+    shape = data["shape"]
+    lines = header(name, data, shape.get("dtype", NOT_RECORDED), "python bench/cp_attention_memory.py")
+    lines += [f"One record of each length, {shape['heads']} query and {shape['kv_heads']} key/value heads of "
+              f"{shape['head_dim']} (SmolLM2-135M's shape), forward and backward of attention alone; 1 process: "
+              "the per-record SDPA, N processes: Ulysses attention over gloo, each rank holding 1/N of the "
+              "sequence. Per busiest rank: the peak resident memory above q, k, v and the upstream gradient "
+              "(one layer's transient cost), and what autograd saves for backward (kept per layer). Seconds are "
+              "wall time with the ranks sharing the cores: no speed result.", ""]
+    rows = [[r["ranks"], r["length"], r["q_piece_mib"], r["peak_mib"], r["peak_over_q_piece"],
+             r["saved_for_backward_mib"], r["seconds"]] for r in data["rows"]]
+    return lines + table(["ranks", "tokens", "q piece MiB", "peak MiB", "peak / q piece", "saved for backward MiB",
+                          "seconds"], rows)
+
+
+def long_context(name: str, data: Result) -> list[str]:
+    shape = data.get("shape") or {}
+    derived = f"python bench/long_context.py --layers {data.get('layers')}" + (" --quick" if data.get("quick") else "")
+    lines = header(name, data, data.get("dtype", NOT_RECORDED), derived)
+    extra = f"; shardtune's rows also had `{data['shardtune_flags']}`" if data.get("shardtune_flags") else ""
+    lines += [f"A random Llama of SmolLM2-135M-Instruct's shape ({shape.get('hidden_size')} hidden, "
+              f"{shape.get('intermediate_size')} MLP, {shape.get('num_attention_heads')}/"
+              f"{shape.get('num_key_value_heads')} heads, {shape.get('vocab_size')}-token vocabulary, tied) with "
+              f"{data.get('layers')} layers, LoRA {data.get('lora')}, one record of exactly the row's tokens per "
+              f"process and step (fsdp2: 2 ranks, one each; packed: several records in one row), "
+              f"{data.get('steps')} steps, tokens/s without step 1. Peak: each process's RssAnon + RssShmem, sampled "
+              "from outside (MB = 2^20 bytes); summary: shardtune's own train peak; planner: `shardtune plan --json` "
+              f"for the same flags{extra}. Rows can come from several runs of the bench (`--rows`): the command "
+              "above is the last one's; the file keeps each row's own command, commit and date.", ""]
+    rows = [[r["recipe"], r.get("ranks"), r["tokens"], r.get("records_per_row"),
+             job_error(r) or r.get("peak_mb"), r.get("summary_peak_mb"), r.get("tokens_per_second"),
+             (r.get("plan") or {}).get("peak_mb"), " ".join((r.get("loadavg_before") or [])[:1]) or NOT_RECORDED]
+            for r in data["rows"]]
+    lines += table(["recipe", "ranks", "tokens", "records per row", "peak MB per process", "summary MB",
+                    "tokens/s", "planner MB", "load average before"], rows)
+    fig, floor = data.get("figures") or {}, data.get("floor") or {}
+    if floor:
+        lines += ["", f"The floor: {cell(floor['bytes_per_token'] / 1024)} KB per token = {floor.get('how')}."]
+    fits = fig.get("longest_fit") or {}
+    slopes = [[recipe, s.get("kb_per_token"), s.get("summary_kb_per_token"), " – ".join(map(str, s["between"])),
+               s.get("over_floor"), (fits.get(recipe) or {}).get("tokens"), (fits.get(recipe) or {}).get("from")]
+              for recipe, s in (fig.get("slopes") or {}).items()]
+    if slopes:
+        lines += ["", f"Memory per extra token, between the two longest rows, and the longest context within "
+                  f"{cell(fig.get('budget_mb'))} MB per process:", ""]
+        lines += table(["recipe", "KB per token", "summary KB per token", "between tokens", "× the floor",
+                        "longest context", "from"], slopes)
+    return lines + ["", "Targets, as the bench judged them:", ""] + [f"- {t}" for t in data.get("targets", [])]
+
+
 def other(name: str, data: Any) -> list[str]:
     keys = ", ".join(map(str, data)) if isinstance(data, dict) else type(data).__name__
     return [f"### {name}", "", f"No table layout is known for this file (fields: {keys}); "
@@ -372,6 +422,8 @@ KINDS: list[tuple[str, str, Callable[[str, Any], list[str]]]] = [
     ("hostile-sweep", "Bad input and faults, as a hostile new user: bench/hostile_sweep.py", hostile_sweep),
     ("export-", "GGUF export against merge: bench/export_bench.py", export_cost),
     ("llama-cpp-check", "The exported GGUF in llama.cpp: bench/llama_cpp_check.py", llama_cpp_check),
+    ("cp-attention-memory", "Context-parallel attention's memory: bench/cp_attention_memory.py", cp_attention_memory),
+    ("long-context-", "Long context against TRL and transformers: bench/long_context.py", long_context),
     ("", "Other results", other),
 ]
 

@@ -63,6 +63,18 @@ def run_root(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path, train_j
     return root
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """torch on one thread for a module of tiny in-process models: their matmuls are too small to share, and
+    on a loaded machine two threads' spinning OpenMP workers make them 10x slower."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def no_workers(monkeypatch: pytest.MonkeyPatch) -> None:
     """Fail the test if a fine-tune would start workers: for tests of what must be refused before that."""

@@ -50,12 +50,13 @@ def trained_job(options: dict):
     from shardtune.config import build_config
     from shardtune.runtime import distributed
     from shardtune.runtime.memory import MemoryMonitor
-    from shardtune.train.recipe import prepare, train
+    from shardtune.train.job import setup
+    from shardtune.train.recipe import train
 
     cfg = build_config(options)
     worker = distributed.init_worker()
     memory = MemoryMonitor(worker.device)
-    job = prepare(cfg, worker, memory)
+    job = setup(cfg, worker, memory)
     out = Path(cfg.output.out)
     out.mkdir(parents=True, exist_ok=True)
     return job, memory, train(job, memory, out)

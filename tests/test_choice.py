@@ -11,7 +11,7 @@ import yaml
 from shardtune import cli
 from shardtune.config import ConfigError, build_config
 from shardtune.train.choice import candidates, choose
-from shardtune.train.data import Lengths
+from shardtune.train.data.records import Lengths
 
 from tiny import make_run_dir
 

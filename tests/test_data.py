@@ -7,19 +7,12 @@ import json
 import pytest
 import torch
 
-from shardtune.runplan import BatchError
-from shardtune.train.data import (
-    IGNORE,
-    BatchSplit,
-    DataError,
-    Example,
-    Sampler,
-    collate,
-    load_dataset,
-    read_records,
-    shard_indices,
-    tokenize,
-)
+from shardtune.runplan import BatchError, BatchSplit
+from shardtune.train.data.batch import Batcher, Layout, Sampler, collate
+from shardtune.train.data.read import read_records
+from shardtune.train.data.records import IGNORE, DataError, Example
+from shardtune.train.data.sft import tokenize
+from shardtune.train.data.tokenize import load_dataset
 
 from tiny import instruction_records, make_tokenizer, write_jsonl
 
@@ -249,9 +242,15 @@ def test_micro_batches_over_ranks_partition_the_global_batch(batch, micro, ranks
         assert flat == sampler.global_batch(step)
 
 
-def test_shard_indices_cover_validation_once():
-    seen = sorted(i for r in range(3) for i in shard_indices(10, r, 3))
-    assert seen == list(range(10))
+def test_validation_items_are_seen_once_and_every_rank_runs_as_many_forwards():
+    examples = [Example([1] * (i + 2), [1] * (i + 2)) for i in range(10)]
+    batcher = Batcher(Layout(examples, 1, 64, 0, torch.device("cpu"), "sdpa", torch.float32))
+    per_rank = [list(batcher.lockstep(10, 1, r, 3)) for r in range(3)]
+    assert sorted(i for fwds in per_rank for f in fwds for i in f.items) == list(range(10))
+    assert {len(fwds) for fwds in per_rank} == {4}  # 4, 3 and 3 items: 4 forwards each, ranks 1, 2 one empty
+    assert per_rank[1][-1].items == [] and (per_rank[1][-1].targets == IGNORE).all()
+    alone = list(batcher.lockstep(10, 2, 1, 3, together=False))  # a whole model per rank: no empty forward
+    assert [len(f.items) for f in alone] == [2, 1]
 
 
 # --- collate ------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ import pytest
 
 import shardtune.launch
 from shardtune.cli import main
-from shardtune.train.data_checks import data_warnings
+from shardtune.train.data.checks import data_warnings
 
 from tiny import instruction_records, make_model, write_jsonl
 

@@ -7,7 +7,9 @@ from pathlib import Path
 import pytest
 
 from shardtune.config import ConfigError, build_config, validate
-from shardtune.train.data import DataError, load_dataset, read_records
+from shardtune.train.data.read import read_records
+from shardtune.train.data.records import DataError
+from shardtune.train.data.tokenize import load_dataset
 
 from tiny import instruction_records, make_tokenizer, write_jsonl
 
@@ -87,7 +89,7 @@ def test_hub_dataset_name_not_in_cache_is_a_clear_error(tmp_path: Path, tok, mon
 
 
 def test_tokenized_once_then_memory_mapped(tmp_path: Path, tok) -> None:
-    from shardtune.train.datasets_io import TokenizedExamples
+    from shardtune.train.data.cache import TokenizedExamples
 
     data = write_jsonl(tmp_path / "d.jsonl", instruction_records(9))
     plain = load_dataset(data, tok, 100)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -104,18 +106,70 @@ def test_cuda_peaks_per_phase_for_the_summary():
                                        "train": {"allocated": None, "reserved": None}}
 
 
+def test_runtime_mb_on_gpu_is_the_memory_held_outside_torchs_allocator(monkeypatch):
+    """summary.json's runtime_mb is the planner's "runtime" measured: on a GPU not memory_allocated before
+    loading (about 0: the CUDA context is outside torch's counters) but what the device holds beyond
+    torch's reserved blocks (context, NCCL's buffers), the most seen at a phase's end."""
+    from shardtune.runtime.memory import MB, MemoryMonitor
+
+    reserved, outside = [1200 * MB], [700 * MB]
+    total = 80 * 1024 * MB
+    for name, value in {"memory_allocated": 0, "max_memory_allocated": 1000 * MB, "max_memory_reserved": 1300 * MB,
+                        "reset_peak_memory_stats": None}.items():
+        monkeypatch.setattr(torch.cuda, name, lambda device=None, value=value: value)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: reserved[0])
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (total - reserved[0] - outside[0], total))
+    monitor = MemoryMonitor(torch.device("cuda", 0))
+    monitor.close()
+    assert monitor.runtime_mb() is None
+    with monitor.phase("load"):
+        pass
+    assert monitor.runtime_mb() == 700
+    with monitor.phase("train"):
+        reserved[0], outside[0] = 5000 * MB, 1724 * MB  # NCCL's buffers came with the first collectives
+    assert monitor.runtime_mb() == 1724
+    cpu = MemoryMonitor(torch.device("cpu"))
+    cpu.close()
+    with cpu.phase("load"):
+        pass
+    assert cpu.runtime_mb() == round(cpu.starts["load"], 1) > 0  # CPU: the process before loading
+
+
 def test_auto_dtype_is_bf16_only_where_the_hardware_computes_in_it(gpus, monkeypatch):
     monkeypatch.setattr(device, "cpu_has_fast_bf16", lambda: False)  # AVX2 only: bf16 matmul ~50x slower
     assert device.auto_dtype("cpu") == "fp32"
     monkeypatch.setattr(device, "cpu_has_fast_bf16", lambda: True)  # AVX512 / AMX
     assert device.auto_dtype("cpu") == "bf16"
     gpus(1)
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)  # T4, V100
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(major=7))  # T4, V100
     assert device.auto_dtype("cuda") == "fp16"
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(major=8))  # A100 on
     assert device.auto_dtype("cuda") == "bf16"
     gpus(0)
     assert device.auto_dtype("cuda") == "bf16"  # plan --device cuda on a CPU machine: a recent GPU
+
+
+def test_auto_dtype_counts_no_emulated_bf16_and_asks_only_this_ranks_gpu(gpus, monkeypatch):
+    """torch's is_bf16_supported() says yes on a T4/V100 (it counts emulation, trying an allocation),
+    and asks current_device(), GPU 0 in every rank before set_device: auto must pick fp16 there, read
+    from the properties of the rank's own GPU, touching no other."""
+    gpus(4)
+    asked = []
+
+    def properties(index):
+        asked.append(index)
+        return SimpleNamespace(major=7, minor=5)  # a T4
+
+    def touches_gpu(*args, **kwargs):
+        raise AssertionError("the dtype probe touched a GPU (current_device / an allocation)")
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", properties)
+    monkeypatch.setattr(torch.cuda, "current_device", touches_gpu)
+    monkeypatch.setattr(torch.cuda, "_check_bf16_tensor_supported", lambda device: True)  # emulation works
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)  # torch's own lazy init is not in question
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert device.auto_dtype("cuda") == "fp16"
+    assert asked == [3]
 
 
 def test_decide_dtype_replaces_auto_once_and_keeps_a_given_dtype(gpus, monkeypatch):

@@ -32,17 +32,18 @@ def grads_and_training(rank: int, world_size: int, options: dict) -> dict:
     from shardtune.runtime import distributed
     from shardtune.runtime.memory import MemoryMonitor
     from shardtune.train.adapter import save_adapter
-    from shardtune.train.recipe import prepare, train, train_step
+    from shardtune.train.job import setup
+    from shardtune.train.recipe import train
 
     cfg = build_config(options)
     worker = distributed.init_worker()
     memory = MemoryMonitor(worker.device)
-    job = prepare(cfg, worker, memory)
+    job = setup(cfg, worker, memory)
     job.model.eval()
     with torch.no_grad():
         before = job.model(input_ids=INPUT).logits
     job.model.train()
-    train_step(job, 0)
+    job.step(0)
     grads = {}
     params = dict(job.strategy.unwrap(job.model).named_parameters())
     for name in job.built.adapter_keys.values():
@@ -123,8 +124,8 @@ def _assert_adapters_equal(a: Path, b: Path) -> None:
 
 @pytest.fixture(scope="module")
 def launcher_dir(tmp_path_factory) -> Path:
-    """A model whose step is most of what a run adds to the process, so that the planner's check below
-    is about the model of the step: a 32k-row untied vocabulary (the logits, the loss's fp32 chunks and
+    """A model whose step is much of what a run adds to the process, so that the planner's check below
+    is about the model of the step: a 32k-row untied vocabulary (the loss head's fp32 chunk of logits and
     the head are tens of MB) and records that all reach --seq-len."""
     root = tmp_path_factory.mktemp("launcher")
     make_model(root / "model", "llama", tied=False, hidden=64, vocab=32768)
@@ -195,5 +196,6 @@ def test_planner_predicts_the_measured_peak(launcher_runs, run):
     print(f"\n{run}: planner {predicted:.1f} MB above the process before loading, measured {measured:.1f} MB "
           f"({predicted / measured - 1:+.1%}), peak at {prediction.moment}; before loading: predicted "
           f"{runtime_cpu_mb():.0f} MB, measured {max(summary['runtime_mb']):.0f} MB")
-    assert prediction.terms["logits"] > predicted / 2  # the step is what is being predicted here
+    # the step (the loss head's chunk of logits, activations) is what is being predicted here
+    assert prediction.terms["logits"] + prediction.terms["activations"] > predicted / 3
     assert predicted == pytest.approx(measured, rel=0.10)

@@ -14,7 +14,8 @@ from shardtune.cli import main as cli_main
 from shardtune.tools.evaluate import contains_match, evaluate, exact_match, normalize
 from shardtune.tools.generate import generate_answers, load_model, prompt_ids, read_prompts, stop_ids
 from shardtune.tools.report import ReportError, write_report
-from shardtune.train.data import IGNORE, tokenize
+from shardtune.train.data.records import IGNORE
+from shardtune.train.data.sft import tokenize
 
 from tiny import instruction_records, make_model, write_jsonl
 
@@ -292,3 +293,34 @@ def test_report_names_the_damaged_file_and_line(tmp_path, capsys, name, content,
     assert cli_main(["report", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
     assert re.search(message, err) and "Traceback" not in err
+
+
+def test_tools_build_the_model_on_its_device_never_whole_in_host_memory(tmp_path, monkeypatch):
+    """eval/generate read each weight straight onto the device (a 70B in bf16 must not pass through host
+    RAM first); with --quantize nf4 the fine-tune's own loader quantizes weight by weight, giving exactly
+    the values of quantizing the whole loaded model (what a QLoRA fine-tune trained on)."""
+    import transformers
+
+    from shardtune.model import quantize
+
+    model_dir = make_model(tmp_path / "model", "llama", hidden=64, row_scales=True)
+    ids = torch.arange(1, 30)[None]
+    real = transformers.AutoModelForCausalLM.from_pretrained
+    asked = []
+
+    def from_pretrained(path, *args, **kwargs):
+        asked.append(kwargs.get("device_map"))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", from_pretrained)
+    plain, _ = load_model(model_dir, dtype="bf16", device=torch.device("cpu"))
+    assert asked == [{"": torch.device("cpu")}]  # straight onto the device
+    quantized, _ = load_model(model_dir, dtype="bf16", quantize="nf4", device=torch.device("cpu"))
+    assert len(asked) == 1  # no whole model in bf16 first
+    reference = real(model_dir, dtype=torch.bfloat16).eval()
+    quantize.quantize_in_place(reference)
+    with torch.no_grad():
+        torch.testing.assert_close(quantized(input_ids=ids).logits, reference(input_ids=ids).logits, rtol=0, atol=0)
+        whole = real(model_dir, dtype=torch.bfloat16).eval()
+        torch.testing.assert_close(plain(input_ids=ids).logits, whole(input_ids=ids).logits, rtol=0, atol=0)
+    assert quantized.config.use_cache and quantized.generation_config.eos_token_id == 257

@@ -106,12 +106,13 @@ def nccl_training(rank: int, world_size: int, options: dict) -> dict:
     from shardtune.runtime import distributed
     from shardtune.runtime.memory import MemoryMonitor
     from shardtune.train.adapter import save_adapter
-    from shardtune.train.recipe import prepare, train
+    from shardtune.train.job import setup
+    from shardtune.train.recipe import train
 
     cfg = build_config(options)
     worker = distributed.init_worker(cfg.parallel.device)
     memory = MemoryMonitor(worker.device)
-    job = prepare(cfg, worker, memory)
+    job = setup(cfg, worker, memory)
     out = Path(cfg.output.out)
     out.mkdir(parents=True, exist_ok=True)
     result = train(job, memory, out)

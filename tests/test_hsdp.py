@@ -35,13 +35,14 @@ def hsdp_training(rank: int, world_size: int, options: dict) -> dict:
     from shardtune.runtime import distributed
     from shardtune.runtime.memory import MemoryMonitor
     from shardtune.train.adapter import save_adapter
-    from shardtune.train.recipe import prepare, train, train_step
+    from shardtune.train.job import setup
+    from shardtune.train.recipe import train
 
     cfg = build_config(options)
     worker = distributed.init_worker()
     memory = MemoryMonitor(worker.device)
-    job = prepare(cfg, worker, memory)
-    train_step(job, 0)
+    job = setup(cfg, worker, memory)
+    job.step(0)
     grads = gather_full(job.model, list(job.built.adapter_keys.values()), grads=True)
     job.model.zero_grad(set_to_none=True)
     out = Path(cfg.output.out)
@@ -82,6 +83,26 @@ def test_four_ranks_in_two_replica_groups_equal_one_rank(root, one_rank, strateg
     torch.testing.assert_close(torch.tensor(four[0]["losses"]), torch.tensor(one_rank["losses"]),
                                rtol=1e-5, atol=1e-6)
     _assert_close(_adapter(root / "one"), _adapter(root / f"hsdp-{strategy}"))
+
+
+def test_nf4_in_two_replica_groups_loads_and_equals_one_rank(tmp_path):
+    """QLoRA across nodes: each group quantizes its rows with the scaler mean of its own group's rows
+    (the sharded mesh dimension; a 2-D mesh has no single group, which loading once asked it for)."""
+    from tiny import instruction_records, make_model, write_jsonl
+
+    model = make_model(tmp_path / "model", "llama", hidden=64, row_scales=True)
+    data = write_jsonl(tmp_path / "train.jsonl", instruction_records(16))
+    options = {"model": str(model), "data": str(data), "dtype": "fp32", "steps": 2, "batch-size": 8, "lr": 1e-2,
+               "warmup-steps": 1, "seed": 1, "quantize": "nf4", "lora-targets": "q_proj,v_proj"}
+    one = run_ranks(grads_and_training, 1, {**options, "out": str(tmp_path / "one"), "strategy": "single",
+                                            "micro-batch-size": 8})[0]
+    four = run_ranks(grads_and_training, 4, {**options, "out": str(tmp_path / "hsdp"), "strategy": "fsdp2",
+                                             "micro-batch-size": 2, "replicate-groups": 2}, timeout=600)
+    torch.testing.assert_close(four[0]["before"], one["before"], rtol=1e-5, atol=1e-5)  # the same 4-bit base
+    for rank in (0, 3):
+        for name, g in one["grads"].items():
+            torch.testing.assert_close(four[rank]["grads"][name], g, rtol=1e-4, atol=1e-6, msg=name)
+    torch.testing.assert_close(torch.tensor(four[0]["losses"]), torch.tensor(one["losses"]), rtol=1e-5, atol=1e-6)
 
 
 def _flags(options: dict) -> list[str]:

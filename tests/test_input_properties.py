@@ -14,8 +14,9 @@ from hypothesis import strategies as st
 
 from shardtune.config import FLAGS, ConfigError, build_config, validate
 from shardtune.errors import ShardtuneError
-from shardtune.train.data import DataError, load_dataset
-from shardtune.train.data_checks import data_warnings
+from shardtune.train.data.checks import data_warnings
+from shardtune.train.data.records import DataError
+from shardtune.train.data.tokenize import load_dataset
 
 from tiny import make_tokenizer
 

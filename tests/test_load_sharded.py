@@ -87,3 +87,49 @@ def test_example_own_loop_runs_on_two_ranks(tmp_path: Path) -> None:
         env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "step 3: loss" in run.stdout
+
+
+class _GroupMade(Exception):
+    pass
+
+
+def _pretend_cuda(monkeypatch) -> list[str]:
+    """This process on a GPU as far as init_worker can tell; the process group it asks for is recorded
+    (there is no NCCL here to make it)."""
+    import torch.distributed as dist
+
+    from shardtune.runtime import distributed
+
+    asked: list[str] = []
+
+    def init_process_group(backend=None, **kwargs):
+        asked.append(backend)
+        raise _GroupMade
+
+    monkeypatch.setattr(distributed, "device_type", lambda requested="auto": "cuda")
+    monkeypatch.setattr(distributed, "local_device", lambda kind, rank=0, ranks=1: torch.device("cuda", rank))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(dist, "init_process_group", init_process_group)
+    return asked
+
+
+def test_cpu_offload_on_cuda_gets_a_group_with_gloo_for_its_cpu_tensors(tmp_path: Path, monkeypatch) -> None:
+    """Offloaded shards and gradients are CPU tensors (clipping all-reduces their norm): an NCCL-only group
+    failed there, deep in the first step."""
+    import torch.distributed as dist
+
+    import shardtune
+    from shardtune.config import ConfigError
+
+    model_dir = make_model(tmp_path / "model", "llama")
+    asked = _pretend_cuda(monkeypatch)
+    with pytest.raises(_GroupMade):
+        shardtune.load_sharded(model_dir, LORA, cpu_offload=True)
+    with pytest.raises(_GroupMade):
+        shardtune.load_sharded(model_dir, LORA)
+    assert asked == ["cuda:nccl,cpu:gloo", "nccl"]
+    # A group the caller made with NCCL alone is named before anything is loaded.
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: "cuda:nccl")
+    with pytest.raises(ConfigError, match=r"CPU offload on CUDA needs .*'cuda:nccl'.*backend='cuda:nccl,cpu:gloo'"):
+        shardtune.load_sharded(model_dir, LORA, cpu_offload=True)

@@ -170,7 +170,7 @@ def test_zero_gradients_with_lora_alpha_0_blame_lora_alpha_not_lr(tmp_path: Path
 
 def test_broken_chat_template_names_the_template_and_the_record(tmp_path: Path, no_workers) -> None:
     from shardtune import finetune
-    from shardtune.train.data import DataError
+    from shardtune.train.data.records import DataError
 
     model = make_model(tmp_path / "model", "llama")
     template = model / "chat_template.jinja"
@@ -253,7 +253,7 @@ def test_notebook_paths_resolve_from_examples_folder() -> None:
 
 def test_zarnovia_comment_gives_the_steps_the_run_does() -> None:
     from shardtune.config import build_config
-    from shardtune.train.recipe import total_steps
+    from shardtune.train.schedule import total_steps
 
     cfg = build_config(str(REPO / "examples" / "zarnovia.yaml"))
     records = sum(1 for ln in (REPO / "examples" / "zarnovia_train.jsonl").read_text().splitlines() if ln.strip())

@@ -28,14 +28,14 @@ def lora_dtypes_single(rank: int, world_size: int, options: dict) -> dict:
     from shardtune.config import build_config
     from shardtune.runtime import distributed
     from shardtune.runtime.memory import MemoryMonitor
-    from shardtune.train.recipe import prepare, train_step
+    from shardtune.train.job import setup
 
-    job = prepare(build_config(options), distributed.init_worker(), MemoryMonitor(torch.device("cpu")))
+    job = setup(build_config(options), distributed.init_worker(), MemoryMonitor(torch.device("cpu")))
     seen = set()
     for name, module in job.model.named_modules():
         if "lora_A" in name and isinstance(module, torch.nn.Linear):
             module.register_forward_hook(lambda m, a, out: seen.add((a[0].dtype, out.dtype)))
-    train_step(job, 0)
+    job.step(0)
     masters = {p.dtype for p in job.strategy.trainable(job.model).values()}
     grads = {p.grad.dtype for p in job.strategy.trainable(job.model).values()}
     distributed.teardown()

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from shardtune.train.data import IGNORE, Example, collate
-from shardtune.train.packing import block_causal_mask, collate_packed, forwards_per_rank, pack_rows
+from shardtune.train.data.batch import Batcher, Layout, sequence_sums
+from shardtune.train.data.pack import block_causal_mask, forwards_per_rank, pack_rows
+from shardtune.train.data.records import IGNORE, Example
 
 from tiny import instruction_records, make_model, make_run_dir, run_options
 
@@ -43,8 +43,11 @@ def test_every_rank_runs_the_same_number_of_forwards():
                               rows_per_forward=1)
     assert [len(p) for p in plans] == [4, 4]
     assert plans[1][0] == [[4, 5, 6, 7]] and plans[1][1:] == [[], [], []]  # padded with empty forwards
-    empty = collate_packed([], 0, torch.device("cpu"))
-    assert empty.real_tokens == 0 and (empty.labels == IGNORE).all()
+    for attention in ("shardtune", "sdpa"):
+        batcher = Batcher(Layout(examples, 1, 32, 0, torch.device("cpu"), attention, torch.float32))
+        empty = batcher.packed([])
+        assert empty.real_tokens == 0 and empty.items == [] and (empty.targets == IGNORE).all()
+        assert (empty.owners == -1).all() and empty.inputs["input_ids"].numel() == 1
 
 
 def test_mask_keeps_records_apart_and_padding_to_itself():
@@ -62,67 +65,66 @@ def test_mask_keeps_records_apart_and_padding_to_itself():
 
 
 def _records(tok, n: int) -> list[Example]:
-    from shardtune.train.data import tokenize
+    from shardtune.train.data.sft import tokenize
 
     return [tokenize(tok, r, 128)[0] for r in instruction_records(n, seed=5)]
 
 
-def _token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Per-position loss of predicting labels[t+1] from t; 0 where that is no target."""
-    targets = torch.full_like(labels, IGNORE)
-    targets[:, :-1] = labels[:, 1:]
-    return F.cross_entropy(logits.float().transpose(1, 2), targets, reduction="none", ignore_index=IGNORE)
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
-@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("attention", ["shardtune", "sdpa", "eager"])
 def test_packed_token_losses_and_gradients_equal_padded(tmp_path, arch, attention):
+    """Packed records score exactly as padded ones: no token sees another record, positions restart."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from shardtune.model.attention import use_shardtune_attention
+    from shardtune.train import loss_head
 
     path = make_model(tmp_path / arch, arch)
     tok = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=attention, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager" if attention == "eager" else "sdpa",
+                                                 dtype=torch.float32)
+    impl = use_shardtune_attention(model) if attention == "shardtune" else attention
+    assert impl == attention
+    loss_head.install(model)
     examples = _records(tok, 7)
-    cpu = torch.device("cpu")
+    batcher = Batcher(Layout(examples, 1, 160, 0, torch.device("cpu"), impl, torch.float32))
 
-    padded = collate(examples, 0, cpu)
-    logits = model(input_ids=padded["input_ids"], attention_mask=padded["attention_mask"]).logits
-    want = _token_losses(logits, padded["labels"])
-    want.sum().backward()
-    want_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad()
+    def scored(fwd):
+        model.zero_grad()
+        logps = loss_head.score(model, fwd.inputs, fwd.targets).logps
+        per_record = dict(zip(fwd.items, sequence_sums(logps, fwd).tolist()))
+        logps.sum().backward()
+        return per_record, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
-    rows = [[examples[i] for i in row] for row in pack_rows([len(e.input_ids) for e in examples], 160)]
+    padded = batcher.padded(list(range(7)))
+    assert ("attention_mask" in padded.inputs) == (attention != "shardtune")  # causal needs no padding mask
+    want, want_grads = scored(padded)
+    rows = pack_rows([len(e.input_ids) for e in examples], 160)
     assert len(rows) < len(examples)  # records really share rows
-    packed = collate_packed(rows, 0, cpu)
-    logits = model(**packed.model_inputs(attention, torch.float32)).logits
-    got = _token_losses(logits, packed.labels)
-    got.sum().backward()
-
-    # the same tokens' losses: record by record, in packed order
-    at = {id(e): i for i, e in enumerate(examples)}
-    for r, row in enumerate(rows):
-        start = 0
-        for e in row:
-            n = len(e.input_ids)
-            torch.testing.assert_close(got[r, start:start + n - 1], want[at[id(e)], :n - 1], rtol=1e-5, atol=1e-5)
-            start += n
-    torch.testing.assert_close(got.sum(), want.sum(), rtol=1e-5, atol=1e-5)
-    for n, p in model.named_parameters():
-        torch.testing.assert_close(p.grad, want_grads[n], rtol=1e-5, atol=1e-5, msg=n)
-    assert packed.real_tokens == sum(len(e.input_ids) for e in examples)
+    packed = batcher.packed(rows)
+    # shardtune's attention: one row, no mask at all; others: a block mask per row
+    assert ("attention_mask" in packed.inputs) == (attention != "shardtune")
+    assert packed.inputs["input_ids"].size(0) == (1 if attention == "shardtune" else len(rows))
+    got, got_grads = scored(packed)
+    assert set(got) == set(range(7))
+    for i in range(7):
+        assert got[i] == pytest.approx(want[i], rel=1e-5, abs=1e-5), i
+    assert set(got_grads) == set(want_grads)
+    for n, g in want_grads.items():
+        torch.testing.assert_close(got_grads[n], g, rtol=1e-5, atol=1e-5, msg=n)
+    assert packed.real_tokens == padded.real_tokens == sum(len(e.input_ids) for e in examples)
 
 
 def test_a_model_whose_attention_cannot_keep_records_apart_is_refused(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from shardtune.config import ConfigError
-    from shardtune.train.packing import check_packing
+    from shardtune.train.data.pack import check_packing
 
     model = AutoModelForCausalLM.from_pretrained(make_model(tmp_path / "m", "llama"))
     check_packing(model)
     model.config._attn_implementation = "flex_attention"
-    with pytest.raises(ConfigError, match="option 'packing'.*'flex_attention'.*supported: sdpa, eager"):
+    with pytest.raises(ConfigError, match="option 'packing'.*'flex_attention'.*supported: sdpa, eager, flash"):
         check_packing(model)
 
 

@@ -66,8 +66,10 @@ def test_fits_follows_memory_per_rank(model_dir: Path) -> None:
     tight = strategy_rows(cfg, memory_per_rank=int((peak - 0.01) * MB))
     roomy = strategy_rows(cfg, memory_per_rank=int((peak + 0.01) * MB))
     assert _first(tight, "fsdp2").fits is False and _first(roomy, "fsdp2").fits is True
-    # single holds the whole model: it cannot fit where sharding barely does
-    assert _first(tight, "single").fits is False
+    # every strategy's row is judged by its own peak
+    single = _first(strategy_rows(cfg, memory_per_rank=1 << 40), "single").peak_mb
+    assert _first(strategy_rows(cfg, memory_per_rank=int((single - 0.01) * MB)), "single").fits is False
+    assert _first(strategy_rows(cfg, memory_per_rank=int((single + 0.01) * MB)), "single").fits is True
 
 
 def test_more_ranks_shrink_the_shard_terms(model_dir: Path) -> None:
@@ -103,8 +105,15 @@ def test_offload_moves_shards_off_the_gpu(model_dir: Path) -> None:
     facts = model_facts(_cfg(model_dir, dtype="bf16"), torch.device("cpu"))
     kept = predict(facts, Setting("fsdp2", 2, 1, 64), "cuda")
     offloaded = predict(facts, Setting("fsdp2", 2, 1, 64, cpu_offload=True), "cuda")
-    assert offloaded.terms["weights"] == 0 and kept.terms["weights"] > 0
-    assert offloaded.peak_mb < kept.peak_mb and offloaded.host_mb >= kept.terms["weights"] > 0  # moved, not lost
+    # FSDP2's row-sharded embedding tables are no FSDP parameters: their shards stay on the GPU
+    assert facts.tables_by_rows == {"embed": True, "head": True} and facts.head_bytes > 0  # untied, both by rows
+    tables = (facts.embed_bytes + facts.head_bytes) / 2 / MB
+    assert offloaded.terms["weights"] == pytest.approx(tables) and kept.terms["weights"] > tables > 0
+    assert offloaded.peak_mb < kept.peak_mb
+    moved = kept.terms["weights"] + kept.terms["lora"] + kept.terms["grads"] + kept.terms["optimizer"] - tables
+    assert offloaded.host_mb == pytest.approx(moved)  # moved, not lost
+    fsdp1 = predict(facts, Setting("fsdp1", 2, 1, 64, cpu_offload=True), "cuda")
+    assert fsdp1.terms["weights"] == 0  # FSDP1 offloads every flat parameter, the tables' too
     assert offloaded.terms["blocks"] == kept.terms["blocks"]  # gathering still happens on the GPU
     on_cpu = predict(facts, Setting("fsdp2", 2, 1, 64, cpu_offload=True), "cpu")
     assert on_cpu.terms["weights"] > 0 and "nothing" in on_cpu.note
@@ -113,7 +122,11 @@ def test_offload_moves_shards_off_the_gpu(model_dir: Path) -> None:
 def test_tied_model_keeps_its_root(tmp_path: Path) -> None:
     tied = make_model(tmp_path / "tied", "llama", tied=True)
     predictions = strategy_rows(_cfg(tied), 1 << 40)
-    assert _first(predictions, "fsdp2").terms["root"] > 0 and _first(predictions, "fsdp1").terms["root"] > 0
+    # FSDP1 keeps its root unit (the tied table, the final norm) unsharded for the whole step
+    assert _first(predictions, "fsdp1").terms["root"] > 0
+    # FSDP2 uses the tied table from its row shards: the shard is in the weights, not gathered at the peak
+    untied = strategy_rows(_cfg(make_model(tmp_path / "untied", "llama", tied=False)), 1 << 40)
+    assert 0 < _first(predictions, "fsdp2").terms["weights"] < _first(untied, "fsdp2").terms["weights"]
 
 
 def test_impossible_batch_is_reported_per_strategy(model_dir: Path) -> None:
@@ -240,3 +253,61 @@ def test_plan_sizes_rows_by_the_longest_record_of_the_data(model_dir: Path, tmp_
     assert f"the longest record of {data}" in out and "rows of up to 200 tokens" not in out
     assert cli.main([*args[:-1], "--data", str(data), "--packing"]) == 0
     assert "rows of 200 tokens (packed)" in capsys.readouterr().out
+
+
+def test_gpu_budget_is_the_free_memory_less_a_stated_margin(monkeypatch) -> None:
+    """auto once planned against the GPU's total memory: nothing left for other processes or fragmentation,
+    so a setting "predicted just under 80 GB" ran out of memory. The launcher reads the free memory in a
+    child process (a context it made itself would stay on every GPU for the whole run)."""
+    from shardtune.runtime import budget
+    from shardtune.train.memory_model import default_budget
+
+    GiB = 1 << 30
+    asked = []
+
+    def probe(indices):
+        asked.append(indices)
+        return [(60 * GiB, 80 * GiB), (50 * GiB, 80 * GiB)][:len(indices)]
+
+    def context_here(*args):
+        raise AssertionError("the launcher made a CUDA context")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", context_here)
+    monkeypatch.setattr(budget, "probe_in_child", probe)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    budget.gpu_memory.cache_clear()
+    try:
+        size, where = default_budget(2, "cuda")
+        assert asked == [[0, 1]]
+        assert size == 45 * GiB  # the tightest GPU's free memory, less 10% of it
+        assert where == "free GPU memory 50 GiB of 80 GiB, less a 10% margin of 5 GiB for fragmentation"
+        # a rank (torchrun's) reads its own GPU, where it makes a context anyway
+        budget.gpu_memory.cache_clear()
+        monkeypatch.setenv("LOCAL_RANK", "1")
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i: (70 * GiB, 80 * GiB) if i == 1 else context_here())
+        assert default_budget(2, "cuda")[0] == 63 * GiB and asked == [[0, 1]]
+    finally:
+        budget.gpu_memory.cache_clear()
+
+
+def test_gpu_budget_that_cannot_be_read_says_to_give_memory_per_rank() -> None:
+    from shardtune.runtime.budget import probe_in_child
+
+    with pytest.raises(ConfigError, match=r"could not read the free memory of GPUs \[0\].*--memory-per-rank"):
+        probe_in_child([0])  # this machine has no GPU: the child's mem_get_info fails
+
+
+def test_gpu_runtime_counts_the_cuda_context_and_nccls_buffers(model_dir: Path) -> None:
+    from shardtune.train.memory_model import CUDA_CONTEXT_MB, NCCL_COMM_MB
+
+    facts = model_facts(_cfg(model_dir, dtype="bf16"), torch.device("cpu"))
+    runtime = {(strategy, ranks, groups): predict(facts, Setting(strategy, ranks, 1, 64, replicate_groups=groups),
+                                                  "cuda").terms["runtime"]
+               for strategy, ranks, groups in [("single", 1, 1), ("fsdp2", 1, 1), ("fsdp2", 2, 1), ("ddp", 2, 1),
+                                               ("fsdp2", 4, 2), ("fsdp1", 4, 2)]}
+    assert runtime[("single", 1, 1)] == runtime[("fsdp2", 1, 1)] == CUDA_CONTEXT_MB  # one rank: no NCCL buffers
+    assert runtime[("fsdp2", 2, 1)] == runtime[("ddp", 2, 1)] == CUDA_CONTEXT_MB + NCCL_COMM_MB
+    # HSDP: the world's communicator, and the shard and replica groups'
+    assert runtime[("fsdp2", 4, 2)] == runtime[("fsdp1", 4, 2)] == CUDA_CONTEXT_MB + 3 * NCCL_COMM_MB
+    assert f"NCCL's buffers, {NCCL_COMM_MB} MB per communicator" in TERMS["runtime"]  # plan's legend says it

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from shardtune.train.data import IGNORE, DataError, load_dataset
-from shardtune.train.pairs import PAIRS
+from shardtune.train.data.pairs import PAIRS
+from shardtune.train.data.records import IGNORE, DataError
+from shardtune.train.data.tokenize import load_dataset
 
 from tiny import make_model, make_tokenizer, write_jsonl
 

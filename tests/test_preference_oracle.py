@@ -39,12 +39,12 @@ def shardtune_first_step(rank: int, world_size: int, options: dict, init_dir: st
     from shardtune.runtime import distributed
     from shardtune.runtime.memory import MemoryMonitor
     from shardtune.train.adapter import save_adapter
-    from shardtune.train.recipe import prepare, train_step
+    from shardtune.train.job import setup
 
     cfg = build_config(options)
     worker = distributed.init_worker()
     memory = MemoryMonitor(worker.device)
-    job = prepare(cfg, worker, memory)
+    job = setup(cfg, worker, memory)
     params = job.strategy.trainable(job.model)
     g = torch.Generator().manual_seed(7)
     with torch.no_grad():
@@ -52,7 +52,7 @@ def shardtune_first_step(rank: int, world_size: int, options: dict, init_dir: st
             if "lora_B" in name and randomize:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.3)
     save_adapter(job.model, job.strategy, job.built.adapter_keys, Path(init_dir), cfg.model.path)
-    result = train_step(job, 0)
+    result = job.step(0)
     grads = {n: p.grad.clone() for n, p in params.items()}
     memory.close()
     return {"loss": result.loss, "metrics": result.metrics, "grads": grads}

@@ -108,19 +108,19 @@ def first_step_grads(rank: int, world_size: int, options: dict) -> dict:
     from shardtune.config import build_config
     from shardtune.runtime import distributed
     from shardtune.runtime.memory import MemoryMonitor
-    from shardtune.train.recipe import prepare, train_step
+    from shardtune.train.job import setup
 
     cfg = build_config(options)
     worker = distributed.init_worker()
     memory = MemoryMonitor(worker.device)
-    job = prepare(cfg, worker, memory)
+    job = setup(cfg, worker, memory)
     with torch.no_grad():  # B ≠ 0, the same on every rank: policy and reference differ, A gets a gradient
         g = torch.Generator().manual_seed(5)
         for name, p in sorted(job.strategy.trainable(job.model).items()):
             if "lora_B" in name:
                 full = torch.randn(p.shape, generator=g) * 0.2
                 p.copy_(distribute_tensor(full, p.device_mesh, p.placements) if isinstance(p, DTensor) else full)
-    result = train_step(job, 0)
+    result = job.step(0)
     grads = {}
     for name, p in job.strategy.trainable(job.model).items():
         grads[name] = (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
@@ -142,17 +142,19 @@ def test_two_ranks_fsdp2_gradients_equal_one_rank(pref_root):
 
 def reference_after_a_step(rank: int, world_size: int, options: dict) -> dict:
     """After one optimizer step under the strategy: the reference and the policy log-probs of every pair."""
-    from shardtune.train import preference
+    from shardtune.train.data.batch import sequence_sums
+    from shardtune.train.loss_head import score
+    from shardtune.train.reference import Reference
 
     job, memory, _ = trained_job(options)
     job.model.eval()
-    fwd = preference.padded_forward(job.train.examples, list(range(4)), job.pad_id, job.worker.device)
+    fwd = job.batcher.padded(list(range(4)))
     with torch.no_grad():
-        reference = preference.reference_logps(job.model, fwd)
-        policy = preference.forward_logps(job.model, fwd)
+        reference = Reference(job.objective).values(job.model, fwd)
+        policy = sequence_sums(score(job.model, fwd.inputs, fwd.targets).logps, fwd).view(-1, 2)
     memory.close()
-    return {"reference": reference, "policy": policy, "ids": fwd.inputs["input_ids"], "labels": fwd.labels,
-            "mask": fwd.inputs["attention_mask"]}
+    return {"reference": reference, "policy": policy, "ids": fwd.inputs["input_ids"], "targets": fwd.targets,
+            "owners": fwd.owners}
 
 
 def test_fsdp1_reference_is_the_base_model_not_the_policy(pref_root):
@@ -160,15 +162,14 @@ def test_fsdp1_reference_is_the_base_model_not_the_policy(pref_root):
     to disable its adapter silently runs the policy. Ours must give the bare base model's log-probs."""
     from transformers import AutoModelForCausalLM
 
-    from shardtune.train.preference import sequence_logps
-
     got = run_ranks(reference_after_a_step, 2, _options(pref_root, "fsdp1-ref", "dpo", strategy="fsdp1", steps=1,
                                                          lr=5e-2, **{"micro-batch-size": 2}))[0]
     base = AutoModelForCausalLM.from_pretrained(pref_root / "model", dtype=torch.float32).eval()
-    sequences = torch.arange(8)[:, None].expand_as(got["labels"]).clone()
-    sequences[got["mask"] == 0] = -1
-    with torch.no_grad():
-        expected = sequence_logps(base(input_ids=got["ids"], attention_mask=got["mask"]).logits, got["labels"],
-                                  sequences, 8).view(-1, 2)
+    targets, owners = got["targets"], got["owners"]
+    with torch.no_grad():  # right-padded rows: causal attention never sees the padding, no mask needed
+        logps = base(input_ids=got["ids"]).logits.log_softmax(-1).gather(-1, targets.clamp(min=0)[..., None])
+    logps = torch.where(owners >= 0, logps.squeeze(-1), 0.0)
+    expected = torch.zeros(9).index_add(0, torch.where(owners >= 0, owners, 8).flatten(), logps.flatten())
+    expected = expected[:8].view(-1, 2)
     torch.testing.assert_close(got["reference"], expected, rtol=1e-5, atol=1e-5)
     assert (got["policy"] - got["reference"]).abs().max() > 1e-2  # the step moved the policy away from it

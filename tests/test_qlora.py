@@ -225,19 +225,46 @@ def test_bad_quantize_options_are_refused_before_loading(monkeypatch):
 
 def test_plan_counts_nf4_and_plans_for_cuda_from_a_config_json_alone(tmp_path):
     from shardtune.train.choice import strategy_rows
+    from shardtune.train.memory_model import CUDA_CONTEXT_MB, NCCL_COMM_MB
 
     make_model(tmp_path / "full", "llama", hidden=64)
     only = tmp_path / "only-config"
     only.mkdir()
     (only / "config.json").write_text((tmp_path / "full" / "config.json").read_text())
     options = {"model": str(only), "nproc": 2, "batch-size": 2, "seq-len": 32, "device": "cuda"}
-    bf16 = strategy_rows(build_config(options), 1 << 30)["fsdp2"][0]
-    nf4 = strategy_rows(build_config({**options, "quantize": "nf4"}), 1 << 30)["fsdp2"][0]
+    bf16 = strategy_rows(build_config(options), 4 << 30)["fsdp2"][0]
+    nf4 = strategy_rows(build_config({**options, "quantize": "nf4"}), 4 << 30)["fsdp2"][0]
     layers = (2 * 64 * 64 + 2 * 32 * 64 + 3 * 64 * 128) * 2  # q,o + k,v + gate,up,down; 2 layers
     saved_mb = layers * (2 - quantize.bits_per_weight(64, 64) / 8) / 2 / 2**20  # per rank, 2 ranks
     assert bf16.terms["weights"] - nf4.terms["weights"] == pytest.approx(saved_mb, rel=0.05)
-    assert nf4.terms["runtime"] == 500 and nf4.fits  # the CUDA context: planned for GPUs on this CPU machine
+    # planned for GPUs on this CPU machine: the CUDA context and one NCCL communicator's buffers
+    assert nf4.terms["runtime"] == CUDA_CONTEXT_MB + NCCL_COMM_MB and nf4.fits
     assert nf4.terms["dequant"] == pytest.approx(64 * 128 * 2 / 2**20) and bf16.terms["dequant"] == 0
     with pytest.raises(ConfigError) as refused:  # plan's row says what finetune says, in the same words
         validate(build_config({**options, "quantize": "nf4", "strategy": "fsdp1", "data": "d", "out": "o"}))
-    assert strategy_rows(build_config({**options, "quantize": "nf4"}), 1 << 30)["fsdp1"][0].note == str(refused.value)
+    assert strategy_rows(build_config({**options, "quantize": "nf4"}), 4 << 30)["fsdp1"][0].note == str(refused.value)
+
+
+def test_dequantization_builds_its_code_table_once_on_the_weights_device():
+    """Every NF4 matmul (forward, backward, decode) dequantizes: a table made there from CPU indices
+    was a synchronous host-to-GPU copy each time. It is made once, on the table's own device."""
+    from torch.overrides import TorchFunctionMode
+
+    made = []
+
+    class Aranges(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is torch.arange:
+                made.append(kwargs.get("device"))
+            return func(*args, **kwargs)
+
+    t = quantize.quantize_whole(_rows_of_uneven_scale(64, 256))
+    t.nf4 = t.nf4.clone()  # a table no earlier test has used
+    with Aranges():
+        first = nf4_torchao.dequantize(t)
+    assert made == [t.nf4.device]  # the indices are made where the table is
+    made.clear()
+    with Aranges():
+        again = nf4_torchao.dequantize(t)
+    assert made == [] and torch.equal(first, again) and torch.equal(first, t._torchao_get_original_weight())

@@ -96,7 +96,7 @@ def test_merge_with_an_index_pointing_at_the_wrong_shard_lists_the_tensors(capsy
 
 
 def test_data_edited_with_same_size_and_mtime_is_tokenized_again(tmp_path):
-    from shardtune.train.data import load_dataset
+    from shardtune.train.data.tokenize import load_dataset
 
     from tiny import make_tokenizer
 

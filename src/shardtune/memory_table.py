@@ -18,7 +18,7 @@ from typing import Any
 from shardtune.config import Config, build_config, validate
 from shardtune.runtime.memory import format_size
 from shardtune.train.choice import Search, budget_of, strategy_rows
-from shardtune.train.data import Lengths
+from shardtune.train.data.records import Lengths
 from shardtune.train.memory_model import TERMS, Prediction, row_tokens
 from shardtune.train.resolve import resolve
 from shardtune.train.training_data import training_lengths
@@ -121,6 +121,6 @@ def show(config: str | Path | None, overrides: dict[str, Any], as_json_output: b
         header += [f"finetune would run: {run.strategy}, micro-batch {run.batch.micro_batch_size} (as given)"]
     if search.traced.type != search.device:
         header.append("activations from a fake-tensor pass on the CPU device (no CUDA here); "
-                      "GPU terms (CUDA context, NCCL gathers) added")
+                      "GPU terms (CUDA context, NCCL buffers and gathers) added")
     print(render(predictions, header))
     return 0

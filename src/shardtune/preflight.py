@@ -20,15 +20,17 @@ from shardtune.runtime.device import check_local_ranks, decide_dtype, device_typ
 from shardtune.runtime.files import OutputError, check_writable
 from shardtune.runtime.versions import check_apis
 from shardtune.train.checkpoint import resume_point
-from shardtune.train.data import lengths_of, read_records
-from shardtune.train.data_checks import warn_about_data
+from shardtune.train.data.checks import pair_warnings, warn_about_data
+from shardtune.train.data.pack import check_packing
+from shardtune.train.data.pairs import PAIRS
+from shardtune.train.data.read import read_records
+from shardtune.train.data.records import lengths_of
 from shardtune.train.input_paths import check_input_paths
-from shardtune.train.packing import check_packing
-from shardtune.train.pairs import PAIRS, pair_warnings
+from shardtune.train.objectives import objective_of
 from shardtune.train.resolve import resolve
 from shardtune.train.run_folder import check_run_folder
 from shardtune.train.trackers import check_installed
-from shardtune.train.training_data import read_split, record_format
+from shardtune.train.training_data import read_split
 
 log = logging.getLogger("shardtune")
 
@@ -59,7 +61,7 @@ def preflight(cfg: Config) -> tuple[Config, RunPlan]:
     vocab = vocab_size(model_dir)
     check_tokenizer_fits(tokenizer, vocab, model_dir)
     # Tokenized once, here: the workers map the cache instead of each tokenizing every record again.
-    fmt = record_format(cfg)
+    fmt = objective_of(cfg).records
     train = read_split(cfg, cfg.data.train, tokenizer, vocab, show_progress=True)
     records = read_records(cfg.data.train, cfg.data.fields, fmt.check)
     warn_about_data(cfg.data.train, records, len(train.examples) // fmt.per_record, cfg.train.batch_size)

@@ -19,7 +19,9 @@ from torch import nn
 
 from shardtune.config import Config
 from shardtune.model import quantize
+from shardtune.model.attention import shardtune_attention
 from shardtune.model.directory import ModelDir, ModelDirError, check_model_dir
+from shardtune.model.head import head_transform
 from shardtune.model.lora import inject_lora
 from shardtune.model.meta import build_meta_model, compute_dtype
 from shardtune.model.structure import decoder_layers, embedding_tables, layer_parts, tables_by_rows
@@ -48,6 +50,11 @@ class Facts:
     #: the largest weight's slice a rank quantizes while loading; 0 without quantization
     dequant_bytes: int = 0
     quantize_slice_bytes: int = 0
+    #: whether the loss head scores chunk by chunk (model/head.py); False: the full logits exist
+    chunked_head: bool = True
+    #: the compute dtype (--dtype): LoRA computes in it too (parallel/compute_dtype.py), which sets the
+    #: dtype of what its matmuls save; ``saved`` is keyed by it
+    dtype: torch.dtype = torch.float32
     #: {(micro-batch size, LoRA weight dtype): (saved bytes per decoder layer, outside them, vocabulary)}:
     #: each found by one fake-tensor pass, when first asked for (``saved_for``)
     saved: dict[tuple[int, torch.dtype], tuple[list[int], int, int]] = field(default_factory=dict)
@@ -79,7 +86,8 @@ def _saved_bytes(model: nn.Module, batch: int, seq: int, lora_dtype: torch.dtype
     """Bytes autograd saves for backward per decoder layer and outside them, and the vocabulary.
 
     One forward pass on fake tensors: the real kernels' shapes and dtypes (and the real attention
-    path for ``device``), no memory and no arithmetic.
+    path for ``device``, with the attention implementation training switches to), no memory and no
+    arithmetic.
     """
     from torch.func import functional_call
 
@@ -109,7 +117,8 @@ def _saved_bytes(model: nn.Module, batch: int, seq: int, lora_dtype: torch.dtype
 
         ids = torch.zeros(batch, seq, dtype=torch.long, device=device)
         try:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            # the attention training runs (no s×s mask: model/attention.py), not the model's default
+            with shardtune_attention(model), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 logits = functional_call(model, {**params, **buffers}, (), {"input_ids": ids}).logits
         finally:
             for h in hooks:
@@ -177,7 +186,7 @@ def model_facts(cfg: Config, device: torch.device, seq_len: int | None = None, m
     largest = max(layers, key=lambda layer: sum(p.numel() for p in layer.parameters()), default=None)
     facts = Facts(
         total_params=sum(p.numel() for p in params.values()), trainable_params=trainable,
-        frozen_bytes=frozen, compute_itemsize=dtype.itemsize, layers=len(layers),
+        frozen_bytes=frozen, compute_itemsize=dtype.itemsize, dtype=dtype, layers=len(layers),
         block_bytes=sum(_nbytes(p, dtype, nf4) for p in largest.parameters()) if largest else 0,
         embed_bytes=sum(p.numel() for p in embed.parameters()) * dtype.itemsize if embed else 0,
         head_bytes=0 if tied or head is None else sum(p.numel() for p in head.parameters()) * dtype.itemsize,
@@ -190,6 +199,7 @@ def model_facts(cfg: Config, device: torch.device, seq_len: int | None = None, m
         else sum(p.numel() for p in params.values() if not p.requires_grad) * dtype.itemsize,
         dequant_bytes=largest_nf4.numel() * dtype.itemsize if largest_nf4 is not None else 0,
         quantize_slice_bytes=largest_nf4.numel() * dtype.itemsize if largest_nf4 is not None else 0,
+        chunked_head=head_transform(base, head)[0] is not None,
     )
     facts.trace = functools.partial(_trace, model, seq_len or cfg.data.seq_len, device)
     return facts

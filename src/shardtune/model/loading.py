@@ -229,10 +229,15 @@ def load_base_weights(model: nn.Module, model_dir: ModelDir, tensors: dict[str, 
                   unit_divisor=1024) as bar:
         for round_ in plan:
             _check_shapes(round_, model_dir)
-            dcp.load(round_, storage_reader=_counting_reader(str(model_dir.path), bar))
+            dcp.load(round_, storage_reader=_counting_reader(str(model_dir.path), bar), no_dist=_one_process())
             _check_finite(round_, model_dir)
         _load_nf4(four_bit, model_dir, bar)
     return sorted(stored - used)
+
+
+def _one_process() -> bool:
+    """No process group (eval and generate on one device): DCP reads alone instead of warning that it does."""
+    return not dist.is_initialized()
 
 
 class _Counted:
@@ -296,12 +301,21 @@ def _load_nf4(params: dict[str, torch.Tensor], model_dir: ModelDir, bar: Bar) ->
             local = param.to_local()
             rows = DTensor.from_local(torch.empty(local.shape, dtype=local.dtype, device=local.device),
                                       param.device_mesh, param.placements, run_check=False)
-            group = param.device_mesh.get_group()
+            group = _shard_group(param)
         else:
             rows, group = torch.empty(param.shape, dtype=param.dtype, device=param.device), None
-        dcp.load({key: rows}, storage_reader=_counting_reader(str(model_dir.path), bar))
+        dcp.load({key: rows}, storage_reader=_counting_reader(str(model_dir.path), bar), no_dist=_one_process())
         nf4_fill.fill(param, rows.to_local() if isinstance(rows, DTensor) else rows, group)
         del rows
+
+
+def _shard_group(param: DTensor) -> dist.ProcessGroup:
+    """The ranks that hold the other rows of ``param``: its mesh's sharded dimension (HSDP's mesh is
+    2-D, replicated over dim 0; the scaler mean is shared by the rows' holders, not the replicas)."""
+    dims = [i for i, p in enumerate(param.placements) if p.is_shard()]
+    if len(dims) != 1:
+        raise RuntimeError(f"NF4 loading: expected one sharded mesh dimension, got placements {param.placements}")
+    return param.device_mesh.get_group(dims[0])
 
 
 def _check_finite(loaded: dict[str, torch.Tensor], model_dir: ModelDir) -> None:

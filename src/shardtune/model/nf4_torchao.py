@@ -48,9 +48,7 @@ def dequantize(t: torch.Tensor, original=None) -> torch.Tensor:
     """
     scalers = t.dequantize_scalers(t.quantized_scalers, t.quantization_factor, t.scaler_block_size)
     half = t.block_size // 2  # packed bytes per block
-    # Each packed byte holds two codes: one lookup in a 256-entry table of value pairs replaces two
-    # lookups with int64 indices (the same values, so the same products below).
-    pairs = torch.stack([t.nf4[torch.arange(256) >> 4], t.nf4[torch.arange(256) & 0b1111]], dim=-1)
+    pairs = _on_table(t.nf4, "pairs", _value_pairs)
     packed = t.quantized_data
     out = torch.empty(packed.numel() // half, half, 2, dtype=t.dtype, device=packed.device)
     blocks = max(1, DEQUANT_CHUNK // half)
@@ -59,6 +57,26 @@ def dequantize(t: torch.Tensor, original=None) -> torch.Tensor:
         chunk = pairs.index_select(0, codes).view(-1, half, 2)
         torch.mul(chunk, scalers[first:first + blocks, None, None], out=out[first:first + blocks])
     return out.view(t.shape)
+
+
+def _value_pairs(nf4: torch.Tensor) -> torch.Tensor:
+    """Each packed byte holds two codes: one lookup in this 256-entry table of value pairs replaces two
+    lookups with int64 indices (the same values, so the same products)."""
+    index = torch.arange(256, device=nf4.device)
+    return torch.stack([nf4[index >> 4], nf4[index & 0b1111]], dim=-1)
+
+
+def _on_table(nf4: torch.Tensor, name: str, build) -> torch.Tensor:
+    """``build(nf4)``, made once per code table and kept with it, on its device.
+
+    Dequantization runs in every forward, backward and decode step of every NF4 weight: a table
+    made there from CPU indices (or copied from a CPU cache) is a synchronous host-to-GPU copy each
+    time. The table tensor is the weight's own (FSDP2 hands the same one to every gathered copy,
+    and loading gives every weight of a dtype and device the same one: ``nf4_fill.nf4_lut``)."""
+    cache = nf4.__dict__.setdefault("_shardtune_tables", {})
+    if name not in cache:
+        cache[name] = build(nf4)
+    return cache[name]
 
 
 def _same_dequantization(module):
@@ -84,8 +102,9 @@ def nearest_code(value: torch.Tensor, nf4: torch.Tensor) -> torch.Tensor:
     """
     if value.element_size() == 2:
         bits = value.contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
-        return _pattern_codes(value.dtype, nf4).index_select(0, bits.flatten()).view(value.shape)
-    codes_of_bin, near_bin = _grid(nf4)
+        codes = _on_table(nf4, f"patterns-{value.dtype}", lambda t: _pattern_codes(value.dtype, t))
+        return codes.index_select(0, bits.flatten()).view(value.shape)
+    codes_of_bin, near_bin = _on_table(nf4, "grid", _grid)
     flat = value.flatten()
     # clamped after the cast too: a NaN casts to INT_MIN (non-finite values go to torchao's rule below)
     bins = ((flat.clamp(-1, 1) + 1) * GRID_HALF).to(torch.int32).clamp_(0, 2 * GRID_HALF)

@@ -163,7 +163,7 @@ def quantize_whole(weight: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_in_place(model: nn.Module, source_dtype: torch.dtype | None = None) -> Selection:
-    """Quantize a real (loaded) model's selected weights one at a time (eval, generate: nothing trains).
+    """Quantize a real (loaded) model's selected weights one at a time: the whole-model reference (tests).
 
     ``source_dtype``: the dtype the weights are quantized from, which fixes the NF4 values; training
     quantizes from its ``--dtype``, so that dtype reproduces its base (default: the weights' own).

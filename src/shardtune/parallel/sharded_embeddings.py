@@ -85,6 +85,11 @@ class ShardedHead(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return _ShardedLinear.apply(hidden, self.weight.to_local(), self.rows, self.group)
 
+    def blocks(self) -> Iterator[tuple[int, torch.Tensor]]:
+        """(first row, rows) of each rank's block of the vocabulary in turn; a collective (see
+        ``_each_owners_rows``): for the loss head (train/loss_head.py), which never makes all the logits."""
+        return _each_owners_rows(self.weight.to_local(), self.rows, self.group)
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, rows per rank={self.rows}"
 

@@ -129,7 +129,8 @@ def load_sharded(
     lora = lora or LoraConfig()
     if dtype not in ("auto", *DTYPES):
         raise ConfigError(f"load_sharded: dtype {dtype!r} is not one of auto, {', '.join(DTYPES)}")
-    worker = distributed.init_worker()
+    # --cpu-offload on CUDA: NCCL for the GPU tensors and gloo for the offloaded CPU ones (clipping's norm)
+    worker = distributed.init_worker(cpu_offload=cpu_offload)
     if dtype == "auto":
         dtype = auto_dtype(worker.device.type)
     if dist.get_world_size() != worker.world_size:  # a process group the caller set up without env

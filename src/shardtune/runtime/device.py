@@ -93,8 +93,26 @@ def auto_dtype(kind: str) -> str:
     ``cuda`` on a machine without CUDA (``plan --device cuda``): bf16, as on every recent GPU.
     """
     if kind == "cuda":
-        return "bf16" if not torch.cuda.is_available() or torch.cuda.is_bf16_supported() else "fp16"
+        return "bf16" if not torch.cuda.is_available() or cuda_has_native_bf16() else "fp16"
     return "bf16" if cpu_has_fast_bf16() else "fp32"
+
+
+def cuda_has_native_bf16() -> bool:
+    """Whether this rank's GPU computes in bf16 natively (compute capability 8.0 on: Ampere, Hopper…;
+    ROCm: every GPU torch supports), read from the device's properties.
+
+    ``torch.cuda.is_bf16_supported()`` by default counts emulation, so a T4 or V100 (sm75/sm70) said
+    yes and ran emulated bf16 instead of fp16; and it asks ``current_device()``, which before
+    ``set_device`` is GPU 0 in every rank, allocating a tensor there when it tries emulation. This is
+    its ``including_emulation=False`` answer for the GPU of ``LOCAL_RANK`` (the launcher's: the
+    first), without allocating on any GPU.
+    """
+    if torch.version.hip:
+        return True
+    index = int(os.environ.get("LOCAL_RANK", "0"))
+    if not 0 <= index < torch.cuda.device_count():
+        index = 0
+    return torch.cuda.get_device_properties(index).major >= 8
 
 
 def decide_dtype(cfg: Config) -> Config:
@@ -109,21 +127,6 @@ def decide_dtype(cfg: Config) -> Config:
 def local_world_size() -> int:
     """Ranks on this node: ``LOCAL_WORLD_SIZE`` (set by torchrun and our launcher, right on every node)."""
     return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
-
-
-def memory_per_rank(device: torch.device, local_ranks: int) -> int:
-    """Bytes one rank may use: its GPU's memory, or on CPU the available RAM split over the local ranks."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory
-    available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    available = int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return available // max(1, local_ranks)
 
 
 def planned_device_type(requested: str = "auto") -> str:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from shardtune.config import ConfigError
 from shardtune.errors import ShardtuneError
 from shardtune.runtime.device import backend, device_type, local_device, local_world_size
 
@@ -96,10 +97,25 @@ def init_worker(device: str = "auto", cpu_offload: bool = False, timeout: float 
         dist.init_process_group(
             backend=name, store=dist.HashStore(), rank=0, world_size=1, timeout=wait
         )
+    check_group_backend(kind, cpu_offload)
     if name != "nccl":
         _settle_gloo_threads_at_exit()
     return Worker(rank=rank, world_size=world_size, local_rank=local_rank, device=where,
                   local_world_size=local_ranks)
+
+
+def check_group_backend(kind: str, cpu_offload: bool) -> None:
+    """A process group made before ours (by the caller, for ``load_sharded``) must serve what the run
+    sends: with --cpu-offload on CUDA, offloaded shards and gradients are CPU tensors, and a group with
+    NCCL alone fails at the first of their collectives (clipping's norm), deep in a step."""
+    if kind != "cuda" or not cpu_offload:
+        return
+    config = dist.get_backend_config()
+    if "cpu:" not in config:
+        raise ConfigError(
+            f"CPU offload on CUDA needs a process group with a CPU backend, but this one has {config!r}: "
+            "make it with dist.init_process_group(backend='cuda:nccl,cpu:gloo', ...), or let shardtune "
+            "make it (call load_sharded or finetune before any init_process_group)")
 
 
 @functools.cache

@@ -47,6 +47,7 @@ class MemoryMonitor:
         self.interval = interval
         self.peaks: dict[str, dict[str, float]] = {}
         self.starts: dict[str, float] = {}  # MB in use when each phase began (as now_mb)
+        self.outside_torch: dict[str, float] = {}  # GPU: MB held outside torch's allocator at each phase's end
         self._peak = resident_bytes()
         # A sample read before a phase starts must not land in that phase's peak.
         self._lock = threading.Lock()
@@ -89,7 +90,19 @@ class MemoryMonitor:
             if self.device.type == "cuda":
                 peak["cuda_allocated_mb"] = torch.cuda.max_memory_allocated(self.device) / MB
                 peak["cuda_reserved_mb"] = torch.cuda.max_memory_reserved(self.device) / MB
+                free, total = torch.cuda.mem_get_info(self.device)
+                self.outside_torch[name] = (total - free - torch.cuda.memory_reserved(self.device)) / MB
             self.peaks[name] = peak
+
+    def runtime_mb(self) -> float | None:
+        """What the planner's "runtime" term predicts, measured. CPU: the process's memory before loading
+        (RssAnon + RssShmem when "load" began). GPU: the device memory held outside torch's caching
+        allocator (the CUDA context, NCCL's buffers, libraries' workspaces; and what other processes
+        hold on this GPU), the most seen at the end of a phase (NCCL's buffers come with the first
+        collectives). None before a phase has run."""
+        if self.device.type == "cuda":
+            return round(max(self.outside_torch.values()), 1) if self.outside_torch else None
+        return round(self.starts["load"], 1) if "load" in self.starts else None
 
     def cuda_peaks_mb(self) -> dict[str, dict[str, float | None]]:
         """{phase: {"allocated": MB, "reserved": MB}}: torch's CUDA peaks of each phase (None off GPU)."""

@@ -85,10 +85,12 @@ class _Work:
 
 def _read(spec: EvalSpec, tokenizer) -> _Work:
     from shardtune.tools.generate import split_record
-    from shardtune.train.data import load_dataset, read_records
+    from shardtune.train.data.read import read_records
+    from shardtune.train.data.sft import SFT
+    from shardtune.train.data.tokenize import load_dataset
 
     data = load_dataset(spec.data, tokenizer, spec.seq_len, fields=spec.data_fields)
-    records = read_records(spec.data, spec.data_fields)
+    records = read_records(spec.data, spec.data_fields, SFT.check)
     questions = [(p, e) for p, e in (split_record(r) for _, r in records) if e is not None]
     return _Work(data.examples, questions, len(records), data.truncated, data.without_targets)
 
@@ -98,22 +100,41 @@ def _evaluate_share(model, tokenizer, spec: EvalSpec, work: _Work, rank: int, wo
     """This rank's loss sum, target count and answers (by question index)."""
     from shardtune.runtime.progress import progress
     from shardtune.tools.generate import generate_answers
-    from shardtune.train.data import pad_id, shard_indices
-    from shardtune.train.validation import loss_sums
 
-    device = next(model.parameters()).device
-    mine = len(range(rank, len(work.examples), world_size))  # shard_indices: every world_size-th
-    # Every rank holds the whole model here: no rank waits for another's forward.
+    mine = len(range(rank, len(work.examples), world_size))  # every world_size-th record
     with progress("eval loss", mine, unit="record", enabled=rank == 0) as bar:
-        loss_sum, targets = loss_sums(model, work.examples, pad_id(tokenizer), device, spec.batch_size, rank,
-                                      world_size, lockstep=False, on_batch=bar.advance)
-    asked = list(shard_indices(len(work.questions), rank, world_size)) if spec.max_new_tokens else []
+        loss_sum, targets = _loss_share(model, tokenizer, spec, work, rank, world_size, bar.advance)
+    asked = list(range(rank, len(work.questions), world_size)) if spec.max_new_tokens else []
     answers = []
     if asked:
         with progress("eval answers", len(asked), unit="answer", enabled=rank == 0) as bar:
             answers = generate_answers(model, tokenizer, [work.questions[i][0] for i in asked],
                                        spec.max_new_tokens, batch_size=spec.batch_size, on_batch=bar.advance)
     return {"loss_sum": loss_sum, "targets": targets, "answers": dict(zip(asked, answers))}
+
+
+def _loss_share(model, tokenizer, spec: EvalSpec, work: _Work, rank: int, world_size: int, on_forward
+                ) -> tuple[float, int]:
+    """This rank's summed token losses and target count (of its every world_size-th record), by the
+    training's loss rule: the loss head (no full logits), attention without a square mask. Every rank
+    holds the whole model here: no rank waits for another's forward."""
+    from shardtune.model import attention
+    from shardtune.runtime.distributed import Worker
+    from shardtune.train import loss_head
+    from shardtune.train.data.batch import Batcher, Layout, pad_id
+    from shardtune.train.objectives.sft import Sft
+    from shardtune.train.step import Trainee, evaluation_sums
+
+    device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    loss_head.install(model)
+    with attention.shardtune_attention(model) as impl:
+        batcher = Batcher(Layout(work.examples, 1, spec.seq_len, pad_id(tokenizer), device, impl, dtype))
+        trainee = Trainee(model, None, Sft(), None, Worker(rank, world_size, rank, device))
+        sums, norms = evaluation_sums(trainee, batcher, len(work.examples), spec.batch_size, together=False,
+                                      on_forward=on_forward)
+    mine = sum(work.examples[i].targets for i in range(rank, len(work.examples), world_size))
+    return sums[0].item() * norms["targets"], mine
 
 
 def _combine(spec: EvalSpec, work: _Work, shares: list[dict], world_size: int, seconds: float) -> dict[str, Any]:

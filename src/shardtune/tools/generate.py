@@ -19,11 +19,13 @@ from torch import nn
 
 from shardtune.config import ConfigError
 from shardtune.errors import read_text
-from shardtune.model.directory import AdapterDirError, check_model_dir, load_tokenizer
+from shardtune.model.directory import AdapterDirError, ModelDir, check_model_dir, load_tokenizer
 from shardtune.model.directory import check_adapter_dir as check_peft_dir
-from shardtune.model.meta import DTYPES
+from shardtune.model.meta import DTYPES, build_meta_model
 from shardtune.runtime.device import auto_dtype, pick_device
-from shardtune.train.data import DataError, as_messages, pad_id, render_prompt
+from shardtune.train.data.batch import pad_id
+from shardtune.train.data.chat import as_messages, render_prompt
+from shardtune.train.data.records import DataError
 
 # A prompt is a user message's text, or a whole conversation whose next turn is the assistant's.
 Prompt = str | list[dict]
@@ -75,10 +77,11 @@ def load_model(model_dir: str | Path, adapter: str | Path | None = None, dtype: 
     check_adapter_dir(adapter)
     device = device or pick_device()
     tokenizer = load_tokenizer(checked)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype, device),
-                                                 trust_remote_code=trust_remote_code)
     if quantize == "nf4":
-        nf4.quantize_in_place(model, resolve_dtype(dtype, device))
+        model = load_quantized(checked, resolve_dtype(dtype, device), device)
+    else:  # each weight read straight onto the device: the host never holds the whole model
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype, device),
+                                                     trust_remote_code=trust_remote_code, device_map={"": device})
     if adapter is not None:
         from peft import PeftModel
 
@@ -88,6 +91,28 @@ def load_model(model_dir: str | Path, adapter: str | Path | None = None, dtype: 
             reason = _first_misfit(err)
             raise AdapterDirError(f"adapter {adapter} does not fit the model {path}: {reason}") from None
     return model.to(device).eval(), tokenizer
+
+
+def load_quantized(model_dir: ModelDir, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """The base model with its decoder-layer weights in NF4, as a QLoRA fine-tune held it, built on the
+    device one weight at a time: each is read in ``dtype`` and quantized there (the fine-tune's own
+    loader, model/loading.py, on one process), so neither the host nor the device ever holds the
+    model in ``dtype`` (the values are those of quantizing the whole loaded model)."""
+    from transformers import GenerationConfig
+
+    from shardtune.model import quantize as nf4
+    from shardtune.model.loading import load, take_snapshot
+
+    model = build_meta_model(model_dir, dtype)
+    model.requires_grad_(False)
+    selection = nf4.select(model)
+    nf4.warn_kept(selection)
+    nf4.make_meta_nf4(selection)
+    load(model, model_dir, device, take_snapshot(model, {}))
+    model.config.use_cache = True  # the meta build turns it off for training; generation wants it
+    if (model_dir.path / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(model_dir.path)
+    return model
 
 
 def _first_misfit(err: Exception) -> str:

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 def is_preference_data(data: str | Path, fields: str = "") -> bool:
     """Whether the file's first record is a preference pair (has 'chosen' or 'rejected')."""
-    from shardtune.train.data import read_records
+    from shardtune.train.data.read import read_records
 
     records = read_records(data, fields, check=lambda record, where: None)
     first = records[0][1] if records else None
@@ -34,17 +34,24 @@ def is_preference_data(data: str | Path, fields: str = "") -> bool:
 
 @torch.no_grad()
 def pair_logps(model, examples, pad_id: int, batch_size: int, progress=None) -> torch.Tensor:
-    """(pairs, 2) summed log-probs of every pair's chosen and rejected response."""
-    from shardtune.train.preference import forward_logps, padded_forward
+    """(pairs, 2) summed log-probs of every pair's chosen and rejected response, scored as training does
+    (the loss head, attention without a square mask)."""
+    from shardtune.model import attention
+    from shardtune.train import loss_head
+    from shardtune.train.data.batch import Batcher, Layout, sequence_sums
 
-    device = next(model.parameters()).device
+    param = next(model.parameters())
     n = len(examples) // 2
     out = []
-    for start in range(0, n, batch_size):
-        fwd = padded_forward(examples, list(range(start, min(n, start + batch_size))), pad_id, device)
-        out.append(forward_logps(model, fwd).cpu())
-        if progress is not None:
-            progress(len(fwd.pairs))
+    loss_head.install(model)
+    with attention.shardtune_attention(model) as impl:
+        batcher = Batcher(Layout(examples, 2, 0, pad_id, param.device, impl, param.dtype))
+        for start in range(0, n, batch_size):
+            fwd = batcher.padded(list(range(start, min(n, start + batch_size))))
+            scores = loss_head.score(model, fwd.inputs, fwd.targets)
+            out.append(sequence_sums(scores.logps, fwd).view(-1, 2).cpu())
+            if progress is not None:
+                progress(len(fwd.items))
     return torch.cat(out) if out else torch.zeros(0, 2)
 
 
@@ -60,8 +67,9 @@ def evaluate_preferences(subject: EvalModel, data: str | Path, seq_len: int = Da
 
     from shardtune.runtime.compat import adapters_disabled
     from shardtune.tools.generate import check_adapter_dir
-    from shardtune.train.data import load_dataset, pad_id
-    from shardtune.train.pairs import PAIRS
+    from shardtune.train.data.batch import pad_id
+    from shardtune.train.data.pairs import PAIRS
+    from shardtune.train.data.tokenize import load_dataset
 
     adapter, model_dir = subject.adapter, subject.model
     check_adapter_dir(adapter)

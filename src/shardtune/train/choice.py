@@ -43,13 +43,20 @@ from shardtune.model.footprint import Facts, meta_lora_model, model_facts
 from shardtune.runplan import BatchError, BatchSplit, RunPlan
 from shardtune.runtime.device import decide_dtype, planned_device_type, trace_device
 from shardtune.runtime.memory import MB, format_size
-from shardtune.train.memory_model import Prediction, Setting, default_memory_per_rank, predict, row_tokens
-from shardtune.train.objectives import rows_per_forward
+from shardtune.train.memory_model import (
+    Prediction,
+    Setting,
+    default_budget,
+    default_memory_per_rank,
+    predict,
+    row_tokens,
+)
+from shardtune.train.objectives import objective_of
 
 if TYPE_CHECKING:
     from torch import nn
 
-    from shardtune.train.data import Lengths
+    from shardtune.train.data.records import Lengths
 
 log = logging.getLogger("shardtune")
 
@@ -108,7 +115,7 @@ class Search:
         """``strategy`` on ``ranks`` with micro-batches of ``micro_batch_size`` records (or pairs), with
         this configuration's rows and flags (``dataclasses.replace`` varies them)."""
         p = self.cfg.parallel
-        return Setting(strategy, ranks, rows_per_forward(self.cfg, micro_batch_size), self.width,
+        return Setting(strategy, ranks, objective_of(self.cfg).rows_per_forward(micro_batch_size), self.width,
                        p.activation_checkpointing, p.cpu_offload, p.replicate_groups, unit_of(strategy, p.fsdp_unit))
 
     def predict(self, setting: Setting) -> Prediction:
@@ -125,12 +132,7 @@ def budget_of(cfg: Config) -> tuple[int | None, str]:
     """Bytes per rank, and where that number came from (None: planning for GPUs on a machine without one)."""
     if cfg.parallel.memory_per_rank:
         return parse_size(cfg.parallel.memory_per_rank), f"--memory-per-rank {cfg.parallel.memory_per_rank}"
-    device = planned_device_type(cfg.parallel.device)
-    budget = default_memory_per_rank(cfg.parallel.nproc, device)
-    where = ("no GPU here: give --memory-per-rank to judge fits" if budget is None
-             else "this GPU's memory" if device == "cuda"
-             else f"available RAM / {cfg.parallel.nproc} local rank{'s' * (cfg.parallel.nproc > 1)}")
-    return budget, where
+    return default_budget(cfg.parallel.nproc, planned_device_type(cfg.parallel.device))
 
 
 def rows_per_rank(cfg: Config, world: int, lengths: Lengths | None) -> int:

@@ -1,5 +1,12 @@
 """Never finish "successfully" on garbage: a non-finite loss or gradient norm ends the run at that step.
 
+Except under fp16's loss scaling (``--dtype fp16``, train/scaling.py), where an inf/NaN gradient with a
+finite loss is the dynamic scaler at work: it grows the scale until the scaled gradients overflow,
+skips that step on every rank and halves the scale. Such a step is skipped and counted
+(``skipped_steps`` and ``loss_scale`` in metrics.jsonl); only ``MAX_OVERFLOWS_IN_A_ROW`` of them in
+a row (the scale has then collapsed: even unscaled the gradients overflow fp16) or a non-finite
+loss (the forward itself overflowed) is a divergence.
+
 Both values are global (the loss is all-reduced, the norm is over every rank's shard), so every rank
 reaches the same verdict at the same step without communicating, and none is left waiting. The check
 runs before the optimizer step: the weights stay those of the last good step, no checkpoint or
@@ -16,11 +23,17 @@ import logging
 import math
 from pathlib import Path
 
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
 from shardtune.config import FLAGS
 from shardtune.errors import ShardtuneError
 from shardtune.train.checkpoint import find_latest, resume_command
 
 log = logging.getLogger("shardtune")
+
+#: fp16: overflowing steps in a row that end the run. From the scaler's initial 2^16 that many halvings
+#: leave a scale of 2^-4: the gradients overflow fp16 even unscaled, and no step would ever be taken.
+MAX_OVERFLOWS_IN_A_ROW = 20
 
 # Steps in a row with a gradient norm of exactly 0 before saying so: one can happen, several mean
 # the model has collapsed (e.g. a far too large --lr saturating every output) and learns nothing more.
@@ -32,24 +45,36 @@ class Diverged(ShardtuneError, RuntimeError):
 
 
 class TrainingGuard:
-    """``check(step, loss, grad_norm)`` after each backward: raises Diverged, or warns about zero gradients."""
+    """``check(step, loss, grad_norm)`` after each backward: raises Diverged, or warns about zero gradients,
+    or (fp16, ``scaler`` enabled) says that the scaler skips the step."""
 
-    def __init__(self, out: Path, lr: float, is_main: bool, lora_alpha: float | None = None) -> None:
+    def __init__(self, out: Path, lr: float, is_main: bool, lora_alpha: float | None = None,
+                 scaler: ShardedGradScaler | None = None) -> None:
         self.out, self.lr, self.is_main, self.lora_alpha = Path(out), lr, is_main, lora_alpha
+        self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
         self.zero_run = 0
         self.last_norm: float | None = None
         self.blown_up = False  # said once
+        self.skipped = 0  # fp16: steps the scaler skipped (gradient overflow), this run
+        self.overflow_run = 0  # ... of them in a row, up to the last step
 
-    def check(self, step: int, loss: float, grad_norm: float) -> None:
-        """``step`` counts from 1, as metrics.jsonl does."""
+    def check(self, step: int, loss: float, grad_norm: float) -> bool:
+        """``step`` counts from 1, as metrics.jsonl does. True: an fp16 overflow, which the scaler's
+        ``step`` skips (on every rank: the norm is global, as the scaler's found-inf is)."""
+        overflow = self.scaler is not None and math.isfinite(loss) and not math.isfinite(grad_norm)
+        if overflow:
+            self.skipped += 1
+            self.overflow_run += 1
+            if self.overflow_run < MAX_OVERFLOWS_IN_A_ROW:
+                return True
+            self._diverged(step, [f"the fp16 gradients overflowed at {self.overflow_run} steps in a row, the last "
+                                  f"at a loss scale of {self.scaler.get_scale():g}: no scale works (--dtype bf16, "
+                                  "where the GPU has it, needs no loss scaling)"])
+        self.overflow_run = 0
         bad = [f"{name} is {value}" for name, value in (("the loss", loss), ("the gradient norm", grad_norm))
                if not math.isfinite(value)]
         if bad:
-            latest = find_latest(self.out) if self.is_main else None
-            keep = (f"the newest complete checkpoint, {latest}, is kept; resume from it with a lower --lr: "
-                    f"{resume_command(self.out)} --lr …" if latest else "no checkpoint was written")
-            raise Diverged(f"training diverged at step {step}: {' and '.join(bad)} (--lr {self.lr:g}); "
-                           f"stopped before the optimizer step, and no adapter was written; {keep}")
+            self._diverged(step, bad)
         collapsed = grad_norm == 0 and bool(self.last_norm)  # the update of the step before did it
         self.last_norm = grad_norm
         if collapsed and not self.blown_up:
@@ -62,7 +87,7 @@ class TrainingGuard:
                             FLAGS["lr"][1].default)
         self.zero_run = self.zero_run + 1 if grad_norm == 0 else 0
         if self.blown_up:
-            return  # said already, with its cause
+            return False  # said already, with its cause
         if self.zero_run == ZERO_GRAD_STEPS and self.is_main and self.lora_alpha == 0:
             log.warning("the gradient norm has been exactly 0 for %d steps in a row (steps %d-%d): --lora-alpha 0 "
                         "scales every LoRA update to nothing, so nothing is learned; give --lora-alpha > 0 "
@@ -71,3 +96,18 @@ class TrainingGuard:
             log.warning("the gradient norm has been exactly 0 for %d steps in a row (steps %d-%d): the model "
                         "learns nothing more; a far too large --lr (now %g) can do this", ZERO_GRAD_STEPS,
                         step - ZERO_GRAD_STEPS + 1, step, self.lr)
+        return False
+
+    def _diverged(self, step: int, bad: list[str]) -> None:
+        latest = find_latest(self.out) if self.is_main else None
+        keep = (f"the newest complete checkpoint, {latest}, is kept; resume from it with a lower --lr: "
+                f"{resume_command(self.out)} --lr …" if latest else "no checkpoint was written")
+        raise Diverged(f"training diverged at step {step}: {' and '.join(bad)} (--lr {self.lr:g}); "
+                       f"stopped before the optimizer step, and no adapter was written; {keep}")
+
+    def fields(self) -> dict[str, float]:
+        """What metrics.jsonl records of the loss scaling after each step (fp16 only): the steps skipped
+        so far and the scale the next step uses."""
+        if self.scaler is None:
+            return {}
+        return {"skipped_steps": self.skipped, "loss_scale": self.scaler.get_scale()}

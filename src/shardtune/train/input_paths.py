@@ -13,8 +13,8 @@ from shardtune.config import Config, ConfigError
 from shardtune.errors import check_path
 from shardtune.model.hub import HubDatasetError
 from shardtune.runtime.files import OutputError
-from shardtune.train.data import token_cache
-from shardtune.train.datasets_io import is_hub_name, local_source
+from shardtune.train.data.cache import token_cache
+from shardtune.train.data.sources import is_hub_name, local_source
 
 
 def check_input_paths(cfg: Config) -> None:

@@ -1,21 +1,21 @@
-"""Next-token cross-entropy whose fp32 working memory does not grow with tokens × vocabulary.
+"""Cross-entropy of full logits whose fp32 working memory does not grow with tokens × vocabulary.
 
+The fallback of the loss head (loss_head.py) for a head it cannot score chunk by chunk (a trained or
+LoRA-adapted output projection): the model's logits exist, and only the fp32 work is chunked.
 ``F.cross_entropy(logits.float(), …)`` keeps, per token and vocabulary entry, the fp32 copy's
 log-softmax for backward and then allocates fp32 gradients of the same size: about 14 bytes per
-logit at its peak in backward, on top of the model's bf16 logits. With a 32k vocabulary and 4k
-tokens per micro-batch that is 1.8 GB, more than a 1B model's weight shard.
-
-Here the fp32 work happens a few hundred tokens at a time: forward keeps one log-sum-exp per token,
-backward recomputes each chunk's softmax from the (already resident) logits and writes the gradient
-straight into one tensor in the logits' dtype. Peak: the logits' own gradient plus one fp32 chunk.
-The values are those of ``F.cross_entropy(..., reduction="sum")`` in fp32, up to summation order.
+logit at its peak in backward, on top of the model's logits. Here the fp32 work happens a few hundred
+tokens at a time: forward keeps one log-sum-exp per token, backward recomputes each chunk's softmax
+from the (already resident) logits and writes the gradient straight into one tensor in the logits'
+dtype. Peak: the logits' own gradient plus one fp32 chunk. The values are those of
+``F.cross_entropy(..., reduction="none")`` in fp32, up to summation order.
 """
 
 from __future__ import annotations
 
 import torch
 
-from shardtune.train.data import IGNORE
+from shardtune.train.data.records import IGNORE
 
 #: fp32 bytes of one chunk of logits: big enough that the loop costs nothing next to the model.
 CHUNK_BYTES = 32 * 1024 * 1024
@@ -59,14 +59,14 @@ class _ChunkedTokenCrossEntropy(torch.autograd.Function):
         return grad.view_as(logits), None
 
 
-def next_token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """-log p(label[t+1] | ..t) at each position t, in fp32, 0 where label[t+1] is no target; ``logits``
-    is (batch, time, vocab), the result (batch, time)."""
-    targets = torch.full_like(labels, IGNORE)
-    targets[:, :-1] = labels[:, 1:]  # shift the labels, not the logits: slicing logits would copy them
+def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """-log p(targets[t]) at each position t from ``logits`` (..., vocab), in fp32, 0 where the target is
+    IGNORE; ``targets`` already name the token each position predicts."""
     return _ChunkedTokenCrossEntropy.apply(logits, targets)
 
 
-def next_token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum over target tokens of -log p(label[t+1] | ..t), in fp32; ``logits`` is (batch, time, vocab)."""
-    return next_token_losses(logits, labels).sum()
+def shift_labels(labels: torch.Tensor) -> torch.Tensor:
+    """The target of each position: the next token's label (IGNORE at each row's end)."""
+    targets = torch.full_like(labels, IGNORE)
+    targets[..., :-1] = labels[..., 1:]
+    return targets

@@ -17,13 +17,14 @@ import torch
 from shardtune.config import traits
 from shardtune.model.footprint import Facts
 from shardtune.runtime import cpu_tuning
-from shardtune.runtime.device import memory_per_rank
+from shardtune.runtime.budget import memory_per_rank
 from shardtune.runtime.memory import MB
 from shardtune.train.loss import CHUNK_BYTES
+from shardtune.train.loss_head import chunk_tokens as loss_head_chunk
 
 if TYPE_CHECKING:
     from shardtune.config import Config
-    from shardtune.train.data import Lengths
+    from shardtune.train.data.records import Lengths
 
 #: A worker's private memory before loading (CPU): torch, transformers, peft, gloo, tokenizer, data
 #: (the recipe imports peft before it starts loading, so this is all code, no model).
@@ -32,6 +33,10 @@ RUNTIME_CPU_MB = 295
 #: Python objects, autograd's and the memory sampler's threads, glibc's per-thread arenas. The limit of
 #: the measured peak minus RUNTIME_CPU_MB as the model shrinks to nothing (tests/test_equivalence.py).
 STEP_OVERHEAD_CPU_MB = 8
+#: What a sharded strategy (FSDP1, FSDP2) adds to that on a CPU worker, whatever the model: FSDP's state
+#: per unit, its hooks and DTensor metadata, gloo's work objects. Fitted to tests/test_equivalence.py's
+#: runs, where it was 7–9 MB for fsdp1 and fsdp2 (part and layer units) and nothing for ddp.
+SHARDED_OVERHEAD_CPU_MB = 8
 #: transformers before 5.2x imports scikit-learn (and with it pandas) whenever it is installed, from
 #: ``generation/candidate_generator.py``: that much more in every worker (bench/memory.py measures it).
 EAGER_SKLEARN_MB = 51
@@ -46,6 +51,11 @@ def runtime_cpu_mb() -> float:
 
 #: On GPU: the CUDA context, which ``max_memory_allocated`` does not count but the GPU must hold.
 CUDA_CONTEXT_MB = 500
+#: On GPU, per NCCL communicator a rank uses (none with one rank): NCCL's own buffers, outside torch's
+#: allocator. They grow with NCCL's channels (NVLink machines use many, PCIe few) and its algorithms;
+#: NCCL's maintainers put one communicator at 1-2 GB on NVLink (NVIDIA/nccl#864). An upper estimate
+#: for NVLink nodes, not a measurement: bench/gpu_check.sh measures what a run holds outside torch.
+NCCL_COMM_MB = 1024
 #: Copies of a unit held while it is all-gathered. FSDP2 gathers into a buffer, then copies out
 #: (shardtune's gloo all-gather adds nothing); FSDP1 gathers into the unsharded flat parameter, but
 #: gloo's all-gather receives into a buffer of its own first. Measured on CPU (bench/memory.py); the
@@ -60,7 +70,8 @@ BACKWARD_BLOCKS = {("fsdp1", "cpu"): 3, ("fsdp1", "cuda"): 2}
 
 TERMS: dict[str, str] = {
     "runtime": "the process before loading (torch, transformers, peft, process group, data) and what "
-               "training adds whatever the model (on GPU: the CUDA context)",
+               f"training adds whatever the model (on GPU: the CUDA context, {CUDA_CONTEXT_MB} MB, and NCCL's "
+               f"buffers, {NCCL_COMM_MB} MB per communicator: one on several ranks, three under HSDP)",
     "weights": "the frozen base weights this rank holds: 1/N of them under FSDP, all of them under DDP/single",
     "blocks": "decoder-layer weights all-gathered (unsharded) at once, in the compute dtype: FSDP1 whole "
               "layers; FSDP2 the unit computing plus the next one gathered (a layer's attention, MLP "
@@ -75,8 +86,8 @@ TERMS: dict[str, str] = {
     "optimizer": "AdamW state: 2 fp32 values per trainable weight (1/N under FSDP)",
     "activations": "tensors saved for backward, all layers (with activation checkpointing: each layer's "
                    "input, plus one layer's recomputed set), and the backward of one layer",
-    "logits": "micro-batch tokens × vocabulary in the compute dtype, and their gradient in backward; "
-              "the loss works in fp32 a chunk of tokens at a time (its temporaries)",
+    "logits": "the loss head: one chunk of tokens' logits in fp32 at a time, and what it keeps per token for "
+              "backward (tokens × hidden); without it (a trained head) the full logits and their gradient",
     "dequant": "--quantize nf4: the largest 4-bit weight dequantized to the compute dtype for its matmul "
                "(forward and backward); while loading, a rank's bf16 slice of it being quantized",
 }
@@ -183,6 +194,21 @@ def _fsdp2_moments(device: str, f: Facts, n: int, copies: int, acts: float, work
     }
 
 
+def row_sharded_bytes(f: Facts) -> float:
+    """The frozen embedding tables FSDP2 uses from row shards (parallel/fsdp2.py), whole: a tied table once."""
+    embed = f.embed_bytes if f.tables_by_rows["embed"] else 0
+    head = f.head_bytes if f.tables_by_rows["head"] else 0  # 0 when tied: the same table as embed
+    return float(embed + head)
+
+
+def nccl_communicators(strategy: str, ranks: int, replicate_groups: int = 1) -> int:
+    """NCCL communicators a rank of ``strategy`` uses on ``ranks`` GPUs: the world's (FSDP, DDP, the loss's
+    all-reduce); HSDP adds its shard and replica groups (parallel/mesh.py)."""
+    if traits(strategy).one_process or ranks == 1:
+        return 0
+    return 3 if replicate_groups > 1 and traits(strategy).hsdp else 1
+
+
 @dataclass(frozen=True)
 class Setting:
     """One way to run a training step, as the memory model sees it."""
@@ -200,13 +226,13 @@ class Setting:
 
 def predict(f: Facts, s: Setting, device: str) -> Prediction:
     """The per-rank peak of setting ``s`` on ``device`` ('cuda' or 'cpu'), in MB, from the model's facts."""
-    strategy, micro_batch, seq_len = s.strategy, s.rows, s.row_tokens
-    ac, offload, unit = s.activation_checkpointing, s.cpu_offload, s.fsdp_unit
+    strategy, ranks, micro_batch, seq_len = s.strategy, s.ranks, s.rows, s.row_tokens
+    ac, offload, unit, replicate_groups = s.activation_checkpointing, s.cpu_offload, s.fsdp_unit, s.replicate_groups
     t = traits(strategy)
-    n = s.ranks // s.replicate_groups if t.shards else 1
-    # LoRA computes in the compute dtype under every strategy (parallel/compute_dtype.py)
-    lora_dtype = {2: torch.bfloat16, 4: torch.float32}[f.compute_itemsize]
-    per_layer, outside, vocab = f.saved_for(micro_batch, lora_dtype)
+    sharded = t.shards
+    n = ranks // replicate_groups if sharded else 1
+    # LoRA computes in the compute dtype under every strategy (parallel/compute_dtype.py): fp16's too
+    per_layer, outside, vocab = f.saved_for(micro_batch, f.dtype)
     micro_tokens = micro_batch * seq_len
     if ac:
         # Each layer keeps only its input; in backward one layer at a time recomputes its own set.
@@ -214,26 +240,25 @@ def predict(f: Facts, s: Setting, device: str) -> Prediction:
         workspace = 2 * max(per_layer, default=0)
     else:
         acts, workspace = sum(per_layer) + outside, max(per_layer, default=0)
-    logits = micro_tokens * vocab * f.compute_itemsize
-    # The loss (train/loss.py) works on one fp32 chunk of tokens at a time: logsumexp makes a temporary
-    # of the chunk's size in forward; logits in a narrower dtype are first copied to fp32 a chunk at a
-    # time (fp32 logits are used in place), and backward writes the gradient of the whole logits.
-    chunk = min(CHUNK_BYTES, micro_tokens * vocab * 4)
-    upcast = chunk if f.compute_itemsize < 4 else 0
-    logits_fwd = logits + upcast + chunk
-    logits_bwd = 2 * logits + upcast
+    by_rows = strategy == "fsdp2" and f.tables_by_rows["head"]
+    logits_fwd, logits_bwd = _head_terms(f, micro_tokens, vocab, n if by_rows else 1)
     lora = 4 * f.trainable_params / n
+    runtime = (CUDA_CONTEXT_MB + NCCL_COMM_MB * nccl_communicators(strategy, ranks, replicate_groups)
+               if device == "cuda" else
+               runtime_cpu_mb() + STEP_OVERHEAD_CPU_MB + (SHARDED_OVERHEAD_CPU_MB if sharded else 0))
     kept = {
-        "runtime": (CUDA_CONTEXT_MB if device == "cuda" else runtime_cpu_mb() + STEP_OVERHEAD_CPU_MB) * MB,
+        "runtime": runtime * MB,
         "weights": f.frozen_bytes / n,
         "lora": lora,
         "grads": lora * (2 if t.grad_buckets else 1),
         "optimizer": 2 * lora,
     }
     host = 0.0
-    if offload and device == "cuda":  # the shards and their optimizer live in host RAM
-        host = sum(kept[k] for k in ("weights", "lora", "grads", "optimizer"))
-        kept.update(weights=0.0, lora=0.0, grads=0.0, optimizer=0.0)
+    if offload and device == "cuda":  # the shards and their optimizer live in host RAM...
+        # ...but for FSDP2's row-sharded embedding tables: outside FSDP, they stay on the GPU
+        on_gpu = row_sharded_bytes(f) / n if strategy == "fsdp2" else 0.0
+        host = sum(kept[k] for k in ("weights", "lora", "grads", "optimizer")) - on_gpu
+        kept.update(weights=on_gpu, lora=0.0, grads=0.0, optimizer=0.0)
     moments = _moments(strategy, device, f, n, acts, workspace, logits_fwd, logits_bwd, unit)
     if f.dequant_bytes:
         moments["backward through the layers"]["dequant"] = f.dequant_bytes
@@ -252,6 +277,33 @@ def predict(f: Facts, s: Setting, device: str) -> Prediction:
                       note=note)
 
 
+def _head_terms(f: Facts, tokens: int, vocab: int, blocks: int) -> tuple[float, float]:
+    """What the output head and the loss add at the end of forward and at the start of backward.
+
+    The loss head (train/loss_head.py) makes the logits of one chunk of tokens at a time, in fp32 (and in
+    the compute dtype first when that is narrower), for one block of the vocabulary (a rank's rows under
+    FSDP2's row-sharded head, else all of it); it keeps the derivative of each token's log-probability
+    by its hidden state (tokens × hidden) for backward, plus a few fp32 values per token; over several
+    blocks, running sums of tokens × hidden in fp32 and the compute dtype. Backward makes the hidden
+    states' gradient from it. Without the loss head (a trained or adapted head) the model's full logits
+    exist, and the chunked cross-entropy (train/loss.py) works on them a fp32 chunk at a time."""
+    item = f.compute_itemsize
+    if f.chunked_head:
+        chunk = min(tokens, loss_head_chunk(vocab))
+        logit_chunk = chunk * -(-vocab // blocks) * (4 + (item if item < 4 else 0))
+        deriv = tokens * f.hidden * item
+        running = tokens * f.hidden * (4 + item) if blocks > 1 else chunk * f.hidden * (4 + item)
+        per_token = tokens * 32  # the running log-sum-exp, target logit, best logit and token, results
+        return deriv + logit_chunk + running + per_token, 2 * deriv + chunk * f.hidden * 4
+    logits = tokens * vocab * item
+    # The loss works on one fp32 chunk of tokens at a time: logsumexp makes a temporary of the chunk's
+    # size in forward; logits in a narrower dtype are first copied to fp32 a chunk at a time (fp32 logits
+    # are used in place), and backward writes the gradient of the whole logits.
+    chunk = min(CHUNK_BYTES, tokens * vocab * 4)
+    upcast = chunk if item < 4 else 0
+    return logits + upcast + chunk, 2 * logits + upcast
+
+
 def row_tokens(cfg: Config, lengths: Lengths | None) -> int:
     """Tokens in each row of a step's widest micro-batch: packed rows are --seq-len long; unpacked ones
     are padded to their micro-batch's longest record, so at most the data's longest (``lengths``,
@@ -261,9 +313,14 @@ def row_tokens(cfg: Config, lengths: Lengths | None) -> int:
     return min(cfg.data.seq_len, lengths.longest)
 
 
-def default_memory_per_rank(local_ranks: int, device: str) -> int | None:
-    """This machine's memory per rank on ``device`` ('cuda' or 'cpu'); None when planning for GPUs on a
-    machine without one."""
+def default_budget(local_ranks: int, device: str) -> tuple[int | None, str]:
+    """This machine's memory per rank on ``device`` ('cuda' or 'cpu': runtime/budget.py) and where the
+    number came from; None when planning for GPUs on a machine without one."""
     if device == "cuda" and not torch.cuda.is_available():
-        return None
-    return memory_per_rank(torch.device(device, 0) if device == "cuda" else torch.device("cpu"), local_ranks)
+        return None, "no GPU here: give --memory-per-rank to judge fits"
+    return memory_per_rank(torch.device(device), local_ranks)
+
+
+def default_memory_per_rank(local_ranks: int, device: str) -> int | None:
+    """``default_budget``'s bytes."""
+    return default_budget(local_ranks, device)[0]

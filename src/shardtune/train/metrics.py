@@ -33,8 +33,10 @@ class Progress:
         memory = record.get("peak_mb", record["memory_mb"])
         # preference objectives: how many of the batch's pairs the policy already ranks right
         acc = f" | acc {record['rewards/accuracies']:.0%}" if "rewards/accuracies" in record else ""
+        # fp16: steps the loss scaler skipped (gradient overflow), said once there are any
+        skipped = f" | skipped {record['skipped_steps']}" if record.get("skipped_steps") else ""
         self.bar.set_postfix_str(
-            f"loss {record['loss']:.4f}{acc}{self.val} | {record['tokens_per_second']:.0f} tok/s{fill} | "
+            f"loss {record['loss']:.4f}{acc}{skipped}{self.val} | {record['tokens_per_second']:.0f} tok/s{fill} | "
             f"peak {memory:.0f} MiB",
             refresh=False,
         )

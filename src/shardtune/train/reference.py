@@ -1,4 +1,4 @@
-"""``--precompute-reference``: every pair's reference log-probs computed once, before the first step.
+"""The reference model's values, and ``--precompute-reference``: every pair's computed once, before the first step.
 
 Each rank computes every world_size-th pair (the sharded model, all ranks in every forward), the ranks
 exchange their values, and rank 0 stores the table beside the token cache as ``ref-KEY.pt``. The key
@@ -13,19 +13,21 @@ is needed.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
-from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from shardtune.runtime import distributed
+from shardtune.runtime.compat import adapters_disabled
 from shardtune.runtime.progress import progress
-from shardtune.train.data import Example
-from shardtune.train.preference import lockstep_forwards, my_pairs, reference_logps
+from shardtune.train.data.batch import Batcher, Forward
+from shardtune.train.loss_head import score
+from shardtune.train.objectives import Objective
 
 log = logging.getLogger("shardtune")
 
@@ -44,27 +46,44 @@ def reference_key(data_key: str, model_path: str, dtype: str, quantize: str, ini
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:24]
 
 
+class Reference:
+    """The reference model's values (``Objective.reference_of``) of a forward's items: read from a
+    precomputed table, or computed by a forward of the policy's own sharded base with every adapter layer
+    switched off (``compat.adapters_disabled``; with ``adapters_on``, the model as it is: the initial
+    adapter before the first step), under ``no_grad``: no second model, no saved activations. Under FSDP
+    it is a collective like any forward, so every rank runs it for every forward, empty ones included."""
+
+    def __init__(self, objective: Objective, table: torch.Tensor | None = None, adapters_on: bool = False) -> None:
+        self.objective, self.table, self.adapters_on = objective, table, adapters_on
+
+    @torch.no_grad()
+    def values(self, model: nn.Module, fwd: Forward) -> torch.Tensor:
+        if self.table is not None:
+            return self.table[fwd.items].to(fwd.targets.device)
+        with contextlib.nullcontext() if self.adapters_on else adapters_disabled(model):
+            scores = score(model, fwd.inputs, fwd.targets)
+        return self.objective.reference_of(scores, fwd)
+
+
 @torch.no_grad()
-def compute_reference(model: nn.Module, examples: Sequence[Example], micro: int, pad_id: int, device: torch.device,
-                      rank: int, world_size: int, adapters_on: bool) -> torch.Tensor:
-    """(pairs, 2) reference log-probs of every pair, on CPU, the same table on every rank."""
-    n = len(examples) // 2
-    per_rank = my_pairs(n, rank, world_size)[1]
-    values = torch.zeros(per_rank, 2, dtype=torch.float32)
+def compute_reference(model: nn.Module, reference: Reference, batcher: Batcher, n_items: int, micro: int,
+                      rank: int, world_size: int) -> torch.Tensor:
+    """The reference values of every item, on CPU, the same table on every rank: each rank computes every
+    world_size-th item, and the ranks exchange their shares."""
     was_training = model.training
     model.eval()
+    mine: dict[int, torch.Tensor] = {}
+    per_rank = -(-n_items // world_size)
     # rank 0 counts its own share: every rank runs as many forwards, so its bar is the run's
     with progress("reference log-probs", per_rank * world_size, unit="pair", enabled=rank == 0) as bar:
-        for start, chunk, fwd in lockstep_forwards(examples, micro, pad_id, device, rank, world_size):
-            logps = reference_logps(model, fwd, adapters_on=adapters_on).cpu()
-            values[start:start + len(chunk)] = logps[:len(chunk)]
-            bar.advance(len(chunk) * world_size, tokens=fwd.real_tokens * world_size)
+        for fwd in batcher.lockstep(n_items, micro, rank, world_size):
+            values = reference.values(model, fwd).cpu()
+            mine.update(zip(fwd.items, values[:len(fwd.items)]))
+            bar.advance(max(1, len(fwd.items)) * world_size, tokens=fwd.real_tokens * world_size)
     model.train(was_training)
-    shares = distributed.all_gather_object(values) if world_size > 1 else [values]
-    table = torch.zeros(n, 2, dtype=torch.float32)
-    for r, share in enumerate(shares):
-        table[r::world_size] = share[:len(range(r, n, world_size))]
-    return table
+    shares = distributed.all_gather_object(mine) if world_size > 1 else [mine]
+    found = {i: v for share in shares for i, v in share.items()}
+    return torch.stack([found[i] for i in range(n_items)])
 
 
 def precomputed_reference(cache_dir: Path, key: str, compute, is_main: bool, world_size: int,

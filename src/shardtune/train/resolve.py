@@ -22,7 +22,7 @@ from shardtune.runtime.distributed import Worker
 from shardtune.train.choice import Candidate, Search, choose
 
 if TYPE_CHECKING:
-    from shardtune.train.data import Lengths
+    from shardtune.train.data.records import Lengths
 
 
 def resolve(cfg: Config, lengths: Lengths | None = None, model: nn.Module | None = None,

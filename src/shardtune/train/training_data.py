@@ -1,26 +1,22 @@
 """The training data as every entry point reads it: the same tokenizer, --seq-len, fields, token
-cache and record format, so ``shardtune plan`` sizes a step by the rows ``finetune`` will run."""
+cache and record format (the objective's), so ``shardtune plan`` sizes a step by the rows ``finetune``
+will run."""
 
 from __future__ import annotations
 
 from shardtune.config import Config
 from shardtune.model.directory import ModelDir, check_model_dir, load_tokenizer
 from shardtune.model.meta import vocab_size
-from shardtune.train.data import SFT, Lengths, RecordFormat, lengths_of, load_dataset, token_cache
+from shardtune.train.data.cache import token_cache
+from shardtune.train.data.records import Dataset, Lengths, lengths_of
+from shardtune.train.data.tokenize import load_dataset
 from shardtune.train.objectives import objective_of
-from shardtune.train.pairs import PAIRS
-from shardtune.train.records import Dataset
-
-
-def record_format(cfg: Config) -> RecordFormat:
-    """A record is a preference pair under DPO/ORPO/SimPO, an instruction otherwise."""
-    return PAIRS if objective_of(cfg).pairs else SFT
 
 
 def read_split(cfg: Config, path: str, tokenizer, vocab: int | None, show_progress: bool = False) -> Dataset:
     """One data file (or directory, or Hub id) of this run, tokenized, through the shared cache."""
     return load_dataset(path, tokenizer, cfg.data.seq_len, vocab, cfg.data.fields, token_cache(cfg),
-                        record_format(cfg), show_progress=show_progress)
+                        objective_of(cfg).records, show_progress=show_progress)
 
 
 def training_lengths(cfg: Config, model_dir: ModelDir | None = None) -> Lengths | None:

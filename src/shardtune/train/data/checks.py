@@ -8,6 +8,8 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from shardtune.train.data.pairs import split_pair
+
 log = logging.getLogger("shardtune")
 
 # Roles chat templates know; any other is rendered by the template as it sees fit (often as a user
@@ -39,3 +41,17 @@ def data_warnings(path: str | Path, records: list[tuple[int, dict]], usable: int
 def warn_about_data(path: str | Path, records: list[tuple[int, dict]], usable: int, batch_size: int) -> None:
     for message in data_warnings(path, records, usable, batch_size):
         log.warning("%s", message)
+
+
+def pair_warnings(path: str | Path, records: list[tuple[int, dict]], truncated: int, seq_len: int) -> list[str]:
+    """Warnings with counts: pairs whose chosen and rejected are the same, and pairs cut by ``seq_len``."""
+    found = []
+    same = [line for line, r in records if split_pair(r)[1] == split_pair(r)[2]]
+    if same:
+        where = ", ".join(str(n) for n in same[:5]) + (", …" if len(same) > 5 else "")
+        found.append(f"{path}: {len(same)} of {len(records)} pairs have the same chosen and rejected response "
+                     f"(record {where}): they add nothing to the preference loss")
+    if truncated:
+        found.append(f"{path}: {truncated} of {len(records)} pairs are longer than --seq-len {seq_len}: their "
+                     f"responses are cut at the end (the prompt is kept whole, as TRL's keep_start does)")
+    return found

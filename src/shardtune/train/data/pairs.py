@@ -16,17 +16,8 @@ fills ``--seq-len`` is an error, as no response token would be left.
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from shardtune.train.data import (
-    IGNORE,
-    DataError,
-    Example,
-    RecordFormat,
-    render_conversation,
-    render_prompt,
-    rendered,
-)
+from shardtune.train.data.chat import render_conversation, render_prompt, rendered
+from shardtune.train.data.records import IGNORE, DataError, Example, RecordFormat
 
 EXPECTED = "a preference pair needs 'chosen' and 'rejected' (and 'prompt', unless chosen and rejected are " \
            "whole conversations that share it)"
@@ -146,17 +137,3 @@ def tokenize_pair(tokenizer, record: dict, seq_len: int) -> tuple[list[Example],
 
 
 PAIRS = RecordFormat("pairs", check_pair, tokenize_pair, 2)
-
-
-def pair_warnings(path: str | Path, records: list[tuple[int, dict]], truncated: int, seq_len: int) -> list[str]:
-    """Warnings with counts: pairs whose chosen and rejected are the same, and pairs cut by ``seq_len``."""
-    found = []
-    same = [line for line, r in records if split_pair(r)[1] == split_pair(r)[2]]
-    if same:
-        where = ", ".join(str(n) for n in same[:5]) + (", …" if len(same) > 5 else "")
-        found.append(f"{path}: {len(same)} of {len(records)} pairs have the same chosen and rejected response "
-                     f"(record {where}): they add nothing to the preference loss")
-    if truncated:
-        found.append(f"{path}: {truncated} of {len(records)} pairs are longer than --seq-len {seq_len}: their "
-                     f"responses are cut at the end (the prompt is kept whole, as TRL's keep_start does)")
-    return found

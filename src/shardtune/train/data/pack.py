@@ -3,14 +3,14 @@
 Short records padded to the longest one in a micro-batch spend most of the compute on padding.
 Packed, each rank's share of the global batch is laid end to end in as few sequences ("rows") as
 first-fit-decreasing finds, its records then spread evenly over those rows (a forward is as wide as
-its longest row), and each forward takes up to ``--micro-batch-size`` rows. Within a row
-no token sees another record's tokens and positions restart at every record:
+its longest row), and each forward takes up to ``--micro-batch-size`` rows. An item of several
+sequences (a preference pair) stays whole in one row, which then holds up to that many × --seq-len
+tokens. Within a row no token sees another record's tokens and positions restart at every record:
 
-* ``sdpa`` and ``eager`` attention get a block-diagonal causal mask, 4-D, which transformers passes
-  through unchanged (its own detection of packed rows from ``position_ids`` works only without a
-  mask and reads the device every forward);
-* ``flash_attention_2``/``_3`` (GPU) get no mask and the rows' cumulative lengths (``cu_seq_lens_*``),
-  which make them run one variable-length attention over the records;
+* attention implementations that take the records' lengths (``shardtune``'s own, train/attention.py,
+  and flash-attention on GPUs) get all rows as one row without padding, and no mask;
+* other attention paths (``eager``, or models with attention code of their own) get a block-diagonal
+  causal 4-D mask, which transformers passes through unchanged — rows × width² elements;
 * the position ids restart at 0 per record, also for models with learned absolute positions
   (GPT-2, OPT), which take them as an input too.
 
@@ -25,30 +25,19 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from shardtune.config import ConfigError
-from shardtune.train.data import IGNORE, BatchSplit, Example
-
-#: attention implementations that packing supports, and how they are told where records end
-MASKED = ("sdpa", "eager")
-VARLEN = ("flash_attention_2", "flash_attention_3")
-
-
-def attention_of(model: nn.Module) -> str:
-    """The attention implementation the (peft, FSDP or DDP wrapped) transformers model runs."""
-    config = next(m.config for m in model.modules() if hasattr(m, "config") and hasattr(m.config, "model_type"))
-    return getattr(config, "_attn_implementation", None) or "eager"
+from shardtune.model.attention import MASKED, VARLEN, implementation
 
 
 def check_packing(model: nn.Module) -> None:
     """Refuse packing where records would see each other or keep counting positions: an attention
     path that takes neither a 4-D mask nor sequence lengths, or a model without ``position_ids``."""
     config = next(m.config for m in model.modules() if hasattr(m, "config") and hasattr(m.config, "model_type"))
-    impl = attention_of(model)
+    impl = implementation(model)
     if impl not in MASKED + VARLEN:
         raise ConfigError(f"option 'packing': the model ({config.model_type}) uses attention '{impl}', which "
                           f"cannot keep packed records apart; supported: {', '.join(MASKED + VARLEN)}")
@@ -108,43 +97,6 @@ def forwards_per_rank(shares: Sequence[Sequence[int]], length: Callable[[int], i
     return [f + [[]] * (most - len(f)) for f in out]
 
 
-@dataclass
-class PackedBatch:
-    """One forward's packed rows, and what the model needs to keep the records apart."""
-
-    input_ids: torch.Tensor  # (rows, width)
-    labels: torch.Tensor  # (rows, width), IGNORE on padding and on each record's first token
-    position_ids: torch.Tensor  # (rows, width), restarting at 0 per record
-    segments: torch.Tensor  # (rows, width): record number within the row, -1 on padding
-    real_tokens: int
-
-    @property
-    def positions(self) -> int:
-        return self.input_ids.numel()
-
-    def model_inputs(self, attn_implementation: str | None, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        """Keyword arguments for the model's forward, for its attention implementation."""
-        inputs: dict = {"input_ids": self.input_ids, "position_ids": self.position_ids}
-        if (attn_implementation or "eager") in VARLEN:
-            # One sequence of all real tokens' rows back to back: flash's varlen layout.
-            lengths = [n for row in self._record_lengths() for n in row]
-            cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32,
-                              device=self.input_ids.device)
-            inputs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lengths), max_length_k=max(lengths))
-        else:
-            inputs["attention_mask"] = block_causal_mask(self.segments, dtype)
-        return inputs
-
-    def _record_lengths(self) -> list[list[int]]:
-        out = []
-        for row in self.segments.tolist():
-            counts: dict[int, int] = {}
-            for s in row:
-                counts[s] = counts.get(s, 0) + 1
-            out.append([counts[s] for s in sorted(counts)])  # padding (-1) forms a segment of its own
-        return out
-
-
 def block_causal_mask(segments: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Additive 4-D mask (rows, 1, width, width): a token sees earlier tokens of its own record only.
 
@@ -159,38 +111,3 @@ def block_causal_mask(segments: torch.Tensor, dtype: torch.dtype) -> torch.Tenso
     mask = torch.zeros(allowed.shape, dtype=dtype, device=segments.device)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
     return mask.unsqueeze(1)
-
-
-def collate_packed(rows: list[list[Example]], pad_id: int, device: torch.device, one_row: bool = False) -> PackedBatch:
-    """Lay each row's records end to end, right-padded to the longest row (an empty forward: one
-    padding token without any target, so that the rank still joins every collective). ``one_row``:
-    all records in a single row without padding, the layout of variable-length (flash) attention."""
-    rows = [[e for row in rows for e in row]] if one_row else rows
-    rows = rows or [[]]
-    width = max(1, max(sum(len(e.input_ids) for e in row) for row in rows))
-    shape = (len(rows), width)
-    ids = torch.full(shape, pad_id, dtype=torch.long)
-    labels = torch.full(shape, IGNORE, dtype=torch.long)
-    positions = torch.zeros(shape, dtype=torch.long)
-    segments = torch.full(shape, -1, dtype=torch.long)
-    real = 0
-    for r, row in enumerate(rows):
-        at = 0
-        for s, e in enumerate(row):
-            n = len(e.input_ids)
-            ids[r, at:at + n] = torch.tensor(e.input_ids)
-            labels[r, at + 1:at + n] = torch.tensor(e.labels[1:])  # the first token is no target
-            positions[r, at:at + n] = torch.arange(n)
-            segments[r, at:at + n] = s
-            at += n
-        real += at
-    return PackedBatch(ids.to(device), labels.to(device), positions.to(device), segments.to(device), real)
-
-
-def packed_forwards(batch: Sequence[int], examples: Sequence[Example], plan: BatchSplit, seq_len: int, rank: int,
-                    pad_id: int, device: torch.device, one_row: bool) -> list[PackedBatch]:
-    """This rank's forwards of global batch ``batch`` (record indices), packed."""
-    per_rank = plan.batch_size // plan.world_size
-    shares = [batch[r * per_rank:(r + 1) * per_rank] for r in range(plan.world_size)]
-    mine = forwards_per_rank(shares, lambda i: len(examples[i].input_ids), seq_len, plan.micro_batch_size)[rank]
-    return [collate_packed([[examples[i] for i in row] for row in rows], pad_id, device, one_row) for rows in mine]

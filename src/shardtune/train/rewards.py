@@ -1,0 +1,399 @@
+"""Reward functions for GRPO: loaded by name, called with TRL's convention, their answers checked.
+
+A reward function is what TRL's ``GRPOTrainer`` takes, so users bring theirs unchanged::
+
+    def my_reward(prompts, completions, completion_ids, **fields) -> list[float | None]
+
+``prompts`` and ``completions`` hold one entry per completion (a prompt repeated once per completion of its
+group); completions are strings, or for conversational prompts (message lists) one-message lists
+``[{"role": "assistant", "content": text}]``. ``completion_ids`` are the completions' token ids. ``fields``
+are the records' other fields, each a list aligned with the completions (e.g. ``answer``), plus TRL's
+``trainer_state`` (``.global_step``), ``log_metric(name, value)`` and ``log_extra(column, values)``.
+``None`` means "not applicable to this completion"; async functions are awaited.
+
+``--reward SPEC`` names one function (the option repeats, ``--reward-weights`` weighs them):
+  path/to/file.py:name   a function defined in a Python file (run in every process that scores)
+  package.module:name    a function of an importable module
+  exact_match[=FIELD]    built-in: 1 if the completion, stripped, equals the record's FIELD (default answer)
+  contains[=FIELD]       built-in: 1 if FIELD's value occurs in the completion as a whole word or number
+  format=REGEX           built-in: 1 if REGEX matches somewhere in the completion (re.search, DOTALL)
+  length=TOKENS          built-in: -(tokens beyond TOKENS) / TOKENS, 0 up to TOKENS
+
+Answers: one per completion; ``None``, ``int``, ``float``, numpy / torch scalars and ``bool`` (1.0 / 0.0, as
+TRL reads them) are accepted. NaN and ±inf are refused (a NaN is usually a bug such as 0/0; ``None`` is the
+way to say "not applicable"), as is anything else. A function that raises, answers with the wrong count or
+with a refused value stops the run (RewardError, exit 2) naming the function and the prompt at fault; when
+it raised on a batch, it is called again one completion at a time to find the prompt it fails on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import math
+import numbers
+import re
+import sys
+import traceback
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from shardtune.errors import ShardtuneError, check_path
+
+#: the keyword arguments shardtune passes itself; a record field of one of these names is refused
+RESERVED = ("prompts", "completions", "completion_ids", "trainer_state", "log_metric", "log_extra")
+
+
+class RewardError(ShardtuneError):
+    """A reward function that cannot be loaded, or that failed or answered wrongly; names it and the prompt."""
+
+
+@dataclass(frozen=True)
+class RewardFunction:
+    name: str  # as in metrics: rewards/<name>/mean
+    fn: Callable[..., Any]
+    weight: float = 1.0
+    spec: str = ""  # what the user wrote
+
+
+# ---------------------------------------------------------------------------------------------- built-ins
+
+
+def completion_text(completion: str | list[dict]) -> str:
+    """A completion's text: the string itself, or the content of its (last) assistant message."""
+    if isinstance(completion, str):
+        return completion
+    content = completion[-1].get("content", "") if completion else ""
+    if isinstance(content, list):  # content blocks
+        return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+    return str(content)
+
+
+def _field_values(fields: dict, name: str, builtin: str, n: int) -> list:
+    if name not in fields:
+        have = sorted(k for k in fields if k not in RESERVED)
+        raise RewardError(f"reward {builtin}={name}: the records have no field {name!r} "
+                          f"(they have: {', '.join(have) or 'none but the prompt'})")
+    return list(fields[name])[:n]
+
+
+def _exact_match(field_name: str) -> Callable[..., list[float | None]]:
+    def exact_match(prompts, completions, **fields):
+        values = _field_values(fields, field_name, "exact_match", len(completions))
+        return [None if v is None else float(completion_text(c).strip() == str(v).strip())
+                for c, v in zip(completions, values)]
+    return exact_match
+
+
+def _contains(field_name: str) -> Callable[..., list[float | None]]:
+    def contains(prompts, completions, **fields):
+        values = _field_values(fields, field_name, "contains", len(completions))
+        out: list[float | None] = []
+        for c, v in zip(completions, values):
+            if v is None or not str(v).strip():
+                out.append(None)
+                continue
+            # Not inside a longer word or number: "12" is not in "123", "1.25" nor "-12"
+            value = str(v).strip()
+            before = r"(?<![\w.\-])" if value[0].isdigit() else r"(?<!\w)"
+            pattern = rf"{before}{re.escape(value)}(?!\w|\.\d)"
+            out.append(float(re.search(pattern, completion_text(c)) is not None))
+        return out
+    return contains
+
+
+def _format(pattern: str) -> Callable[..., list[float]]:
+    try:
+        compiled = re.compile(pattern, re.DOTALL)
+    except re.error as err:
+        raise RewardError(f"reward format={pattern}: not a valid regular expression: {err}") from None
+
+    def format(prompts, completions, **fields):  # noqa: A001 - the metric name users see
+        return [float(compiled.search(completion_text(c)) is not None) for c in completions]
+    return format
+
+
+def _length(target: str) -> Callable[..., list[float]]:
+    try:
+        tokens = int(target)
+    except ValueError:
+        tokens = 0
+    if tokens <= 0:
+        raise RewardError(f"reward length={target}: give the number of completion tokens allowed "
+                          f"without penalty, a positive integer (e.g. length=200)")
+
+    def length(prompts, completions, completion_ids, **fields):
+        return [-max(0, len(ids) - tokens) / tokens for ids in completion_ids]
+    return length
+
+
+#: short name -> (factory from its argument, the argument when none is given; None: one is required)
+BUILTINS: dict[str, tuple[Callable[[str], Callable[..., Any]], str | None]] = {
+    "exact_match": (_exact_match, "answer"),
+    "contains": (_contains, "answer"),
+    "format": (_format, None),
+    "length": (_length, None),
+}
+
+
+# ---------------------------------------------------------------------------------------------- loading
+
+
+def _load_file(path_text: str, attr: str, spec: str) -> Any:
+    path = check_path(path_text, f"reward file (--reward {spec})", error=RewardError)
+    if path.suffix != ".py":
+        raise RewardError(f"--reward {spec}: {path} is not a Python file (.py)")
+    # A stable name, the same in every process: pickle finds a function by its module's name
+    module_name = "shardtune_reward_" + hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:12]
+    if module_name in sys.modules:
+        module = sys.modules[module_name]
+    else:
+        loader_spec = importlib.util.spec_from_file_location(module_name, path)
+        assert loader_spec is not None and loader_spec.loader is not None
+        module = importlib.util.module_from_spec(loader_spec)
+        sys.modules[module_name] = module  # dataclasses and pickling look their module up here
+        try:
+            loader_spec.loader.exec_module(module)
+        except SyntaxError as err:
+            del sys.modules[module_name]
+            raise RewardError(f"--reward {spec}: {err.filename}:{err.lineno}: syntax error: {err.msg}") from None
+        except Exception as err:  # noqa: BLE001 - the user's file: say where it failed, whatever it was
+            del sys.modules[module_name]
+            raise RewardError(f"--reward {spec}: running {path} failed: {_where(err, path)}") from None
+    return _attribute(module, attr, spec, str(path))
+
+
+def _load_module(module_name: str, attr: str, spec: str) -> Any:
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        missing = err.name or module_name
+        hint = (f"no module named {module_name!r} on the Python path (a file is given as path/to/file.py:name)"
+                if missing == module_name else
+                f"importing {module_name!r} needs the module {missing!r}, which is not installed")
+        raise RewardError(f"--reward {spec}: {hint}") from None
+    except Exception as err:  # noqa: BLE001 - the user's module: say where it failed
+        raise RewardError(f"--reward {spec}: importing {module_name} failed: {_where(err, None)}") from None
+    return _attribute(module, attr, spec, module_name)
+
+
+def _attribute(module: Any, attr: str, spec: str, where: str) -> Any:
+    if not attr or not attr.isidentifier():
+        raise RewardError(f"--reward {spec}: {attr!r} is not a Python name; write {where}:FUNCTION_NAME")
+    if not hasattr(module, attr):
+        defined = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_")
+                         and getattr(v, "__module__", None) == module.__name__)
+        raise RewardError(f"--reward {spec}: {where} has no {attr!r}"
+                          + (f" (its functions: {', '.join(defined)})" if defined else ""))
+    fn = getattr(module, attr)
+    if not callable(fn):
+        raise RewardError(f"--reward {spec}: {where}:{attr} is a {type(fn).__name__}, not a function")
+    return fn
+
+
+def _where(err: BaseException, path: Path | None) -> str:
+    """``File:line: Type: message`` of the innermost frame in the user's code (else the innermost one)."""
+    frames = traceback.extract_tb(err.__traceback__)
+    mine = [f for f in frames if path is not None and Path(f.filename) == path] or frames
+    place = f"{mine[-1].filename}:{mine[-1].lineno}: " if mine else ""
+    return f"{place}{type(err).__name__}: {err}"
+
+
+def callable_name(fn: Callable) -> str:
+    """The name metrics use (TRL's): a function's ``__name__``, through ``functools.partial``, else the class's."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return getattr(fn, "__name__", type(fn).__name__)
+
+
+def load_reward(spec: str) -> tuple[str, Callable[..., Any]]:
+    """(name, function) of one ``--reward`` SPEC; RewardError naming SPEC when it cannot be loaded."""
+    spec = spec.strip()
+    head, eq, arg = spec.partition("=")
+    if head in BUILTINS:
+        factory, default = BUILTINS[head]
+        if not eq and default is None:
+            raise RewardError(f"--reward {spec}: the built-in {head} needs an argument: {head}=VALUE")
+        return head, factory(arg if eq else default)  # type: ignore[arg-type]
+    target, colon, attr = spec.rpartition(":")
+    if not colon or not target:
+        raise RewardError(f"--reward {spec!r}: not a reward; give path/to/file.py:name, module:name or a built-in "
+                          f"({', '.join(BUILTINS)})")
+    if target.endswith(".py") or "/" in target or "\\" in target:
+        fn = _load_file(target, attr, spec)
+    else:
+        fn = _load_module(target, attr, spec)
+    return callable_name(fn), fn
+
+
+def load_rewards(specs: Sequence[str], weights: Sequence[float] | None = None) -> list[RewardFunction]:
+    """Every ``--reward`` with its ``--reward-weights`` entry (default 1 each); run it before any worker
+    starts, so that a missing file, module or name is reported at once. Names shared by two functions get
+    ``_2``, ``_3``... so that their metrics stay apart."""
+    if not specs:
+        raise RewardError("--objective grpo needs at least one --reward (path/to/file.py:name, module:name or "
+                          f"a built-in: {', '.join(BUILTINS)})")
+    if weights is not None and len(weights) != len(specs):
+        raise RewardError(f"--reward-weights has {len(weights)} weights for {len(specs)} --reward functions; "
+                          "give one weight per function")
+    for w in weights or ():
+        if isinstance(w, bool) or not isinstance(w, numbers.Real) or not math.isfinite(w):
+            raise RewardError(f"--reward-weights: {w!r} is not a finite number")
+    out: list[RewardFunction] = []
+    seen: dict[str, int] = defaultdict(int)
+    for i, spec in enumerate(specs):
+        name, fn = load_reward(spec)
+        seen[name] += 1
+        if seen[name] > 1:
+            name = f"{name}_{seen[name]}"
+        out.append(RewardFunction(name, fn, float(weights[i]) if weights is not None else 1.0, spec))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- scoring
+
+
+@dataclass
+class RewardLog:
+    """What reward functions logged through ``log_metric`` / ``log_extra`` while scoring one batch."""
+
+    metrics: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    extra: dict[str, list[Any]] = field(default_factory=lambda: defaultdict(list))
+
+
+def is_conversational(prompt: str | list[dict]) -> bool:
+    """Whether a prompt is a message list (TRL then hands reward functions message-list completions)."""
+    return isinstance(prompt, list)
+
+
+def completions_for(prompts: Sequence[str | list[dict]], texts: Sequence[str]) -> list[str | list[dict]]:
+    """The completions as reward functions receive them: the texts, or for conversational prompts one
+    assistant message each, as TRL (``[{"role": "assistant", "content": text}]``)."""
+    return [[{"role": "assistant", "content": t}] if is_conversational(p) else t for p, t in zip(prompts, texts)]
+
+
+def describe_prompt(prompt: str | list[dict], limit: int = 80) -> str:
+    """A prompt in a line: its text (a conversation: its last message's), shortened to ``limit`` characters."""
+    text = completion_text(prompt) if not isinstance(prompt, str) else prompt
+    text = " ".join(text.split())
+    return repr(text if len(text) <= limit else text[:limit - 1] + "…")
+
+
+def _call(fn: Callable, kwargs: dict) -> Any:
+    out = fn(**kwargs)
+    if inspect.isawaitable(out):
+        out = asyncio.run(_await(out))
+    return out
+
+
+async def _await(awaitable: Any) -> Any:
+    return await awaitable
+
+
+def _as_list(out: Any) -> list | None:
+    if isinstance(out, torch.Tensor):
+        return out.detach().cpu().reshape(-1).tolist() if out.dim() <= 1 else None
+    if hasattr(out, "tolist") and getattr(out, "ndim", 1) == 1:  # numpy arrays
+        return out.tolist()
+    return list(out) if isinstance(out, (list, tuple)) else None
+
+
+def _value(x: Any) -> float | None | str:
+    """The reward as a float, None, or a string saying why it is refused."""
+    if x is None:
+        return None
+    if isinstance(x, torch.Tensor) and x.numel() == 1:
+        x = x.item()
+    elif hasattr(x, "item") and getattr(x, "shape", None) == ():  # numpy scalars
+        x = x.item()
+    if isinstance(x, bool):
+        return float(x)
+    if not isinstance(x, numbers.Real):
+        return f"{type(x).__name__} {x!r:.60}"
+    v = float(x)
+    if not math.isfinite(v):
+        return f"{v} (return None for a completion the function does not apply to)"
+    return v
+
+
+def _row_kwargs(kwargs: dict, i: int) -> dict:
+    return {k: (v[i:i + 1] if isinstance(v, list) else v) for k, v in kwargs.items()}
+
+
+def _failing_row(fn: Callable, kwargs: dict, n: int) -> int | None:
+    """The first completion ``fn`` raises on when called on it alone; None when each one passes alone."""
+    for i in range(n):
+        try:
+            _call(fn, _row_kwargs(kwargs, i))
+        except Exception:  # noqa: BLE001 - looking for the row, whatever it raises
+            return i
+    return None
+
+
+def score(rewards: Sequence[RewardFunction], prompts: Sequence[str | list[dict]],
+          completions: Sequence[str | list[dict]], completion_ids: Sequence[Sequence[int]],
+          fields: dict[str, Sequence[Any]] | None = None, step: int = 0,
+          log: RewardLog | None = None, sources: Sequence[str] | None = None) -> torch.Tensor:
+    """(completions, functions) float32 rewards, NaN where a function answered None (TRL's layout).
+
+    ``fields``: the records' other fields, one value per completion. ``sources``: where each completion's
+    prompt comes from, for error messages (e.g. ``train.jsonl record 17``; default ``prompt #i``).
+    """
+    n = len(completions)
+    if len(prompts) != n or len(completion_ids) != n:
+        raise ValueError(f"{len(prompts)} prompts, {n} completions and {len(completion_ids)} id lists")
+    fields = {k: list(v) for k, v in (fields or {}).items() if k not in ("prompt", "completion")}
+    clash = sorted(set(fields) & set(RESERVED))
+    if clash:
+        raise RewardError(f"the records have a field named {clash[0]!r}, which reward functions receive from "
+                          f"shardtune itself; rename it (--data-fields)")
+    log = log if log is not None else RewardLog()
+    kwargs = dict(prompts=list(prompts), completions=list(completions),
+                  completion_ids=[list(ids) for ids in completion_ids], **fields,
+                  trainer_state=SimpleNamespace(global_step=step),
+                  log_metric=lambda name, value: log.metrics[name].append(float(value)),
+                  log_extra=lambda column, values: log.extra[column].extend(values))
+
+    def where(i: int) -> str:
+        src = sources[i] if sources is not None else f"prompt #{i}"
+        return f"{src}: {describe_prompt(prompts[i])}"
+
+    out = torch.empty(n, len(rewards), dtype=torch.float32)
+    for j, reward in enumerate(rewards):
+        label = f"reward function {reward.name!r}" + (f" (--reward {reward.spec})" if reward.spec else "")
+        try:
+            answer = _call(reward.fn, kwargs)
+        except RewardError:
+            raise
+        except Exception as err:  # noqa: BLE001 - the user's function: any failure stops the run, named
+            row = _failing_row(reward.fn, kwargs, n)
+            at = f"on {where(row)}" if row is not None else f"on a batch of {n} (each completion alone passes)"
+            raise RewardError(f"{label} raised {_where(err, None)}\n  {at}") from None
+        values = _as_list(answer)
+        if values is None:
+            raise RewardError(f"{label} returned a {type(answer).__name__}, not a list of one reward per "
+                              f"completion (on {n} completions, the first {where(0)})")
+        if len(values) != n:
+            raise RewardError(f"{label} returned {len(values)} rewards for {n} completions (one per completion; "
+                              f"the first {where(0)})")
+        for i, x in enumerate(values):
+            v = _value(x)
+            if isinstance(v, str):
+                raise RewardError(f"{label} returned {v} as the reward of completion #{i}, not a number or None\n"
+                                  f"  on {where(i)}")
+            out[i, j] = math.nan if v is None else v
+    return out
+
+
+def weights_of(rewards: Sequence[RewardFunction]) -> torch.Tensor:
+    return torch.tensor([r.weight for r in rewards], dtype=torch.float32)

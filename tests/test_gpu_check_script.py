@@ -1,0 +1,93 @@
+"""bench/gpu_check.sh cannot rot between the rare GPU machines: it parses, its options work, every row's
+command is one the CLI takes, and its verdicts (bench/gpu_check.py) pass and fail what they should."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shardtune import cli
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "bench" / "gpu_check.sh"
+sys.path.insert(0, str(ROOT / "bench"))
+
+import gpu_check  # noqa: E402
+
+
+def _sh(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env={**os.environ, **(env or {})})
+
+
+def test_script_parses_lists_its_rows_and_refuses_unknown_ones():
+    assert subprocess.run(["bash", "-n", str(SCRIPT)]).returncode == 0
+    quick, full = _sh("--list", "--quick").stdout.split(), _sh("--list").stdout.split()
+    assert set(quick) < set(full) and {"nf4", "fp16", "dtype-auto", "dpo-precomputed", "eval", "generate",
+                                       "torchrun"} <= set(quick)
+    assert {"plan-fsdp2", "plan-fsdp1", "plan-ddp", "plan-single", "offload", "ac", "auto-limit", "varlen",
+            "harness", "orpo-dora", "simpo-packed", "eval-nf4"} <= set(full)
+    bad = _sh("--only", "no-such-row")
+    assert bad.returncode == 2 and "no row no-such-row" in bad.stderr
+    assert _sh("--frobnicate").returncode == 2
+
+
+def test_every_rows_shardtune_command_is_one_the_cli_takes(tmp_path):
+    done = _sh("--dry-run", env={"CACHE": str(tmp_path), "PYTHONPATH": str(ROOT / "src")})
+    assert done.returncode == 0, done.stderr[-2000:]
+    commands = [shlex.split(line.split(" > ", 1)[0]) for line in done.stdout.splitlines() if "-m shardtune " in line]
+    rows = [line.split()[1].rstrip(":") for line in done.stdout.splitlines() if line.startswith("row ")]
+    assert rows == _sh("--list").stdout.split()  # every row, in order
+    assert len(commands) >= 25
+    for argv in commands:
+        args = argv[argv.index("shardtune") + 1:]
+        if args[0] in ("finetune", "plan"):
+            assert args[args.index("--collective-timeout") + 1] == "60", argv  # a hung collective: 60 s
+        cli.build_parser().parse_args(args)  # exits (fails the test) on a flag the CLI does not have
+
+
+def _summary(**changes) -> dict:
+    s = {"strategy": "fsdp2", "world_size": 1, "dtype": "bf16", "backend": "nccl", "device": "cuda",
+         "micro_batch_size": 8, "activation_checkpointing": False, "train_loss_first": 2.0, "train_loss_last": 1.5,
+         "tokens_per_second": 1000.0, "load_seconds": 3.0, "val_loss": None, "runtime_mb": [1100.0],
+         "train_peak_mb": [9000.0], "cuda_max_allocated_mb": {"train": [9000.0]},
+         "cuda_max_reserved_mb": {"train": [10000.0]}, "run_plan": {"cpu_offload": False, "quantize": "none"}}
+    return {**s, **changes}
+
+
+def _plan(peak: float, runtime: float = 1524.0) -> dict:
+    row = {"peak_mb": peak, "activation_checkpointing": False, "cpu_offload": False, "terms": {"runtime": runtime}}
+    return {"fsdp2": {**row, "variants": []}}
+
+
+@pytest.mark.parametrize("planned,passes", [(11100.0, True), (11100.0 * 1.3, False), (11100.0 * 0.7, False)])
+def test_planner_row_compares_the_whole_peak_with_reserved_plus_outside_torch(tmp_path, monkeypatch, capsys,
+                                                                              planned, passes):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "summary.json").write_text(json.dumps(_summary()))
+    (tmp_path / "plan.json").write_text(json.dumps(_plan(planned)))
+    monkeypatch.setenv("GPU_CHECK_RESULTS", str(tmp_path / "results.jsonl"))
+    code = gpu_check.main(["check", "plan-fsdp2", "--out", str(run), "--plan", str(tmp_path / "plan.json")])
+    out = capsys.readouterr().out
+    assert (code == 0) == passes, out
+    assert "measured_mb 11100" in out  # 10000 reserved + 1100 outside torch
+    assert json.loads((tmp_path / "results.jsonl").read_text())["passed"] == passes
+
+
+def test_a_run_off_the_gpu_or_without_nccl_or_scaling_fields_fails(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "summary.json").write_text(json.dumps(_summary(device="cpu", backend="gloo", dtype="fp16")))
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.0}) + "\n")
+    assert gpu_check.main(["check", "fp16", "--out", str(run), "--expect", "dtype=fp16",
+                           "--metric", "skipped_steps"]) == 1
+    out = capsys.readouterr().out
+    assert "ran on cpu, not cuda" in out and "backend gloo, not NCCL" in out and "no skipped_steps" in out
+    assert gpu_check.main(["collect", str(tmp_path / "none.jsonl"), str(tmp_path / "out.json")]) == 1  # no rows

@@ -1,0 +1,382 @@
+"""GRPO's rewards, advantages and loss family against TRL 1.16's ``GRPOTrainer`` (the oracle), fp32, one process.
+
+The same tiny model and LoRA adapter (random non-zero B, so that policy and reference differ), the same prompts
+and the SAME completions (TRL's generation is replaced by a function returning them), the same reward
+functions. TRL computes the advantages, the old and reference log-probs and its loss with its own code
+(``_generate_and_score_completions`` then ``compute_loss``); shardtune's side scores the completions with
+``rewards.score``, computes ``grpo_advantages.group_advantages`` and ``grpo_loss.grpo_terms`` from per-token
+log-probs of a plain forward of the same peft model (right-padded rows, where TRL left-pads the prompts).
+The loss, the metrics and every LoRA gradient must agree within 1e-5 relative, for every loss type, β = 0 and
+β > 0, one iteration and the second of num_iterations = 2 (after a step moved the adapter, so ratios clip),
+and token- and sequence-level importance sampling. Then the batch cut over 2 "ranks" × 2 micro-batches
+(sums added, metrics all-reduced) must give TRL's loss and gradients under 4-step gradient accumulation.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+import trl  # noqa: F401  (the oracle: in the test extra, so never skipped)
+
+from shardtune.train.grpo_advantages import completion_metrics, group_advantages
+from shardtune.train.grpo_loss import LOSS_TYPES, Counts, GRPOSettings, StepMetrics, grpo_terms, loss_mask
+from shardtune.train.rewards import RewardFunction, score, weights_of
+
+from tiny import make_model
+
+G = 4  # completions per prompt
+MAX_LEN = 8  # max_completion_length
+TEMPERATURE = 0.9  # not 1: the log-probs of the loss are those of logits / temperature, as TRL's
+EOS, PAD = 257, 258
+PROMPTS = [{"prompt": f"Q{i}: what is {i}+{i}?" + " ok" * i, "answer": str(2 * i)} for i in range(3)]
+ROWS = [p for p in PROMPTS for _ in range(G)]  # what TRL's sampler hands a generation batch: each prompt G times
+TOLERANCE = 1e-5
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _completions() -> list[list[int]]:
+    """12 completions of 1..8 byte tokens; every third ends with EOS (the others are cut by the limit)."""
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for i in range(len(ROWS)):
+        n = int(torch.randint(1, MAX_LEN + 1, (1,), generator=g))
+        ids = torch.randint(0, 256, (n,), generator=g).tolist()
+        out.append(ids[:-1] + [EOS] if i % 3 == 0 else torch.randint(0, 256, (MAX_LEN,), generator=g).tolist()
+                   if i % 3 == 1 else ids)
+    out[6] = [EOS]  # a one-token completion: unscorable below (every function answers None)
+    return out
+
+
+def digits(prompts, completions, completion_ids, answer, **kwargs):
+    """A reward that varies within groups, None for one-token completions."""
+    return [None if len(ids) == 1 else (sum(ids) % 5) / 2 + float(a in c)
+            for c, ids, a in zip(completions, completion_ids, answer)]
+
+
+def brevity(prompts, completions, completion_ids, **kwargs):
+    return [None if ids == [EOS] else -len(c) / 8 for c, ids in zip(completions, completion_ids)]
+
+
+REWARDS = [RewardFunction("digits", digits, 1.0), RewardFunction("brevity", brevity, 0.5)]
+
+
+@dataclass
+class Oracle:
+    trainer: object
+    model: torch.nn.Module
+    tokenizer: object
+    completions: list[list[int]]
+
+
+@pytest.fixture(scope="module")
+def oracle(tmp_path_factory) -> Oracle:
+    """One TRL trainer for the whole module (its construction is the slow part); each case sets its knobs."""
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    root = tmp_path_factory.mktemp("grpo-oracle")
+    make_model(root / "model", chat_template=False)
+    tokenizer = AutoTokenizer.from_pretrained(root / "model")
+    args = GRPOConfig(output_dir=str(root / "trl"), per_device_train_batch_size=len(ROWS), num_generations=G,
+                      max_completion_length=MAX_LEN, temperature=TEMPERATURE, report_to=[], use_cpu=True, bf16=False,
+                      fp16=False, gradient_checkpointing=False, seed=0, reward_weights=[r.weight for r in REWARDS])
+    trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(root / "model", dtype=torch.float32),
+                          reward_funcs=[r.fn for r in REWARDS], args=args, train_dataset=Dataset.from_list(PROMPTS),
+                          processing_class=tokenizer,
+                          peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
+                                                 lora_dropout=0.0))
+    completions = _completions()
+    trainer._generate_single_turn = lambda prompt_ids, images, fields, n, **kw: ([list(c) for c in completions], None)
+    trainer.model.train()
+    return Oracle(trainer, trainer.model, tokenizer, completions)
+
+
+def lora_params(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    return {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+
+def set_adapter(model: torch.nn.Module, seed: int, scale: float) -> None:
+    """Every LoRA weight random (B too, so that the policy is not the base)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in lora_params(model).values():
+            p.copy_(torch.randn(p.shape, generator=g) * scale)
+            p.grad = None
+
+
+def step_adapter(model: torch.nn.Module, seed: int, scale: float) -> None:
+    """What an optimizer step would do between two iterations on one batch: move every LoRA weight a little."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in lora_params(model).values():
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+
+
+def token_logps(model, prompt_ids: list[list[int]], completion_ids: list[list[int]], width: int,
+                entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(rows, width) log-probs of each completion token at TEMPERATURE (and the entropies there), from one plain
+    forward of right-padded prompt + completion rows: what the shared loss head will return."""
+    seqs = [p + c for p, c in zip(prompt_ids, completion_ids)]
+    length = max(map(len, seqs))
+    ids = torch.full((len(seqs), length), PAD)
+    attention = torch.zeros_like(ids)
+    for i, s in enumerate(seqs):
+        ids[i, :len(s)] = torch.tensor(s)
+        attention[i, :len(s)] = 1
+    logp = F.log_softmax(model(input_ids=ids, attention_mask=attention).logits.float() / TEMPERATURE, dim=-1)
+    # position t predicts token t + 1: completion token j of row i sits at len(prompt_i) + j
+    where = torch.tensor([[min(len(p) - 1 + j, length - 2) for j in range(width)] for p in prompt_ids])
+    targets = ids[:, 1:].gather(1, where)
+    picked = logp[:, :-1].gather(1, where.unsqueeze(-1).expand(-1, -1, logp.size(-1)))
+    logps = picked.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    ent = -(picked.exp() * picked).sum(-1).detach() if entropy else None
+    return logps, ent
+
+
+def configure(o: Oracle, settings: GRPOSettings, iterations: int, scale: str = "group",
+              aggregation: str = "sum_then_normalize", mask_truncated: bool = False, chunks: int = 1) -> None:
+    t = o.trainer
+    t.loss_type, t.beta, t.importance_sampling_level = settings.loss_type, settings.beta, \
+        settings.importance_sampling_level
+    t.epsilon_low, t.epsilon_high, t.args.delta = settings.eps_low, settings.eps_high, settings.delta
+    t.scale_rewards, t.multi_objective_aggregation = scale, aggregation
+    t.mask_truncated_completions, t.num_iterations = mask_truncated, iterations
+    t.current_gradient_accumulation_steps = t.args.steps_per_generation = chunks
+    t._metrics["train"].clear()
+
+
+def trl_generation(o: Oracle, beta: float, scale: str = "group", aggregation: str = "sum_then_normalize",
+                   mask_truncated: bool = False) -> dict:
+    """TRL's batch (advantages, the old policy's and the reference's log-probs) and its metrics, with the
+    adapter at its first weights; num_iterations 2, so that the old log-probs are kept."""
+    configure(o, GRPOSettings(beta=beta), 2, scale, aggregation, mask_truncated)
+    set_adapter(o.model, 11, 0.3)
+    inputs = o.trainer._generate_and_score_completions([dict(r) for r in ROWS])
+    return {"inputs": inputs, "metrics": {k: v[-1] for k, v in o.trainer._metrics["train"].items()}}
+
+
+def trl_loss(o: Oracle, inputs: dict, settings: GRPOSettings, iterations: int, chunks: int = 1) -> dict:
+    """TRL's loss (its chunks' losses added, as its gradient accumulation does), metrics and LoRA gradients;
+    iteration 2 after a step moved the adapter, iteration 1 without old log-probs (ratio 1, as TRL's)."""
+    from trl.trainer.utils import split_tensor_dict
+
+    configure(o, settings, iterations, chunks=chunks)
+    set_adapter(o.model, 11, 0.3)
+    inputs = dict(inputs)
+    if iterations > 1:
+        step_adapter(o.model, 12, 0.25)
+    else:
+        del inputs["old_per_token_logps"]
+    if not settings.beta:
+        del inputs["ref_per_token_logps"]
+    loss = 0.0
+    for part in split_tensor_dict(inputs, chunks):
+        part["num_items_in_batch"] = inputs["num_items_in_batch"]
+        chunk_loss = o.trainer.compute_loss(o.model, part)
+        chunk_loss.backward()
+        loss += chunk_loss.item()
+    grads = {n: p.grad.clone() for n, p in lora_params(o.model).items()}
+    metrics = {k: sum(v) / len(v) for k, v in o.trainer._metrics["train"].items()}
+    return {"loss": loss, "grads": grads, "metrics": metrics}
+
+
+def our_generation(o: Oracle, scale: str = "group", aggregation: str = "sum_then_normalize",
+                   mask_truncated: bool = False) -> dict:
+    """shardtune's rewards, advantages, loss mask, and the old policy's and the reference's log-probs."""
+    model = o.model
+    set_adapter(model, 11, 0.3)
+    prompt_ids = [o.tokenizer(r["prompt"])["input_ids"] for r in ROWS]
+    completions = o.tokenizer.batch_decode(o.completions, skip_special_tokens=True)
+    rewards = score(REWARDS, [r["prompt"] for r in ROWS], completions, o.completions,
+                    {"answer": [r["answer"] for r in ROWS]})
+    adv = group_advantages(rewards, weights_of(REWARDS), G, scale, aggregation, [r.name for r in REWARDS])
+    lengths = torch.tensor([len(c) for c in o.completions])
+    truncated = torch.tensor([c[-1] != EOS for c in o.completions])
+    width = int(lengths.max())
+    with torch.no_grad():
+        old = token_logps(model, prompt_ids, o.completions, width)[0]
+        with model.disable_adapter():
+            ref = token_logps(model, prompt_ids, o.completions, width)[0]
+    return {"prompt_ids": prompt_ids, "advantages": adv, "old": old, "ref": ref,
+            "mask": loss_mask(lengths, truncated, width, mask_truncated),
+            "metrics": {**adv.metrics, **completion_metrics(lengths.tolist(), truncated.tolist())}}
+
+
+def our_loss(o: Oracle, gen: dict, settings: GRPOSettings, iterations: int,
+             parts: list[list[int]] | None = None) -> dict:
+    """shardtune's loss on the same batch; ``parts``: the rows of each (rank, micro-batch), their sums added and
+    their metrics reduced as ranks would (default: the batch whole, one micro-batch)."""
+    model, mask = o.model, gen["mask"]
+    set_adapter(model, 11, 0.3)
+    if iterations > 1:
+        step_adapter(model, 12, 0.25)
+    old = gen["old"] if iterations > 1 else None
+    ref = gen["ref"] if settings.beta else None
+    parts = parts or [list(range(len(ROWS)))]
+    counts = Counts(len(ROWS), int(mask.sum()), micro_batches=len(parts))
+    loss, metrics = 0.0, StepMetrics()
+    for rows in parts:
+        logps, entropies = token_logps(model, [gen["prompt_ids"][i] for i in rows], [o.completions[i] for i in rows],
+                                       mask.size(1), entropy=True)
+        terms = grpo_terms(settings, logps, mask[rows], gen["advantages"].advantages[rows], counts,
+                           None if old is None else old[rows], None if ref is None else ref[rows], entropies)
+        terms.loss.backward()
+        loss += terms.loss.item()
+        metrics = metrics.add(terms.metrics)
+    grads = {n: p.grad.clone() for n, p in lora_params(model).items()}
+    return {"loss": loss, "grads": grads, "metrics": metrics.values()}
+
+
+@pytest.fixture(scope="module")
+def batch(oracle) -> tuple[dict, dict]:
+    """TRL's and shardtune's generation batch (scale_rewards group): the loss cases share them."""
+    return trl_generation(oracle, beta=0.04), our_generation(oracle)
+
+
+def rel(a: torch.Tensor | float, b: torch.Tensor | float, floor: float = 1e-12) -> float:
+    """max |a − b| / max |b|; ``floor``: the least denominator (for values that are ~0 by construction)."""
+    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
+    return ((a - b).abs().max() / b.abs().max().clamp(min=floor)).item()
+
+
+def assert_same_step(ours: dict, theirs: dict, case: str) -> None:
+    assert ours["grads"].keys() == theirs["grads"].keys()
+    worst = max(rel(ours["grads"][n], theirs["grads"][n]) for n in theirs["grads"])
+    # The loss adds terms of size |A| ~ 1 that nearly cancel (the first iteration's without KL is −mean(A) ≈ 0):
+    # relative to a loss near 0 rounding dominates, so the loss is within 1e-5 relative or 1e-7 absolute
+    loss_rel = rel(ours["loss"], theirs["loss"], floor=1e-2)
+    print(f"\n{case}: loss {theirs['loss']:.6g} rel {loss_rel:.1e}, worst LoRA gradient rel {worst:.1e}")
+    assert loss_rel <= TOLERANCE, (ours["loss"], theirs["loss"])
+    assert worst <= TOLERANCE
+    assert any(g.abs().max() > 0 for g in theirs["grads"].values())  # gradients that can differ
+
+
+def assert_same_metrics(ours: dict, theirs: dict) -> None:
+    for name, value in theirs.items():
+        if name in ("num_tokens", "step_time"):  # the trainer's bookkeeping, not GRPO's
+            continue
+        assert name in ours, f"TRL logs {name}, we do not"
+        mine = ours[name]
+        assert (math.isnan(mine) and math.isnan(value)) or math.isclose(mine, value, rel_tol=1e-5, abs_tol=1e-6), \
+            (name, mine, value)
+
+
+# Every loss type, with and without KL, first and second iteration, token and sequence ratios; on the first
+# iteration without KL the sequence ratio's loss and gradients are the token ratio's (r = 1, ∇r = mean ∇logπ).
+CASES = [(loss, beta, iterations, level) for loss in LOSS_TYPES for beta in (0.0, 0.04) for iterations in (1, 2)
+         for level in ("token", "sequence") if beta or iterations > 1 or level == "token"]
+
+
+@pytest.mark.parametrize("loss,beta,iterations,level", CASES,
+                         ids=[f"{c[0]}-beta{c[1]}-it{c[2]}-{c[3]}" for c in CASES])
+def test_loss_gradients_and_metrics_equal_trl(oracle, batch, loss, beta, iterations, level):
+    # Sequence ratios (geometric means over tokens) stray less from 1: GSPO's smaller clip range makes them clip
+    low, high = (0.2, 0.28) if level == "token" else (0.03, 0.04)
+    settings = GRPOSettings(loss_type=loss, beta=beta, epsilon=low, epsilon_high=high, importance_sampling_level=level,
+                            max_completion_length=MAX_LEN)
+    theirs_gen, ours_gen = batch
+    theirs = trl_loss(oracle, theirs_gen["inputs"], settings, iterations)
+    ours = our_loss(oracle, ours_gen, settings, iterations)
+    assert_same_step(ours, theirs, f"{loss} beta={beta} iterations={iterations} {level}")
+    assert_same_metrics(ours["metrics"], theirs["metrics"])
+    if iterations > 1 and loss in ("grpo", "dapo"):  # the second iteration clips, both ways: the case tests the clip
+        assert theirs["metrics"]["clip_ratio/low_mean"] > 0 and theirs["metrics"]["clip_ratio/high_mean"] > 0
+
+
+def test_old_and_reference_logps_equal_trl(batch):
+    theirs, ours = batch
+    mask = ours["mask"]
+    assert rel(ours["old"] * mask, theirs["inputs"]["old_per_token_logps"][:, :mask.size(1)] * mask) < TOLERANCE
+    assert rel(ours["ref"] * mask, theirs["inputs"]["ref_per_token_logps"][:, :mask.size(1)] * mask) < TOLERANCE
+    assert rel(ours["old"] * mask, ours["ref"] * mask) > 1e-3  # the adapter matters: policy and reference differ
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+@pytest.mark.parametrize("aggregation", ["sum_then_normalize", "normalize_then_sum"])
+def test_advantages_and_reward_metrics_equal_trl(oracle, scale, aggregation):
+    theirs = trl_generation(oracle, 0.0, scale, aggregation)
+    ours = our_generation(oracle, scale, aggregation)
+    assert torch.allclose(ours["advantages"].advantages, theirs["inputs"]["advantages"], rtol=1e-6, atol=1e-6)
+    assert ours["advantages"].advantages[6] == 0  # unscorable: every function answered None
+    assert_same_metrics(ours["metrics"], theirs["metrics"])
+    for name in ("reward", "reward_std", "rewards/digits/mean", "rewards/brevity/std", "frac_reward_zero_std",
+                 "completions/clipped_ratio", "completions/mean_terminated_length"):
+        assert name in theirs["metrics"] and name in ours["metrics"]
+
+
+@pytest.mark.parametrize("loss", ["grpo", "dapo", "bnpo"])
+def test_masked_truncated_completions_equal_trl(oracle, loss):
+    settings = GRPOSettings(loss_type=loss, beta=0.04, max_completion_length=MAX_LEN)
+    theirs_gen = trl_generation(oracle, 0.04, mask_truncated=True)
+    ours_gen = our_generation(oracle, mask_truncated=True)
+    mask = ours_gen["mask"]
+    assert torch.equal(mask, theirs_gen["inputs"]["completion_mask"][:, :mask.size(1)].float())
+    assert mask.sum() < sum(len(c) for c in oracle.completions)  # some were masked
+    theirs = trl_loss(oracle, theirs_gen["inputs"], settings, 2)
+    ours = our_loss(oracle, ours_gen, settings, 2)
+    assert_same_step(ours, theirs, f"{loss} mask_truncated")
+    assert_same_metrics(ours["metrics"], theirs["metrics"])
+
+
+# Rows of each (rank, micro-batch): 2 ranks of 6 completions, 2 micro-batches of 3 each; prompt 1's group
+# (rows 4-7) sits on both ranks. TRL's 4-step gradient accumulation cuts the batch into the same 4 chunks.
+SPLIT = [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]
+
+
+@pytest.mark.parametrize("loss", LOSS_TYPES)
+def test_split_over_ranks_and_micro_batches_equals_trl_accumulation(oracle, batch, loss):
+    settings = GRPOSettings(loss_type=loss, beta=0.04, epsilon_high=0.28, max_completion_length=MAX_LEN)
+    theirs_gen, ours_gen = batch
+    theirs = trl_loss(oracle, theirs_gen["inputs"], settings, 2, chunks=len(SPLIT))
+    split = our_loss(oracle, ours_gen, settings, 2, parts=SPLIT)
+    assert_same_step(split, theirs, f"{loss} 2 ranks x 2 micro-batches")
+    whole = our_loss(oracle, ours_gen, settings, 2)
+    if loss != "bnpo":  # bnpo divides by each micro-batch's own tokens: it depends on the cut, as in TRL
+        assert_same_step(split, whole, f"{loss} split = whole")
+        for name, value in whole["metrics"].items():
+            assert math.isclose(split["metrics"][name], value, rel_tol=1e-6, abs_tol=1e-9) or \
+                (math.isnan(value) and math.isnan(split["metrics"][name])), name
+
+
+def test_metrics_reduce_across_ranks_as_one_batch():
+    """StepMetrics.all_reduce with a stand-in for dist.all_reduce: two ranks' sums, minima and maxima."""
+    settings = GRPOSettings(loss_type="dapo", beta=0.1, importance_sampling_level="token")
+    g = torch.Generator().manual_seed(0)
+    logps, old, ref = (-torch.rand(6, 5, generator=g) * 3 for _ in range(3))
+    mask = (torch.rand(6, 5, generator=g) > 0.3).float()
+    adv = torch.randn(6, generator=g)
+    counts = Counts.of(mask)
+    whole = grpo_terms(settings, logps, mask, adv, counts, old, ref).metrics.values()
+    ranks = [grpo_terms(settings, logps[s], mask[s], adv[s], counts, old[s], ref[s]).metrics
+             for s in (slice(0, 2), slice(2, 6))]
+    packed = {}
+
+    def fake_all_reduce(tensor: torch.Tensor, op: str) -> None:  # called once per op by each "rank" in turn
+        packed.setdefault(op, []).append(tensor)
+    for m in ranks:
+        m.all_reduce(fake_all_reduce)
+    combine = {"sum": lambda ts: sum(ts), "min": lambda ts: torch.minimum(*ts), "max": lambda ts: torch.maximum(*ts)}
+    reduced = {op: combine[op](ts) for op, ts in packed.items()}
+    packed.clear()
+    ranks[0].all_reduce(lambda tensor, op: tensor.copy_(reduced[op]))
+    assert ranks[0].values().keys() == whole.keys()
+    for name, value in whole.items():
+        assert math.isclose(ranks[0].values()[name], value, rel_tol=1e-9, abs_tol=1e-12), name
+
+
+def test_settings_refuse_unknown_values():
+    from shardtune.config import ConfigError
+
+    with pytest.raises(ConfigError, match="not one of grpo, dr_grpo, dapo, bnpo"):
+        GRPOSettings(loss_type="ppo")
+    with pytest.raises(ConfigError, match="importance sampling level 'tokens'"):
+        GRPOSettings(importance_sampling_level="tokens")
+    with pytest.raises(ConfigError, match="delta"):
+        GRPOSettings(delta=0.5)
+    assert replace(GRPOSettings(), epsilon_high=None).eps_high == 0.2

@@ -1,0 +1,175 @@
+"""Reward functions: loaded from files, modules and built-in names; called as TRL calls them; their failures named.
+
+What a user relies on: a function written for TRL's GRPOTrainer works unchanged; a spec that does not load is
+refused at once, naming the file, module or name; a function that raises or answers wrongly stops the run
+(a ShardtuneError, exit 2) naming the function and the prompt at fault; None means "not applicable".
+"""
+
+from __future__ import annotations
+
+import math
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from shardtune.errors import ShardtuneError
+from shardtune.train.rewards import (
+    BUILTINS,
+    RewardError,
+    RewardFunction,
+    RewardLog,
+    completions_for,
+    load_rewards,
+    score,
+    weights_of,
+)
+
+PROMPTS = ["What is 2+2?", "What is 3+3?", "Name a colour."]
+COMPLETIONS = ["4", "The answer is 6.", "<think>hmm</think>blue"]
+IDS = [[52], [84, 104, 101, 32, 97, 110, 115], [60, 116, 104, 105, 110, 107, 62, 98]]
+FIELDS = {"answer": ["4", "6", "red"], "topic": ["math", "math", "art"]}
+
+
+def write(path: Path, text: str) -> Path:
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def scores(specs: list[str], completions=COMPLETIONS, prompts=PROMPTS, ids=IDS, fields=FIELDS, **kw) -> list[list]:
+    out = score(load_rewards(specs), prompts, completions, ids, fields, **kw)
+    return [[None if math.isnan(v) else v for v in row] for row in out.tolist()]
+
+
+def test_builtins_score_as_documented():
+    got = scores(["exact_match", "contains", "format=^<think>.*</think>", "length=4", "contains=topic"])
+    assert got == [[1.0, 1.0, 0.0, 0.0, 0.0],
+                   [0.0, 1.0, 0.0, -0.75, 0.0],
+                   [0.0, 0.0, 1.0, -1.0, 0.0]]
+    # a number inside a longer one is not a match, a word at a sentence's end is
+    assert scores(["contains"], ["14 or 1.4", "66", "red."])[:3] == [[0.0], [0.0], [1.0]]
+    assert set(BUILTINS) == {"exact_match", "contains", "format", "length"}
+
+
+def test_conversational_completions_reach_the_functions_as_message_lists(tmp_path):
+    """As TRL: for message-list prompts each completion is [{"role": "assistant", "content": ...}]; TRL's own
+    think_format_reward (module:name) and the built-ins read them unchanged."""
+    prompts = [[{"role": "user", "content": p}] for p in PROMPTS]
+    completions = completions_for(prompts, COMPLETIONS)
+    assert completions[0] == [{"role": "assistant", "content": "4"}] and completions_for(PROMPTS, ["a"]) == ["a"]
+    got = scores(["trl.rewards:think_format_reward", "exact_match"], completions, prompts)
+    assert got == [[0.0, 1.0], [0.0, 0.0], [1.0, 0.0]]
+
+
+def test_a_trl_style_function_from_a_file_gets_prompts_completions_ids_and_fields(tmp_path):
+    path = write(tmp_path / "my_rewards.py", """
+        import math
+        def graded(prompts, completions, completion_ids, answer, topic, trainer_state, log_metric, **kwargs):
+            log_metric("seen", len(prompts))
+            return [None if t == "art" else float(a in c) + trainer_state.global_step
+                    for c, a, t in zip(completions, answer, topic)]
+        def length_only(completions, **kwargs):
+            return [len(c) for c in completions]
+    """)
+    log = RewardLog()
+    got = scores([f"{path}:graded", f"{path}:length_only"], step=10, log=log)
+    assert got == [[11.0, 1.0], [11.0, 16.0], [None, 22.0]]
+    assert dict(log.metrics) == {"seen": [3.0]}
+    functions = load_rewards([f"{path}:graded", "exact_match", "exact_match=topic"], [1.0, 0.5, 2])
+    assert [f.name for f in functions] == ["graded", "exact_match", "exact_match_2"]  # apart in the metrics
+    assert weights_of(functions).tolist() == [1.0, 0.5, 2.0]
+
+
+def test_answers_in_any_numeric_form_are_read_and_none_is_nan():
+    def mixed(prompts, completions, **kwargs):
+        return [True, np.float32(0.5), None]
+
+    def as_tensor(prompts, completions, **kwargs):
+        return torch.tensor([1, 2, 3])
+
+    async def slow(prompts, completions, **kwargs):
+        return np.array([0.25, 0.5, 0.75])
+
+    out = score([RewardFunction("mixed", mixed), RewardFunction("t", as_tensor), RewardFunction("a", slow)],
+                PROMPTS, COMPLETIONS, IDS)
+    assert out[:, 0].tolist()[:2] == [1.0, 0.5] and math.isnan(out[2, 0])
+    assert out[:, 1].tolist() == [1.0, 2.0, 3.0]
+    assert out[:, 2].tolist() == [0.25, 0.5, 0.75]
+
+
+@pytest.mark.parametrize("body,expected", [
+    ("return [1.0, 2.0]", r"'bad' \(--reward .*:bad\) returned 2 rewards for 3 completions"),
+    ("return 1.0", "returned a float, not a list of one reward per completion"),
+    ("return [1.0, 'six', 0.0]", r"returned str 'six' as the reward of completion #1, not a number or None\n"
+                                 r"  on prompt #1: 'What is 3\+3\?'"),
+    ("return [1.0, 0.0, float('nan')]", r"returned nan .*return None for a completion the function does not apply"),
+    ("return [float('inf')] * 3", r"returned inf"),
+    ("return [[1.0]] * 3", r"returned list \[1.0\] as the reward of completion #0"),
+])
+def test_a_wrong_answer_stops_the_run_naming_the_function_and_prompt(tmp_path, body, expected):
+    path = write(tmp_path / "r.py", f"def bad(prompts, completions, **kwargs):\n    {body}\n")
+    with pytest.raises(RewardError, match=expected) as err:
+        scores([f"{path}:bad"])
+    assert isinstance(err.value, ShardtuneError) and err.value.exit_code == 2
+
+
+def test_a_function_that_raises_is_named_with_the_prompt_it_fails_on(tmp_path):
+    path = write(tmp_path / "r.py", """
+        def fragile(prompts, completions, answer, **kwargs):
+            return [float(int(c) == int(a)) for c, a in zip(completions, answer)]
+    """)
+    with pytest.raises(RewardError) as err:
+        scores([f"{path}:fragile"], sources=["train.jsonl record 7", "train.jsonl record 8", "train.jsonl record 9"])
+    message = str(err.value)
+    assert "reward function 'fragile'" in message and f"{path}:3: ValueError: invalid literal" in message
+    assert "on train.jsonl record 8: 'What is 3+3?'" in message  # found by scoring one completion at a time
+
+
+def test_a_missing_record_field_is_named():
+    with pytest.raises(RewardError, match=r"exact_match=solution: the records have no field 'solution' "
+                                          r"\(they have: answer, topic\)"):
+        scores(["exact_match=solution"])
+    with pytest.raises(RewardError, match="field named 'completion_ids'"):
+        scores(["exact_match"], fields={"answer": ["4"] * 3, "completion_ids": [1, 2, 3]})
+
+
+def test_specs_that_do_not_load_are_refused_naming_them(tmp_path, monkeypatch):
+    good = write(tmp_path / "good.py", "def ok(prompts, completions, **kw):\n    return [0.0] * len(prompts)\n"
+                                       "LIMIT = 3\n")
+    write(tmp_path / "broken.py", "def f(:\n    pass\n")
+    write(tmp_path / "failing.py", "import math\nx = 1 / 0\n")
+    write(tmp_path / "needs.py", "import not_a_real_package_xyz\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cases = {
+        f"{tmp_path}/nope.py:f": f"reward file \\(--reward .*\\) {tmp_path}/nope.py does not exist",
+        f"{good}:missing": r"good.py has no 'missing' \(its functions: ok\)",
+        f"{good}:LIMIT": "good.py:LIMIT is a int, not a function",
+        f"{tmp_path}/broken.py:f": r"broken.py:1: syntax error",
+        f"{tmp_path}/failing.py:f": r"running .*failing.py failed: .*failing.py:2: ZeroDivisionError",
+        "needs:f": "importing 'needs' needs the module 'not_a_real_package_xyz', which is not installed$",
+        "no_such_module_abc:f": "no module named 'no_such_module_abc' on the Python path",
+        "good:ok(": "'ok\\(' is not a Python name",
+        "reward_of_mine": "not a reward; give path/to/file.py:name, module:name or a built-in",
+        "format": "the built-in format needs an argument: format=VALUE",
+        "format=(unclosed": "format=\\(unclosed: not a valid regular expression",
+        "length=zero": "length=zero: give the number of completion tokens",
+    }
+    for spec, expected in cases.items():
+        with pytest.raises(RewardError, match=expected):
+            load_rewards([spec])
+    assert load_rewards(["good:ok"])[0].name == "ok"
+    with pytest.raises(RewardError, match="--reward-weights has 1 weights for 2 --reward functions"):
+        load_rewards(["exact_match", "contains"], [1.0])
+    with pytest.raises(RewardError, match="--reward-weights: nan is not a finite number"):
+        load_rewards(["exact_match"], [float("nan")])
+    with pytest.raises(RewardError, match="needs at least one --reward"):
+        load_rewards([])
+
+
+def test_a_file_loads_once_under_one_name_in_every_process(tmp_path):
+    """Workers load the same file again: the module gets the same name everywhere (pickle finds it)."""
+    path = write(tmp_path / "r.py", "calls = []\ndef f(prompts, completions, **kw):\n    return [0.0] * len(prompts)\n")
+    a, b = load_rewards([f"{path}:f"])[0].fn, load_rewards([f"{path}:f"])[0].fn
+    assert a is b and a.__module__.startswith("shardtune_reward_")
