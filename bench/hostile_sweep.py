@@ -3,7 +3,10 @@
 Each case runs the real command in a fresh process (timeout: a hang is a verdict, not a wait) and is
 judged: good (the expected exit code, the expected words in the message, no traceback, and the
 protected files unchanged), weak (right code, the message misses the words), bad (a traceback, a
-hang, a silent success, or something lost). Prints a table and writes bench/results/hostile-sweep.json
+hang, a silent success, or something lost). A case may also stop its command inside its write
+(SHARDTUNE_TEST_FAIL_AT=stop@write) and send it a signal, run it while another writer stopped the same
+way holds its output, and check what is left on disk afterwards (a temporary, a lock, an adapter from
+garbage weights): a failed check is "bad" too. Prints a table and writes bench/results/hostile-sweep.json
 after every case (scripts/gen_benchmarks.py renders it in docs/benchmarks.md).
 
     nice -n 19 python bench/hostile_sweep.py [--only SUBSTRING ...] [--list] [--merge FILE ...]
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -27,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "bench")]
+sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests"), str(ROOT / "bench")]
 
 import torch  # noqa: E402
 
@@ -47,6 +51,12 @@ class Case:
     setup: Callable[[Path], None] | None = None
     env: dict = field(default_factory=dict)
     keep: Callable[[Path], Path] | None = None  # a folder that must be unchanged afterwards
+    check: Callable[[Path], str | None] | None = None  # afterwards: what went wrong (a "bad" verdict), or None
+    # The command is stopped inside its write (SHARDTUNE_TEST_FAIL_AT=stop@write), then sent this signal.
+    signal: int | None = None
+    # Another writer, started first and stopped inside its write, holds the output meanwhile; it is then
+    # sent SIGTERM and must end with 128 + SIGTERM.
+    holder: Callable[[Path], list[str]] | None = None
 
 
 def _snapshot(path: Path) -> dict[str, bytes]:
@@ -107,6 +117,144 @@ def _bad_index(r: Path) -> None:
 
 def _yaml(name: str, text: str) -> Callable[[Path], None]:
     return lambda r: (r / name).write_text(text.replace("{r}", str(r)))
+
+
+# Every command that reads an adapter, as (argv from the sweep's root, the adapter folder's name).
+ADAPTER_COMMANDS = ("merge", "export", "export --check vllm", "generate", "eval", "--init-adapter")
+
+
+def _with_adapter(command: str, adapter: str) -> Callable[[Path], list[str]]:
+    """``command`` reading ``adapter``; what it writes goes to its own folder, ``_written_by(command, adapter)``."""
+    def argv(r: Path) -> list[str]:
+        a, model, folder = str(r / adapter), str(r / "model"), _written_by(command, adapter)(r)
+        folder.mkdir(parents=True, exist_ok=True)
+        return {"merge": ["merge", "--model", model, "--adapter", a, "--out", str(folder / "m")],
+                "export": ["export", "--model", model, "--adapter", a, "--out", str(folder / "m.gguf")],
+                "export --check vllm": ["export", "--adapter", a, "--check", "vllm"],
+                "generate": ["generate", "--model", model, "--adapter", a, "--prompt", "hi"],
+                "eval": ["eval", "--model", model, "--adapter", a, "--data", str(r / "train.jsonl")],
+                "--init-adapter": ft("--init-adapter", a, out=str(folder / "run"))(r)}[command]
+    return argv
+
+
+def _written_by(command: str, adapter: str) -> Callable[[Path], Path]:
+    return lambda r: r / f"w-{adapter}-{command.strip('-').replace(' ', '').replace('-', '')}"
+
+
+def _nothing_written(command: str, adapter: str) -> Callable[[Path], str | None]:
+    return lambda r: _only(_written_by(command, adapter)(r), [])
+
+
+def _adapter_variant(name: str, change: Callable[[dict], None]) -> Callable[[Path], None]:
+    """A copy of the finished run's adapter with its tensors changed."""
+    def setup(r: Path) -> None:
+        import shutil
+
+        from safetensors.torch import load_file, save_file
+
+        shutil.rmtree(r / name, ignore_errors=True)
+        shutil.copytree(r / "finished" / "adapter", r / name)
+        tensors = load_file(r / name / "adapter_model.safetensors")
+        change(tensors)
+        save_file(tensors, r / name / "adapter_model.safetensors", metadata={"format": "pt"})
+    return setup
+
+
+def _one_nan(tensors: dict) -> None:
+    name = sorted(k for k in tensors if ".lora_B." in k)[0]
+    tensors[name] = tensors[name].clone().view(-1).index_fill(0, torch.tensor([0]), float("nan")).view_as(tensors[name])
+
+
+def _only(folder: Path, names: list[str]) -> str | None:
+    """None when ``folder`` holds exactly ``names`` (hidden temporaries and locks included), else what it holds."""
+    found = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+    return None if found == sorted(names) else f"{folder} holds {found}, expected {sorted(names)}"
+
+
+def _absent(path: Path) -> str | None:
+    return f"{path} was written" if path.exists() else None
+
+
+def _identical_pairs(r: Path) -> None:
+    write_jsonl(r / "same-pairs.jsonl", [{"prompt": f"q{i}", "chosen": "a", "rejected": "a"} for i in range(8)])
+
+
+def _merge(name: str) -> Callable[[Path], list[str]]:
+    """A merge of the finished run's adapter into ``w-NAME/merged``."""
+    return lambda r: ["merge", "--model", str(r / "model"), "--adapter", str(r / "finished" / "adapter"), "--out",
+                      str(r / f"w-{name}" / "merged")]
+
+
+def _export(folder: str, name: str) -> Callable[[Path], list[str]]:
+    def argv(r: Path) -> list[str]:
+        (r / folder).mkdir(exist_ok=True)
+        return ["export", "--model", str(r / "model"), "--adapter", str(r / "finished" / "adapter"), "--out",
+                str(r / folder / f"{name}.gguf")]
+    return argv
+
+
+def _run(argv: list[str]) -> None:
+    subprocess.run([sys.executable, "-m", "shardtune", *argv], check=True, capture_output=True)
+
+
+def _own_modelfiles(r: Path) -> str | None:
+    for name in ("first", "second"):
+        text = (r / "two" / f"{name}.Modelfile").read_text() if (r / "two" / f"{name}.Modelfile").is_file() else ""
+        if not text.startswith(f"FROM ./{name}.gguf"):
+            return f"{name}.Modelfile does not name {name}.gguf"
+    return None
+
+
+def _copy(r: Path, src: str, dst: str) -> None:
+    import shutil
+
+    shutil.rmtree(r / dst, ignore_errors=True)
+    shutil.copytree(r / src, r / dst)
+
+
+def _killed_merge_leftovers(r: Path) -> None:
+    """What a merge killed by SIGKILL mid-write leaves: its temporary folder and its lock, of a dead pid."""
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid, folder = int(dead.stdout), r / "w-killed"
+    (folder / f".merged.tmp-{pid}").mkdir(parents=True, exist_ok=True)
+    (folder / f".merged.tmp-{pid}" / "model.safetensors").write_bytes(b"\0" * 4096)
+    (folder / ".merged.lock").write_text(json.dumps({"run": "merge-x", "host": socket.gethostname(), "pid": pid,
+                                                     "started": time.time()}))
+
+
+def _torn_run(r: Path) -> None:
+    _copy(r, "ckpt", "torn")
+    with (r / "torn" / "metrics.jsonl").open("ab") as f:
+        f.write(b'{"step": 2, "loss": 2.3, "lr": 0.0')
+
+
+def _torn_report(r: Path) -> None:
+    _copy(r, "finished", "torn-report")
+    with (r / "torn-report" / "metrics.jsonl").open("ab") as f:
+        f.write(b"\0" * 512)  # a power loss's zeros
+
+
+SLEEPERS: list[subprocess.Popen] = []
+
+
+def _reused_pid_lock(r: Path) -> None:
+    """A lock an hour old whose pid now belongs to an unrelated process (`sleep`), as after a restart."""
+    SLEEPERS.append(subprocess.Popen(["sleep", "600"]))
+    (r / "stale-lock").mkdir(exist_ok=True)
+    (r / "stale-lock" / ".lock").write_text(json.dumps({"run": "old", "host": socket.gethostname(),
+                                                        "pid": SLEEPERS[-1].pid, "started": time.time() - 3600}))
+
+
+def _one_schedule(r: Path) -> str | None:
+    """The resumed steps' rates are this run's schedule (3 steps, no warmup) at those steps (docs/checkpoints.md)."""
+    import math
+
+    from shardtune.train.recipe import lr_factor
+
+    metrics = [json.loads(line) for line in (r / "longer" / "metrics.jsonl").read_text().splitlines()]
+    wrong = [(m["step"], m["lr"]) for m in metrics[1:]
+             if not math.isclose(m["lr"], 2e-4 * lr_factor(m["step"] - 1, 3, 0, 0.1))]
+    return f"resumed steps off the schedule: {wrong}" if wrong else None
 
 
 CASES = [
@@ -201,7 +349,7 @@ CASES = [
     # --- training that goes wrong ------------------------------------------------------------------
     Case("--lr 1e6 in bf16: finite loss, zero gradient", ft("--dtype", "bf16", "--lr", "1e6", "--warmup-steps", "0",
                                                             "--steps", "4", "--strategy", "single", out="blowup"),
-         code=0, words="--lr 1e+06 is far too large"),
+         words="training diverged at step", check=lambda r: _absent(r / "blowup" / "adapter")),
     Case("--lr 1e6 in fp32: non-finite gradient", ft("--lr", "1e6", "--warmup-steps", "0", "--steps", "4",
                                                      "--strategy", "single", out="nonfinite"),
          words="training diverged at step"),
@@ -216,6 +364,75 @@ CASES = [
          env={"SHARDTUNE_TEST_FAIL_AT": "preflight"}),
     Case("unexpected exception while training", ft("--strategy", "single", out="crash-train"), code=3,
          words="error-traceback.txt", env={"SHARDTUNE_TEST_FAIL_AT": "train"}),
+    # --- garbage out: a detected fault never ends in exit 0 ------------------------------------------
+    Case("--lr 1e30", ft("--lr", "1e30", "--steps", "4", "--save-every", "1", "--strategy", "single", out="lr1e30"),
+         words="training diverged at step", check=lambda r: _absent(r / "lr1e30" / "adapter")),
+    *[Case(f"{command} an adapter of no tensors", _with_adapter(command, "empty-adapter"), words="holds no tensors",
+           setup=_adapter_variant("empty-adapter", lambda t: t.clear()),
+           check=_nothing_written(command, "empty-adapter")) for command in ADAPTER_COMMANDS],
+    *[Case(f"{command} an adapter with NaN", _with_adapter(command, "nan-adapter"), words=".lora_B.weight holds 1 "
+           "non-finite", setup=_adapter_variant("nan-adapter", _one_nan),
+           check=_nothing_written(command, "nan-adapter")) for command in ("merge", "export", "--init-adapter")],
+    Case("merge an adapter whose update overflows", _with_adapter("merge", "huge-adapter"),
+         words="not finite once the adapter's update is added", check=_nothing_written("merge", "huge-adapter"),
+         setup=_adapter_variant("huge-adapter", lambda t: t.update({k: v * 1e30 for k, v in t.items()}))),
+    Case("DPO with chosen == rejected in every pair", ft("--objective", "dpo", data="same-pairs.jsonl", out="same"),
+         words="the chosen and the rejected response are the same", setup=_identical_pairs),
+    Case("--eval-every without --val-data", ft("--eval-every", "2", out="evalevery"), words="option 'eval-every'"),
+    Case("--resume of a finished run", ft("--resume", "--save-every", "1", out="ckpt"), words="has finished all its",
+         keep=lambda r: r / "ckpt"),
+    # --- outputs that overwrite inputs -------------------------------------------------------------
+    Case("export --force over the trained adapter", lambda r: [
+        "export", "--model", str(r / "model"), "--adapter", str(r / "finished" / "adapter"), "--force", "--out",
+        str(r / "finished" / "adapter" / "adapter_model.safetensors")], words="is inside the adapter",
+         keep=lambda r: r / "finished"),
+    Case("export --force over the base model", lambda r: [
+        "export", "--model", str(r / "model"), "--force", "--out", str(r / "model" / "model.safetensors")],
+         words="is inside the model directory", keep=lambda r: r / "model"),
+    Case("merge into the base model's folder", lambda r: [
+        "merge", "--model", str(r / "model"), "--adapter", str(r / "finished" / "adapter"), "--out",
+        str(r / "model" / "merged")], words="is inside the model directory", keep=lambda r: r / "model"),
+    Case("eval --out inside the adapter", lambda r: [
+        "eval", "--model", str(r / "model"), "--adapter", str(r / "finished" / "adapter"), "--data",
+        str(r / "train.jsonl"), "--out", str(r / "finished" / "adapter" / "eval.json")],
+         words="is inside the adapter", keep=lambda r: r / "finished"),
+    Case("adapter-from-checkpoint into its checkpoint", lambda r: [
+        "adapter-from-checkpoint", str(r / "ckpt" / "checkpoints" / "step-1"),
+        str(r / "ckpt" / "checkpoints" / "step-1" / "adapter")], words="is inside the checkpoint",
+         keep=lambda r: r / "ckpt"),
+    Case("adapter-from-checkpoint into the rotated checkpoints", lambda r: [
+        "adapter-from-checkpoint", str(r / "ckpt" / "checkpoints" / "step-1"),
+        str(r / "ckpt" / "checkpoints" / "extracted")], words="whose checkpoints shardtune rotates",
+         keep=lambda r: r / "ckpt"),
+    Case("a second export into the same folder", _export("two", "second"), code=0, words="",
+         setup=lambda r: _run(_export("two", "first")(r)), check=_own_modelfiles),
+    Case("two merges of one --out at once", _merge("concurrent"), words="is in use by another run",
+         holder=_merge("concurrent"), check=lambda r: _only(r / "w-concurrent", [])),
+    Case("two exports of one --out at once", _export("concurrent", "c"), words="is in use by another run",
+         holder=_export("concurrent", "c"), check=lambda r: _only(r / "concurrent", [])),
+    # --- interrupted writes and crash artefacts ----------------------------------------------------
+    Case("SIGTERM during merge", _merge("term"), code=143, words="stopped by SIGTERM while writing",
+         signal=signal.SIGTERM, check=lambda r: _only(r / "w-term", [])),
+    Case("SIGTERM during export", _export("term", "t"), code=143, words="stopped by SIGTERM while writing",
+         signal=signal.SIGTERM, check=lambda r: _only(r / "term", [])),
+    Case("SIGTERM during adapter-from-checkpoint", lambda r: [
+        "adapter-from-checkpoint", str(r / "ckpt" / "checkpoints" / "step-1"), str(r / "w-extract" / "adapter")],
+         code=143, words="stopped by SIGTERM while writing", signal=signal.SIGTERM,
+         check=lambda r: _only(r / "w-extract", [])),
+    Case("merge after a SIGKILLed merge", _merge("killed"), code=0, words="", setup=_killed_merge_leftovers,
+         check=lambda r: _only(r / "w-killed", ["merged"])),
+    Case("--resume with a torn metrics.jsonl line", ft("--resume", "--steps", "2", "--strategy", "single", out="torn"),
+         code=0, words="was cut off by an interrupted write", setup=_torn_run),
+    Case("report with a torn metrics.jsonl line", lambda r: ["report", str(r / "torn-report")], code=0,
+         words="was cut off by an interrupted write", setup=_torn_report),
+    Case("a stale .lock whose pid is another process now", ft("--strategy", "single", out="stale-lock"), code=0,
+         words="which is gone: pid", setup=_reused_pid_lock),
+    Case("--log-file on a full disk (/dev/full)", ft("--strategy", "single", "--log-file", "/dev/full", out="devfull"),
+         words="cannot write /dev/full: no space left on the device"),
+    Case("--resume with a larger --steps follows one schedule", ft("--resume", "--steps", "3", "--strategy", "single",
+                                                                   out="longer"),
+         code=0, words="option 'steps' changed from 1 to 3", setup=lambda r: _copy(r, "ckpt", "longer"),
+         check=_one_schedule),
 ]
 
 
@@ -249,33 +466,70 @@ def prepare(r: Path) -> None:
         subprocess.run([*base, "--out", str(r / out), *extra], check=True, capture_output=True)
 
 
+def _stopped_mid_write(argv: list[str], env: dict, timeout: float) -> subprocess.Popen:
+    """``python -m shardtune ARGV``, stopped by itself (SIGSTOP) inside its write: output locked, temporary made."""
+    proc = subprocess.Popen([sys.executable, "-m", "shardtune", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**env, "SHARDTUNE_TEST_FAIL_AT": "stop@write"})
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if Path(f"/proc/{proc.pid}/stat").read_text().rpartition(")")[2].split()[0] == "T":
+            return proc
+        time.sleep(0.1)
+    raise TimeoutError(f"{argv[0]} never reached its write")
+
+
+def _finish(proc: subprocess.Popen, signum: int, timeout: float) -> tuple[int, str]:
+    """Send ``signum`` to a process stopped mid-write and let it go on: (its exit code, its stderr)."""
+    proc.send_signal(signum)
+    proc.send_signal(signal.SIGCONT)
+    _, err = proc.communicate(timeout=timeout)
+    return proc.returncode, err
+
+
 def judge(case: Case, r: Path, timeout: float = TIMEOUT) -> dict:
     if case.setup:
-        case.setup(r)
+        try:
+            case.setup(r)
+        except Exception as err:  # an earlier case destroyed what this one needs (a model a GGUF overwrote, say)
+            return {"case": case.name, "exit": None, "verdict": f"bad: its setup failed ({type(err).__name__})",
+                    "seconds": 0.0, "message": str(err)[:300]}
     kept = case.keep(r) if case.keep else None
     before = _snapshot(kept) if kept else None
     env = {**os.environ, **{k: v.replace("{r}", str(r)) for k, v in case.env.items()}}
     started = time.monotonic()
+    holder, holder_code, holder_err = None, None, ""
     try:
-        done = subprocess.run([sys.executable, "-m", "shardtune", *case.args(r)], capture_output=True, text=True,
-                              timeout=timeout, env=env)
-    except subprocess.TimeoutExpired:
+        if case.holder:
+            holder = _stopped_mid_write(case.holder(r), env, timeout)
+        if case.signal:
+            code, err = _finish(_stopped_mid_write(case.args(r), env, timeout), case.signal, timeout)
+        else:
+            done = subprocess.run([sys.executable, "-m", "shardtune", *case.args(r)], capture_output=True, text=True,
+                                  timeout=timeout, env=env)
+            code, err = done.returncode, done.stderr
+        if holder is not None:
+            holder_code, holder_err = _finish(holder, signal.SIGTERM, timeout)
+    except (subprocess.TimeoutExpired, TimeoutError):
         return {"case": case.name, "exit": None, "verdict": "bad: hang", "seconds": timeout, "message": ""}
-    err = done.stderr
     message = next((line for line in err.splitlines() if line.startswith("error:")), err.strip()[-200:])
-    if "Traceback" in err:
+    problem = case.check(r) if case.check else None
+    if "Traceback" in err + holder_err:
         verdict = "bad: traceback"
-    elif done.returncode == 0 and case.code != 0:
+    elif code == 0 and case.code != 0:
         verdict = "bad: silent success"
     elif kept and _snapshot(kept) != before:
         verdict = "bad: something lost"
-    elif done.returncode != case.code:
-        verdict = f"bad: exit {done.returncode}, expected {case.code}"
+    elif code != case.code:
+        verdict = f"bad: exit {code}, expected {case.code}"
+    elif holder is not None and holder_code != 128 + signal.SIGTERM:
+        verdict = f"bad: the first writer ended with {holder_code} on SIGTERM"
+    elif problem:
+        verdict = f"bad: {problem}"
     elif case.words not in err:
         verdict = "weak: message misses " + repr(case.words)
     else:
         verdict = "good"
-    return {"case": case.name, "exit": done.returncode, "verdict": verdict,
+    return {"case": case.name, "exit": code, "verdict": verdict,
             "seconds": round(time.monotonic() - started, 1), "message": message[:300]}
 
 
@@ -345,6 +599,8 @@ def main() -> int:
             row = rows[-1]
             print(f"| {row['case']} | {row['exit']} | {row['verdict']} |", flush=True)
             summary = _write(rows)
+    for sleeper in SLEEPERS:
+        sleeper.kill()
     ran = {v: sum(1 for row in rows if row["verdict"].startswith(v)) for v in VERDICTS}
     print(f"\n{len(rows)} cases run: {ran}; {RESULT} now holds {sum(summary.values())} of {len(CASES)}: {summary}")
     return 0 if ran["bad"] == 0 else 1

@@ -84,3 +84,18 @@ def no_workers(monkeypatch: pytest.MonkeyPatch) -> None:
         raise AssertionError("the checks passed: workers would have been started")
 
     monkeypatch.setattr(shardtune.launch, "launch", launch)
+
+
+@pytest.fixture(scope="session")
+def trained_run(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path, train_jsonl: Path) -> Path:
+    """A finished fine-tune's --out (3 steps, a checkpoint after each, all kept): config.yaml, metrics.jsonl,
+    summary.json, adapter/, checkpoints/step-{1,2,3}. Read-only by convention: a test that changes it
+    works on a copy (``shutil.copytree``) and passes ``--out`` to a resume."""
+    from shardtune.cli import main
+
+    out = tmp_path_factory.mktemp("trained") / "run"
+    code = main(["finetune", "--model", str(tiny_llama), "--data", str(train_jsonl), "--out", str(out),
+                 "--dtype", "fp32", "--steps", "3", "--batch-size", "4", "--seq-len", "64", "--strategy", "single",
+                 "--save-every", "1", "--keep-last", "3", "--lr", "1e-3"])
+    assert code == 0, "the shared fine-tune failed"
+    return out

@@ -71,7 +71,9 @@ def test_data_with_invalid_utf8_names_the_line(files, tmp_path, capsys):
 
 
 def test_data_path_that_is_a_directory(files, tmp_path, capsys):
-    _fails(capsys, _finetune(files, tmp_path, data=tmp_path), f"data file {tmp_path} is a directory, not a file")
+    data = tmp_path / "data"  # beside --out: an --out inside an input folder is refused first (runtime/outputs.py)
+    data.mkdir()
+    _fails(capsys, _finetune(files, tmp_path, data=data), f"data file {data} is a directory, not a file")
 
 
 def test_out_that_is_a_file_or_read_only(files, tmp_path, capsys, monkeypatch):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from shardtune.train.packing import block_causal_mask
+from shardtune.train.data.pack import block_causal_mask
 
 from dist_utils import run_ranks
 from tiny import tiny_config

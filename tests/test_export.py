@@ -231,7 +231,7 @@ def test_modelfile_template_and_stop_tokens(case):
     root, base, adapter = case
     out = root / "mf.gguf"
     assert main(["export", "--model", str(base), "--adapter", str(adapter), "--out", str(out), "--force"]) == 0
-    text = (root / "Modelfile").read_text()
+    text = (root / "mf.Modelfile").read_text()
     assert text.startswith("FROM ./mf.gguf\n")
     assert 'TEMPLATE """{{- range .Messages }}{{- if eq .Role "system" }}<|im_start|>system\n{{ .Content }}' in text
     template = text.split('TEMPLATE """', 1)[1].split('"""', 1)[0]
@@ -245,7 +245,7 @@ def test_existing_out_is_refused_without_force(tmp_path, capsys):
     out.write_bytes(b"keep me")
     assert main(["export", "--model", str(base), "--adapter", str(adapter), "--out", str(out)]) == 2
     assert "already exists" in capsys.readouterr().err and out.read_bytes() == b"keep me"
-    assert not (tmp_path / "Modelfile").exists()
+    assert not (tmp_path / "m.Modelfile").exists()
     assert main(["export", "--model", str(base), "--adapter", str(adapter), "--out", str(out), "--force"]) == 0
     assert out.read_bytes()[:4] == b"GGUF"
     assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
@@ -309,7 +309,7 @@ def _modelfile_for(tmp_path: Path, template: str, specials: list[str]) -> str:
     tok.chat_template = template
     tok.save_pretrained(base)
     assert main(["export", "--model", str(base), "--out", str(tmp_path / "m.gguf")]) == 0
-    return (tmp_path / "Modelfile").read_text()
+    return (tmp_path / "m.Modelfile").read_text()
 
 
 def test_llama3_style_template_becomes_a_go_template(tmp_path):

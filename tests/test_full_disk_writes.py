@@ -31,3 +31,17 @@ def test_full_disk_at_metrics_and_tracker_writes(run_root, tmp_path, monkeypatch
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
     assert find_latest(out) == out / "checkpoints" / "step-2"  # the state written before the failure
     assert not (out / "adapter").exists() and not (out / "summary.json").exists()
+
+
+def test_a_full_disk_under_the_log_file_ends_the_run_clearly(run_root, tmp_path, monkeypatch, capsys):
+    """--log-file whose writes fail: exit 2 naming the file, not Python's "--- Logging error ---" and exit 0."""
+    log = tmp_path / "run.log"
+    monkeypatch.setenv(FAIL_AT, "full@run.log:0")
+    code = main(["finetune", "--model", str(run_root / "model"), "--data", str(run_root / "train.jsonl"),
+                 "--out", str(tmp_path / "out"), "--dtype", "fp32", "--steps", "1", "--batch-size", "4",
+                 "--seq-len", "64", "--strategy", "single", "--log-file", str(log)])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert f"cannot write {log}: no space left on the device" in err, err
+    assert "Logging error" not in err and "Traceback" not in err
+    assert not (tmp_path / "out" / "adapter").exists()

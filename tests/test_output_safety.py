@@ -10,7 +10,8 @@ import pytest
 
 from shardtune.cli import main
 from shardtune.errors import ShardtuneError
-from shardtune.runtime.files import check_output_dir, output_error, staged_dir
+from shardtune.runtime.files import output_error, staged_dir
+from shardtune.runtime.outputs import check_output
 from test_merge import _random_adapter
 
 from tiny import make_model
@@ -58,9 +59,9 @@ def test_merge_never_writes_over_its_input(base_and_adapter, capsys, which):
 def test_output_that_is_a_file_or_read_only(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(ShardtuneError, match="is an existing file"):
-        check_output_dir(tmp_path / "file", overwrite=True)
+        check_output(tmp_path / "file", kind="dir", overwrite=True)
     with pytest.raises(ShardtuneError, match="is a file, not a directory"):
-        check_output_dir(tmp_path / "file" / "sub", overwrite=True)
+        check_output(tmp_path / "file" / "sub", kind="dir", overwrite=True)
 
 
 def test_output_on_a_read_only_file_system(tmp_path, monkeypatch):
@@ -70,7 +71,7 @@ def test_output_on_a_read_only_file_system(tmp_path, monkeypatch):
     monkeypatch.setattr(files.os, "access", lambda path, mode: False)
     monkeypatch.setattr(files, "_read_only", lambda path: True)
     with pytest.raises(ShardtuneError, match=f"cannot write {tmp_path / 'new'}: the file system is read-only"):
-        check_output_dir(tmp_path / "new", overwrite=False)
+        check_output(tmp_path / "new", kind="dir", overwrite=False)
 
 
 def test_adapter_from_checkpoint_refuses_to_write_over_its_run(tmp_path, capsys):

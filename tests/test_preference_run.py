@@ -73,8 +73,10 @@ def test_resumed_preference_run_continues_exactly(run_dir, monkeypatch):
     part = _options(run_dir, "part", strategy="single", nproc=1, steps=4, **{"precompute-reference": True,
                                                                             "save-every": 2})
     shardtune.finetune(part)
-    # as if the run had stopped after step 2: only that checkpoint is left
+    # as if the run had stopped after step 2: only that checkpoint is left, and no summary (a finished run's
+    # --resume is refused: it would run nothing)
     shutil.rmtree(Path(part["out"]) / "checkpoints" / "step-4")
+    (Path(part["out"]) / "summary.json").unlink()
     resumed = shardtune.finetune({**part, "resume": True})
     assert resumed["resumed_from_step"] == 2
     torch.testing.assert_close(torch.tensor([m["loss"] for m in _metrics(part["out"])]),

@@ -162,7 +162,9 @@ def main(argv: list[str] | None = None) -> int:
 def _run(argv: list[str] | None) -> int:
     from shardtune.errors import ShardtuneError
     from shardtune.runtime.failure import stage_of, unexpected
+    from shardtune.runtime.signals import Interrupted, sigterm_as_interrupt
     from shardtune.runtime.worker_failures import Stopped, WorkerCrash
+    from shardtune.runtime.workers import under_torchrun
 
     args = build_parser().parse_args(argv)
     if getattr(args, "verbose", False):
@@ -170,8 +172,11 @@ def _run(argv: list[str] | None) -> int:
 
         set_verbose(True)  # worker processes inherit it
     try:
-        return args.func(args)
-    except Stopped as err:  # a checkpoint may be there to resume from: the message says which and how
+        if under_torchrun():  # a worker: torchrun's SIGTERM ends it as it expects
+            return args.func(args)
+        with sigterm_as_interrupt():  # every command: temporaries removed, locks released (runtime/signals.py)
+            return args.func(args)
+    except (Stopped, Interrupted) as err:  # a checkpoint may be there to resume from: the message says which and how
         print(f"error: {err}", file=sys.stderr)
         return err.exit_code
     except WorkerCrash as err:  # a worker's unexpected exception (eval): its traceback goes to a file

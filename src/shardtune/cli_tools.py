@@ -65,6 +65,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     out = Path(args.out) if args.out else results.default_out(args.adapter, results.EVAL_FILE)
     results.check_report_to(args.report_to, out)
+    results.check_out(out, args.model, args.adapter, args.data)
     if is_preference_data(args.data, args.data_fields):  # pairs: preference accuracy, base against adapter
         result = evaluate_preferences(_subject(args), args.data, args.seq_len, args.batch_size, args.data_fields)
         if out is not None:
@@ -108,6 +109,7 @@ def _cmd_harness(args: argparse.Namespace) -> int:
 
     out = Path(args.out) if args.out else results.default_out(args.adapter, results.HARNESS_FILE)
     results.check_report_to(args.report_to, out)
+    results.check_out(out, args.model, args.adapter, args.include_path)
     tasks = Tasks([t for t in args.tasks.split(",") if t], args.limit, args.num_fewshot, args.include_path)
     report = run_tasks(_subject(args), tasks, args.batch_size, out)
     if out is not None:
@@ -228,7 +230,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", help="the base model directory the adapter was trained on")
     p.add_argument("--adapter", help="LoRA adapter directory (peft format) [default: none, the base alone]")
     p.add_argument("--format", default="gguf", choices=("gguf",), help="output format [default: gguf]")
-    p.add_argument("--out", help="the .gguf file to write; the Modelfile goes beside it")
+    p.add_argument("--out", help="the .gguf file to write; its Ollama Modelfile, NAME.Modelfile, goes beside it")
     p.add_argument("--quant", default="f16", help="matrix type: f16, bf16 or q8_0 (norms stay f32) [default: f16]")
     p.add_argument("--force", action="store_true", help="replace an existing --out (and its Modelfile)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")

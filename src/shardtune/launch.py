@@ -21,8 +21,9 @@ from shardtune.config import Config, write_yaml
 from shardtune.errors import ShardtuneError
 from shardtune.runplan import RunPlan
 from shardtune.runtime.failure import stage, stage_of, unexpected
-from shardtune.runtime.files import output_error
+from shardtune.runtime.files import staged_file
 from shardtune.runtime.lock import RunLock
+from shardtune.runtime.signals import Interrupted
 from shardtune.runtime.worker_failures import RankKilled, RankTimeout, Stopped, WorkerCrash, WorkerError
 from shardtune.runtime.workers import launch_workers, run_id, under_torchrun
 from shardtune.train.run_folder import clear_for_overwrite
@@ -37,13 +38,8 @@ def _identity(path: Path) -> tuple[int, int] | None:
 
 
 def _write_config(cfg: Config, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
+    with staged_file(path) as tmp:
         write_yaml(cfg, tmp)
-        os.replace(tmp, path)
-    except OSError as err:
-        tmp.unlink(missing_ok=True)
-        raise output_error(err, path) from None
 
 
 def launch(cfg: Config, plan: RunPlan, asked: Config | None = None) -> dict:
@@ -60,12 +56,15 @@ def launch(cfg: Config, plan: RunPlan, asked: Config | None = None) -> dict:
     if under_torchrun():  # every rank gets here; rank 0 holds the run folder for the run
         from shardtune.train.recipe import run
 
-        if int(os.environ.get("RANK", "0")) != 0:
-            return run(cfg, plan)  # rank 0's plan replaces this one (recipe.run)
-        with RunLock(out, os.environ.get("TORCHELASTIC_RUN_ID", "torchrun")):
-            clear_for_overwrite(cfg)
-            _write_config(asked, out / "config.yaml")
-            return run(cfg, plan)
+        try:
+            if int(os.environ.get("RANK", "0")) != 0:
+                return run(cfg, plan)  # rank 0's plan replaces this one (recipe.run)
+            with RunLock(out, os.environ.get("TORCHELASTIC_RUN_ID", "torchrun")):
+                clear_for_overwrite(cfg)
+                _write_config(asked, out / "config.yaml")
+                return run(cfg, plan)
+        except Stopped as err:  # as below: the caller sees a KeyboardInterrupt
+            raise Interrupted(err.signum, str(err)) from None
 
     with RunLock(out, run_id(cfg.parallel)) as lock:
         try:
@@ -101,11 +100,11 @@ def _launch(cfg: Config, plan: RunPlan, asked: Config, run_name: str) -> dict:
         (private / "plan.json").write_text(json.dumps(plan.as_dict()))
         launch_workers(cfg.parallel, "shardtune.train", [str(private / "config.yaml"), str(private / "plan.json")],
                        run_name)
-    except Stopped as err:
+    except Stopped as err:  # a KeyboardInterrupt to the caller: ``except KeyboardInterrupt`` sees a Ctrl-C
         from shardtune.train.stop import stop_message
 
         message = stop_message(err.signum, out, cfg.parallel.nnodes, cfg.parallel.node_rank)
-        raise Stopped(err.signum, message) from None
+        raise Interrupted(err.signum, message) from None
     finally:
         shutil.rmtree(private, ignore_errors=True)
     if cfg.parallel.node_rank > 0:

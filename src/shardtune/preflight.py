@@ -22,13 +22,14 @@ from shardtune.runtime.versions import check_apis
 from shardtune.train.checkpoint import resume_point
 from shardtune.train.data.checks import pair_warnings, warn_about_data
 from shardtune.train.data.pack import check_packing
-from shardtune.train.data.pairs import PAIRS
+from shardtune.train.data.pairs import PAIRS, split_pair
 from shardtune.train.data.read import read_records
-from shardtune.train.data.records import lengths_of
+from shardtune.train.data.records import DataError, lengths_of
 from shardtune.train.input_paths import check_input_paths
 from shardtune.train.objectives import objective_of
 from shardtune.train.resolve import resolve
-from shardtune.train.run_folder import check_run_folder
+from shardtune.train.run_folder import check_not_finished, check_run_folder
+from shardtune.train.schedule import total_steps
 from shardtune.train.trackers import check_installed
 from shardtune.train.training_data import read_split
 
@@ -66,8 +67,10 @@ def preflight(cfg: Config) -> tuple[Config, RunPlan]:
     records = read_records(cfg.data.train, cfg.data.fields, fmt.check)
     warn_about_data(cfg.data.train, records, len(train.examples) // fmt.per_record, cfg.train.batch_size)
     if fmt is PAIRS:
+        refuse_identical_pairs(cfg.data.train, records)
         for message in pair_warnings(cfg.data.train, records, train.truncated, cfg.data.seq_len):
             log.warning("%s", message)
+    check_not_finished(cfg, total_steps(cfg, len(train.examples) // fmt.per_record))
     if cfg.data.val:
         read_split(cfg, cfg.data.val, tokenizer, vocab, show_progress=True)
     model, _ = inject_lora(build_meta_model(model_dir, compute_dtype(cfg)), cfg.lora, cfg.train.seed)
@@ -79,3 +82,13 @@ def preflight(cfg: Config) -> tuple[Config, RunPlan]:
     if plan.why:
         log.info("configuration: %s", plan.why)
     return cfg, plan
+
+
+def refuse_identical_pairs(path: str, records: list[tuple[int, dict]]) -> None:
+    """Preference data whose every pair has the same chosen and rejected response: the preference loss
+    has nothing to compare, the adapter cannot move, so the run would only spend its time. (Some such
+    pairs are a warning, pairs.pair_warnings.)"""
+    if records and all(split_pair(r)[1] == split_pair(r)[2] for _, r in records):
+        raise DataError(f"{path}: in all {len(records)} pairs the chosen and the rejected response are the same: a "
+                        "preference objective learns nothing from them. Check the file (or --data-fields: are "
+                        "chosen and rejected mapped onto the same column?)")

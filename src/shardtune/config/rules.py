@@ -32,6 +32,9 @@ def validate(cfg: Config, need_data: bool = True) -> None:
         raise ConfigError(f"{refused} (--nproc {cfg.parallel.nproc} x --nnodes {cfg.parallel.nnodes})")
     if cfg.parallel.memory_per_rank is not None:
         parse_size(cfg.parallel.memory_per_rank)
+    if cfg.train.eval_every and not cfg.data.val:
+        raise ConfigError(f"option 'eval-every' ({cfg.train.eval_every}) validates on --val-data, which is not given: "
+                          "give --val-data FILE, or leave --eval-every out")
     if cfg.parallel.strategy != "auto":
         refused = combination_refusal(cfg, cfg.parallel.strategy)
         if refused:

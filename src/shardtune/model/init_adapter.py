@@ -9,7 +9,6 @@ first that is not is named with both shapes (an adapter for another base ends th
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -17,6 +16,7 @@ from torch import nn
 
 from shardtune.config import ConfigError
 from shardtune.errors import ShardtuneError
+from shardtune.model.directory import check_adapter_dir
 
 
 class AdapterError(ShardtuneError, ValueError):
@@ -32,14 +32,11 @@ def read_adapter(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     if not root.is_dir():
         raise ConfigError(f"option 'init-adapter': {root} is not a directory (expected a peft adapter directory "
                           f"with adapter_config.json and adapter_model.safetensors)")
-    config_file, weights = root / "adapter_config.json", root / "adapter_model.safetensors"
-    for f in (config_file, weights):
-        if not f.is_file():
-            raise AdapterError(f"option 'init-adapter': {f} is missing")
-    try:
-        config = json.loads(config_file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise AdapterError(f"{config_file}: not valid JSON: {err}") from None
+    # the one adapter check (model/directory.py): what merge, export, generate and eval refuse, this refuses too
+    config = check_adapter_dir(root, "option 'init-adapter': adapter directory")
+    weights = root / "adapter_model.safetensors"
+    if not weights.is_file():
+        raise AdapterError(f"option 'init-adapter': {weights} is missing")
     try:
         tensors = load_file(weights)
     except (SafetensorError, OSError) as err:

@@ -1,20 +1,28 @@
 """Writing files so that nothing already on disk is lost: staged directories, output checks, clear OS errors.
 
-A directory is written under a temporary name next to its final place and renamed when complete, so
-a reader sees the old one or the new one, never half of either; a failed write leaves nothing behind.
+A directory (or file) is written under a temporary name next to its final place, ``.NAME.tmp-PID``,
+and renamed when complete, so a reader sees the old one or the new one, never half of either; a
+failed or interrupted write (Ctrl-C, SIGTERM: see runtime/signals.py) removes its temporary. What a
+write killed outright (SIGKILL, power loss) leaves is removed by the next write to the same place
+(``clear_stale``).
 """
 
 from __future__ import annotations
 
 import errno
+import glob
 import hashlib
+import logging
 import os
 import shutil
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from shardtune.errors import ShardtuneError
+from shardtune.runtime.processes import alive
+
+log = logging.getLogger("shardtune")
 
 
 class OutputError(ShardtuneError, RuntimeError):
@@ -37,28 +45,6 @@ def output_error(err: OSError, path: Path | str) -> OutputError:
     where = err.filename or path
     reason = _REASONS.get(err.errno, err.strerror or str(err))
     return OutputError(f"cannot write {where}: {reason}")
-
-
-def _inside(path: Path, folder: Path) -> bool:
-    return path == folder or folder in path.parents
-
-
-def check_output_dir(out: str | Path, *, overwrite: bool, inputs: Iterable[str | Path | None] = (),
-                     flag: str = "--overwrite") -> Path:
-    """Refuse an output directory whose writing would lose something: one that is (or holds) an input,
-    a file, a non-empty directory without ``overwrite``, or a place that cannot be written."""
-    out = Path(out)
-    real = out.resolve()
-    for given in inputs:
-        if given is not None and _inside(Path(given).resolve(), real):
-            raise OutputError(f"output directory {out} would replace the input {given}: choose another output")
-    if out.exists() and not out.is_dir():
-        raise OutputError(f"output {out} is an existing file, not a directory: choose another output")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise OutputError(f"output directory {out} already exists and is not empty: "
-                          f"choose another, or pass {flag} to replace it")
-    check_writable(out)
-    return out
 
 
 def check_writable(path: str | Path) -> None:
@@ -103,17 +89,59 @@ def replace_dir(tmp: Path, final: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def temporary_of(final: Path) -> Path:
+    """The temporary name a write of ``final`` by this process uses."""
+    return final.with_name(f".{final.name}.tmp-{os.getpid()}")
+
+
+def clear_stale(final: Path) -> list[Path]:
+    """Remove what interrupted writes of ``final`` left beside it; return what was removed.
+
+    Temporaries ``.NAME.tmp-PID`` whose process is gone are removed. A ``.NAME.old`` (``replace_dir``
+    interrupted between its two renames) is the previous complete output: put back when ``final`` is
+    missing, else removed. Callers hold ``final``'s writer lock (runtime/lock.py), so no live write of
+    the same place can be mistaken for a stale one.
+    """
+    final = Path(final)
+    removed = []
+    if not final.parent.is_dir():
+        return removed
+    for tmp in final.parent.glob(f".{glob.escape(final.name)}.tmp-*"):
+        pid = tmp.name.rpartition("-")[2]
+        if pid.isdigit() and (int(pid) == os.getpid() or not alive(int(pid))):
+            _remove(tmp)
+            removed.append(tmp)
+    old = final.with_name(f".{final.name}.old")
+    if old.exists():
+        if final.exists():
+            _remove(old)
+            removed.append(old)
+        else:
+            os.replace(old, final)
+            log.warning("restored %s from %s, left by a write that was interrupted", final, old.name)
+    if removed:
+        log.info("removed what an interrupted write left: %s", ", ".join(p.name for p in removed))
+    return removed
+
+
 @contextmanager
 def staged_dir(final: Path) -> Iterator[Path]:
     """Yield an empty temporary directory next to ``final``; it becomes ``final`` when the block succeeds.
 
-    On any failure the temporary directory is removed and ``final`` is as it was; an OSError (a full
-    disk, a read-only file system) becomes an OutputError naming the file.
+    On any failure, an interruption included, the temporary directory is removed and ``final`` is as
+    it was; an OSError (a full disk, a read-only file system) becomes an OutputError naming the file.
     """
     final = Path(final)
-    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+    tmp = temporary_of(final)
     try:
-        shutil.rmtree(tmp, ignore_errors=True)
+        clear_stale(final)
         tmp.mkdir(parents=True)
         yield tmp
         replace_dir(tmp, final)
@@ -121,6 +149,28 @@ def staged_dir(final: Path) -> Iterator[Path]:
         raise output_error(err, final) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextmanager
+def staged_file(final: Path) -> Iterator[Path]:
+    """``staged_dir`` for a file: yield a temporary path next to ``final``, renamed to it when the block succeeds."""
+    final = Path(final)
+    tmp = temporary_of(final)
+    try:
+        clear_stale(final)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        yield tmp
+        os.replace(tmp, final)
+    except OSError as err:
+        raise output_error(err, final) from None
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file: a failed write leaves the old file whole."""
+    with staged_file(Path(path)) as tmp:
+        tmp.write_text(text, encoding="utf-8")
 
 
 def fingerprint(path: str | Path) -> dict | None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
+import threading
 import warnings
 
 
@@ -144,7 +146,44 @@ def setup_logging(rank: int, log_file: str | None = None) -> logging.Logger:
         console.addFilter(_FirstRankSays())
     log.addHandler(console)
     if log_file:
-        to_file = logging.FileHandler(log_file)
+        to_file = LogFile(log_file)
         to_file.setFormatter(_RankFormatter(rank, max(world_size, 2)))
         log.addHandler(to_file)
     return log
+
+
+class LogFile(logging.FileHandler):
+    """``--log-file``: a write that fails (a full disk, a lost permission) ends the run with an OutputError
+    naming the file, raised from the logging call in the main thread, not Python's "--- Logging error ---"
+    traceback and a run that goes on to exit 0 with an empty log. It is raised once; the handler then
+    writes nothing more (the error's own path may log)."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        self.failure: OSError | None = None
+        self.dead = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.dead:
+            return
+        if self.failure is None:
+            super().emit(record)  # an OSError there reaches handleError
+        if self.failure is not None and threading.current_thread() is threading.main_thread():
+            from shardtune.runtime.files import output_error
+
+            self.dead, failure = True, self.failure
+            raise output_error(failure, self.baseFilename)
+
+    def flush(self) -> None:
+        from shardtune.runtime.failure import injected_full_disk
+
+        super().flush()
+        if not self.dead:  # a test's full disk (runtime/failure.py): SHARDTUNE_TEST_FAIL_AT=full@NAME:0
+            injected_full_disk(os.path.basename(self.baseFilename), 0, self.baseFilename)
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        err = sys.exc_info()[1]
+        if isinstance(err, OSError):
+            self.failure = err
+        else:
+            super().handleError(record)

@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from shardtune.errors import InputError
+from shardtune.runtime.files import write_text_atomic
+from shardtune.runtime.outputs import check_output, claim_output
 
 HARNESS_FILE = "lm_eval.json"
 EVAL_FILE = "eval.json"
@@ -49,9 +51,21 @@ def check_report_to(report_to: str | None, out: Path | None) -> None:
                          "OUT_DIR/adapter of a fine-tune, or --out FILE (its folder is used)")
 
 
+def check_out(out: Path | None, model: str | Path, adapter: str | Path | None, data: str | Path | None) -> None:
+    """Before any model is loaded: ``out`` is no input and lies in no rotated folder (runtime/outputs.py).
+    An existing results file is replaced: each evaluation writes its own."""
+    if out is not None:
+        check_output(out, kind="file", inputs=_inputs(model, adapter, data), overwrite=True, name="--out")
+
+
+def _inputs(model: str | Path, adapter: str | Path | None, data: str | Path | None):
+    return (("model directory", model), ("adapter", adapter), ("data", data))
+
+
 def write_json(out: Path, result: dict[str, Any]) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    """``out`` written whole or not at all, by one writer at a time (the inputs were checked by ``check_out``)."""
+    with claim_output(out, kind="file", command="eval", overwrite=True, name="--out"):
+        write_text_atomic(out, json.dumps(result, indent=2, default=str) + "\n")
 
 
 def _key(text: str) -> str:

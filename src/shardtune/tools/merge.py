@@ -33,7 +33,9 @@ from shardtune.model.loading import checkpoint_key
 from shardtune.model.lora import PEFT_PREFIX
 from shardtune.model.meta import DTYPES
 from shardtune.runtime.cpu_tuning import tune_malloc
-from shardtune.runtime.files import check_output_dir, staged_dir
+from shardtune.runtime.failure import stage
+from shardtune.runtime.files import staged_dir
+from shardtune.runtime.outputs import check_output, claim_output
 from shardtune.runtime.progress import Bar, progress
 from shardtune.runtime.safetensors_header import TORCH_DTYPES, encode_header
 from shardtune.runtime.versions import tied_weights_keys
@@ -188,6 +190,7 @@ def merge_file(src: Path, dst: Path, sources: MergeSources, dtype: torch.dtype |
     """
     from safetensors import safe_open
 
+    changes = sources.changes
     with safe_open(str(src), framework="pt") as f, open(dst, "wb") as out:
         names = sources.names_in(src.name, list(f.keys()))
         entries = []
@@ -197,8 +200,11 @@ def merge_file(src: Path, dst: Path, sources: MergeSources, dtype: torch.dtype |
             entries.append((name, _out_dtype(stored, dtype), list(piece.get_shape())))
         out.write(encode_header(entries, f.metadata()))
         written, largest = 0, 0
-        for (_, tensor), (_, out_dtype, _) in zip(merged_tensors(f, names, sources.changes), entries):
+        for (name, tensor), (_, out_dtype, _) in zip(merged_tensors(f, names, changes), entries):
             tensor = tensor.to(out_dtype).contiguous()
+            if name in changes and out_dtype != torch.float32:
+                check_finite(name, tensor, f"in {str(out_dtype).removeprefix('torch.')}, the dtype it is stored in: "
+                                           "the merged values do not fit it (`--dtype fp32` writes them in fp32)")
             out.write(tensor.reshape(-1).view(torch.uint8).numpy().data)
             written += tensor.nbytes
             largest = max(largest, tensor.nbytes)
@@ -209,10 +215,24 @@ def merge_file(src: Path, dst: Path, sources: MergeSources, dtype: torch.dtype |
 
 
 def merged_tensors(f, names: list[tuple[str, str]], changes: dict[str, Change]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, merged tensor) for each (name, stored source) of the open safetensors file ``f``, one at a time."""
+    """(name, merged tensor) for each (name, stored source) of the open safetensors file ``f``, one at a time.
+
+    A tensor the adapter changes is checked finite here (merge and export both come through): nothing
+    non-finite is ever written, and the error names the tensor."""
     for name, source in names:
         tensor = f.get_tensor(source)
-        yield name, apply(name, tensor, changes[name]) if name in changes else tensor
+        if name in changes:
+            tensor = apply(name, tensor, changes[name])
+            check_finite(name, tensor, "once the adapter's update is added (in fp32): the adapter's values are far "
+                                       "too large (a run whose --lr blew the weights up?)")
+        yield name, tensor
+
+
+def check_finite(name: str, tensor: torch.Tensor, why: str) -> None:
+    """Refuse a merged tensor holding NaN or inf: ``why`` says how it got there."""
+    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        bad = int((~torch.isfinite(tensor)).sum())
+        raise MergeError(f"{name}: {bad} of its {tensor.numel()} values are not finite {why}; nothing was written")
 
 
 @dataclass
@@ -257,8 +277,9 @@ def merge(model: str | Path, adapter: str | Path, out: str | Path, dtype: str = 
     ``trust_remote_code``: a model that names its own code (config ``auto_map``) may run it (its class
     is built on meta to find tied weights).
     """
+    inputs = (("model directory", model), ("adapter", adapter))
+    check_output(out, kind="dir", inputs=inputs, overwrite=overwrite, name="output directory")
     model_dir = check_model_dir(model, trust_remote_code)
-    out = check_output_dir(out, overwrite=overwrite, inputs=(model, adapter))
     sources = merge_sources(model_dir, Path(adapter))
     wanted = None if dtype == "auto" else DTYPES[dtype]
     changes, file_of, extra = sources.changes, sources.file_of, sources.extra
@@ -266,7 +287,9 @@ def merge(model: str | Path, adapter: str | Path, out: str | Path, dtype: str = 
     # it back to the system at once, where glibc's moving threshold would leave the heap grown by it.
     tune_malloc()
 
-    with staged_dir(out) as tmp, progress("merge", len(file_of), unit="tensor") as bar:
+    with claim_output(out, kind="dir", command="merge", inputs=inputs, overwrite=overwrite,
+                      name="output directory") as out, staged_dir(out) as tmp, stage("write"), \
+            progress("merge", len(file_of), unit="tensor") as bar:
         total, largest = 0, 0
         for src in model_dir.weight_files:
             written, big = merge_file(src, tmp / src.name, sources, wanted, bar)

@@ -20,6 +20,8 @@ import json
 import logging
 from pathlib import Path
 
+from shardtune.runtime.files import write_text_atomic
+
 log = logging.getLogger("shardtune")
 
 _MARK = "\x00CONTENT\x00"
@@ -43,7 +45,7 @@ def write_modelfile(model_dir: Path, gguf_file: Path, path: Path) -> dict:
                   "template.md) or `ollama show --modelfile` a model of the same family.", ""]
         log.warning("Modelfile %s has no TEMPLATE: %s", path, note)
     lines += [f"PARAMETER stop {json.dumps(s)}" for s in stops]
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    write_text_atomic(path, "\n".join(lines) + "\n")
     return {"path": str(path), "template": pieces is not None, "stop": stops, "note": note}
 
 

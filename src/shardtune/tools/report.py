@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
-from shardtune.errors import ShardtuneError, read_text
+from shardtune.errors import ShardtuneError, check_path, read_text
+from shardtune.runtime.files import staged_file, write_text_atomic
+from shardtune.train.metrics import read_metrics as read_records
 
 PHASES = ("load", "train", "save")
 # Summary fields worth a line in report.md, in order, with how to show them.
@@ -37,18 +40,15 @@ class ReportError(ShardtuneError, ValueError):
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """One record per step, in step order; a step logged twice (a resumed run) keeps its last record."""
+    """One record per step, in step order; a step logged twice (a resumed run) keeps its last record. A
+    last line cut off by an interrupted write is left out, with a note (train/metrics.py's reader)."""
     if not path.is_file():
         raise ReportError(f"{path} does not exist: give the --out directory of a fine-tune that ran at least one step")
-    by_step: dict[int, dict] = {}
-    for n, line in enumerate(read_text(path, "metrics file", ReportError).splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-            by_step[int(record["step"])] = record
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
-            raise ReportError(f"{path}:{n}: not a metrics record (a JSON object with 'step')") from None
+    check_path(path, "metrics file", "file", error=ReportError)
+    records, note = read_records(path, ReportError)
+    if note:
+        print(f"note: {note}", file=sys.stderr)
+    by_step = {record["step"]: record for record in records}
     if not by_step:
         raise ReportError(f"{path} is empty: the run has not finished a step yet")
     return [by_step[s] for s in sorted(by_step)]
@@ -98,7 +98,7 @@ def plot_loss(metrics: list[dict], path: Path) -> None:
         ax.set_ylabel("loss (mean over target tokens, log scale)")
     ax.set_xlabel("step")
     ax.legend()
-    fig.savefig(path)
+    fig.savefig(path, format="png")
 
 
 def plot_throughput(metrics: list[dict], path: Path) -> None:
@@ -107,7 +107,7 @@ def plot_throughput(metrics: list[dict], path: Path) -> None:
     ax.plot(steps, rate, marker="." if len(steps) < 50 else None)
     ax.set_xlabel("step")
     ax.set_ylim(bottom=0)
-    fig.savefig(path)
+    fig.savefig(path, format="png")
 
 
 def memory_by_phase(summary: dict) -> dict[str, list[float]]:
@@ -132,7 +132,7 @@ def plot_memory(phases: dict[str, list[float]], path: Path) -> None:
     # Headroom above the tallest bar keeps the legend off the bars.
     ax.set_ylim(0, 1.25 * max((v for values in phases.values() for v in values), default=1) or 1)
     ax.legend(ncols=len(phases), loc="upper center")
-    fig.savefig(path)
+    fig.savefig(path, format="png")
 
 
 def _cell(value: Any) -> str:
@@ -160,14 +160,16 @@ def write_report(out_dir: str | Path) -> dict[str, Path]:
     metrics = read_metrics(out / "metrics.jsonl")
     summary = read_summary(out / "summary.json")
     written = {"loss": out / "loss.png", "throughput": out / "throughput.png"}
-    plot_loss(metrics, written["loss"])
-    plot_throughput(metrics, written["throughput"])
     phases = memory_by_phase(summary) if summary else {}
     if phases:
         written["memory"] = out / "memory.png"
-        plot_memory(phases, written["memory"])
+    for name, draw in (("loss", lambda p: plot_loss(metrics, p)), ("throughput", lambda p: plot_throughput(metrics, p)),
+                       ("memory", lambda p: plot_memory(phases, p))):
+        if name in written:
+            with staged_file(written[name]) as tmp:  # whole or not at all, also when interrupted
+                draw(tmp)
     written["report"] = out / "report.md"
-    written["report"].write_text(_markdown(out, metrics, summary, written))
+    write_text_atomic(written["report"], _markdown(out, metrics, summary, written))
     return written
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import shutil
 import time
 import warnings
@@ -38,13 +37,17 @@ from shardtune.model.directory import ModelDir
 from shardtune.model.fingerprint import differences, model_fingerprint
 from shardtune.model.hub import base_model_name
 from shardtune.parallel import Strategy
-from shardtune.runtime.files import check_output_dir, fingerprint, output_error, replace_dir
+from shardtune.runtime.failure import stage
+from shardtune.runtime.files import fingerprint, output_error, replace_dir
+from shardtune.runtime.outputs import CHECKPOINTS, STEP_DIR, check_output, claim_output
 from shardtune.train.adapter import peft_config_dict, write_adapter
 
 log = logging.getLogger("shardtune")
 
 MARKER, META = "COMPLETE", "checkpoint.json"
-_STEP_DIR = re.compile(r"^step-(\d+)$")
+_STEP_DIR = STEP_DIR  # OUT/checkpoints/step-N: named in runtime/outputs.py, whose rule keeps outputs out of it
+
+
 class CheckpointError(ShardtuneError, RuntimeError):
     """A checkpoint that cannot be used; the message names it and says why."""
 
@@ -69,7 +72,7 @@ class TrainState:
 
 
 def checkpoints_dir(out: Path) -> Path:
-    return Path(out) / "checkpoints"
+    return Path(out) / CHECKPOINTS
 
 
 def resume_command(out: Path, nnodes: int = 1, node_rank: int = 0) -> str:
@@ -78,20 +81,35 @@ def resume_command(out: Path, nnodes: int = 1, node_rank: int = 0) -> str:
     return f"shardtune finetune --config {Path(out) / 'config.yaml'}{node} --resume"
 
 
-def find_latest(out: Path) -> Path | None:
-    """The newest complete checkpoint under ``out``; incomplete or unreadable ones are skipped, with a warning."""
+def find_latest(out: Path, before: int | None = None) -> Path | None:
+    """The newest complete checkpoint under ``out`` (of a step before ``before``, when given); incomplete
+    or unreadable ones are skipped, with a warning."""
     root = checkpoints_dir(out)
     if not root.is_dir():
         return None
     for tmp in sorted(root.glob(".step-*.tmp")):
         log.warning("skipping %s: a checkpoint whose writing never finished", tmp)
-    found = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)))
+    found = sorted((int(m.group(1)), p) for p in root.iterdir()
+                   if (m := _STEP_DIR.match(p.name)) and (before is None or int(m.group(1)) < before))
     for step, path in reversed(found):
         problem = _problem(path, step)
         if problem is None:
             return path
         log.warning("skipping checkpoint %s: %s", path, problem)
     return None
+
+
+def discard_checkpoints(out: Path, first: int) -> list[Path]:
+    """Delete the checkpoints of step ``first`` and later (weights an update blew up, train/guard.py);
+    return them. The older ones, written before, stay."""
+    root = checkpoints_dir(out)
+    if not root.is_dir():
+        return []
+    doomed = sorted((p for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and int(m.group(1)) >= first),
+                    key=lambda p: int(p.name.split("-")[1]))
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
+    return doomed
 
 
 def _problem(path: Path, step: int | None) -> str | None:
@@ -231,6 +249,7 @@ class Checkpointer:
         set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"],
                        options=StateDictOptions(strict=False, ignore_frozen_params=True))
         self.scheduler.load_state_dict(meta["scheduler"])
+        follow_this_schedule(self.scheduler, self.cfg.train.lr)
         if self.scaler is not None and self.scaler.is_enabled() and "loss_scaler" in meta:
             self.scaler.load_state_dict(meta["loss_scaler"])
         rng_file = path / "rng" / f"rank-{self.worker.rank}.pt"
@@ -244,6 +263,21 @@ class Checkpointer:
                      meta["world_size"], self.worker.world_size)
         log.info("resumed from %s (step %d)", path, meta["step"])
         return TrainState(**meta["state"])
+
+
+def follow_this_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR, lr: float) -> None:
+    """Resume on this run's learning-rate schedule from the first resumed step: the checkpoint gives the
+    step only; the peak (--lr) and the shape (--steps or --epochs, --warmup-steps, --min-lr-ratio: the
+    scheduler's lambda, built from this run's options) are this run's.
+
+    The scheduler's saved state holds the old peak and the old schedule's last rate, which the first
+    resumed step would otherwise use before the new schedule took over at the second (a run resumed with
+    a smaller --lr, as a divergence advises, kept its old peak altogether). Unchanged options give
+    exactly the rates of an uninterrupted run.
+    """
+    scheduler.base_lrs = [lr for _ in scheduler.base_lrs]
+    scheduler.last_epoch -= 1
+    scheduler.step()  # this step's rate, recomputed from this run's lambda and peak
 
 
 def _write_error(err: BaseException, tmp: Path) -> ShardtuneError:
@@ -339,7 +373,8 @@ def adapter_from_checkpoint(path: Path, out: Path, model: str | Path | None = No
     is replaced only with ``overwrite=True``, and never when it is (or holds) the checkpoint.
     """
     path = Path(path)
-    check_output_dir(out, overwrite=overwrite, inputs=(path,))
+    inputs = (("checkpoint", path),)
+    check_output(out, kind="dir", inputs=inputs, overwrite=overwrite, name="output directory")
     match = _STEP_DIR.match(path.name)
     problem = _problem(path, int(match.group(1)) if match else None) if path.is_dir() else "no such directory"
     if problem:
@@ -361,6 +396,8 @@ def adapter_from_checkpoint(path: Path, out: Path, model: str | Path | None = No
     config = json.loads((path / "adapter_config.json").read_text())
     if model is not None:
         config["base_model_name_or_path"] = base_model_name(model)
-    return write_adapter({a: tensors[k] for a, k in keys.items()}, config, Path(out))
+    with claim_output(out, kind="dir", command="adapter-from-checkpoint", inputs=inputs, overwrite=overwrite,
+                      name="output directory") as out, stage("write"):
+        return write_adapter({a: tensors[k] for a, k in keys.items()}, config, out)
 
 

@@ -1,4 +1,5 @@
-"""Never finish "successfully" on garbage: a non-finite loss or gradient norm ends the run at that step.
+"""Never finish "successfully" on garbage: a non-finite loss or gradient norm, or weights blown up by an
+update, end the run at that step, non-zero.
 
 Except under fp16's loss scaling (``--dtype fp16``, train/scaling.py), where an inf/NaN gradient with a
 finite loss is the dynamic scaler at work: it grows the scale until the scaled gradients overflow,
@@ -12,9 +13,12 @@ reaches the same verdict at the same step without communicating, and none is lef
 runs before the optimizer step: the weights stay those of the last good step, no checkpoint or
 adapter is written from NaN weights, and the newest checkpoint is left as it is.
 
-A gradient norm of exactly 0 right after an optimizer step whose gradient was not 0 is said at once:
-that update blew the LoRA weights up (a far too large --lr saturates every output), the loss stays
-finite and nothing is learned any more. Waiting a few steps to be sure would only waste them.
+A gradient norm of exactly 0 right after an optimizer step whose gradient was not 0 means that update
+blew the LoRA weights up (a far too large --lr saturates every output): the loss stays finite, nothing
+is learned any more, and an adapter written from these weights would be garbage (lora_B of 1e30). The
+run ends there as for a non-finite loss; the checkpoints written from that update on hold the blown-up
+weights and are deleted, so the newest one left (and named, with the command that resumes from it)
+is the last good one.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from shardtune.config import FLAGS
 from shardtune.errors import ShardtuneError
-from shardtune.train.checkpoint import find_latest, resume_command
+from shardtune.train.checkpoint import discard_checkpoints, find_latest, resume_command
 
 log = logging.getLogger("shardtune")
 
@@ -54,7 +58,6 @@ class TrainingGuard:
         self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
         self.zero_run = 0
         self.last_norm: float | None = None
-        self.blown_up = False  # said once
         self.skipped = 0  # fp16: steps the scaler skipped (gradient overflow), this run
         self.overflow_run = 0  # ... of them in a row, up to the last step
 
@@ -75,19 +78,19 @@ class TrainingGuard:
                if not math.isfinite(value)]
         if bad:
             self._diverged(step, bad)
-        collapsed = grad_norm == 0 and bool(self.last_norm)  # the update of the step before did it
+        if grad_norm == 0 and self.last_norm:  # the update of the step before did it
+            # checkpoint step-N holds the weights after N updates: from step-(step - 1) on they are blown up
+            deleted = discard_checkpoints(self.out, step - 1) if self.is_main else []
+            gone = (f" ({', '.join(p.name for p in deleted)}, written from the blown-up weights, "
+                    f"{'was' if len(deleted) == 1 else 'were'} deleted)") if deleted else ""
+            raise Diverged(
+                f"training diverged at step {step}: the gradient norm is exactly 0 right after an optimizer step "
+                f"whose gradient was not, so the update of step {step - 1} blew the LoRA weights up, saturating the "
+                f"model's outputs (the loss, {loss:.4g}, stays finite but nothing is learned any more). --lr "
+                f"{self.lr:g} is far too large (the default is {FLAGS['lr'][1].default:g}); stopped, and no adapter "
+                f"was written{gone}; {self._kept(step - 1)}")
         self.last_norm = grad_norm
-        if collapsed and not self.blown_up:
-            self.blown_up = True
-            if self.is_main:
-                log.warning("step %d: the gradient norm is exactly 0 right after an optimizer step whose gradient "
-                            "was not: that update blew the LoRA weights up, saturating the model's outputs (the "
-                            "loss, %.4g, stays finite but nothing is learned any more). --lr %g is far too large: "
-                            "start again with a smaller one (the default is %g)", step, loss, self.lr,
-                            FLAGS["lr"][1].default)
         self.zero_run = self.zero_run + 1 if grad_norm == 0 else 0
-        if self.blown_up:
-            return False  # said already, with its cause
         if self.zero_run == ZERO_GRAD_STEPS and self.is_main and self.lora_alpha == 0:
             log.warning("the gradient norm has been exactly 0 for %d steps in a row (steps %d-%d): --lora-alpha 0 "
                         "scales every LoRA update to nothing, so nothing is learned; give --lora-alpha > 0 "
@@ -99,11 +102,16 @@ class TrainingGuard:
         return False
 
     def _diverged(self, step: int, bad: list[str]) -> None:
-        latest = find_latest(self.out) if self.is_main else None
-        keep = (f"the newest complete checkpoint, {latest}, is kept; resume from it with a lower --lr: "
-                f"{resume_command(self.out)} --lr …" if latest else "no checkpoint was written")
-        raise Diverged(f"training diverged at step {step}: {' and '.join(bad)} (--lr {self.lr:g}); "
-                       f"stopped before the optimizer step, and no adapter was written; {keep}")
+        raise Diverged(f"training diverged at step {step}: {' and '.join(bad)} (--lr {self.lr:g}); stopped "
+                       f"before the optimizer step, and no adapter was written; {self._kept(step)}")
+
+    def _kept(self, before: int) -> str:
+        """What is left to resume from: the newest complete checkpoint of a step before ``before``."""
+        latest = find_latest(self.out, before=before)
+        if latest is None:
+            return "no checkpoint was written before it (--save-every N keeps some): start again with a smaller --lr"
+        return (f"the newest complete checkpoint, {latest}, is kept; resume from it with a smaller --lr: "
+                f"{resume_command(self.out)} --lr …")
 
     def fields(self) -> dict[str, float]:
         """What metrics.jsonl records of the loss scaling after each step (fp16 only): the steps skipped

@@ -13,6 +13,7 @@ from shardtune.config import Config, ConfigError
 from shardtune.errors import check_path
 from shardtune.model.hub import HubDatasetError
 from shardtune.runtime.files import OutputError
+from shardtune.runtime.outputs import check_output
 from shardtune.train.data.cache import token_cache
 from shardtune.train.data.sources import is_hub_name, local_source
 
@@ -32,10 +33,10 @@ def check_input_paths(cfg: Config) -> None:
         check_path(model, "option 'model':", "dir", error=ConfigError)
     out = Path(cfg.output.out).expanduser()
     check_path(out, "option 'out':", "dir", write=True, error=OutputError)
-    if model.exists() and (out.resolve() == model.resolve() or model.resolve() in out.resolve().parents):
-        raise OutputError(f"option 'out': {out} is {'the' if out.resolve() == model.resolve() else 'inside the'} "
-                          f"model directory {cfg.model.path}: the run would write its files among the model's; "
-                          "choose an --out outside it")
+    # the rule of every output (runtime/outputs.py): not an input, nor inside one, nor in a rotated folder
+    check_output(out, kind="run", name="option 'out':", inputs=(
+        ("model directory", cfg.model.path), ("training data", cfg.data.train), ("validation data", cfg.data.val),
+        ("--init-adapter", cfg.lora.init_adapter)))
     if cfg.output.log_file:
         check_path(cfg.output.log_file, "option 'log-file':", "file", write=True, error=OutputError)
     check_path(token_cache(cfg), "the token cache ($SHARDTUNE_CACHE/tokenized)", "dir", write=True,

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from pathlib import Path
 from typing import Any
 
+from shardtune.errors import ShardtuneError
 from shardtune.runtime.failure import injected_full_disk
-from shardtune.runtime.files import output_error
+from shardtune.runtime.files import output_error, write_text_atomic
 from shardtune.runtime.progress import tqdm_class
+
+log = logging.getLogger("shardtune")
 
 
 class Progress:
@@ -69,8 +73,11 @@ class MetricsLog:
         if enabled:
             kept = []
             if resume_from_step and path.is_file():
-                # A resumed run replaces the lines of the steps it redoes.
-                kept = [ln for ln in path.read_text().splitlines() if ln and json.loads(ln)["step"] <= resume_from_step]
+                # A resumed run replaces the lines of the steps it redoes (and drops a torn last line).
+                records, note = read_metrics(path)
+                if note:
+                    log.warning("%s", note)
+                kept = [json.dumps(r) for r in records if r["step"] <= resume_from_step]
             _replace(path, "".join(line + "\n" for line in kept))
 
     def write(self, record: dict[str, Any]) -> None:
@@ -92,13 +99,45 @@ class MetricsLog:
 
 def _replace(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` under a temporary name first: a failed write leaves the old file whole."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    except OSError as err:
-        tmp.unlink(missing_ok=True)
-        raise output_error(err, path) from None
+    write_text_atomic(path, text)
+
+
+class MetricsError(ShardtuneError, ValueError):
+    """A metrics.jsonl line that is no record (and not the torn last line of an interrupted write)."""
+
+
+def read_metrics(path: Path, error: type[ShardtuneError] = MetricsError) -> tuple[list[dict[str, Any]], str | None]:
+    """The records of a metrics.jsonl, in file order, and a note when its last line was dropped.
+
+    The one reader for --resume and ``shardtune report``. Each record is written as one line ending in
+    a newline, so a last line without its newline (or only NUL bytes, which a power loss can leave) is
+    a write that SIGKILL, an OOM kill or a power loss cut off: normal after a crash, and dropped with a
+    note. Any other line that is no JSON object with a ``step`` is ``error`` naming the file and line.
+    """
+    raw = Path(path).read_bytes()
+    lines = raw.split(b"\n")
+    torn = lines.pop()  # after the last newline: empty when the file ends with one
+    while lines and not lines[-1].strip(b"\0 \t\r"):
+        torn = lines.pop() + torn  # NUL-filled (or blank) blocks at the end: a power loss's leftovers
+    records = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line.decode("utf-8"))
+            if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+                raise ValueError
+        except UnicodeDecodeError as err:
+            byte = f"byte 0x{line[err.start]:02x} at column {err.start + 1}"
+            raise error(f"{path}:{n}: not valid UTF-8 ({byte})") from None
+        except ValueError:
+            raise error(f"{path}:{n}: not a metrics record (a JSON object with 'step')") from None
+        records.append(record)
+    note = None
+    if torn.strip(b" \t\r\n"):  # NUL bytes count: a power loss leaves them
+        note = (f"{path}: its last line ({len(torn)} bytes) was cut off by an interrupted write (a process killed "
+                f"or a power loss mid-write) and is left out; the {len(records)} whole records before it are kept")
+    return records, note
 
 
 def _finite(record: dict[str, Any]) -> dict[str, Any]:

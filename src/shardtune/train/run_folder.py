@@ -4,17 +4,20 @@ A finished run (``summary.json``, ``adapter/``) or an interrupted one that kept 
 continued (``--resume``) or replaced on request (``--overwrite``); ``--resume`` with no checkpoint
 over a previous run's files is refused, since it could only start again at step 0 and replace them.
 An empty or new ``--out`` with ``--resume`` starts at step 0 (a scheduler that passes ``--resume`` on
-every start, the first one included, relies on it).
+every start, the first one included, relies on it). ``--resume`` of a run that finished all its steps
+is refused too: it would run no step and replace the real run's ``summary.json`` with a no-op's.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 from pathlib import Path
 
 from shardtune.config import Config, ConfigError
-from shardtune.train.checkpoint import checkpoints_dir, find_latest
+from shardtune.train.checkpoint import META, checkpoints_dir, find_latest
+from shardtune.train.metrics import read_metrics
 
 log = logging.getLogger("shardtune")
 
@@ -44,6 +47,8 @@ def check_run_folder(cfg: Config) -> None:
                 f"option 'resume': {out} holds no complete checkpoint to resume from, only a previous run's "
                 f"{', '.join(previous)} (runs keep checkpoints with --save-every N); starting again at step 0 "
                 "would replace them. Choose another --out, or pass --overwrite instead of --resume to start over")
+        if latest is not None and (out / "metrics.jsonl").is_file():
+            read_metrics(out / "metrics.jsonl")  # a damaged line is named now; a torn last line is dropped later
         return
     if cfg.output.overwrite:
         return
@@ -63,3 +68,31 @@ def clear_for_overwrite(cfg: Config) -> None:
     if cfg.output.overwrite and root.is_dir():
         log.warning("--overwrite: deleting the previous run's checkpoints in %s", root)
         shutil.rmtree(root)
+
+
+def check_not_finished(cfg: Config, steps: int) -> None:
+    """Refuse ``--resume`` of a run that finished: its ``summary.json`` counts ``steps`` or more and no
+    checkpoint was written after it (a later run under --overwrite may have written some). Such a resume
+    runs no step and would replace the finished run's summary with a no-op's timings and peaks."""
+    out = Path(cfg.output.out)
+    summary_file = out / "summary.json"
+    if not cfg.output.resume or not summary_file.is_file():
+        return
+    try:
+        done = json.loads(summary_file.read_text()).get("steps")
+    except (OSError, ValueError, AttributeError):
+        return  # not a summary this check can read: the resume goes on, and replaces it when it ends
+    latest = find_latest(out)
+    if not isinstance(done, int) or done < steps or latest is None:
+        return
+    try:
+        saved_at = float(json.loads((latest / META).read_text()).get("saved_at", 0))
+    except (OSError, ValueError, TypeError, AttributeError):
+        saved_at = 0.0
+    if saved_at > summary_file.stat().st_mtime:
+        return  # checkpointed after that summary was written: a newer run, not finished
+    raise ConfigError(
+        f"option 'resume': the run in {out} has finished all its {done} steps (summary.json, adapter/): there is "
+        f"nothing to resume{f' (this run would end at step {steps})' if steps < done else ''}, and nothing was "
+        "changed. To train further, resume with a larger --steps (or --epochs); to start again, pass --overwrite "
+        "instead of --resume, or choose another --out")
