@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 
 from shardtune.errors import ShardtuneError
+from shardtune.model.checkpoint_keys import checkpoint_key
 from shardtune.model.directory import ModelDir, check_adapter_dir, check_model_dir
-from shardtune.model.loading import checkpoint_key
 from shardtune.model.lora import PEFT_PREFIX
 from shardtune.model.meta import DTYPES
 from shardtune.runtime.cpu_tuning import tune_malloc
