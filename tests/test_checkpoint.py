@@ -129,8 +129,12 @@ def test_the_documented_resume_command_continues_on_other_ranks(root, reference)
     assert first["strategy"] == "single" and first["run_plan"]["why"]  # what auto chose: in the run plan
     written = yaml.safe_load((out / "config.yaml").read_text())
     assert written["strategy"] == "auto" and written["micro-batch-size"] is None and written["nproc"] == 1
-    for step in (4, 6):  # as if it had stopped right after step 2
+    # as if it had stopped right after step 2: its checkpoint, its metrics until then, no result yet
+    for step in (4, 6):
         shutil.rmtree(out / "checkpoints" / f"step-{step}")
+    shutil.rmtree(out / "adapter")
+    (out / "summary.json").unlink()
+    (out / "metrics.jsonl").write_text("".join((out / "metrics.jsonl").read_text().splitlines(keepends=True)[:2]))
     assert main(["finetune", "--config", str(out / "config.yaml"), "--resume", "--nproc", "2"]) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["resumed_from_step"] == 2 and summary["world_size"] == 2 and summary["strategy"] != "single"
