@@ -40,7 +40,7 @@ def _rank(rank: int, size: int, length: int, port: int, out: str) -> None:
 
     from shardtune.parallel.context_parallel import local_piece, split_sequence
     from shardtune.parallel.ulysses import record_attention, ulysses_attention
-    from shardtune.runtime.memory import tune_malloc
+    from shardtune.runtime.cpu_tuning import tune_malloc
 
     torch.set_num_threads(1)
     tune_malloc()  # as shardtune's workers do: freed blocks go back to the system at once

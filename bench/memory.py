@@ -7,7 +7,7 @@ Makes (once, under --cache) a random-weight Llama-shape bf16 checkpoint of the s
 (fake_model.py), then runs every recipe × malloc setting as its own fresh 2-process job
 (peers.py), prints a table and writes bench/results/memory-<size>.json. "default" runs glibc as
 it comes (shardtune too: SHARDTUNE_MALLOC=default); "mmap" sets MALLOC_MMAP_THRESHOLD_=131072 for
-every recipe, which is what shardtune sets for itself when nothing is said (memory.tune_malloc;
+every recipe, which is what shardtune sets for itself when nothing is said (cpu_tuning.tune_malloc;
 "asis" runs every recipe with nothing set).
 The planner's prediction (``shardtune plan``) for the same configuration sits next to shardtune's rows.
 """
@@ -43,7 +43,7 @@ RECIPES: dict[str, list[str]] = {
 }
 DEFAULT_RECIPES = "shardtune-fsdp2,shardtune-fsdp1,shardtune-ddp,naive,broadcast,fsdp1-peft"
 # default: glibc as it comes, for every recipe; mmap: the threshold in the environment, for every recipe;
-# asis: nothing set (shardtune then sets the threshold itself: memory.tune_malloc; peers run glibc's default).
+# asis: nothing set (shardtune then sets the threshold itself: cpu_tuning.tune_malloc; peers run glibc's default).
 MALLOC_ENV = {"default": {"SHARDTUNE_MALLOC": "default"}, "mmap": {"MALLOC_MMAP_THRESHOLD_": "131072"}, "asis": {}}
 
 
@@ -74,7 +74,7 @@ def run_job(recipe: str, malloc: str, model: Path, data: Path, args: argparse.Na
 def predictions(model: Path, args: argparse.Namespace) -> dict[str, dict]:
     """The planner's per-rank peak for each shardtune recipe, same flags as the jobs."""
     from shardtune.config import build_config
-    from shardtune.plan import plan
+    from shardtune.train.choice import strategy_rows
 
     out = {}
     for quantize in ("none", "nf4"):
@@ -82,7 +82,7 @@ def predictions(model: Path, args: argparse.Namespace) -> dict[str, dict]:
                             "micro-batch-size": 1, "seq-len": args.seq_len, "lora-r": 8,
                             "lora-targets": "q_proj,v_proj", "quantize": quantize, "device": "cpu",
                             "dtype": args.dtype})
-        for strategy, preds in plan(cfg).items():
+        for strategy, preds in strategy_rows(cfg).items():
             for p in preds:
                 name = (f"shardtune-{strategy}{'-ac' * p.activation_checkpointing}{'-offload' * p.cpu_offload}"
                         f"{'-nf4' * (quantize == 'nf4')}")

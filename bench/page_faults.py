@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from record import run_record
-from shardtune.runtime.memory import MMAP_THRESHOLD, worker_malloc_env
+from shardtune.runtime.cpu_tuning import MMAP_THRESHOLD, worker_malloc_env
 
 HERE = Path(__file__).resolve().parent
 CHILD = """

@@ -293,7 +293,7 @@ def run_shardtune(args: argparse.Namespace, rank: int) -> dict:
     return {"load_peak_mb": summary["load_peak_mb"][rank], "train_peak_mb": summary["train_peak_mb"][rank],
             "load_seconds": summary["load_seconds"], "tokens_per_second": summary["tokens_per_second"],
             "read_mb": reads[0], "loss_first": summary["train_loss_first"], "loss_last": summary["train_loss_last"],
-            "fill_ratio": summary.get("fill_ratio"), "chosen": cfg.parallel.chosen or None}
+            "fill_ratio": summary.get("fill_ratio"), "chosen": plan.why or None}
 
 
 def main() -> None:

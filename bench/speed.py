@@ -44,7 +44,7 @@ import torch
 
 from fake_model import SIZES, make_checkpoint, make_data
 from record import run_record
-from shardtune.runtime.memory import worker_malloc_env
+from shardtune.runtime.cpu_tuning import worker_malloc_env
 
 HERE = Path(__file__).resolve().parent
 GIB = 1024**3
@@ -193,8 +193,8 @@ def rule_jobs(model: Path, data: Path, gib: float, dtype: str, top: int) -> list
                         "batch-size": 16, "micro-batch-size": "auto", "fsdp-unit": "auto", "seq-len": 512,
                         "lora-r": 8, "lora-alpha": 16, "lora-targets": "q_proj,v_proj", "dtype": dtype})
     tokenizer = load_tokenizer(check_model_dir(str(model)))
-    mean = lengths_of(load_dataset(str(data), tokenizer, 512).examples).mean
-    fitting = sorted((c for c, fits in candidates(cfg, int(gib * GIB), mean) if fits), key=Candidate.key)
+    lengths = lengths_of(load_dataset(str(data), tokenizer, 512).examples)
+    fitting = sorted((c for c, fits in candidates(cfg, int(gib * GIB), lengths) if fits), key=Candidate.key)
     jobs = []
     for i, c in enumerate(fitting[:top], 1):
         argv = ["shardtune", "--strategy", c.strategy, "--fsdp-unit", c.fsdp_unit if c.fsdp_unit != "-" else "part",

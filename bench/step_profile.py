@@ -75,14 +75,14 @@ def main() -> None:
     torch.set_num_threads(1)  # as bench/peers.py: 2 ranks on 2 cores
 
     from shardtune.config import build_config
-    from shardtune.parallel import host_gather
     from shardtune.runtime import distributed
+    from shardtune.runtime.cpu_tuning import HUGE_PAGES, shared_gather_enabled, tune_malloc
     from shardtune.runtime.device import decide_dtype
-    from shardtune.runtime.memory import HUGE_PAGES, MemoryMonitor, tune_malloc
+    from shardtune.runtime.memory import MemoryMonitor
     from shardtune.train.job import setup
 
     malloc = tune_malloc()
-    shared = host_gather.enabled()  # FSDP2 gathers through shared memory (else gloo broadcasts)
+    shared = shared_gather_enabled()  # FSDP2 gathers through shared memory (else gloo broadcasts)
     huge_pages = HUGE_PAGES in os.environ.get("GLIBC_TUNABLES", "")
     world = int(os.environ["WORLD_SIZE"])
     worker = distributed.init_worker()

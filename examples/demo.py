@@ -119,7 +119,7 @@ def side_by_side(before: list[dict], after: list[dict], show: int, width: int = 
 
 def main(argv: list[str] | None = None) -> int:
     from shardtune.config import ConfigError
-    from shardtune.runtime.workers import WorkerError
+    from shardtune.runtime.worker_failures import WorkerError
     from shardtune.train.data.records import DataError
 
     args = parse_args(argv)

@@ -37,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     from shardtune.config import build_config
     from shardtune.runtime.logs import quiet_libraries
     from shardtune.tools.evaluate import evaluate
+    from shardtune.tools.generate import EvalModel
     from shardtune.tools.preference_eval import evaluate_preferences
 
     args = parse_args(argv)
@@ -51,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = shardtune.finetune(args.config, **overrides)
     adapter = summary.get("adapter") or out / "adapter"
     print("[3/3] base and base + adapter on the held-out pairs and questions", flush=True)
-    pairs = evaluate_preferences(model, args.pairs, adapter, seq_len=cfg.data.seq_len)
+    pairs = evaluate_preferences(EvalModel(str(model), str(adapter)), args.pairs, seq_len=cfg.data.seq_len)
     asked_after = evaluate(model, args.questions, adapter=adapter, **ask)
     base, tuned = pairs["base"], pairs["adapter_figures"]
     lines = [f"{'':<44}{'before':>10}{'after':>10}   ({pairs['pairs']} held-out pairs)",

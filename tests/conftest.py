@@ -80,7 +80,7 @@ def no_workers(monkeypatch: pytest.MonkeyPatch) -> None:
     """Fail the test if a fine-tune would start workers: for tests of what must be refused before that."""
     import shardtune.launch
 
-    def launch(cfg, plan):  # pragma: no cover - reached only when bad input got past the checks
+    def launch(cfg, plan, asked=None):  # pragma: no cover - reached only when bad input got past the checks
         raise AssertionError("the checks passed: workers would have been started")
 
     monkeypatch.setattr(shardtune.launch, "launch", launch)

@@ -1,4 +1,7 @@
-"""A worker for launcher tests: rank 1 raises, rank 0 waits in a collective that never completes."""
+"""A worker for launcher tests: rank 1 raises (naming its compute threads), rank 0 waits in a collective
+that never completes."""
+
+import os
 
 import torch.distributed as dist
 
@@ -7,5 +10,5 @@ from shardtune.runtime import distributed
 if __name__ == "__main__":
     d = distributed.init_worker()
     if d.rank == 1:
-        raise RuntimeError("rank one broke on purpose")
+        raise RuntimeError(f"rank one broke on purpose (OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')})")
     dist.barrier()  # without rank 1 this waits until the collective timeout, unless the launcher stops it

@@ -75,7 +75,7 @@ def test_valid_input_reaches_launch_and_out_is_not_made_before(monkeypatch, mode
     out = tmp_path / "out"
     seen = []
 
-    def launch(cfg, plan):
+    def launch(cfg, plan, asked=None):
         seen.append((cfg.output.out, out.exists()))
         return {}
 

@@ -115,6 +115,39 @@ def test_resume_on_other_world_sizes_matches(root, reference):
     assert "resumed on 2" in (root / "one-to-two.log").read_text()
 
 
+def test_the_documented_resume_command_continues_on_other_ranks(root, reference):
+    """`shardtune finetune --config OUT/config.yaml --resume` (docs/checkpoints.md) on another number of
+    ranks: config.yaml keeps what was asked (auto), so the choice is made again for the new ranks (it used
+    to store the 1-rank choice, single, which 2 ranks refuse) and the run continues as the reference."""
+    import yaml
+
+    import shardtune
+    from shardtune.cli import main
+
+    out = root / "asked"
+    first = shardtune.finetune(_options(root, "asked", 1, strategy="auto"))
+    assert first["strategy"] == "single" and first["run_plan"]["why"]  # what auto chose: in the run plan
+    written = yaml.safe_load((out / "config.yaml").read_text())
+    assert written["strategy"] == "auto" and written["micro-batch-size"] is None and written["nproc"] == 1
+    # as if it had stopped right after step 2: its checkpoint, its metrics until then, no result yet
+    for step in (4, 6):
+        shutil.rmtree(out / "checkpoints" / f"step-{step}")
+    shutil.rmtree(out / "adapter")
+    (out / "summary.json").unlink()
+    (out / "metrics.jsonl").write_text("".join((out / "metrics.jsonl").read_text().splitlines(keepends=True)[:2]))
+    assert main(["finetune", "--config", str(out / "config.yaml"), "--resume", "--nproc", "2"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["resumed_from_step"] == 2 and summary["world_size"] == 2 and summary["strategy"] != "single"
+    ref_metrics, metrics = _metrics(reference), _metrics(out)
+    assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
+    for key in ("loss", "grad_norm"):
+        torch.testing.assert_close(torch.tensor([m[key] for m in metrics]),
+                                   torch.tensor([m[key] for m in ref_metrics]), rtol=1e-5, atol=1e-6)
+    ref_adapter, adapter = _adapter(reference / "adapter"), _adapter(out / "adapter")
+    for key in ref_adapter:
+        torch.testing.assert_close(adapter[key], ref_adapter[key], rtol=1e-4, atol=1e-5, msg=key)
+
+
 def test_checkpoint_holds_lora_state_only_and_gives_the_final_adapter(root, reference, capsys):
     import torch.distributed.checkpoint as dcp
 
@@ -227,7 +260,7 @@ def test_sigint_to_the_launcher_stops_workers_cleanly(root):
 def test_a_rank_killed_with_sigkill_ends_the_run_naming_it(root):
     import psutil
 
-    from shardtune.train.checkpoint import adapter_from_checkpoint, find_latest
+    from shardtune.train.checkpoint import adapter_from_checkpoint, find_latest, resume_command
 
     out = root / "sigkill"
     proc = _cli(root, "sigkill", "--save-every", "2")
@@ -246,9 +279,17 @@ def test_a_rank_killed_with_sigkill_ends_the_run_naming_it(root):
     # The time is the guarantee here: the launcher ends rank 0 at once, where it would otherwise wait
     # in a collective until COLLECTIVE_TIMEOUT. Generous, for a busy 2-core machine.
     assert time.monotonic() - killed < COLLECTIVE_TIMEOUT.total_seconds() / 2
-    assert proc.returncode != 0
+    assert proc.returncode == 2
     assert "error: rank 1 failed (killed by SIGKILL)" in output, output[-3000:]
     assert not workers[0].is_running() or workers[0].status() == psutil.STATUS_ZOMBIE
     latest = find_latest(out)
     assert latest is not None and int(latest.name.removeprefix("step-")) >= 2
+    # The last line names the rank, its signal, the newest checkpoint and the command that resumes
+    # (as a SIGTERM's does); the rank that only lost its peer says so instead of gloo's raw error.
+    errors = [line for line in output.splitlines() if line.startswith("error:")]
+    assert output.strip().splitlines()[-1] == errors[-1], output[-3000:]
+    assert errors[-1].startswith("error: rank 1 failed (killed by SIGKILL)")
+    assert errors[-1].endswith(f"newest checkpoint: {latest}. To continue, run: {resume_command(out)}")
+    assert all("rank 0 lost another rank" in line for line in errors[:-1]), errors
+    assert "This is typically caused by" not in output, output[-3000:]  # gloo's advice, not ours
     assert adapter_from_checkpoint(latest, root / "sigkill-adapter").is_dir()

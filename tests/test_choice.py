@@ -38,7 +38,8 @@ def test_roomy_budget_takes_ddp_with_the_largest_micro_batch(root):
     assert (best.strategy, best.micro_batch_size, best.activation_checkpointing) == ("ddp", 4, False)
     chosen = (cfg.parallel.strategy, cfg.train.micro_batch_size, cfg.parallel.activation_checkpointing)
     assert chosen == ("ddp", 4, False)
-    assert "fewest weight collectives" in why and cfg.parallel.chosen == why
+    assert "fewest weight collectives" in why
+    assert "chosen" not in cfg.flat()  # the reason is output (the run plan's), not an option
 
 
 def test_choice_is_the_first_fitting_setting_by_the_speed_rule(root):
@@ -77,9 +78,13 @@ def test_plan_shows_the_choice_and_finetune_runs_it_on_every_rank(root, capsys):
     summary = shardtune.finetune(_options(root, steps=1, **{"memory-per-rank": "1TiB", "strategy": "fsdp2"}))
     assert summary["strategy"] == "fsdp2" and summary["fsdp_unit"] == "layer" and summary["micro_batch_size"] == 4
     assert "fastest setting that fits" in summary["strategy_reason"]
+    # config.yaml keeps what was asked (auto), so that it decides again on other ranks; the run plan
+    # in summary.json holds what auto chose, and why
     written = yaml.safe_load((root / "out" / "config.yaml").read_text())
-    assert written["micro-batch-size"] == 4 and written["fsdp-unit"] == "layer" and written["chosen"]
-    assert json.loads((root / "out" / "summary.json").read_text())["micro_batch_size"] == 4
+    assert written["micro-batch-size"] == "auto" and written["fsdp-unit"] == "auto" and "chosen" not in written
+    saved = json.loads((root / "out" / "summary.json").read_text())
+    assert saved["micro_batch_size"] == 4 and saved["run_plan"]["batch"]["micro_batch_size"] == 4
+    assert saved["run_plan"]["fsdp_unit"] == "layer" and "fastest setting that fits" in saved["run_plan"]["why"]
 
 
 def test_packing_counts_packed_rows_not_records(root):
@@ -96,3 +101,41 @@ def test_packing_counts_packed_rows_not_records(root):
     found = candidates(cfg, 1 << 40, Lengths(100.0, 150))
     assert max(c.micro_batch_size for c, _ in found) == 2
     assert {c.forwards for c, _ in found if c.micro_batch_size == 1} == {2}
+
+
+def test_shardtune_device_cpu_on_a_gpu_host_plans_cpu_ranks(root, monkeypatch):
+    """One device decision: on a GPU host with SHARDTUNE_DEVICE=cpu the ranks run on the CPU, so the
+    choice sizes them by the RAM with CPU terms, as the run plan says (the planner used to ignore
+    SHARDTUNE_DEVICE there and size CPU ranks with a GPU's memory and CUDA terms)."""
+    import torch
+
+    from shardtune.train.choice import strategy_rows
+    from shardtune.train.memory_model import CUDA_CONTEXT_MB
+    from shardtune.train.resolve import resolve
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU host, as torch sees it
+    monkeypatch.setenv("SHARDTUNE_DEVICE", "cpu")
+    cfg, run, best = resolve(_cfg(root))
+    assert (run.device, run.backend) == ("cpu", "gloo")
+    assert best is not None and "available RAM / 2 local ranks" in run.why
+    rows = strategy_rows(cfg, 1 << 40, run)
+    assert all(p.terms["runtime"] != CUDA_CONTEXT_MB for preds in rows.values() for p in preds if p.terms)
+
+
+def test_plan_with_an_auto_option_computes_the_model_facts_once(root, monkeypatch, capsys):
+    """The choice and `plan`'s table read one search: the meta model is built once, and each micro-batch
+    size is traced once (they used to enumerate candidates each, building both again)."""
+    from shardtune.model import footprint
+
+    built, traced = [], []
+    real_build, real_saved = footprint.build_meta_model, footprint._saved_bytes
+    monkeypatch.setattr(footprint, "build_meta_model", lambda *a, **k: built.append(1) or real_build(*a, **k))
+    monkeypatch.setattr(footprint, "_saved_bytes",
+                        lambda model, batch, seq, dtype, device: traced.append((batch, dtype))
+                        or real_saved(model, batch, seq, dtype, device))
+    assert cli.main(["plan", "--model", str(root / "model"), "--nproc", "2", "--batch-size", "8", "--seq-len", "64",
+                     "--strategy", "auto", "--micro-batch-size", "auto", "--memory-per-rank", "1TiB", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["run_plan"]["strategy"] == "ddp" and doc["ddp"]["runs"]
+    assert len(built) == 1
+    assert len(traced) == len(set(traced)) == 3  # micro-batches 1, 2 and 4 records, each traced once

@@ -45,7 +45,7 @@ def test_fsdp1_layout_matches_fsdp1s_records(rank: int) -> None:
     {"_unpadded_unsharded_size": torch.Size([9])},  # padding at the end that the shards do not hold
 ])
 def test_fsdp1_layout_refuses_a_changed_padding_layout(change: dict) -> None:
-    with pytest.raises(PrivateAPIChanged, match="FSDP1 FlatParameter.*runtime/compat.py"):
+    with pytest.raises(PrivateAPIChanged, match="FSDP1 FlatParameter.*runtime/compat/"):
         fsdp1_layout(_fake_unit(0, **change))
 
 
@@ -103,3 +103,33 @@ def test_reduce_scatter_interface_check(monkeypatch) -> None:
     monkeypatch.setattr(_fsdp_api.ReduceScatter, "__call__", changed)
     with pytest.raises(PrivateAPIChanged, match="stream"):
         compat.check_fsdp2_comm_interface.__wrapped__("FSDP2", "ReduceScatter")
+
+
+def test_nf4_method_routing_fails_loudly_when_torchao_computes_otherwise() -> None:
+    """A torchao whose NF4 method gives other values than shardtune's replacement (or lost it) fails by
+    name at import, instead of quantizing differently."""
+
+    class NF4Tensor:
+        def get_original_weight(self):
+            return 1
+
+    module = SimpleNamespace(NF4Tensor=NF4Tensor)
+    with pytest.raises(PrivateAPIChanged, match="NF4Tensor.get_original_weight: it gives other values"):
+        compat.route_nf4_method(module, "get_original_weight", lambda self: 2, lambda original: False)
+    assert NF4Tensor().get_original_weight() == 1  # left as torchao wrote it
+    with pytest.raises(PrivateAPIChanged, match="NF4Tensor.quantize_tensor_nearest: it does not exist"):
+        compat.route_nf4_method(module, "quantize_tensor_nearest", lambda v, lut: v, lambda original: True)
+    compat.route_nf4_method(module, "get_original_weight", lambda self: 2, lambda original: original(None) == 1)
+    assert NF4Tensor().get_original_weight() == 2 and NF4Tensor()._torchao_get_original_weight() == 1
+
+
+def test_a_shadowed_parameter_computes_in_its_copy_and_its_gradient_reaches_the_parameter() -> None:
+    compat.check_parameter_shadowing.__wrapped__()  # this torch: an instance attribute shadows a parameter
+    layer = torch.nn.Linear(4, 3, bias=False)
+    compat.shadow_parameter(layer, "weight", torch.float64)
+    out = layer(torch.ones(2, 4, dtype=torch.float64))
+    assert out.dtype == torch.float64 and layer.weight.dtype == torch.float64
+    out.sum().backward()
+    compat.unshadow_parameter(layer, "weight")
+    assert layer.weight is layer._parameters["weight"] and layer.weight.grad.dtype == torch.float32
+    assert torch.equal(layer.weight.grad, torch.full((3, 4), 2.0))

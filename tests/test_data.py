@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from shardtune.runplan import BatchError, BatchPlan
+from shardtune.runplan import BatchError, BatchSplit
 from shardtune.train.data.batch import Batcher, Layout, Sampler, collate
 from shardtune.train.data.read import read_records
 from shardtune.train.data.records import IGNORE, DataError, Example
@@ -182,33 +182,33 @@ def test_bad_records_name_file_and_line(tmp_path, record, message):
 # --- batch plan ---------------------------------------------------------------------------------
 
 def test_batch_plan_default_micro_batch_and_accumulation():
-    plan = BatchPlan.make(8, None, 2)
+    plan = BatchSplit.of(8, None, 2)
     assert (plan.micro_batch_size, plan.accumulation) == (4, 1)
-    plan = BatchPlan.make(8, 2, 2)
+    plan = BatchSplit.of(8, 2, 2)
     assert (plan.micro_batch_size, plan.accumulation) == (2, 2)
-    plan = BatchPlan.make(12, 1, 3)
+    plan = BatchSplit.of(12, 1, 3)
     assert plan.accumulation == 4
     assert plan.micro_batch_size * plan.world_size * plan.accumulation == plan.batch_size
 
 
 def test_batch_plan_rejects_batch_not_divisible_by_ranks():
     with pytest.raises(BatchError, match=r"--batch-size 8 .* multiple of the 3 ranks"):
-        BatchPlan.make(8, None, 3)
+        BatchSplit.of(8, None, 3)
 
 
 @pytest.mark.parametrize("batch, micro, ranks", [(8, 3, 2), (8, 8, 2), (12, 5, 2)])
 def test_batch_plan_rejects_micro_batch_that_does_not_divide(batch, micro, ranks):
     with pytest.raises(BatchError, match=rf"micro-batches of {micro} on {ranks} ranks") as err:
-        BatchPlan.make(batch, micro, ranks)
+        BatchSplit.of(batch, micro, ranks)
     # The suggested micro-batch size really works.
     suggested = int(str(err.value).rsplit("--micro-batch-size ", 1)[1].rstrip(")"))
-    BatchPlan.make(batch, suggested, ranks)
+    BatchSplit.of(batch, suggested, ranks)
 
 
 # --- sampler ------------------------------------------------------------------------------------
 
 def test_sampler_is_deterministic_per_seed():
-    plan = BatchPlan.make(4, 2, 2)
+    plan = BatchSplit.of(4, 2, 2)
     a, b, c = Sampler(10, plan, 0), Sampler(10, plan, 0), Sampler(10, plan, 1)
     steps = range(12)
     assert [a.global_batch(s) for s in steps] == [b.global_batch(s) for s in steps]
@@ -220,7 +220,7 @@ def test_sampler_is_deterministic_per_seed():
 
 @pytest.mark.parametrize("n, batch", [(10, 4), (12, 4), (7, 3), (3, 8)])
 def test_each_epoch_is_a_permutation(n, batch):
-    sampler = Sampler(n, BatchPlan.make(batch, 1, 1), seed=3)
+    sampler = Sampler(n, BatchSplit.of(batch, 1, 1), seed=3)
     stream = [i for step in range(5 * n) for i in sampler.global_batch(step)]
     epochs = [stream[e * n:(e + 1) * n] for e in range(len(stream) // n)]
     assert len(epochs) >= 4
@@ -231,7 +231,7 @@ def test_each_epoch_is_a_permutation(n, batch):
 
 @pytest.mark.parametrize("batch, micro, ranks", [(8, None, 2), (8, 2, 2), (12, 1, 3), (6, 3, 1)])
 def test_micro_batches_over_ranks_partition_the_global_batch(batch, micro, ranks):
-    plan = BatchPlan.make(batch, micro, ranks)
+    plan = BatchSplit.of(batch, micro, ranks)
     sampler = Sampler(20, plan, seed=5)
     for step in range(7):
         pieces = [sampler.micro_batches(step, r) for r in range(ranks)]

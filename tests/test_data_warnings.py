@@ -21,7 +21,7 @@ def model_dir(tmp_path_factory):
 def test_one_record_with_batch_8_and_an_unknown_role_are_named_before_launch(model_dir, tmp_path, caplog,
                                                                               monkeypatch):
     launched = []
-    monkeypatch.setattr(shardtune.launch, "launch", lambda cfg, plan: launched.append(cfg) or {})
+    monkeypatch.setattr(shardtune.launch, "launch", lambda cfg, plan, asked=None: launched.append(cfg) or {})
     chat = {"messages": [{"role": "wizard", "content": "abracadabra"}, {"role": "assistant", "content": "poof"}]}
     data = write_jsonl(tmp_path / "one.jsonl", [chat])
     caplog.set_level(logging.WARNING, logger="shardtune")

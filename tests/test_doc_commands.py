@@ -95,7 +95,7 @@ def test_documented_plan_and_finetune_commands_run(page, command, sandbox, monke
     assert argv[0] == "finetune" or _runnable(argv, sandbox), f"{page}: `{command}` names a file the repo lacks"
     launched = []
 
-    def launch(cfg, plan):  # preflight passed: the workers would start now
+    def launch(cfg, plan, asked=None):  # preflight passed: the workers would start now
         launched.append(plan)
         return {}
 

@@ -183,14 +183,14 @@ def test_planner_predicts_the_measured_peak(launcher_runs, run):
     alone would pass whatever the model of the step says. What the run adds on top of it (the model,
     the step, and the fixed cost of training) must be within 10 %, as the data's rows are sized."""
     from shardtune.config import build_config
-    from shardtune.plan import plan
+    from shardtune.train.choice import strategy_rows
     from shardtune.train.memory_model import runtime_cpu_mb
     from shardtune.train.training_data import training_lengths
 
     runs, summaries = launcher_runs
     options, summary, strategy = runs[run], summaries[run], run.split("-")[0]
     cfg = build_config({k: v for k, v in options.items() if k != "out"})
-    prediction = plan(cfg, lengths=training_lengths(cfg))[strategy][0]
+    prediction = strategy_rows(cfg, lengths=training_lengths(cfg))[strategy][0]
     predicted = prediction.peak_mb - runtime_cpu_mb()
     measured = max(peak - before for peak, before in zip(summary["train_peak_mb"], summary["runtime_mb"]))
     print(f"\n{run}: planner {predicted:.1f} MB above the process before loading, measured {measured:.1f} MB "

@@ -107,7 +107,7 @@ def test_finetune_with_fp16_passes_preflight_for_every_strategy(setup_dir, monke
 
     launched = []
 
-    def launch(cfg, plan):
+    def launch(cfg, plan, asked=None):
         launched.append((cfg.model.dtype, plan.strategy))
         return {}
 

@@ -22,7 +22,7 @@ from shardtune.model.lora import count_params, inject_lora
 from shardtune.model.meta import build_meta_model
 from shardtune.model.structure import layer_classes
 from shardtune.parallel.fsdp1 import FSDP1, boxes
-from shardtune.parallel.wrap_policy import NonUniformModuleError, plan_units, uniform_requires_grad_policy
+from shardtune.parallel.wrap_policy import NonUniformModuleError, uniform_requires_grad_policy, wrap_units
 from shardtune.runtime.distributed import Worker
 
 from dist_utils import run_ranks
@@ -70,7 +70,7 @@ def unit_params(model: nn.Module, units: dict[str, nn.Module]) -> dict[str, list
 def test_every_unit_is_uniform(model_dirs, case, dtype):
     arch, _, options = POLICY_CASES[case]
     model, _ = meta_lora(model_dirs[arch], options, dtype)
-    units = plan_units(model)
+    units = wrap_units(model)
     for name, params in unit_params(model, units).items():
         assert len({(p.requires_grad, p.dtype) for p in params}) <= 1, name
     layers = [n for n, m in units.items() if type(m) in layer_classes(model)]
@@ -91,11 +91,11 @@ def test_trainable_bias_on_frozen_weight_is_a_clear_error(model_dirs, arch, bias
     model, _ = meta_lora(model_dirs[arch], {"bias": bias})
     if module is None:
         assert not [n for n, p in model.named_parameters() if p.requires_grad and n.endswith("bias")]
-        for name, params in unit_params(model, plan_units(model)).items():
+        for name, params in unit_params(model, wrap_units(model)).items():
             assert len({(p.requires_grad, p.dtype) for p in params}) <= 1, name
         return
     with pytest.raises(NonUniformModuleError, match=module + r": frozen .*\['weight'\], trainable .*\['bias'\]"):
-        plan_units(model)
+        wrap_units(model)
     cpu = Worker(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
     with pytest.raises(ConfigError, match="--lora-bias none, or --strategy fsdp2"):
         FSDP1(cpu, torch.float32, cpu_offload=False).shard(model)
@@ -124,7 +124,7 @@ def test_any_tree_without_names():
     for block in net.blocks:
         block.norm.requires_grad_(True)
         block.adapter.requires_grad_(True)
-    units = plan_units(net)
+    units = wrap_units(net)
     assert {type(net.blocks[0])} == {type(units[f"blocks.{i}"]) for i in range(3)}  # found as repeated blocks
     assert "blocks.0.norm" in units and "blocks.0.adapter" in units  # one unit for the whole adapter
     for name, params in unit_params(net, units).items():
@@ -132,14 +132,14 @@ def test_any_tree_without_names():
 
     net.blocks[1].proj.bias.requires_grad_(True)
     with pytest.raises(NonUniformModuleError, match=re.escape("blocks.1.proj (Linear)")):
-        plan_units(net)
+        wrap_units(net)
 
 
 def test_container_parameters_belong_to_the_module_that_runs():
     net = Net()
     net.requires_grad_(False)
     net.blocks[0].scales.requires_grad_(True)  # a ParameterDict is never called: its Block is the unit
-    units = plan_units(net, layer_classes=[])
+    units = wrap_units(net, layer_classes=[])
     assert "blocks.0" in units and "blocks.0.scales" not in units
     for name, params in unit_params(net, units).items():
         assert len({p.requires_grad for p in params}) <= 1, name
@@ -214,7 +214,7 @@ def _one_case(rank: int, world: int, dist_: Worker, path: Path, options: dict) -
     out["trainable_bytes"] = count_params(model)[1] * 4
     strategy = FSDP1(dist_, torch.float32, cpu_offload=False)
     snapshot = take_snapshot(model, init)
-    model = parallelize(model, strategy, lambda m, targets: load(m, model_dir, dist_.device, snapshot, targets), False)
+    model = parallelize(model, strategy, lambda m: load(m, model_dir, dist_.device, snapshot, strategy), False)
     ids = torch.randint(0, VOCAB, (2 * world, 12), generator=torch.Generator().manual_seed(1))
     model.eval()
     with torch.no_grad():

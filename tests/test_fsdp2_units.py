@@ -16,10 +16,11 @@ def gathered_after_forward_and_backward(rank: int, world_size: int, model_dir: s
     from shardtune.model.structure import decoder_layers
     from shardtune.parallel.sharded_model import build_model
     from shardtune.runtime import distributed
+    from shardtune.train.resolve import resolve_on
 
     worker = distributed.init_worker()
     cfg = build_config({"model": model_dir, "dtype": "fp32", "strategy": "fsdp2", "fsdp-unit": unit, "seed": 3})
-    model = build_model(cfg, worker).model.train()
+    model = build_model(cfg, worker, resolve_on(worker, cfg, batches=False)).model.train()
     layers = decoder_layers(model)
 
     def gathered() -> list[bool]:  # a resharded unit registers its DTensor shards, a gathered one plain tensors
@@ -50,11 +51,12 @@ def gradients_three_ways(rank: int, world_size: int, model_dir: str) -> dict:
     from shardtune.model.structure import decoder_layers
     from shardtune.parallel.sharded_model import build_model
     from shardtune.runtime import distributed
+    from shardtune.train.resolve import resolve_on
 
     worker = distributed.init_worker()
     cfg = build_config({"model": model_dir, "dtype": "fp32", "strategy": "fsdp2", "fsdp-unit": "layer", "seed": 3,
                         "lora-targets": "all-linear"})
-    built = build_model(cfg, worker)
+    built = build_model(cfg, worker, resolve_on(worker, cfg, batches=False))
     model, strategy = built.model.train(), built.strategy
     params = strategy.trainable(model)
     ids = torch.arange(16).reshape(1, 16) * (rank + 1) % 200

@@ -89,11 +89,11 @@ def test_planner_cuda_terms_against_measured_reserved(root):
     """What limits a GPU is reserved memory (allocated + the caching allocator's free blocks)."""
     import shardtune
     from shardtune.config import build_config
-    from shardtune.plan import plan
+    from shardtune.train.choice import strategy_rows
 
     options = _options(root, "planned", strategy="fsdp2", nproc=1, **{"seq-len": 256, "micro-batch-size": 8})
     summary = shardtune.finetune(options)
-    prediction = plan(build_config(options))["fsdp2"][0]
+    prediction = strategy_rows(build_config(options))["fsdp2"][0]
     predicted = prediction.peak_mb - prediction.terms["runtime"]  # the CUDA context is outside torch's counters
     reserved = summary["cuda_max_reserved_mb"]["train"][0]
     # A tiny model: allocator rounding (2 MB blocks) weighs more than in a real one; a loose band.

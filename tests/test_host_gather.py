@@ -8,11 +8,13 @@ import time
 import pytest
 import torch
 
+from shardtune.runtime import cpu_tuning
+
 from dist_utils import run_ranks
 from tiny import make_model
 
 host_gather = pytest.importorskip("shardtune.parallel.host_gather")
-pytestmark = pytest.mark.skipif(not host_gather.supported(), reason="needs Linux memfd on an x86 CPU")
+pytestmark = pytest.mark.skipif(not cpu_tuning.shared_gather_supported(), reason="needs Linux memfd on an x86 CPU")
 
 
 def gathers(rank: int, world_size: int, other_host_rank: int | None = None) -> dict:
@@ -96,10 +98,11 @@ def fsdp2_gradients(rank: int, world_size: int, model_dir: str) -> dict:
     from shardtune.config import build_config
     from shardtune.parallel.sharded_model import build_model
     from shardtune.runtime import distributed
+    from shardtune.train.resolve import resolve_on
 
     worker = distributed.init_worker()
     cfg = build_config({"model": model_dir, "dtype": "fp32", "strategy": "fsdp2", "fsdp-unit": "layer", "seed": 3})
-    built = build_model(cfg, worker)
+    built = build_model(cfg, worker, resolve_on(worker, cfg, batches=False))
     model, strategy = built.model.train(), built.strategy
     ids = torch.arange(16).reshape(1, 16) * (rank + 1) % 200
     model(input_ids=ids, labels=ids).loss.backward()
@@ -124,9 +127,9 @@ def test_fsdp2_gathers_through_shared_memory_with_the_same_gradients(tmp_path, m
             assert torch.equal(s["grads"][name], grad), name
     # The planner's "buffers" term is what the run really kept in shared gather buffers (not a formula restated)
     from shardtune.config import build_config
-    from shardtune.plan import plan
+    from shardtune.train.choice import strategy_rows
 
     cfg = build_config({"model": model_dir, "dtype": "fp32", "strategy": "fsdp2", "fsdp-unit": "layer", "nproc": 2})
     monkeypatch.delenv("SHARDTUNE_SHARED_GATHER")
     kept = sum(nbytes * n for nbytes, (_, n) in shared[0]["pools"].items())
-    assert plan(cfg, 1 << 40)["fsdp2"][0].terms["buffers"] * 2**20 == pytest.approx(kept, rel=0.05)
+    assert strategy_rows(cfg, 1 << 40)["fsdp2"][0].terms["buffers"] * 2**20 == pytest.approx(kept, rel=0.05)

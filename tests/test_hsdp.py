@@ -149,7 +149,7 @@ def test_resume_command_names_the_node():
 
 def test_hsdp_options_are_checked_and_the_planner_shards_within_a_group(root):
     from shardtune.config import ConfigError, build_config, validate
-    from shardtune.plan import plan
+    from shardtune.train.choice import strategy_rows
 
     with pytest.raises(ConfigError, match="'replicate-groups': 3 groups do not divide the 4 ranks"):
         validate(build_config({"model": "m", "data": "d", "out": "o", "nproc": 4, "replicate-groups": 3}))
@@ -158,8 +158,8 @@ def test_hsdp_options_are_checked_and_the_planner_shards_within_a_group(root):
                                "strategy": "ddp"}))
     nodes = {"model": str(root / "model"), "data": "d", "out": "o", "nproc": 2, "nnodes": 2, "node-rank": 0,
              "rdzv-endpoint": "h:1"}
-    fsdp = plan(build_config(nodes), 1 << 40)
-    hsdp = plan(build_config({**nodes, "replicate-groups": 2}), 1 << 40)
+    fsdp = strategy_rows(build_config(nodes), 1 << 40)
+    hsdp = strategy_rows(build_config({**nodes, "replicate-groups": 2}), 1 << 40)
     for strategy in ("fsdp2", "fsdp1"):
         plain, hybrid = fsdp[strategy][0], hsdp[strategy][0]
         assert (plain.ranks, hybrid.ranks) == (4, 2)  # a rank holds 1/4 of the weights, or 1/2 of them under HSDP

@@ -33,12 +33,20 @@ def _flags(root: Path, out: str) -> list[str]:
 
 def test_worker_exception_names_the_rank_and_stops_the_others(monkeypatch):
     from shardtune.config import ParallelConfig
-    from shardtune.runtime.workers import WorkerError, launch_workers
+    from shardtune.runtime.cpu_tuning import worker_threads
+    from shardtune.runtime.worker_failures import WorkerError
+    from shardtune.runtime.workers import launch_workers
 
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    for name in ("OMP_NUM_THREADS", "PYTHONUNBUFFERED", "GLIBC_TUNABLES"):
+        monkeypatch.delenv(name, raising=False)
+    before = dict(os.environ)
     started = time.monotonic()
-    with pytest.raises(WorkerError, match=r"rank 1 failed.*rank one broke on purpose"):
+    with pytest.raises(WorkerError, match=r"rank 1 failed.*rank one broke on purpose") as failed:
         launch_workers(ParallelConfig(nproc=2), "failing_worker", [])
+    # the workers get their share of the cores; the caller (a notebook, say) keeps its environment
+    assert f"OMP_NUM_THREADS={worker_threads(2)})" in str(failed.value)
+    assert dict(os.environ) == before
     # Rank 0 sat in a barrier: the launcher, not the collective timeout, ended it. The time is the
     # guarantee here; the bound is generous, for a busy 2-core machine.
     assert time.monotonic() - started < COLLECTIVE_TIMEOUT.total_seconds() / 2
@@ -48,7 +56,7 @@ def test_a_rank_that_only_lost_its_peer_is_not_named_the_cause(tmp_path):
     """Both ranks fail in the same second without error files: stderr shows which one lost a peer."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-    from shardtune.runtime.workers import _describe
+    from shardtune.runtime.worker_failures import describe
 
     errors = {0: "RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:11162",
               1: "RuntimeError: rank one broke on purpose"}
@@ -60,11 +68,11 @@ def test_a_rank_that_only_lost_its_peer_is_not_named_the_cause(tmp_path):
         failures[rank] = ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=1,
                                         error_file=str(tmp_path / "none.json"))
         failures[rank].timestamp = 1_700_000_000
-    message = str(_describe(ChildFailedError("worker", failures), tmp_path))
+    message = str(describe(ChildFailedError("worker", failures), tmp_path))
     assert message.startswith("rank 1 failed (exit code 1): RuntimeError: rank one broke on purpose"), message
 
 
-def test_two_nodes_on_loopback_and_torchrun_give_the_single_node_adapter(tiny):
+def test_two_nodes_on_loopback_and_torchrun_give_the_single_node_adapter(tiny, monkeypatch):
     from safetensors.torch import load_file
 
     import shardtune
@@ -84,8 +92,12 @@ def test_two_nodes_on_loopback_and_torchrun_give_the_single_node_adapter(tiny):
     assert [p.returncode for p in procs] == [0, 0, 0], logs
     assert logs[2].count("train_loss_last") == 1, logs[2]  # rank 0 alone prints the result
     assert not (tiny / "node0" / ".lock").exists() and not (tiny / "torchrun" / ".lock").exists()
+    for name in ("OMP_NUM_THREADS", "PYTHONUNBUFFERED", "GLIBC_TUNABLES"):
+        monkeypatch.delenv(name, raising=False)
+    before = dict(os.environ)
     summary = shardtune.finetune(_options(tiny, "one-node"), nproc=2)
     assert summary["world_size"] == 2
+    assert dict(os.environ) == before  # nothing set for the workers stays in the caller's process
     one = load_file(tiny / "one-node" / "adapter" / "adapter_model.safetensors")
     for out in ("node0", "torchrun"):
         other = load_file(tiny / out / "adapter" / "adapter_model.safetensors")

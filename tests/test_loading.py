@@ -26,12 +26,13 @@ def load_on_ranks(rank: int, world_size: int, model_dirs: list[str], strategy: s
     from shardtune.config import build_config
     from shardtune.parallel.sharded_model import build_model
     from shardtune.runtime import distributed
+    from shardtune.train.resolve import resolve_on
 
     worker = distributed.init_worker()
     results = {}
     for d in model_dirs:
         cfg = build_config({"model": d, "dtype": "fp32", "strategy": strategy, "seed": 3})
-        built = build_model(cfg, worker)
+        built = build_model(cfg, worker, resolve_on(worker, cfg, batches=False))
         # before forward: FSDP2 keeps the root unit gathered after it (reshard_after_forward=False)
         local_numel = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
                           for p in built.model.parameters())

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from shardtune.runtime.memory import HUGE_PAGES, worker_malloc_env
+from shardtune.runtime.cpu_tuning import HUGE_PAGES, worker_malloc_env
 
 
 def test_cpu_workers_get_huge_pages_and_gpu_workers_nothing():

@@ -1,4 +1,4 @@
-"""Every numeric option's range is declared in the schema (config.py) and checked there, through the CLI.
+"""Every numeric option's range is declared in the schema (config/options.py) and checked there, through the CLI.
 
 A value out of range ends with exit code 2 and one message naming the option, before any worker
 starts and before any optimizer, tokenizer or torch constructor sees it. The meta-test fails when
@@ -16,11 +16,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shardtune.cli import main
-from shardtune.config import FLAGS, Range, _field_type
+from shardtune.config import FLAGS, Range, field_type
 
 pytestmark = pytest.mark.usefixtures("no_workers")
 
-NUMERIC = {flag: f for flag, (_, f) in FLAGS.items() if _field_type(f) in (int, float)}
+NUMERIC = {flag: f for flag, (_, f) in FLAGS.items() if field_type(f) in (int, float)}
 
 
 def test_every_numeric_option_declares_its_range():
@@ -33,7 +33,7 @@ def _outside(flag: str) -> st.SearchStrategy:
     """Values just and far outside ``flag``'s range, of the option's own type (the ends included when open)."""
     f = NUMERIC[flag]
     allowed: Range = f.metadata["range"]
-    integer = _field_type(f) is int
+    integer = field_type(f) is int
     sides = []
     if allowed.low is not None:
         sides.append(st.integers(-10**12, math.ceil(allowed.low)) if integer else st.floats(-1e12, allowed.low))
@@ -102,7 +102,8 @@ def test_more_cpu_workers_than_cores_warns(caplog, tmp_path, tiny_llama, train_j
 
     import shardtune.launch
 
-    monkeypatch.setattr(shardtune.launch, "launch", lambda cfg, plan: {})  # the checks' verdict is all this needs
+    # the checks' verdict is all this needs
+    monkeypatch.setattr(shardtune.launch, "launch", lambda cfg, plan, asked=None: {})
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     code = main(["finetune", "--model", str(tiny_llama), "--data", str(train_jsonl), "--out", str(tmp_path / "o"),
                  "--device", "cpu", "--nproc", "4", "--batch-size", "4", "--steps", "1"])

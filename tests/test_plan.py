@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from shardtune import cli
-from shardtune.config import ConfigError, build_config, parse_size
+from shardtune.config import STRATEGIES, ConfigError, build_config, parse_size
+from shardtune.memory_table import as_json
 from shardtune.model.footprint import model_facts
-from shardtune.plan import as_json, plan
-from shardtune.train.memory_model import MB, STRATEGIES, TERMS, predict
+from shardtune.train.choice import strategy_rows
+from shardtune.train.memory_model import MB, TERMS, Setting, predict
 
 from tiny import make_model
 
@@ -45,7 +46,7 @@ def test_parse_size_units() -> None:
 
 
 def test_terms_add_up_and_json_keys(model_dir: Path) -> None:
-    predictions = plan(_cfg(model_dir), memory_per_rank=1 << 40)
+    predictions = strategy_rows(_cfg(model_dir), memory_per_rank=1 << 40)
     doc = as_json(predictions)
     assert list(doc) == list(STRATEGIES)
     for entry in doc.values():
@@ -61,18 +62,18 @@ def test_terms_add_up_and_json_keys(model_dir: Path) -> None:
 
 def test_fits_follows_memory_per_rank(model_dir: Path) -> None:
     cfg = _cfg(model_dir)
-    peak = _first(plan(cfg, memory_per_rank=1 << 40), "fsdp2").peak_mb
-    tight = plan(cfg, memory_per_rank=int((peak - 0.01) * MB))
-    roomy = plan(cfg, memory_per_rank=int((peak + 0.01) * MB))
+    peak = _first(strategy_rows(cfg, memory_per_rank=1 << 40), "fsdp2").peak_mb
+    tight = strategy_rows(cfg, memory_per_rank=int((peak - 0.01) * MB))
+    roomy = strategy_rows(cfg, memory_per_rank=int((peak + 0.01) * MB))
     assert _first(tight, "fsdp2").fits is False and _first(roomy, "fsdp2").fits is True
     # every strategy's row is judged by its own peak
-    single = _first(plan(cfg, memory_per_rank=1 << 40), "single").peak_mb
-    assert _first(plan(cfg, memory_per_rank=int((single - 0.01) * MB)), "single").fits is False
-    assert _first(plan(cfg, memory_per_rank=int((single + 0.01) * MB)), "single").fits is True
+    single = _first(strategy_rows(cfg, memory_per_rank=1 << 40), "single").peak_mb
+    assert _first(strategy_rows(cfg, memory_per_rank=int((single - 0.01) * MB)), "single").fits is False
+    assert _first(strategy_rows(cfg, memory_per_rank=int((single + 0.01) * MB)), "single").fits is True
 
 
 def test_more_ranks_shrink_the_shard_terms(model_dir: Path) -> None:
-    by_ranks = {n: plan(_cfg(model_dir, nproc=n, dtype="fp32"), 1 << 40) for n in (1, 2, 4)}
+    by_ranks = {n: strategy_rows(_cfg(model_dir, nproc=n, dtype="fp32"), 1 << 40) for n in (1, 2, 4)}
     weights = [_first(by_ranks[n], "fsdp2").terms["weights"] for n in (1, 2, 4)]
     assert weights[0] > weights[1] > weights[2]
     # against the checkpoint itself (fp32, as stored; LoRA is not in it): the bytes of its tensors
@@ -87,13 +88,13 @@ def test_more_ranks_shrink_the_shard_terms(model_dir: Path) -> None:
 
 
 def test_checkpointing_cuts_activations_and_longer_sequences_cost_more(model_dir: Path) -> None:
-    predictions = plan(_cfg(model_dir), 1 << 40)
+    predictions = strategy_rows(_cfg(model_dir), 1 << 40)
     for strategy in ("fsdp2", "ddp"):
         plain = next(p for p in predictions[strategy] if not p.activation_checkpointing)
         ckpt = next(p for p in predictions[strategy] if p.activation_checkpointing)
         assert ckpt.peak_mb < plain.peak_mb
         assert ckpt.terms["activations"] < plain.terms["activations"] + plain.terms["logits"]
-    short = _first(plan(_cfg(model_dir, **{"seq-len": 32}), 1 << 40), "fsdp2")
+    short = _first(strategy_rows(_cfg(model_dir, **{"seq-len": 32}), 1 << 40), "fsdp2")
     long = _first(predictions, "fsdp2")
     # saved tensors grow linearly with tokens (the CPU attention kernel keeps no T × T matrix)
     ratio = (long.terms["activations"]) / (short.terms["activations"])
@@ -101,10 +102,9 @@ def test_checkpointing_cuts_activations_and_longer_sequences_cost_more(model_dir
 
 
 def test_offload_moves_shards_off_the_gpu(model_dir: Path) -> None:
-    facts = model_facts(_cfg(model_dir, dtype="bf16"), {1}, {torch.bfloat16}, torch.device("cpu"))
-    cuda = torch.device("cuda", 0)  # predict() only reads the device's type
-    kept = predict(facts, "fsdp2", 2, 1, 64, ac=False, offload=False, device=cuda)
-    offloaded = predict(facts, "fsdp2", 2, 1, 64, ac=False, offload=True, device=cuda)
+    facts = model_facts(_cfg(model_dir, dtype="bf16"), torch.device("cpu"))
+    kept = predict(facts, Setting("fsdp2", 2, 1, 64), "cuda")
+    offloaded = predict(facts, Setting("fsdp2", 2, 1, 64, cpu_offload=True), "cuda")
     # FSDP2's row-sharded embedding tables are no FSDP parameters: their shards stay on the GPU
     assert facts.tables_by_rows == {"embed": True, "head": True} and facts.head_bytes > 0  # untied, both by rows
     tables = (facts.embed_bytes + facts.head_bytes) / 2 / MB
@@ -112,25 +112,25 @@ def test_offload_moves_shards_off_the_gpu(model_dir: Path) -> None:
     assert offloaded.peak_mb < kept.peak_mb
     moved = kept.terms["weights"] + kept.terms["lora"] + kept.terms["grads"] + kept.terms["optimizer"] - tables
     assert offloaded.host_mb == pytest.approx(moved)  # moved, not lost
-    fsdp1 = predict(facts, "fsdp1", 2, 1, 64, ac=False, offload=True, device=cuda)
+    fsdp1 = predict(facts, Setting("fsdp1", 2, 1, 64, cpu_offload=True), "cuda")
     assert fsdp1.terms["weights"] == 0  # FSDP1 offloads every flat parameter, the tables' too
     assert offloaded.terms["blocks"] == kept.terms["blocks"]  # gathering still happens on the GPU
-    on_cpu = predict(facts, "fsdp2", 2, 1, 64, ac=False, offload=True, device=torch.device("cpu"))
+    on_cpu = predict(facts, Setting("fsdp2", 2, 1, 64, cpu_offload=True), "cpu")
     assert on_cpu.terms["weights"] > 0 and "nothing" in on_cpu.note
 
 
 def test_tied_model_keeps_its_root(tmp_path: Path) -> None:
     tied = make_model(tmp_path / "tied", "llama", tied=True)
-    predictions = plan(_cfg(tied), 1 << 40)
+    predictions = strategy_rows(_cfg(tied), 1 << 40)
     # FSDP1 keeps its root unit (the tied table, the final norm) unsharded for the whole step
     assert _first(predictions, "fsdp1").terms["root"] > 0
     # FSDP2 uses the tied table from its row shards: the shard is in the weights, not gathered at the peak
-    untied = plan(_cfg(make_model(tmp_path / "untied", "llama", tied=False)), 1 << 40)
+    untied = strategy_rows(_cfg(make_model(tmp_path / "untied", "llama", tied=False)), 1 << 40)
     assert 0 < _first(predictions, "fsdp2").terms["weights"] < _first(untied, "fsdp2").terms["weights"]
 
 
 def test_impossible_batch_is_reported_per_strategy(model_dir: Path) -> None:
-    predictions = plan(_cfg(model_dir, nproc=3), 1 << 40)  # batch 4 cannot split over 3 ranks
+    predictions = strategy_rows(_cfg(model_dir, nproc=3), 1 << 40)  # batch 4 cannot split over 3 ranks
     assert not _first(predictions, "fsdp2").terms and "multiple" in _first(predictions, "fsdp2").note
     assert _first(predictions, "single").terms
 
@@ -218,14 +218,14 @@ def test_runtime_counts_scikit_learn_where_transformers_imports_it_eagerly(monke
 def test_cpu_fsdp2_counts_the_shared_gather_buffers(model_dir: Path, monkeypatch, unit: str) -> None:
     """On CPU FSDP2 gathers into two shared buffers per unit size, kept for the run (host_gather.py);
     with them off (or on one rank) there are none, and a gather costs its private buffer instead."""
-    from shardtune.parallel import host_gather
+    from shardtune.runtime import cpu_tuning
 
-    facts = model_facts(_cfg(model_dir, dtype="bf16"), {1}, {torch.bfloat16}, torch.device("cpu"))
+    facts = model_facts(_cfg(model_dir, dtype="bf16"), torch.device("cpu"))
     units = facts.units_bytes if unit == "part" else [facts.block_bytes]
 
     def buffers(shared: bool, ranks: int = 2) -> float:
-        monkeypatch.setattr(host_gather, "enabled", lambda: shared)
-        return predict(facts, "fsdp2", ranks, 1, 64, False, False, torch.device("cpu"), unit=unit).terms["buffers"]
+        monkeypatch.setattr(cpu_tuning, "shared_gather_enabled", lambda: shared)
+        return predict(facts, Setting("fsdp2", ranks, 1, 64, fsdp_unit=unit), "cpu").terms["buffers"]
 
     # how big they are is checked against a real run's buffers (test_host_gather.py); here: when they exist
     assert buffers(True) >= max(units) / MB > 0
@@ -278,7 +278,7 @@ def test_gpu_budget_is_the_free_memory_less_a_stated_margin(monkeypatch) -> None
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     budget.gpu_memory.cache_clear()
     try:
-        size, where = default_budget(2, torch.device("cuda", 0))
+        size, where = default_budget(2, "cuda")
         assert asked == [[0, 1]]
         assert size == 45 * GiB  # the tightest GPU's free memory, less 10% of it
         assert where == "free GPU memory 50 GiB of 80 GiB, less a 10% margin of 5 GiB for fragmentation"
@@ -286,7 +286,7 @@ def test_gpu_budget_is_the_free_memory_less_a_stated_margin(monkeypatch) -> None
         budget.gpu_memory.cache_clear()
         monkeypatch.setenv("LOCAL_RANK", "1")
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i: (70 * GiB, 80 * GiB) if i == 1 else context_here())
-        assert default_budget(2, torch.device("cuda", 1))[0] == 63 * GiB and asked == [[0, 1]]
+        assert default_budget(2, "cuda")[0] == 63 * GiB and asked == [[0, 1]]
     finally:
         budget.gpu_memory.cache_clear()
 
@@ -301,10 +301,9 @@ def test_gpu_budget_that_cannot_be_read_says_to_give_memory_per_rank() -> None:
 def test_gpu_runtime_counts_the_cuda_context_and_nccls_buffers(model_dir: Path) -> None:
     from shardtune.train.memory_model import CUDA_CONTEXT_MB, NCCL_COMM_MB
 
-    facts = model_facts(_cfg(model_dir, dtype="bf16"), {1}, {torch.bfloat16}, torch.device("cpu"))
-    cuda = torch.device("cuda", 0)
-    runtime = {(strategy, ranks, groups): predict(facts, strategy, ranks, 1, 64, False, False, cuda,
-                                                  groups).terms["runtime"]
+    facts = model_facts(_cfg(model_dir, dtype="bf16"), torch.device("cpu"))
+    runtime = {(strategy, ranks, groups): predict(facts, Setting(strategy, ranks, 1, 64, replicate_groups=groups),
+                                                  "cuda").terms["runtime"]
                for strategy, ranks, groups in [("single", 1, 1), ("fsdp2", 1, 1), ("fsdp2", 2, 1), ("ddp", 2, 1),
                                                ("fsdp2", 4, 2), ("fsdp1", 4, 2)]}
     assert runtime[("single", 1, 1)] == runtime[("fsdp2", 1, 1)] == CUDA_CONTEXT_MB  # one rank: no NCCL buffers

@@ -82,9 +82,11 @@ def test_fast_code_search_gives_torchaos_codes_bit_for_bit(dtype):
 def _local_nf4(rank: int, world_size: int, options: dict) -> dict:
     from shardtune.parallel.sharded_model import build_model
     from shardtune.runtime import distributed
+    from shardtune.train.resolve import resolve_on
 
     worker = distributed.init_worker()
-    built = build_model(build_config(options), worker)
+    cfg = build_config(options)
+    built = build_model(cfg, worker, resolve_on(worker, cfg, batches=False))
     out = {}
     for name, p in built.model.named_parameters():
         if nf4_fill.is_nf4(p):
@@ -222,7 +224,7 @@ def test_bad_quantize_options_are_refused_before_loading(monkeypatch):
 
 
 def test_plan_counts_nf4_and_plans_for_cuda_from_a_config_json_alone(tmp_path):
-    from shardtune.plan import plan
+    from shardtune.train.choice import strategy_rows
     from shardtune.train.memory_model import CUDA_CONTEXT_MB, NCCL_COMM_MB
 
     make_model(tmp_path / "full", "llama", hidden=64)
@@ -230,8 +232,8 @@ def test_plan_counts_nf4_and_plans_for_cuda_from_a_config_json_alone(tmp_path):
     only.mkdir()
     (only / "config.json").write_text((tmp_path / "full" / "config.json").read_text())
     options = {"model": str(only), "nproc": 2, "batch-size": 2, "seq-len": 32, "device": "cuda"}
-    bf16 = plan(build_config(options), 4 << 30)["fsdp2"][0]
-    nf4 = plan(build_config({**options, "quantize": "nf4"}), 4 << 30)["fsdp2"][0]
+    bf16 = strategy_rows(build_config(options), 4 << 30)["fsdp2"][0]
+    nf4 = strategy_rows(build_config({**options, "quantize": "nf4"}), 4 << 30)["fsdp2"][0]
     layers = (2 * 64 * 64 + 2 * 32 * 64 + 3 * 64 * 128) * 2  # q,o + k,v + gate,up,down; 2 layers
     saved_mb = layers * (2 - quantize.bits_per_weight(64, 64) / 8) / 2 / 2**20  # per rank, 2 ranks
     assert bf16.terms["weights"] - nf4.terms["weights"] == pytest.approx(saved_mb, rel=0.05)
@@ -240,7 +242,7 @@ def test_plan_counts_nf4_and_plans_for_cuda_from_a_config_json_alone(tmp_path):
     assert nf4.terms["dequant"] == pytest.approx(64 * 128 * 2 / 2**20) and bf16.terms["dequant"] == 0
     with pytest.raises(ConfigError) as refused:  # plan's row says what finetune says, in the same words
         validate(build_config({**options, "quantize": "nf4", "strategy": "fsdp1", "data": "d", "out": "o"}))
-    assert plan(build_config({**options, "quantize": "nf4"}), 4 << 30)["fsdp1"][0].note == str(refused.value)
+    assert strategy_rows(build_config({**options, "quantize": "nf4"}), 4 << 30)["fsdp1"][0].note == str(refused.value)
 
 
 def test_dequantization_builds_its_code_table_once_on_the_weights_device():

@@ -45,7 +45,7 @@ def _verdict(code: int, err: str, plan: dict | None) -> tuple:
 
 def finetune_verdict(root: Path, flags: list[str], capsys, monkeypatch) -> tuple:
     launched: list[RunPlan] = []
-    monkeypatch.setattr(shardtune.launch, "launch", lambda cfg, plan: launched.append(plan) or {})
+    monkeypatch.setattr(shardtune.launch, "launch", lambda cfg, plan, asked=None: launched.append(plan) or {})
     code = cli.main(["finetune", *flags, "--data", str(root / "train.jsonl"), "--out", str(root / "out")])
     err = capsys.readouterr().err
     return _verdict(code, err, launched[0].as_dict() if launched else None)

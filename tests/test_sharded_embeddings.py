@@ -24,11 +24,12 @@ def build_on_ranks(rank: int, world_size: int, model_dir: str, modules_to_save: 
     from shardtune.parallel.sharded_embeddings import ShardedEmbedding, ShardedHead
     from shardtune.parallel.sharded_model import build_model
     from shardtune.runtime import distributed
+    from shardtune.train.resolve import resolve_on
 
     worker = distributed.init_worker()
     cfg = build_config({"model": model_dir, "dtype": "fp32", "strategy": "fsdp2", "seed": 3,
                         "lora-modules-to-save": modules_to_save})
-    built = build_model(cfg, worker)
+    built = build_model(cfg, worker, resolve_on(worker, cfg, batches=False))
     embed, head, _ = embedding_tables(built.model)
     built.model.eval()
     with torch.no_grad():

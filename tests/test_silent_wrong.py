@@ -115,7 +115,7 @@ def test_a_damaged_token_cache_entry_is_rebuilt_with_a_warning(capsys, caplog, t
     import shardtune.launch
 
     monkeypatch.setenv("SHARDTUNE_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(shardtune.launch, "launch", lambda cfg, plan: {})
+    monkeypatch.setattr(shardtune.launch, "launch", lambda cfg, plan, asked=None: {})
     assert _finetune(capsys, model, data, tmp_path / "a")[0] == 0
     entry = next((tmp_path / "cache" / "tokenized").glob("tokens-*.pt"))
     entry.write_bytes(entry.read_bytes()[:100])  # truncated

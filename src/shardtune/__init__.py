@@ -19,7 +19,16 @@ def finetune(config: str | Path | dict[str, Any] | None = None, nproc: int | Non
     ``config`` is a YAML path or a dict of options named like the CLI flags (``lora-r`` or
     ``lora_r``); keyword ``options`` override it. Works from scripts and notebooks alike.
     ``verbose=True`` keeps the library warnings that are filtered by default (``--verbose``).
+    ``os.environ`` is left as it was: what the workers need is set in their environment only.
     """
+    from shardtune.runtime.worker_env import kept_environ
+
+    with kept_environ():  # a notebook's os.environ is left as it was
+        return _finetune(config, nproc, verbose, options)
+
+
+def _finetune(config: str | Path | dict[str, Any] | None, nproc: int | None, verbose: bool | None,
+              options: dict[str, Any]) -> dict:
     from shardtune.config import build_config
     from shardtune.launch import launch
     from shardtune.preflight import preflight
@@ -33,12 +42,12 @@ def finetune(config: str | Path | dict[str, Any] | None = None, nproc: int | Non
     if nproc is not None:
         overrides["nproc"] = nproc
     overrides.update(_torchrun_layout())
-    cfg = build_config(config, overrides)
+    asked = build_config(config, overrides)
     with stage("preflight"):
-        cfg, plan = preflight(cfg)  # the run plan, resolved once for every rank
+        cfg, plan = preflight(asked)  # the run plan, resolved once for every rank
     from shardtune.tools.vllm_check import warn_after_training
 
-    return warn_after_training(launch(cfg, plan))  # the adapter vLLM would refuse: say so now
+    return warn_after_training(launch(cfg, plan, asked))  # the adapter vLLM would refuse: say so now
 
 
 def _torchrun_layout() -> dict[str, Any]:

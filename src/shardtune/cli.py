@@ -1,4 +1,4 @@
-"""The ``shardtune`` command: one sub-command per job; fine-tune flags come from config.py."""
+"""The ``shardtune`` command: one sub-command per job; fine-tune flags come from config/options.py."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ import sys
 from typing import Any
 
 from shardtune.cli_tools import add_commands
-from shardtune.config import FLAGS, _field_type
+from shardtune.config import FLAGS, field_type
 
 
 def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="YAML file of options (flag names as keys); flags given here override it.")
     for flag, (_, f) in FLAGS.items():
-        kind = _field_type(f)
+        kind = field_type(f)
         help_text = f.metadata["help"].replace("%", "%%")
         if kind is bool:
             # Both forms, so that a flag can switch off what the YAML file switched on.
@@ -50,9 +50,9 @@ def cmd_finetune(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from shardtune.plan import run_plan
+    from shardtune.memory_table import show
 
-    return run_plan(args.config, _overrides(args), args.json)
+    return show(args.config, _overrides(args), args.json)
 
 
 def _fmt(value: Any) -> str:
@@ -163,7 +163,8 @@ def _run(argv: list[str] | None) -> int:
     from shardtune.errors import ShardtuneError
     from shardtune.runtime.failure import stage_of, unexpected
     from shardtune.runtime.signals import Interrupted, sigterm_as_interrupt
-    from shardtune.runtime.workers import Stopped, WorkerCrash, under_torchrun
+    from shardtune.runtime.worker_failures import Stopped, WorkerCrash
+    from shardtune.runtime.workers import under_torchrun
 
     args = build_parser().parse_args(argv)
     if getattr(args, "verbose", False):

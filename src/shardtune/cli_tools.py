@@ -28,7 +28,7 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantize", default="none", choices=("none", "nf4"),
                    help="nf4: the decoder-layer Linear weights in 4-bit NF4, as a QLoRA fine-tune "
                         "(--quantize nf4) trained on them, quantized from --dtype as training does: give the "
-                        "fine-tune's dtype (its config.yaml) [default: none]")
+                        "fine-tune's dtype (its summary.json) [default: none]")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="allow a model whose config names its own Python code (auto_map); runs that code")
 
@@ -67,8 +67,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     results.check_report_to(args.report_to, out)
     results.check_out(out, args.model, args.adapter, args.data)
     if is_preference_data(args.data, args.data_fields):  # pairs: preference accuracy, base against adapter
-        result = evaluate_preferences(args.model, args.data, args.adapter, args.seq_len, args.batch_size,
-                                      args.dtype, args.quantize, args.data_fields, args.trust_remote_code)
+        result = evaluate_preferences(_subject(args), args.data, args.seq_len, args.batch_size, args.data_fields)
         if out is not None:
             results.write_json(out, result)
             results.send(args.report_to, out.parent, results.preference_values(result, args.data))
@@ -97,16 +96,22 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _subject(args: argparse.Namespace):
+    """The model ``eval`` evaluates, from its flags."""
+    from shardtune.tools.generate import EvalModel
+
+    return EvalModel(args.model, args.adapter, args.dtype, args.quantize, args.trust_remote_code)
+
+
 def _cmd_harness(args: argparse.Namespace) -> int:
     from shardtune.tools import eval_results as results
-    from shardtune.tools.harness import run_tasks, side_by_side
+    from shardtune.tools.harness import Tasks, run_tasks, side_by_side
 
     out = Path(args.out) if args.out else results.default_out(args.adapter, results.HARNESS_FILE)
     results.check_report_to(args.report_to, out)
     results.check_out(out, args.model, args.adapter, args.include_path)
-    report = run_tasks(args.model, args.adapter, [t for t in args.tasks.split(",") if t], args.limit,
-                       args.num_fewshot, args.dtype, args.quantize, args.batch_size, args.include_path, out,
-                       args.trust_remote_code)
+    tasks = Tasks([t for t in args.tasks.split(",") if t], args.limit, args.num_fewshot, args.include_path)
+    report = run_tasks(_subject(args), tasks, args.batch_size, out)
     if out is not None:
         results.send(args.report_to, out.parent, results.harness_values(report))
     if args.json:

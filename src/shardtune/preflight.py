@@ -11,8 +11,8 @@ import logging
 from pathlib import Path
 
 from shardtune.config import Config, validate
+from shardtune.model.checkpoint_keys import check_against_headers
 from shardtune.model.directory import check_model_dir, load_tokenizer
-from shardtune.model.loading import check_against_headers
 from shardtune.model.lora import inject_lora
 from shardtune.model.meta import build_meta_model, check_tokenizer_fits, compute_dtype, vocab_size
 from shardtune.runplan import RunPlan

@@ -4,7 +4,7 @@
 only function that decides anything); the launcher, plain torchrun, ``python -m shardtune.train``,
 ``shardtune plan`` and the Python API all go through it. The workers receive it and check that
 it is theirs (``RunPlan.check``); they never decide again. Which options combine is one rule,
-``config.combination_refusal``; ``make_plan`` never makes a plan that breaks it.
+``config.combination_refusal``; ``RunPlan.of`` never makes a plan that breaks it.
 """
 
 from __future__ import annotations
@@ -14,15 +14,15 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from shardtune.config import Config, ConfigError, combination_refusal
+from shardtune.config import Config, ConfigError, combination_refusal, unit_of
 
 
 class BatchError(ConfigError):
-    """--batch-size, --micro-batch-size and the ranks do not make a batch plan."""
+    """--batch-size, --micro-batch-size and the ranks do not make a batch split."""
 
 
 @dataclass(frozen=True)
-class BatchPlan:
+class BatchSplit:
     """How one global batch of ``batch_size`` records splits over ranks and forward passes.
 
     Without packing a rank's records split into micro-batches of ``micro_batch_size`` records
@@ -45,7 +45,7 @@ class BatchPlan:
         return self.batch_size // (self.micro_batch_size * self.world_size)
 
     @classmethod
-    def make(cls, batch_size: int, micro_batch_size: int | None, world_size: int, packing: bool = False) -> BatchPlan:
+    def of(cls, batch_size: int, micro_batch_size: int | None, world_size: int, packing: bool = False) -> BatchSplit:
         if batch_size % world_size:
             raise BatchError(
                 f"--batch-size {batch_size} is the global batch and must be a multiple of the {world_size} ranks"
@@ -66,7 +66,7 @@ class RunPlan:
 
     strategy: str  # fsdp2, fsdp1, ddp or single
     fsdp_unit: str  # FSDP2's unit: "layer" or "part"; "-" under other strategies
-    batch: BatchPlan
+    batch: BatchSplit
     seq_len: int
     dtype: str  # bf16, fp16 or fp32: frozen weights and compute
     device: str  # cpu or cuda
@@ -87,36 +87,35 @@ class RunPlan:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RunPlan:
-        return cls(**{**data, "batch": BatchPlan(**data["batch"])})
+        return cls(**{**data, "batch": BatchSplit(**data["batch"])})
 
     def check(self, cfg: Config, world_size: int, device: str, batch: bool = True) -> None:
         """Raise when this plan is not the one for ``cfg`` on these ranks: a worker asserts, never re-decides.
-        ``batch=False``: all but the batch plan (building a model makes no batches)."""
+        ``batch=False``: all but the batch split (building a model makes no batches)."""
         if not batch:
             cfg = dataclasses.replace(cfg, train=dataclasses.replace(
                 cfg.train, batch_size=self.batch.batch_size, micro_batch_size=self.batch.micro_batch_size))
-        expected = make_plan(cfg, world_size, device, self.backend, self.why)
+        expected = RunPlan.of(cfg, world_size, device, self.backend, self.why)
         if expected != self:
             diff = {k: (v, getattr(self, k)) for k, v in dataclasses.asdict(expected).items()
-                    if getattr(self, k) != (BatchPlan(**v) if k == "batch" else v)}
+                    if getattr(self, k) != (BatchSplit(**v) if k == "batch" else v)}
             raise RuntimeError(f"the run plan received differs from this rank's configuration: {diff}")
 
+    @classmethod
+    def of(cls, cfg: Config, ranks: int, device: str, backend: str, why: str = "") -> RunPlan:
+        """The plan of ``cfg``, which must have nothing left to choose, on ``ranks`` ranks of ``device``.
 
-def make_plan(cfg: Config, ranks: int, device: str, backend: str, why: str = "") -> RunPlan:
-    """The plan of ``cfg``, which must have nothing left to choose, on ``ranks`` ranks of ``device``.
-
-    Checks every combination rule and the batch arithmetic; it decides nothing (``resolve`` does).
-    """
-    p, t = cfg.parallel, cfg.train
-    for flag, value in (("strategy", p.strategy), ("micro-batch-size", t.micro_batch_size), ("dtype", cfg.model.dtype)):
-        if value == "auto":
-            raise ConfigError(f"option '{flag}': 'auto' is decided by shardtune.train.resolve before a run starts")
-    refused = combination_refusal(cfg, p.strategy, ranks)
-    if refused:
-        raise ConfigError(refused)
-    batch = BatchPlan.make(t.batch_size, t.micro_batch_size, ranks, cfg.data.packing)
-    # FSDP2's unit when nothing chose one (a GPU planned for from a machine without one): the lower peak
-    unit = ("part" if p.fsdp_unit == "auto" else p.fsdp_unit) if p.strategy == "fsdp2" else "-"
-    return RunPlan(p.strategy, unit, batch, cfg.data.seq_len, cfg.model.dtype, device, backend,
-                   p.activation_checkpointing, p.cpu_offload, p.replicate_groups, cfg.model.quantize,
+        Checks every combination rule and the batch arithmetic; it decides nothing (``resolve`` does).
+        """
+        p, t = cfg.parallel, cfg.train
+        for flag, value in (("strategy", p.strategy), ("micro-batch-size", t.micro_batch_size),
+                            ("dtype", cfg.model.dtype)):
+            if value == "auto":
+                raise ConfigError(f"option '{flag}': 'auto' is decided by shardtune.train.resolve before a run starts")
+        refused = combination_refusal(cfg, p.strategy, ranks)
+        if refused:
+            raise ConfigError(refused)
+        batch = BatchSplit.of(t.batch_size, t.micro_batch_size, ranks, cfg.data.packing)
+        return cls(p.strategy, unit_of(p.strategy, p.fsdp_unit), batch, cfg.data.seq_len, cfg.model.dtype, device,
+                   backend, p.activation_checkpointing, p.cpu_offload, p.replicate_groups, cfg.model.quantize,
                    cfg.lora.variant, why)

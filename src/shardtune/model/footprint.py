@@ -4,11 +4,13 @@ Sizes come from the model built on the meta device with LoRA injected (model.py)
 safetensors headers. Activations are not guessed from a formula: one forward pass runs on fake
 tensors (shapes and dtypes only: no memory, no arithmetic, but the real kernels' choices, e.g. the
 attention path for the device) and records every tensor autograd saves for backward, per decoder
-layer. plan.py turns these facts into per-rank peaks.
+layer. train/memory_model.py turns these facts into per-rank peaks.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,8 +55,21 @@ class Facts:
     #: the compute dtype (--dtype): LoRA computes in it too (parallel/compute_dtype.py), which sets the
     #: dtype of what its matmuls save; ``saved`` is keyed by it
     dtype: torch.dtype = torch.float32
-    #: {(micro-batch size, LoRA weight dtype): (saved bytes per decoder layer, outside them, vocabulary)}
+    #: {(micro-batch size, LoRA weight dtype): (saved bytes per decoder layer, outside them, vocabulary)}:
+    #: each found by one fake-tensor pass, when first asked for (``saved_for``)
     saved: dict[tuple[int, torch.dtype], tuple[list[int], int, int]] = field(default_factory=dict)
+    #: the fake-tensor pass of a (micro-batch size, LoRA weight dtype) on the model these facts are of
+    trace: Callable[[int, torch.dtype], tuple[list[int], int, int]] | None = field(
+        default=None, repr=False, compare=False)
+
+    def saved_for(self, micro_batch: int, lora_dtype: torch.dtype) -> tuple[list[int], int, int]:
+        """What a micro-batch of ``micro_batch`` rows saves for backward (``saved``), traced once."""
+        key = (micro_batch, lora_dtype)
+        if key not in self.saved:
+            if self.trace is None:
+                raise KeyError(key)
+            self.saved[key] = self.trace(micro_batch, lora_dtype)
+        return self.saved[key]
 
 
 def checkpoint_bytes(model_dir: ModelDir) -> int:
@@ -143,13 +158,20 @@ def model_dir_for_plan(path: str | Path, trust_remote_code: bool = False) -> Mod
         raise
 
 
-def model_facts(cfg: Config, micro_batches: set[int], lora_dtypes: set[torch.dtype], device: torch.device,
-                seq_len: int | None = None) -> Facts:
-    """The model's sizes, and the activations a micro-batch of ``seq_len`` tokens a row (default
-    --seq-len) saves, for each size in ``micro_batches`` and each LoRA dtype."""
+def meta_lora_model(cfg: Config, model_dir: ModelDir | None = None) -> nn.Module:
+    """The model of ``cfg`` on the meta device with its LoRA injected, as a rank builds it before sharding."""
+    model_dir = model_dir or model_dir_for_plan(cfg.model.path, cfg.model.trust_remote_code)
+    model, _ = inject_lora(build_meta_model(model_dir, compute_dtype(cfg)), cfg.lora, cfg.train.seed)
+    return model
+
+
+def model_facts(cfg: Config, device: torch.device, seq_len: int | None = None, model: nn.Module | None = None) -> Facts:
+    """The model's sizes, and what a micro-batch of rows of ``seq_len`` tokens (default --seq-len) saves
+    for backward, traced on ``device`` for each micro-batch size and LoRA dtype when first asked for
+    (``Facts.saved_for``). ``model``: ``meta_lora_model(cfg)``, when the caller has it."""
     model_dir = model_dir_for_plan(cfg.model.path, cfg.model.trust_remote_code)
     dtype = compute_dtype(cfg)
-    model, _ = inject_lora(build_meta_model(model_dir, dtype), cfg.lora, cfg.train.seed)
+    model = model if model is not None else meta_lora_model(cfg, model_dir)
     base = model.get_base_model()
     params = _unique_params(model)
     trainable = sum(p.numel() for p in params.values() if p.requires_grad)
@@ -179,7 +201,10 @@ def model_facts(cfg: Config, micro_batches: set[int], lora_dtypes: set[torch.dty
         quantize_slice_bytes=largest_nf4.numel() * dtype.itemsize if largest_nf4 is not None else 0,
         chunked_head=head_transform(base, head)[0] is not None,
     )
-    for micro in micro_batches:
-        for lora_dtype in lora_dtypes:
-            facts.saved[micro, lora_dtype] = _saved_bytes(model, micro, seq_len or cfg.data.seq_len, lora_dtype, device)
+    facts.trace = functools.partial(_trace, model, seq_len or cfg.data.seq_len, device)
     return facts
+
+
+def _trace(model: nn.Module, seq_len: int, device: torch.device, micro_batch: int,
+           lora_dtype: torch.dtype) -> tuple[list[int], int, int]:
+    return _saved_bytes(model, micro_batch, seq_len, lora_dtype, device)

@@ -17,6 +17,7 @@ import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -25,8 +26,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from shardtune.model import nf4_fill
+from shardtune.model.checkpoint_keys import map_checkpoint_keys, missing_error
 from shardtune.model.directory import ModelDir, ModelDirError
-from shardtune.model.lora import PEFT_PREFIX
 from shardtune.model.structure import base_model
 from shardtune.runtime.compat import ShardView, piece_boxes
 from shardtune.runtime.logs import EVERY_RANK
@@ -35,9 +36,6 @@ from shardtune.runtime.progress import Bar, progress
 from shardtune.runtime.versions import tied_weights_keys
 
 log = logging.getLogger("shardtune")
-
-_WRAPPER_PARTS = (".base_layer", ".original_module", ".modules_to_save.default")
-
 
 @dataclass
 class Snapshot:
@@ -53,34 +51,6 @@ def take_snapshot(model: nn.Module, lora_values: dict[str, torch.Tensor]) -> Sna
     base = base_model(model)
     tied = tied_weights_keys(base)
     return Snapshot(buffers=buffers, lora=lora_values, tied=tied)
-
-
-def checkpoint_key(param_name: str) -> str:
-    """The name a base parameter has in the Hugging Face checkpoint, from its peft name."""
-    name = param_name.removeprefix(PEFT_PREFIX)
-    for part in _WRAPPER_PARTS:
-        name = name.replace(part, "")
-    return name
-
-
-def _aliases(base: nn.Module) -> dict[str, list[str]]:
-    """Every name a parameter goes by (tied weights have several), keyed by its first name."""
-    by_id: dict[int, list[str]] = {}
-    for name, p in base.named_parameters(remove_duplicate=False):
-        by_id.setdefault(id(p), []).append(name)
-    return {names[0]: names for names in by_id.values()}
-
-
-def _find_in_checkpoint(names: list[str], stored: set[str], prefix: str) -> str | None:
-    for name in names:
-        key = checkpoint_key(name)
-        candidates = [key]
-        if prefix and key.startswith(prefix + "."):
-            candidates.append(key[len(prefix) + 1:])  # e.g. GPT-2 Hub files store "h.0…", not "transformer.h.0…"
-        for c in candidates:
-            if c in stored:
-                return c
-    return None
 
 
 def fill_from_full(param: torch.Tensor, full: torch.Tensor) -> None:
@@ -139,66 +109,6 @@ def materialize(model: nn.Module, device: torch.device, snapshot: Snapshot,
             model.get_buffer(name).copy_(value)
 
 
-def map_checkpoint_keys(model: nn.Module, names: list[str], stored: set[str]) -> tuple[dict[str, str], list[str],
-                                                                                    set[str]]:
-    """({peft parameter name: checkpoint key}, base names without a key, every checkpoint key used)."""
-    base = base_model(model)
-    prefix = getattr(base, "base_model_prefix", "")
-    aliases = _aliases(base)
-    # A tied weight may be stored under its partner's name only. Its names are aliases already, except
-    # for copies that are no longer tied: peft's trainable copy of a tied lm_head (modules_to_save).
-    for target, source in tied_weights_keys(base).items():
-        aliases.setdefault(target, [target]).append(source)
-        aliases.setdefault(source, [source]).append(target)
-    found: dict[str, str] = {}
-    missing: list[str] = []
-    used: set[str] = set()
-    for name in names:
-        base_name = checkpoint_key(name)
-        key = _find_in_checkpoint(aliases.get(base_name, [base_name]), stored, prefix)
-        if key is None:
-            missing.append(base_name)
-            continue
-        found[name] = key
-        # a tied weight stored under both of its names uses both
-        used.update(k for a in aliases.get(base_name, []) if (k := checkpoint_key(a)) in stored)
-        used.add(key)
-    return found, missing, used
-
-
-def _missing_error(model_dir: ModelDir, missing: list[str]) -> ModelDirError:
-    return ModelDirError(
-        f"{model_dir.path}: the checkpoint has no tensor for {len(missing)} parameter(s) of the model "
-        f"built from config.json: {', '.join(missing[:8])}{' …' if len(missing) > 8 else ''}"
-    )
-
-
-def check_against_headers(model: nn.Module, model_dir: ModelDir) -> None:
-    """Before any worker starts: every base parameter of the (meta) model has a tensor in the safetensors
-    headers, of the shape config.json gives and of a floating-point dtype (an integer tensor would be
-    cast and trained on as if it were a weight). Reads headers only."""
-    from shardtune.runtime.safetensors_header import read_header
-
-    if not model_dir.weight_files:
-        return  # a Hub model known by its remote headers only (plan): checked when it is downloaded
-    headers = {}
-    for file in model_dir.weight_files:
-        headers.update({name: (file, info) for name, info in read_header(file).items()})
-    params = {n: p for n, p in model.named_parameters() if "lora_" not in n}
-    found, missing, _ = map_checkpoint_keys(model, list(params), set(headers))
-    if missing:
-        raise _missing_error(model_dir, missing)
-    for name, key in found.items():
-        file, info = headers[key]
-        if str(info.get("dtype", "")).startswith(("I", "U", "BOOL")):
-            raise ModelDirError(f"{file}: tensor {key} is stored as {info['dtype']} (integers), but it is the weight "
-                                f"{checkpoint_key(name)} of a floating-point model: the file is not a plain "
-                                "checkpoint of this model (quantized with another tool, or damaged)")
-        shape, wanted = list(info.get("shape", [])), list(params[name].shape)
-        if shape != wanted and not nf4_fill.is_nf4(params[name]):
-            raise ModelDirError(f"{file}: tensor {key} has shape {shape}, but config.json gives {wanted}")
-
-
 def load_base_weights(model: nn.Module, model_dir: ModelDir, tensors: dict[str, torch.Tensor]) -> list[str]:
     """Read every non-LoRA tensor's local slice from the checkpoint; return unused checkpoint keys.
 
@@ -210,7 +120,7 @@ def load_base_weights(model: nn.Module, model_dir: ModelDir, tensors: dict[str, 
     plan: list[dict[str, torch.Tensor]] = []  # one dcp.load per round: a key may feed several parameters
     found, missing, used = map_checkpoint_keys(model, list(lora_free), stored)
     if missing:
-        raise _missing_error(model_dir, missing)
+        raise missing_error(model_dir, missing)
     for name, key in found.items():
         tensor = lora_free[name]
         if nf4_fill.is_nf4(tensor):
@@ -385,20 +295,23 @@ def assert_nothing_on_meta(model: nn.Module) -> None:
         raise RuntimeError(f"still on the meta device after loading: {', '.join(left[:8])}")
 
 
-def load(
-    model: nn.Module,
-    model_dir: ModelDir,
-    device: torch.device,
-    snapshot: Snapshot,
-    targets: Callable[[nn.Module], dict[str, torch.Tensor]] | None = None,
-    host_params: Callable[[nn.Module], set[int]] | None = None,
-) -> list[str]:
-    """Steps 2–6 of the module docstring; returns checkpoint keys the model did not use.
+class Placement(Protocol):
+    """Where a strategy wants what loading fills (parallel/base.py's ``Strategy`` is one).
 
-    ``targets`` maps the model to {parameter name: tensor to fill} when the strategy's view differs
-    from the parameters (FSDP1: views into each flat parameter's local slice).
-    """
-    materialize(model, device, snapshot, host_params)
+    ``load_targets`` maps the model to {parameter name: tensor to fill} when the strategy's view
+    differs from the parameters (FSDP1: views into each flat parameter's local slice);
+    ``host_params``: with CPU offload on a GPU, the ids of the parameters to allocate in host memory."""
+
+    load_targets: Callable[[nn.Module], dict[str, torch.Tensor]] | None
+    host_params: Callable[[nn.Module], set[int]] | None
+
+
+def load(model: nn.Module, model_dir: ModelDir, device: torch.device, snapshot: Snapshot,
+         placement: Placement | None = None) -> list[str]:
+    """Steps 2–6 of the module docstring; returns checkpoint keys the model did not use.
+    ``placement``: the strategy's (default: every parameter as it is, on ``device``)."""
+    targets = placement.load_targets if placement is not None else None
+    materialize(model, device, snapshot, placement.host_params if placement is not None else None)
     tensors = targets(model) if targets else dict(model.named_parameters())
     unused = load_base_weights(model, model_dir, tensors)
     init_lora(tensors, snapshot)

@@ -10,12 +10,13 @@ import torch
 import torch.distributed as dist
 
 from shardtune.model.nf4_torchao import BLOCK, nearest_code, nf4_module
+from shardtune.runtime.compat import dtensor_local
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The tensor object itself (a DTensor's own local tensor: ``to_local()`` returns a new NF4 view,
-    and FSDP2 all-gathers from the DTensor's ``_local_tensor``, whose per-tensor fields we set)."""
-    return getattr(t, "_local_tensor", t)
+    and FSDP2 all-gathers from the DTensor's local tensor, whose per-tensor fields we set)."""
+    return dtensor_local(t)
 
 
 def is_nf4(t: torch.Tensor) -> bool:

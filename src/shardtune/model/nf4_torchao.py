@@ -3,7 +3,9 @@
 ``nf4_module`` imports torchao's NF4 module and routes ``NF4Tensor``'s dequantization and
 nearest-code search through the versions here, after checking on a probe that they give exactly
 torchao's values: the same 4-bit data as torchao, in a fraction of the memory and time. A torchao
-whose results differ fails loudly at import instead of computing something else.
+whose results differ fails loudly at import instead of computing something else. The module's
+private path, its fields and the routing are runtime/compat's (``nf4_tensor_module``,
+``route_nf4_method``); the probes, which say what "the same" means, are here.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import functools
 import torch
 
 from shardtune.config import ConfigError
+from shardtune.runtime import compat
 from shardtune.runtime.logs import import_quietly
 
 BLOCK = 64  # weights per absmax scaler (QLoRA's block size)
@@ -22,14 +25,14 @@ MAX_SCALER_BLOCK = 256  # scalers per double-quantization factor (QLoRA's, torch
 def nf4_module():
     """torchao's NF4 module (imported quietly); a ConfigError saying how to install torchao if it is missing."""
     try:
-        module = import_quietly("torchao.quantization.quantize_.workflows.nf4.nf4_tensor")
+        module = compat.nf4_tensor_module(import_quietly)
     except ImportError as err:
         raise ConfigError(
             f"option 'quantize': nf4 needs torchao ({err}); install it with `pip install torchao` "
             "(or `pip install 'shardtune[qlora]'`)"
         ) from None
-    _use_lean_dequantization(module.NF4Tensor)
-    _use_fast_nearest(module.NF4Tensor)
+    compat.route_nf4_method(module, "get_original_weight", dequantize, _same_dequantization(module))
+    compat.route_nf4_method(module, "quantize_tensor_nearest", nearest_code, _same_nearest(module), static=True)
     return module
 
 
@@ -76,20 +79,14 @@ def _on_table(nf4: torch.Tensor, name: str, build) -> torch.Tensor:
     return cache[name]
 
 
-def _use_lean_dequantization(cls: type) -> None:
-    """Route torchao's dequantization (every NF4 linear, forward and backward) through ``dequantize``.
+def _same_dequantization(module):
+    """Whether ``dequantize`` gives exactly what torchao's ``get_original_weight`` gives, on a probe."""
 
-    A method of torchao's class is replaced; it is checked here, on a small tensor, to give exactly
-    what torchao's own gives, so a torchao change fails loudly instead of computing something else."""
-    if getattr(cls, "_shardtune_lean", False):
-        return
-    probe = cls.from_tensor(torch.linspace(-3, 5, 4 * 2 * BLOCK).reshape(4, 2 * BLOCK), BLOCK, 2)
-    if not torch.equal(dequantize(probe), cls.get_original_weight(probe)):
-        raise RuntimeError("torchao's NF4Tensor dequantizes differently than shardtune expects: "
-                           "shardtune's NF4 support needs updating for this torchao version")
-    cls._torchao_get_original_weight = cls.get_original_weight
-    cls.get_original_weight = dequantize
-    cls._shardtune_lean = True
+    def agrees(original) -> bool:
+        probe = module.NF4Tensor.from_tensor(torch.linspace(-3, 5, 4 * 2 * BLOCK).reshape(4, 2 * BLOCK), BLOCK, 2)
+        return torch.equal(dequantize(probe), original(probe))
+
+    return agrees
 
 
 def nearest_code(value: torch.Tensor, nf4: torch.Tensor) -> torch.Tensor:
@@ -155,21 +152,20 @@ def _grid_cached(nf4: tuple[float, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     return codes, near
 
 
-def _use_fast_nearest(cls: type) -> None:
-    """Route torchao's nearest-code search (every quantization) through ``nearest_code``, after checking
-    on values at, around and between every pair of codes that both give the same indices."""
-    if getattr(cls, "_shardtune_fast_nearest", False):
-        return
-    for dtype in (torch.float32, torch.bfloat16):
-        nf4 = torch.linspace(-3, 5, 4 * 2 * BLOCK).reshape(4, 2 * BLOCK).to(dtype)
-        lut = cls.from_tensor(nf4, BLOCK, 2).nf4
-        mids = (lut[1:] + lut[:-1]) / 2
-        probe = torch.cat([lut, mids, torch.nextafter(mids, mids + 1), torch.nextafter(mids, mids - 1),
-                           torch.linspace(-1.2, 1.2, 4001, dtype=dtype), torch.rand(4096).to(dtype) * 2 - 1,
-                           torch.tensor([float("inf"), -float("inf"), float("nan")], dtype=dtype)])
-        if not torch.equal(nearest_code(probe, lut).long(), cls.quantize_tensor_nearest(probe, lut)):
-            raise RuntimeError("torchao's NF4Tensor picks codes differently than shardtune expects: "
-                               "shardtune's NF4 support needs updating for this torchao version")
-    cls._torchao_quantize_tensor_nearest = cls.quantize_tensor_nearest
-    cls.quantize_tensor_nearest = staticmethod(nearest_code)
-    cls._shardtune_fast_nearest = True
+def _same_nearest(module):
+    """Whether ``nearest_code`` picks exactly torchao's ``quantize_tensor_nearest`` codes, on values at,
+    around and between every pair of codes, for 32- and 16-bit inputs."""
+
+    def agrees(original) -> bool:
+        for dtype in (torch.float32, torch.bfloat16):
+            nf4 = torch.linspace(-3, 5, 4 * 2 * BLOCK).reshape(4, 2 * BLOCK).to(dtype)
+            lut = module.NF4Tensor.from_tensor(nf4, BLOCK, 2).nf4
+            mids = (lut[1:] + lut[:-1]) / 2
+            probe = torch.cat([lut, mids, torch.nextafter(mids, mids + 1), torch.nextafter(mids, mids - 1),
+                               torch.linspace(-1.2, 1.2, 4001, dtype=dtype), torch.rand(4096).to(dtype) * 2 - 1,
+                               torch.tensor([float("inf"), -float("inf"), float("nan")], dtype=dtype)])
+            if not torch.equal(nearest_code(probe, lut).long(), original(probe, lut)):
+                return False
+        return True
+
+    return agrees

@@ -33,8 +33,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from shardtune.config import ConfigError
+from shardtune.config import ConfigError, traits
 from shardtune.model.nf4_torchao import BLOCK, MAX_SCALER_BLOCK, nf4_module
+from shardtune.runplan import RunPlan
 from shardtune.runtime.logs import EVERY_RANK
 
 log = logging.getLogger("shardtune")
@@ -98,6 +99,15 @@ def select(model: nn.Module) -> Selection:
         else:
             quantized[name] = module
     return Selection(quantized, kept)
+
+
+def check_sharding(selection: Selection, plan: RunPlan) -> None:
+    """The rule of NF4 weights under a run plan, checked by ``resolve`` before the workers start and by
+    every rank before it loads (``load_sharded`` has no resolve before it): a strategy that shards
+    splits each quantized weight by rows over the ranks of one replica group (which strategies take
+    nf4 at all is ``config.combination_refusal``)."""
+    if traits(plan.strategy).shards:
+        check_even_split(selection, plan.world_size // plan.replicate_groups)
 
 
 def check_even_split(selection: Selection, world_size: int) -> None:

@@ -12,37 +12,37 @@ from torch import nn
 
 from shardtune.model.structure import base_model
 from shardtune.parallel.base import Strategy
+from shardtune.runplan import RunPlan
 from shardtune.runtime.distributed import Worker
 
 __all__ = ["Strategy", "make_strategy", "parallelize"]
 
 
-def make_strategy(name: str, worker: Worker, compute_dtype: torch.dtype, cpu_offload: bool,
-                  replicate_groups: int = 1, fsdp_unit: str = "part") -> Strategy:
-    """The strategy of a run plan (runplan.py: which options combine was checked there, once).
-    ``replicate_groups`` > 1: HSDP: shard within groups, replicate across them.
-    ``fsdp_unit``: FSDP2's unit of sharding, "layer" or "part"."""
-    if name == "fsdp2":
+def make_strategy(plan: RunPlan, worker: Worker, compute_dtype: torch.dtype) -> Strategy:
+    """The strategy of a run plan (which options combine was checked when the plan was made, once):
+    its ``replicate_groups`` > 1 means HSDP (shard within groups, replicate across them), its
+    ``fsdp_unit`` FSDP2's unit of sharding."""
+    if plan.strategy == "fsdp2":
         from shardtune.parallel.fsdp2 import FSDP2
 
-        return FSDP2(worker, compute_dtype, cpu_offload, replicate_groups, fsdp_unit)
-    if name == "fsdp1":
+        return FSDP2(worker, compute_dtype, plan.cpu_offload, plan.replicate_groups, plan.fsdp_unit)
+    if plan.strategy == "fsdp1":
         from shardtune.parallel.fsdp1 import FSDP1
 
-        return FSDP1(worker, compute_dtype, cpu_offload, replicate_groups)
-    if name == "ddp":
+        return FSDP1(worker, compute_dtype, plan.cpu_offload, plan.replicate_groups)
+    if plan.strategy == "ddp":
         from shardtune.parallel.ddp import DDPStrategy
 
         return DDPStrategy(worker, compute_dtype)
-    if name == "single":
+    if plan.strategy == "single":
         return Strategy(worker, compute_dtype)
-    raise ValueError(f"unknown strategy {name!r}")
+    raise ValueError(f"unknown strategy {plan.strategy!r}")
 
 
 def parallelize(
     model: nn.Module,
     strategy: Strategy,
-    load: Callable[[nn.Module, Callable | None], object],
+    load: Callable[[nn.Module], object],
     activation_checkpointing: bool,
 ) -> nn.Module:
     """Apply, in this order: activation checkpointing → sharding (on meta) → loading → wrapping.
@@ -55,5 +55,5 @@ def parallelize(
         base = base_model(model)
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model = strategy.shard(model)
-    load(model, strategy.load_targets)
+    load(model)  # into the places the strategy made (Strategy.load_targets, host_params)
     return strategy.wrap(model)

@@ -6,8 +6,9 @@ module, single and ddp ran LoRA's matmuls in fp32 (peft casts the input up to th
 weight), so ``--strategy auto`` changed the numbers when it switched. Here each module owning a
 trainable parameter of another dtype gets a cast copy of it for the duration of its forward (an
 instance attribute, which shadows the registered parameter, as FSDP's own unsharded views do), and
-its floating inputs are cast too (FSDP's ``cast_forward_inputs``). Autograd casts the gradient back
-to fp32 into the parameter's ``.grad``: the same values FSDP reduces.
+its floating inputs are cast too (FSDP's ``cast_forward_inputs``); the shadowing, which relies on how
+``nn.Module`` looks attributes up, is runtime/compat's (``shadow_parameter``). Autograd casts the
+gradient back to fp32 into the parameter's ``.grad``: the same values FSDP reduces.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
+
+from shardtune.runtime.compat import shadow_parameter, unshadow_parameter
 
 
 def compute_trainable_in(model: nn.Module, dtype: torch.dtype) -> list[RemovableHandle]:
@@ -42,7 +45,7 @@ class _CastIn:
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         for name in self.names:
-            module.__dict__[name] = module._parameters[name].to(self.dtype)
+            shadow_parameter(module, name, self.dtype)
         return tuple(_cast(a, self.dtype) for a in args), {k: _cast(v, self.dtype) for k, v in kwargs.items()}
 
 
@@ -52,4 +55,4 @@ class _Restore:
 
     def __call__(self, module: nn.Module, args: tuple, output: Any) -> None:
         for name in self.names:
-            module.__dict__.pop(name, None)
+            unshadow_parameter(module, name)

@@ -1,7 +1,7 @@
 """FSDP2's collectives for gloo: the all-gather and reduce-scatter ``parallel/fsdp2.py`` gives FSDP2 on CPU.
 
 They implement FSDP2's ``AllGather`` and ``ReduceScatter`` interfaces (private to torch): set on a
-unit, and their signatures checked, in runtime/compat.py.
+unit, and their signatures checked, in runtime/compat/fsdp.py.
 """
 
 from __future__ import annotations

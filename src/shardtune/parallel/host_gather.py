@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import math
 import os
-import platform
 import secrets
 import socket
 import time
@@ -39,30 +38,19 @@ import torch
 import torch.distributed as dist
 
 from shardtune.parallel import gloo_comms
+from shardtune.runtime import cpu_tuning
 
 HEADER = 4096  # flags first; the data then starts page-aligned
-_TOTAL_STORE_ORDER = ("x86_64", "amd64", "i386", "i686")
 
 
 class GatherTimeout(RuntimeError):
     """Another rank did not reach a shared-memory gather in time (it failed, or hangs)."""
 
 
-def supported() -> bool:
-    """Whether this machine can share gather buffers: Linux ``memfd`` and a total-store-order CPU."""
-    return (hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd")
-            and platform.machine().lower() in _TOTAL_STORE_ORDER)
-
-
-def enabled() -> bool:
-    """Whether FSDP2 on CPU gathers through shared memory: where this machine can, unless
-    ``SHARDTUNE_SHARED_GATHER=0`` (gloo broadcasts then, as on other hosts)."""
-    return supported() and os.environ.get("SHARDTUNE_SHARED_GATHER", "1") != "0"
-
-
 def for_group(group: dist.ProcessGroup) -> SharedMemoryAllGather | gloo_comms.BroadcastAllGather:
-    """FSDP2's all-gather on CPU: through shared memory where ``enabled``, else gloo broadcasts."""
-    return SharedMemoryAllGather(group) if enabled() else gloo_comms.BroadcastAllGather()
+    """FSDP2's all-gather on CPU: through shared memory where ``cpu_tuning.shared_gather_enabled``, else
+    gloo broadcasts."""
+    return SharedMemoryAllGather(group) if cpu_tuning.shared_gather_enabled() else gloo_comms.BroadcastAllGather()
 
 
 @dataclass

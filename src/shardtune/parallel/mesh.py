@@ -12,16 +12,16 @@ from __future__ import annotations
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from shardtune.config import ConfigError
+from shardtune.config import ConfigError, groups_refusal
 from shardtune.runtime.distributed import Worker
 
 REPLICATE, SHARD = "replicate", "shard"
 
 
 def data_parallel_mesh(worker: Worker, replicate_groups: int = 1) -> DeviceMesh:
-    if replicate_groups < 1 or worker.world_size % replicate_groups:
-        raise ConfigError(f"option 'replicate-groups': {replicate_groups} groups do not divide "
-                          f"the {worker.world_size} ranks")
+    refused = groups_refusal(replicate_groups, worker.world_size)  # the rule the run plan passed
+    if refused:
+        raise ConfigError(refused)
     if replicate_groups == 1:
         return init_device_mesh(worker.device.type, (worker.world_size,), mesh_dim_names=(SHARD,))
     return init_device_mesh(worker.device.type, (replicate_groups, worker.world_size // replicate_groups),

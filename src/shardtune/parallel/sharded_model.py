@@ -20,9 +20,9 @@ from shardtune.model.loading import load, take_snapshot
 from shardtune.model.lora import adapter_key_map, count_params, inject_lora, trainable_names
 from shardtune.model.meta import DTYPES, build_meta_model, compute_dtype
 from shardtune.parallel import Strategy, make_strategy, parallelize
-from shardtune.runplan import RunPlan, make_plan
+from shardtune.runplan import RunPlan
 from shardtune.runtime import distributed
-from shardtune.runtime.device import auto_dtype, backend, decide_dtype
+from shardtune.runtime.device import auto_dtype, backend
 from shardtune.runtime.distributed import Worker
 
 log = logging.getLogger("shardtune")
@@ -38,24 +38,10 @@ class Built:
     trainable_params: int
 
 
-def plan_for(cfg: Config, worker: Worker) -> RunPlan:
-    """The run plan of a configuration that leaves nothing to choose, on this worker (for callers that
-    are their own entry point: tests, benches, ``load_sharded``); ``--dtype auto`` is this device's."""
-    cfg = decide_dtype(cfg)
-    return make_plan(cfg, worker.world_size, worker.device.type, backend(worker.device.type, cfg.parallel.cpu_offload))
-
-
-def build_model(cfg: Config, worker: Worker, plan: RunPlan | None = None) -> Built:
-    """The model of ``plan`` (default: ``plan_for(cfg, worker)``), built, sharded and loaded on this rank."""
+def build_model(cfg: Config, worker: Worker, plan: RunPlan) -> Built:
+    """The model of ``plan`` (``resolve`` or ``resolve_on`` made it), built, sharded and loaded on this rank."""
     model_dir = check_model_dir(cfg.model.path, cfg.model.trust_remote_code)
-    if plan is None:  # building a model makes no batches: any batch that splits over these ranks will do
-        plan = plan_for(_without_batches(cfg, worker), worker)
     return _build(model_dir, None, cfg, worker, plan)
-
-
-def _without_batches(cfg: Config, worker: Worker) -> Config:
-    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=worker.world_size,
-                                                              micro_batch_size=None))
 
 
 def _build(model_dir: ModelDir, meta_model: nn.Module | None, cfg: Config, worker: Worker, plan: RunPlan) -> Built:
@@ -71,18 +57,17 @@ def _build(model_dir: ModelDir, meta_model: nn.Module | None, cfg: Config, worke
         if p.requires_grad:
             p.data = p.data.float()  # trainable weights and their optimizer state stay fp32
     total, trainable = count_params(model)
-    if not plan.why:  # an automatic choice is said once, by rank 0 of the recipe (cfg.parallel.chosen)
+    if not plan.why:  # an automatic choice is said once, by rank 0 of the recipe (plan.why)
         log.info("strategy %s: requested", plan.strategy)
     if cfg.model.quantize == "nf4":
         selection = quantize.select(model)
         quantize.warn_kept(selection)
-        if plan.strategy == "fsdp2":  # the rule resolve() checked too; load_sharded has no resolve before it
-            quantize.check_even_split(selection, worker.world_size // plan.replicate_groups)
+        quantize.check_sharding(selection, plan)
         quantize.make_meta_nf4(selection)
-    strategy = make_strategy(plan.strategy, worker, dtype, plan.cpu_offload, plan.replicate_groups, plan.fsdp_unit)
+    strategy = make_strategy(plan, worker, dtype)
     snapshot = take_snapshot(model, lora_init)
     model = parallelize(
-        model, strategy, lambda m, targets: load(m, model_dir, worker.device, snapshot, targets, strategy.host_params),
+        model, strategy, lambda m: load(m, model_dir, worker.device, snapshot, strategy),
         plan.activation_checkpointing,
     )
     return Built(model, strategy, plan.why or "requested", adapter_keys, total, trainable)
@@ -151,8 +136,11 @@ def load_sharded(
     if dist.get_world_size() != worker.world_size:  # a process group the caller set up without env
         worker = dataclasses.replace(worker, rank=dist.get_rank(), world_size=dist.get_world_size())
     model_dir = check_model_dir(model, trust_remote_code)
+    # a model to train in the caller's own loop: FSDP2 on the ranks of the process group, no batches of ours
     cfg = Config(model=ModelConfig(path=str(model), dtype=dtype, trust_remote_code=trust_remote_code),
-                 lora=lora, train=TrainConfig(seed=seed),
+                 lora=lora, train=TrainConfig(seed=seed, batch_size=worker.world_size),
                  parallel=ParallelConfig(strategy="fsdp2", activation_checkpointing=activation_checkpointing,
                                          cpu_offload=cpu_offload))
-    return _build(model_dir, meta_model, cfg, worker, plan_for(_without_batches(cfg, worker), worker)).model
+    kind = worker.device.type
+    plan = RunPlan.of(cfg, worker.world_size, kind, backend(kind, cpu_offload))
+    return _build(model_dir, meta_model, cfg, worker, plan).model

@@ -38,7 +38,7 @@ from torch.distributed.fsdp.wrap import CustomPolicy
 from shardtune.errors import ShardtuneError
 from shardtune.model import structure
 
-__all__ = ["NonUniformModuleError", "plan_units", "uniform_requires_grad_policy"]
+__all__ = ["NonUniformModuleError", "wrap_units", "uniform_requires_grad_policy"]
 
 # What one flat parameter must share.
 Kind = tuple[bool, torch.dtype]
@@ -89,7 +89,7 @@ def _describe(name: str, module: nn.Module, kinds: dict[Kind, list[str]]) -> str
     return f"{name or '<root>'} ({type(module).__name__}): " + ", ".join(parts)
 
 
-def plan_units(model: nn.Module, layer_classes: Iterable[type] | None = None,
+def wrap_units(model: nn.Module, layer_classes: Iterable[type] | None = None,
                own_units: Iterable[nn.Module] = ()) -> dict[str, nn.Module]:
     """The modules to wrap, by name (``""``: the root), such that every unit's own parameters share one kind.
 
@@ -180,5 +180,5 @@ def uniform_requires_grad_policy(model: nn.Module, layer_classes: Iterable[type]
     Raises ``NonUniformModuleError`` (a ``ValueError``) when no uniform split exists.
     """
     # Identity, not equality: the same class may occur in and out of a unit.
-    targets = {id(m) for m in plan_units(model, layer_classes, own_units).values()}
+    targets = {id(m) for m in wrap_units(model, layer_classes, own_units).values()}
     return CustomPolicy(lambda module: id(module) in targets)

@@ -130,8 +130,18 @@ def local_world_size() -> int:
 
 
 def planned_device_type(requested: str = "auto") -> str:
-    """The device type a run is planned for: as ``device_type``, except that ``--device cuda`` on a machine
+    """The device type a run is planned for, the one decision every planner, choice and run plan reads:
+    as ``device_type`` (``SHARDTUNE_DEVICE`` included), except that ``--device cuda`` on a machine
     without a GPU plans for GPUs (``shardtune plan`` answers for another machine; a run refuses earlier)."""
     if requested == "cuda" and not torch.cuda.is_available():
         return "cuda"
     return device_type(requested)
+
+
+def trace_device(kind: str) -> torch.device:
+    """Where the planner's fake-tensor pass runs for a run planned on ``kind``: that device, except a
+    GPU planned for from a machine without CUDA, traced on the CPU device (a CUDA fake pass needs CUDA:
+    SDPA aborts the process without it); the CUDA terms (context, gathers) then come from the memory model."""
+    if kind == "cuda" and torch.cuda.is_available():
+        return torch.device("cuda", 0)
+    return torch.device("cpu")

@@ -204,7 +204,14 @@ def worker_main(main: Callable[[], None]) -> None:
         print(f"error: {err}", file=sys.stderr)
         code = err.exit_code
     except BaseException as err:  # record() has written the error file (with the traceback) for the launcher
-        print(f"error: {type(err).__name__}: {err}", file=sys.stderr)
+        from shardtune.runtime.worker_failures import lost_peer
+
+        lost = lost_peer(str(err))
+        if lost:  # a consequence: the launcher names the rank that failed first, and why
+            print(f"error: rank {os.environ.get('RANK', '?')} lost another rank ({lost}): that rank's failure "
+                  "is the cause", file=sys.stderr)
+        else:
+            print(f"error: {type(err).__name__}: {err}", file=sys.stderr)
         if not os.environ.get(LAUNCHER_PID):  # plain torchrun: the traceback goes to its log
             traceback.print_exc()
         code = 1

@@ -8,8 +8,6 @@ CPU (parallel/host_gather.py), which every rank of a host maps, are counted in f
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import os
 import threading
 from collections.abc import Iterator
 
@@ -26,58 +24,6 @@ def format_size(n_bytes: float) -> str:
             value = n_bytes / scale
             return f"{value:.0f} {unit}" if abs(value) >= 100 else f"{value:.3g} {unit}"
     return f"{n_bytes:.0f} B"
-
-# glibc's mallopt parameter, and the threshold we set (glibc's own starting value).
-_M_MMAP_THRESHOLD = -3
-MMAP_THRESHOLD = 128 * 1024
-
-
-def tune_malloc() -> str:
-    """Make glibc give every freed block of 128 KiB or more back to the system at once.
-
-    Why: glibc serves allocations below its mmap threshold from its heap, and raises that threshold
-    (up to 32 MiB) each time a larger mmap-ed block is freed. FSDP2 allocates each parameter's
-    unsharded copy on its own (megabytes each) and frees it a layer later, while longer-lived
-    activations land in between; the freed holes then cannot serve the next layer's copies and the
-    heap keeps growing, so freed memory counts in the peak as if it were in use (bench/memory.py
-    shows it with ``SHARDTUNE_MALLOC=default``). A fixed threshold turns that off;
-    FSDP1's one flat buffer per unit was already above it. ``MALLOC_MMAP_THRESHOLD_`` in the
-    environment (glibc's own setting) wins; ``SHARDTUNE_MALLOC=default`` keeps glibc's defaults.
-    """
-    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
-        return f"MALLOC_MMAP_THRESHOLD_={os.environ['MALLOC_MMAP_THRESHOLD_']} from the environment"
-    if os.environ.get("SHARDTUNE_MALLOC") == "default":
-        return "glibc defaults (SHARDTUNE_MALLOC=default)"
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return "unchanged (no mallopt: not glibc)"
-    if not mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD):
-        return "unchanged (mallopt refused)"
-    return f"mmap threshold {MMAP_THRESHOLD // 1024} KiB"
-
-
-#: glibc's tunable that backs its memory with transparent huge pages (madvise), read when a process starts
-HUGE_PAGES = "glibc.malloc.hugetlb=1"
-
-
-def worker_malloc_env(device_type: str, environ: dict[str, str] | None = None) -> dict[str, str]:
-    """What the launcher adds to CPU workers' environment: glibc's huge-page tunable.
-
-    Why: under the mmap threshold every buffer FSDP2 gathers into is a fresh mapping, and the first
-    write to each 4 KiB page faults and zeroes it, so filling a fresh buffer is several times slower
-    than refilling a reused one (bench/page_faults.py). Huge pages take one fault per 2 MiB instead,
-    at the same peak (bench/speed.py measures the step).
-    Only on CPU, only where the tunable is not set already, and never with ``SHARDTUNE_MALLOC=default``.
-    """
-    env = os.environ if environ is None else environ
-    if device_type != "cpu" or env.get("SHARDTUNE_MALLOC") == "default":
-        return {}
-    current = env.get("GLIBC_TUNABLES", "")
-    if "glibc.malloc.hugetlb" in current:
-        return {}
-    return {"GLIBC_TUNABLES": f"{current}:{HUGE_PAGES}" if current else HUGE_PAGES}
-
 
 def resident_bytes() -> int:
     """RssAnon + RssShmem of this process (0 where /proc is not there)."""

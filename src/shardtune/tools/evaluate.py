@@ -210,7 +210,8 @@ def _run_workers(spec: EvalSpec, nproc: int) -> dict[str, Any]:
 
     from shardtune.config import ParallelConfig
     from shardtune.model.directory import check_model_dir, load_tokenizer
-    from shardtune.runtime.workers import WorkerError, launch_workers
+    from shardtune.runtime.worker_failures import WorkerError
+    from shardtune.runtime.workers import launch_workers
 
     # Bad paths or data fail here in a second, not in N workers after they have loaded the model.
     tokenizer = load_tokenizer(check_model_dir(spec.model, spec.trust_remote_code))

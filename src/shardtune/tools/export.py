@@ -1,7 +1,7 @@
 """Write base + LoRA adapter as one GGUF file for llama.cpp and Ollama, streaming one tensor at a time.
 
-The merge is ``merge.py``'s (its plan and its per-tensor iterator): each base tensor is read, merged
-in fp32, renamed to llama.cpp's name with the gguf package's own tensor-name map, converted and
+The merge is ``merge.py``'s (``merge_sources`` and its per-tensor iterator): each base tensor is read,
+merged in fp32, renamed to llama.cpp's name with the gguf package's own tensor-name map, converted and
 written a block of rows at a time before the next is read, so the model is never whole in memory and
 no tensor has a converted copy of all of it. Each tensor is read through its own safetensors handle,
 so the weight files' pages do not stay mapped in this process once written. A QLoRA adapter merges into
@@ -37,15 +37,15 @@ from typing import TYPE_CHECKING, BinaryIO
 
 import torch
 
-from shardtune.errors import ShardtuneError
 from shardtune.model.directory import check_model_dir
+from shardtune.runtime.cpu_tuning import MMAP_THRESHOLD, tune_malloc
 from shardtune.runtime.failure import stage
 from shardtune.runtime.files import staged_file
-from shardtune.runtime.memory import MMAP_THRESHOLD, tune_malloc
 from shardtune.runtime.outputs import check_output, claim_output
 from shardtune.runtime.progress import progress
 from shardtune.tools import gguf_gemma3
-from shardtune.tools.merge import MergePlan, check_finite, merged_tensors, plan_merge
+from shardtune.tools.gguf_model import FAMILIES, TIED_ARCHS, ExportError, Family, add_hparams, llama3_rope_freqs
+from shardtune.tools.merge import MergeSources, check_finite, merge_sources, merged_tensors
 
 if TYPE_CHECKING:
     import numpy as np
@@ -53,32 +53,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("shardtune")
 
 QUANTS = ("f16", "bf16", "q8_0")
-
-
-class ExportError(ShardtuneError, ValueError):
-    """The model or the options cannot be exported; the message names what and why."""
-
-
-@dataclass(frozen=True)
-class Family:
-    arch: str  # gguf's MODEL_ARCH member name
-    permute_qk: bool = False
-    norm_plus_one: bool = False
-    multimodal: bool = False  # the text model of a vision-language checkpoint is exported
-
-
-# Hugging Face model_type -> how llama.cpp converts it.
-FAMILIES = {
-    "llama": Family("LLAMA", permute_qk=True),
-    "mistral": Family("LLAMA", permute_qk=True),
-    "qwen2": Family("QWEN2"),
-    "qwen3": Family("QWEN3"),
-    "gemma": Family("GEMMA", norm_plus_one=True),
-    "gemma2": Family("GEMMA2", norm_plus_one=True),
-    "gemma3_text": Family("GEMMA3", norm_plus_one=True),
-    "gemma3": Family("GEMMA3", norm_plus_one=True, multimodal=True),
-}
-_TIED_ARCHS = ("GEMMA", "GEMMA2", "GEMMA3")  # llama.cpp has no output tensor for these: the embedding serves
 
 
 def export_gguf(model: str | Path, adapter: str | Path | None, out: str | Path, quant: str = "f16",
@@ -107,16 +81,16 @@ def export_gguf(model: str | Path, adapter: str | Path | None, out: str | Path, 
             raise ExportError(f"{model_dir.path / 'config.json'}: {problem}; llama.cpp's gemma3 would not run this "
                               "model as transformers does, so this GGUF export does not write it")
     arch = getattr(gguf.MODEL_ARCH, family.arch)
-    plan = plan_merge(model_dir, Path(adapter)) if adapter else MergePlan({}, _stored_names(model_dir), {})
-    layout = _layout(model_dir, plan, config, family, quant)
+    sources = merge_sources(model_dir, Path(adapter)) if adapter else MergeSources({}, _stored_names(model_dir), {})
+    layout = _layout(model_dir, sources, config, family, quant)
 
-    # Each merged matrix is a fresh fp32 copy: with malloc's threshold fixed (memory.py), freeing it gives
+    # Each merged matrix is a fresh fp32 copy: with malloc's threshold fixed (cpu_tuning.py), freeing it gives
     # it back to the system at once instead of leaving the heap grown by it.
     tune_malloc()
     writer = gguf.GGUFWriter(None, gguf.MODEL_ARCH_NAMES[arch])
-    _add_hparams(writer, config, family, quant, name=model_dir.path.name)
+    add_hparams(writer, config, family, quant, name=model_dir.path.name)
     add_tokenizer(writer, model_dir.path, config["vocab_size"])
-    rope_freqs = _llama3_rope_freqs(config) if family.permute_qk else None
+    rope_freqs = llama3_rope_freqs(config) if family.permute_qk else None
     if rope_freqs is not None:  # written first: tensor data follows the order of the tensor infos
         writer.add_tensor_info(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", rope_freqs.shape,
                                rope_freqs.dtype, rope_freqs.nbytes, raw_dtype=gguf.GGMLQuantizationType.F32)
@@ -127,7 +101,7 @@ def export_gguf(model: str | Path, adapter: str | Path | None, out: str | Path, 
     with claim_output(out, kind="file", command="export", inputs=inputs, overwrite=force, flag="--force",
                       name="--out"):
         with staged_file(out) as tmp, stage("write"):
-            _write_gguf(writer, tmp, layout, model_dir, plan, family, config, quant, rope_freqs)
+            _write_gguf(writer, tmp, layout, model_dir, sources, family, config, quant, rope_freqs)
         seconds = time.perf_counter() - start
         result = {"out": str(out), "quant": quant, "bytes": out.stat().st_size, "tensors": len(layout),
                   "seconds": round(seconds, 3)}
@@ -144,7 +118,7 @@ def modelfile_of(gguf_file: Path) -> Path:
     return gguf_file.with_name(f"{gguf_file.stem}.Modelfile")
 
 
-def _write_gguf(writer, tmp: Path, layout: list[_Item], model_dir, plan: MergePlan, family: Family, config: dict,
+def _write_gguf(writer, tmp: Path, layout: list[_Item], model_dir, sources: MergeSources, family: Family, config: dict,
                 quant: str, rope_freqs) -> None:
     """The GGUF file at ``tmp``: header, metadata and tensor infos by gguf's writer, then each merged
     tensor's data appended a block at a time."""
@@ -158,9 +132,9 @@ def _write_gguf(writer, tmp: Path, layout: list[_Item], model_dir, plan: MergePl
             data.seek(0, os.SEEK_END)
             if rope_freqs is not None:
                 _append_tensor(data, [rope_freqs], rope_freqs.nbytes, writer.data_alignment)
-            for name, tensor in _merged_one_by_one(model_dir, plan, set(by_name)):
+            for name, tensor in _merged_one_by_one(model_dir, sources, set(by_name)):
                 item = by_name[name]
-                blocks = _blocks(tensor, item, family, config, scratch, changed=name in plan.changes)
+                blocks = _blocks(tensor, item, family, config, scratch, changed=name in sources.changes)
                 _append_tensor(data, blocks, item.nbytes, writer.data_alignment)
                 bar.advance()
                 del tensor
@@ -188,7 +162,7 @@ def _stored_names(model_dir) -> dict[str, str]:
     return names
 
 
-def _layout(model_dir, plan: MergePlan, config: dict, family: Family, quant: str) -> list[_Item]:
+def _layout(model_dir, sources: MergeSources, config: dict, family: Family, quant: str) -> list[_Item]:
     """Every tensor the file will hold, in writing order, from the safetensors headers alone."""
     import gguf
     import numpy as np
@@ -196,21 +170,21 @@ def _layout(model_dir, plan: MergePlan, config: dict, family: Family, quant: str
 
     arch = getattr(gguf.MODEL_ARCH, family.arch)
     tmap = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
-    tied = config.get("tie_word_embeddings", False) or family.arch in _TIED_ARCHS
+    tied = config.get("tie_word_embeddings", False) or family.arch in TIED_ARCHS
     left_out = 0
     matrix_type = {"f16": gguf.GGMLQuantizationType.F16, "bf16": gguf.GGMLQuantizationType.BF16,
                    "q8_0": gguf.GGMLQuantizationType.Q8_0}[quant]
     items = []
     for file in model_dir.weight_files:
         with safe_open(str(file), framework="pt") as f:
-            for name, source in plan.names_in(file.name, list(f.keys())):
+            for name, source in sources.names_in(file.name, list(f.keys())):
                 text = gguf_gemma3.text_name(name) if family.multimodal else name
                 if text is None:
                     left_out += 1
                     continue
                 if name.endswith("rotary_emb.inv_freq"):
                     continue  # recomputed from rope_theta by every reader
-                if text == "lm_head.weight" and tied and name not in plan.extra:
+                if text == "lm_head.weight" and tied and name not in sources.extra:
                     continue  # the embedding serves as the output layer
                 gguf_name = tmap.get_name(text, try_suffixes=(".weight", ".bias"))
                 if gguf_name is None:
@@ -230,7 +204,7 @@ def _layout(model_dir, plan: MergePlan, config: dict, family: Family, quant: str
     return items
 
 
-def _merged_one_by_one(model_dir, plan: MergePlan, wanted: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
+def _merged_one_by_one(model_dir, sources: MergeSources, wanted: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, merged tensor) for each tensor in ``wanted``, in file order, each read through its own handle.
 
     safetensors maps the whole file while a handle is open, and every page read through it stays
@@ -241,10 +215,10 @@ def _merged_one_by_one(model_dir, plan: MergePlan, wanted: set[str]) -> Iterator
 
     for file in model_dir.weight_files:
         with safe_open(str(file), framework="pt") as f:
-            names = [(n, s) for n, s in plan.names_in(file.name, list(f.keys())) if n in wanted]
+            names = [(n, s) for n, s in sources.names_in(file.name, list(f.keys())) if n in wanted]
         for pair in names:
             with safe_open(str(file), framework="pt") as f:
-                ((name, tensor),) = merged_tensors(f, [pair], plan.changes)
+                ((name, tensor),) = merged_tensors(f, [pair], sources.changes)
             yield name, tensor
             del tensor
 
@@ -343,92 +317,3 @@ def _rotary_order(n_rows: int, item: _Item, family: Family, config: dict) -> tor
 
 _BLOCK_VALUES = 1 << 20  # values converted at a time: bounds each conversion's temporaries to a slice of the tensor
 _Q8_VALUES = MMAP_THRESHOLD // 8  # values quantized at a time: fp32 temporaries of half malloc's threshold
-
-
-def _rope_theta(config: dict) -> float:
-    """The (global layers') rope base."""
-    return float(_rope_params(config).get("rope_theta", config.get("rope_theta", 10000.0)))
-
-
-def _rope_params(config: dict) -> dict:
-    """The rope scaling entry (transformers 5: ``rope_parameters``; older files: ``rope_scaling``)."""
-    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    return params.get("full_attention", params)
-
-
-def _rope_kind(config: dict) -> str:
-    params = _rope_params(config)
-    return str(params.get("rope_type", params.get("type")) or "default").lower()
-
-
-def _llama3_rope_freqs(config: dict):
-    """Llama 3's rope as llama.cpp reads it: one divisor per rotary frequency, the ``rope_freqs`` tensor.
-
-    llama.cpp rotates by ``pos * theta_i / rope_freqs[i]``, so each entry is the base frequency over
-    the scaled one: 1 above the high-frequency bound, ``factor`` below the low one, and in between
-    the smooth interpolation of Llama 3.1's reference code (convert_hf_to_gguf's LlamaModel).
-    Returns None for any other rope type.
-    """
-    import math
-
-    import numpy as np
-
-    if _rope_kind(config) != "llama3":
-        return None
-    params = _rope_params(config)
-    dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    freqs = 1.0 / (_rope_theta(config) ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
-    factor = float(params.get("factor", 8.0))
-    low, high = float(params.get("low_freq_factor", 1.0)), float(params.get("high_freq_factor", 4.0))
-    old_context = float(params.get("original_max_position_embeddings", 8192))
-    divisors = []
-    for freq in freqs:
-        wavelen = 2 * math.pi / freq
-        if wavelen < old_context / high:
-            divisors.append(1.0)
-        elif wavelen > old_context / low:
-            divisors.append(factor)
-        else:
-            smooth = (old_context / wavelen - low) / (high - low)
-            divisors.append(1 / ((1 - smooth) / factor + smooth))
-    return np.array(divisors, dtype=np.float32)
-
-
-def _add_hparams(writer, config: dict, family: Family, quant: str, name: str) -> None:
-    """The model's shape under llama.cpp's keys (convert_hf_to_gguf's TextModel.set_gguf_parameters)."""
-    import gguf
-
-    heads = config["num_attention_heads"]
-    head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    writer.add_name(name)
-    writer.add_file_type({"f16": gguf.LlamaFileType.MOSTLY_F16, "bf16": gguf.LlamaFileType.MOSTLY_BF16,
-                          "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[quant])
-    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    writer.add_context_length(config["max_position_embeddings"])
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(config.get("num_key_value_heads") or heads)
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_rope_freq_base(_rope_theta(config))
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
-    writer.add_vocab_size(config["vocab_size"])
-    if family.permute_qk:
-        writer.add_rope_dimension_count(head_dim)
-    if family.arch == "GEMMA2":
-        writer.add_attn_logit_softcapping(config.get("attn_logit_softcapping") or 0.0)
-        writer.add_final_logit_softcapping(config.get("final_logit_softcapping") or 0.0)
-        writer.add_sliding_window(config.get("sliding_window") or 0)
-    if family.arch == "GEMMA3":
-        gguf_gemma3.add_hparams(writer, config)
-    kind = _rope_kind(config)
-    if kind == "linear":
-        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        writer.add_rope_scaling_factor(float(_rope_params(config)["factor"]))
-    elif kind == "llama3" and family.permute_qk:
-        pass  # the rope_freqs tensor carries it; llama.cpp reads no scaling keys for it
-    elif kind != "default":
-        supported = "default, linear, llama3 (llama and mistral)"
-        raise ExportError(f"config.json: rope scaling {kind!r} is not one this GGUF export writes ({supported})")

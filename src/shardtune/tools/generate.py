@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
@@ -37,6 +38,20 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name not in DTYPES:
         raise ConfigError(f"option 'dtype': {name!r} is not one of auto, {', '.join(DTYPES)}")
     return DTYPES[name]
+
+
+@dataclass(frozen=True)
+class EvalModel:
+    """The model a tool evaluates: a base, maybe an adapter, and how to load them (``load_model``)."""
+
+    model: str
+    adapter: str | None = None
+    dtype: str = "auto"
+    quantize: str = "none"
+    trust_remote_code: bool = False
+
+    def load(self, device: torch.device | None = None) -> tuple[nn.Module, object]:
+        return load_model(self.model, self.adapter, self.dtype, device, self.quantize, self.trust_remote_code)
 
 
 def load_model(model_dir: str | Path, adapter: str | Path | None = None, dtype: str = "auto",

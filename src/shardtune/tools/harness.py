@@ -13,11 +13,17 @@ names the task. ``include_path`` adds a folder of task YAML files (the harness's
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from shardtune.errors import ShardtuneError
 from shardtune.tools.eval_results import write_json
+
+if TYPE_CHECKING:
+    from shardtune.tools.generate import EvalModel
 
 log = logging.getLogger("shardtune")
 
@@ -47,25 +53,34 @@ def _tasks(names: list[str], include_path: str | None):
                            "to cache it") from None
 
 
-def run_tasks(model: str, adapter: str | None, tasks: list[str], limit: int | None = None,
-              num_fewshot: int | None = None, dtype: str = "auto", quantize: str = "none",
-              batch_size: int = 8, include_path: str | None = None, out: str | Path | None = None,
-              trust_remote_code: bool = False) -> dict:
-    """{"base": results, "adapter": results (with ``adapter``)}, also written to ``out`` (a JSON file)."""
+@dataclass(frozen=True)
+class Tasks:
+    """The lm-eval tasks to run: their names, and how (``--limit``, ``--num-fewshot``, ``--include-path``)."""
+
+    names: list[str]
+    limit: int | None = None
+    num_fewshot: int | None = None
+    include_path: str | None = None
+
+
+def run_tasks(subject: EvalModel, tasks: Tasks, batch_size: int = 8, out: str | Path | None = None) -> dict:
+    """{"base": results, "adapter": results (with an adapter)} of ``subject``, also written to ``out``
+    (a JSON file)."""
     from lm_eval import evaluator
     from lm_eval.models.huggingface import HFLM
 
-    from shardtune.tools.generate import load_model
-
-    manager, _ = _tasks(tasks, include_path)  # fail before loading any model
+    manager, _ = _tasks(tasks.names, tasks.include_path)  # fail before loading any model
+    adapter = subject.adapter
     runs = {"base": None, **({"adapter": adapter} if adapter else {})}
-    report: dict = {"model": str(model), "adapter": str(adapter) if adapter else None, "tasks": tasks,
-                    "limit": limit, "num_fewshot": num_fewshot, "quantize": quantize, "results": {}}
+    report: dict = {"model": str(subject.model), "adapter": str(adapter) if adapter else None, "tasks": tasks.names,
+                    "limit": tasks.limit, "num_fewshot": tasks.num_fewshot, "quantize": subject.quantize,
+                    "results": {}}
     for label, which in runs.items():
-        lm_model, tokenizer = load_model(model, which, dtype, quantize=quantize, trust_remote_code=trust_remote_code)
+        lm_model, tokenizer = dataclasses.replace(subject, adapter=which).load()
         lm = HFLM(pretrained=lm_model, tokenizer=tokenizer, batch_size=batch_size)
-        result = evaluator.simple_evaluate(model=lm, tasks=tasks, limit=limit, num_fewshot=num_fewshot,
-                                           task_manager=manager, log_samples=False, bootstrap_iters=0)
+        result = evaluator.simple_evaluate(model=lm, tasks=tasks.names, limit=tasks.limit,
+                                           num_fewshot=tasks.num_fewshot, task_manager=manager, log_samples=False,
+                                           bootstrap_iters=0)
         report["results"][label] = result["results"]
         report.setdefault("table", {})[label] = _make_table(result)
         del lm, lm_model

@@ -28,13 +28,13 @@ from pathlib import Path
 import torch
 
 from shardtune.errors import ShardtuneError
+from shardtune.model.checkpoint_keys import checkpoint_key
 from shardtune.model.directory import ModelDir, check_adapter_dir, check_model_dir
-from shardtune.model.loading import checkpoint_key
 from shardtune.model.lora import PEFT_PREFIX
 from shardtune.model.meta import DTYPES
+from shardtune.runtime.cpu_tuning import tune_malloc
 from shardtune.runtime.failure import stage
 from shardtune.runtime.files import staged_dir
-from shardtune.runtime.memory import tune_malloc
 from shardtune.runtime.outputs import check_output, claim_output
 from shardtune.runtime.progress import Bar, progress
 from shardtune.runtime.safetensors_header import TORCH_DTYPES, encode_header
@@ -78,7 +78,7 @@ def read_adapter(adapter: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     return config, load_file(str(weights))
 
 
-def plan_changes(config: dict, tensors: dict[str, torch.Tensor]) -> dict[str, Change]:
+def changes_of(config: dict, tensors: dict[str, torch.Tensor]) -> dict[str, Change]:
     """{base tensor name (as the model names it): Change} for every tensor of the adapter."""
     from peft.utils.other import get_pattern_key
 
@@ -182,16 +182,17 @@ def _out_dtype(dtype: torch.dtype, wanted: torch.dtype | None) -> torch.dtype:
     return wanted if wanted is not None and dtype.is_floating_point else dtype
 
 
-def merge_file(src: Path, dst: Path, changes: dict[str, Change], extra: dict[str, str],
-               dtype: torch.dtype | None, bar: Bar | None = None) -> tuple[int, int]:
-    """Write ``dst``: every tensor of ``src``, merged, plus ``extra`` ({new name: stored tensor it starts from}).
+def merge_file(src: Path, dst: Path, sources: MergeSources, dtype: torch.dtype | None,
+               bar: Bar | None = None) -> tuple[int, int]:
+    """Write ``dst``: every tensor of ``src``, merged, plus the tied copies ``sources`` places in it.
 
     Returns (bytes written, the largest tensor's bytes).
     """
     from safetensors import safe_open
 
+    changes = sources.changes
     with safe_open(str(src), framework="pt") as f, open(dst, "wb") as out:
-        names = [(n, n) for n in f.keys()] + list(extra.items())
+        names = sources.names_in(src.name, list(f.keys()))
         entries = []
         for name, source in names:
             piece = f.get_slice(source)  # the header only: no data is read here
@@ -235,7 +236,7 @@ def check_finite(name: str, tensor: torch.Tensor, why: str) -> None:
 
 
 @dataclass
-class MergePlan:
+class MergeSources:
     """Where every merged tensor comes from: what ``merge`` writes, and what ``export`` streams."""
 
     changes: dict[str, Change]  # keyed by the checkpoint's own tensor names
@@ -247,7 +248,7 @@ class MergePlan:
         return [(n, n) for n in stored] + [(n, s) for n, s in self.extra.items() if self.file_of[s] == file_name]
 
 
-def plan_merge(model_dir: ModelDir, adapter: Path) -> MergePlan:
+def merge_sources(model_dir: ModelDir, adapter: Path) -> MergeSources:
     """Read the adapter and resolve each of its changes to a tensor of ``model_dir``'s checkpoint."""
     config, tensors = read_adapter(adapter)
     file_of = dict(model_dir.index["weight_map"]) if model_dir.index else {}
@@ -256,7 +257,7 @@ def plan_merge(model_dir: ModelDir, adapter: Path) -> MergePlan:
 
         with safe_open(str(model_dir.weight_files[0]), framework="pt") as f:
             file_of = {k: model_dir.weight_files[0].name for k in f.keys()}
-    changes = plan_changes(config, tensors)
+    changes = changes_of(config, tensors)
     unstored = [n for n in changes if not any(k in file_of for k in _stored_spellings(n))]
     tied = _tied_sources(model_dir) if unstored else {}
     changes = _resolve(changes, file_of, tied)
@@ -264,7 +265,7 @@ def plan_merge(model_dir: ModelDir, adapter: Path) -> MergePlan:
     extra = {name: tied[name] for name in changes if name not in file_of}
     for name, source in extra.items():
         file_of[name] = file_of[source]
-    return MergePlan(changes, file_of, extra)
+    return MergeSources(changes, file_of, extra)
 
 
 
@@ -279,10 +280,10 @@ def merge(model: str | Path, adapter: str | Path, out: str | Path, dtype: str = 
     inputs = (("model directory", model), ("adapter", adapter))
     check_output(out, kind="dir", inputs=inputs, overwrite=overwrite, name="output directory")
     model_dir = check_model_dir(model, trust_remote_code)
-    plan = plan_merge(model_dir, Path(adapter))
+    sources = merge_sources(model_dir, Path(adapter))
     wanted = None if dtype == "auto" else DTYPES[dtype]
-    changes, file_of, extra = plan.changes, plan.file_of, plan.extra
-    # Each merged tensor is a fresh copy: with malloc's threshold fixed (runtime/memory.py), freeing it gives
+    changes, file_of, extra = sources.changes, sources.file_of, sources.extra
+    # Each merged tensor is a fresh copy: with malloc's threshold fixed (runtime/cpu_tuning.py), freeing it gives
     # it back to the system at once, where glibc's moving threshold would leave the heap grown by it.
     tune_malloc()
 
@@ -291,8 +292,7 @@ def merge(model: str | Path, adapter: str | Path, out: str | Path, dtype: str = 
             progress("merge", len(file_of), unit="tensor") as bar:
         total, largest = 0, 0
         for src in model_dir.weight_files:
-            new = {n: s for n, s in extra.items() if file_of[s] == src.name}
-            written, big = merge_file(src, tmp / src.name, changes, new, wanted, bar)
+            written, big = merge_file(src, tmp / src.name, sources, wanted, bar)
             total, largest = total + written, max(largest, big)
         _copy_other_files(model_dir.path, tmp, wanted, untie=bool(extra))
         if model_dir.index:

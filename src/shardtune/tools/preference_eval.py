@@ -13,11 +13,14 @@ One process: the adapter is switched off for the base's pass, so one copy of the
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from shardtune.config import DataConfig
+
+if TYPE_CHECKING:
+    from shardtune.tools.generate import EvalModel
 
 
 def is_preference_data(data: str | Path, fields: str = "") -> bool:
@@ -57,22 +60,20 @@ def _figures(logps: torch.Tensor) -> dict[str, float]:
     return {"accuracy": (margin > 0).float().mean().item(), "mean_margin": margin.mean().item()}
 
 
-def evaluate_preferences(model_dir: str | Path, data: str | Path, adapter: str | Path | None = None,
-                         seq_len: int = DataConfig().seq_len, batch_size: int = 8, dtype: str = "auto",
-                         quantize: str = "none", data_fields: str = "", trust_remote_code: bool = False
-                         ) -> dict[str, Any]:
-    """The figures of the module docstring, for the base and (with ``adapter``) base + adapter."""
+def evaluate_preferences(subject: EvalModel, data: str | Path, seq_len: int = DataConfig().seq_len,
+                         batch_size: int = 8, data_fields: str = "") -> dict[str, Any]:
+    """The figures of the module docstring, for the base and (with an adapter) base + adapter."""
     from tqdm.auto import tqdm
 
     from shardtune.runtime.compat import adapters_disabled
-    from shardtune.tools.generate import check_adapter_dir, load_model
+    from shardtune.tools.generate import check_adapter_dir
     from shardtune.train.data.batch import pad_id
     from shardtune.train.data.pairs import PAIRS
     from shardtune.train.data.tokenize import load_dataset
 
+    adapter, model_dir = subject.adapter, subject.model
     check_adapter_dir(adapter)
-    model, tokenizer = load_model(str(model_dir), str(adapter) if adapter else None, dtype, quantize=quantize,
-                                  trust_remote_code=trust_remote_code)
+    model, tokenizer = subject.load()
     model.eval()
     dataset = load_dataset(data, tokenizer, seq_len, fields=data_fields, fmt=PAIRS)
     n = len(dataset.examples) // 2

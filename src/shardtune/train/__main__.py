@@ -10,7 +10,7 @@ from pathlib import Path
 from shardtune.config import build_config, validate
 from shardtune.runplan import RunPlan
 from shardtune.runtime.distributed import worker_main
-from shardtune.runtime.workers import Stopped
+from shardtune.runtime.worker_failures import Stopped
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -306,7 +306,7 @@ def check_resumable(cfg: Config, path: Path, meta: dict, data: dict | None, mode
     resume accepts with a warning: the other options that changed, a base model stored in other dtypes.
     """
     saved, now = meta["options"], cfg.flat()
-    # Each option's policy is declared with it in the schema (config.py, ``opt(..., resume)``).
+    # Each option's policy is declared with it in the schema (config/options.py, ``opt(..., resume)``).
     policy = {flag: f.metadata["resume"] for flag, (_, f) in FLAGS.items()}
     changed = {k: (saved.get(k), v) for k, v in now.items() if policy[k] != FREE and saved.get(k) != v}
     bad = {k: v for k, v in changed.items() if policy[k] == MUST_MATCH}

@@ -1,9 +1,10 @@
-"""The fastest configuration that fits: what ``auto`` means for --strategy, --micro-batch-size and
---fsdp-unit (and activation checkpointing, when nothing fits without it).
+"""The one search over the settings a configuration may run with: the fastest one that fits is what
+``auto`` means for --strategy, --micro-batch-size and --fsdp-unit (and activation checkpointing, when
+nothing fits without it), and ``shardtune plan`` prints its rows (``strategy_rows``).
 
-Decided once, by ``resolve`` (train/resolve.py), from the planner's memory predictions for every
+Decided once, by ``resolve`` (train/resolve.py), from the memory model's predictions for every
 candidate the combination rules allow (``config.combination_refusal``); every rank receives the
-result in the run plan.
+result in the run plan. One ``Search`` per command computes the model facts the predictions need once.
 
 The planner predicts memory only. Among the candidates that fit, the speed rule is, in order:
 
@@ -27,19 +28,37 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from shardtune.config import Config, ConfigError, combination_refusal, parse_size
-from shardtune.model.footprint import model_facts
-from shardtune.model.meta import compute_dtype
+from shardtune.config import (
+    STRATEGIES,
+    Config,
+    ConfigError,
+    combination_refusal,
+    parse_size,
+    ranks_of,
+    traits,
+    unit_of,
+    units_to_try,
+)
+from shardtune.model.footprint import Facts, meta_lora_model, model_facts
+from shardtune.runplan import BatchError, BatchSplit, RunPlan
+from shardtune.runtime.device import decide_dtype, planned_device_type, trace_device
 from shardtune.runtime.memory import MB, format_size
-from shardtune.train.memory_model import default_budget, plan_device, predict, row_tokens
+from shardtune.train.memory_model import (
+    Prediction,
+    Setting,
+    default_budget,
+    default_memory_per_rank,
+    predict,
+    row_tokens,
+)
 from shardtune.train.objectives import objective_of
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from shardtune.train.data.records import Lengths
 
 log = logging.getLogger("shardtune")
-#: What ``--strategy auto`` chooses among on several ranks (fsdp1 only when named: fsdp2 does all it does).
-AUTO_STRATEGIES = ("ddp", "fsdp2")
 
 
 @dataclass(frozen=True)
@@ -56,22 +75,64 @@ class Candidate:
         return (self.activation_checkpointing, self.collectives, self.forwards, -self.micro_batch_size)
 
     def describe(self) -> str:
-        unit = f", {self.fsdp_unit} units" if self.strategy == "fsdp2" else ""
+        unit = f", {self.fsdp_unit} units" if traits(self.strategy).fsdp_unit else ""
         return (f"{self.strategy}{unit}, micro-batch {self.micro_batch_size}, activation checkpointing "
                 f"{'on' if self.activation_checkpointing else 'off'}")
 
 
+class Search:
+    """The predicted peak of any setting of one configuration, for one command.
+
+    The model facts are computed once, when first needed: the model built on meta once (or the one the
+    caller built), one fake-tensor pass per micro-batch size. The automatic choice (``candidates``) and
+    ``shardtune plan``'s table (``strategy_rows``) read the same search, so ``plan`` with an ``auto``
+    option computes them once, not once per view.
+    """
+
+    def __init__(self, cfg: Config, lengths: Lengths | None = None, model: nn.Module | None = None) -> None:
+        self.cfg = decide_dtype(cfg)  # the compute dtype sizes the model: --dtype auto decided first
+        self.lengths = lengths
+        self.device = planned_device_type(cfg.parallel.device)  # 'cuda' or 'cpu'
+        self.traced = trace_device(self.device)
+        self.width = row_tokens(self.cfg, lengths)
+        self._model = model
+        self._facts: Facts | None = None
+
+    @property
+    def model(self) -> nn.Module:
+        """The LoRA model on meta (what the nf4 split rule reads too)."""
+        if self._model is None:
+            self._model = meta_lora_model(self.cfg)
+        return self._model
+
+    @property
+    def facts(self) -> Facts:
+        if self._facts is None:
+            self._facts = model_facts(self.cfg, self.traced, self.width, self.model)
+        return self._facts
+
+    def setting(self, strategy: str, ranks: int, micro_batch_size: int) -> Setting:
+        """``strategy`` on ``ranks`` with micro-batches of ``micro_batch_size`` records (or pairs), with
+        this configuration's rows and flags (``dataclasses.replace`` varies them)."""
+        p = self.cfg.parallel
+        return Setting(strategy, ranks, objective_of(self.cfg).rows_per_forward(micro_batch_size), self.width,
+                       p.activation_checkpointing, p.cpu_offload, p.replicate_groups, unit_of(strategy, p.fsdp_unit))
+
+    def predict(self, setting: Setting) -> Prediction:
+        return predict(self.facts, setting, self.device)
+
+
 def needs_choice(cfg: Config) -> bool:
     return (cfg.parallel.strategy == "auto" or cfg.train.micro_batch_size == "auto"
-            or (cfg.parallel.fsdp_unit == "auto" and cfg.parallel.strategy in ("auto", "fsdp2")))
+            or (cfg.parallel.fsdp_unit == "auto"
+                and (cfg.parallel.strategy == "auto" or traits(cfg.parallel.strategy).fsdp_unit)))
 
 
 def budget_of(cfg: Config) -> tuple[int | None, str]:
     """Bytes per rank, and where that number came from (None: planning for GPUs on a machine without one)."""
     if cfg.parallel.memory_per_rank:
         return parse_size(cfg.parallel.memory_per_rank), f"--memory-per-rank {cfg.parallel.memory_per_rank}"
-    device, _ = plan_device(cfg.parallel.device)
-    return default_budget(cfg.parallel.nproc, device)
+    return default_budget(cfg.parallel.nproc, planned_device_type(cfg.parallel.device))
 
 
 def rows_per_rank(cfg: Config, world: int, lengths: Lengths | None) -> int:
@@ -83,7 +144,7 @@ def rows_per_rank(cfg: Config, world: int, lengths: Lengths | None) -> int:
     return max(1, min(per_rank, math.ceil(per_rank * lengths.mean / cfg.data.seq_len)))
 
 
-def _micro_sizes(cfg: Config, world: int, rows: int) -> list[int]:
+def _micro_sizes(cfg: Config, rows: int) -> list[int]:
     if cfg.train.micro_batch_size not in (None, "auto"):
         return [int(cfg.train.micro_batch_size)]
     if cfg.train.micro_batch_size is None:
@@ -91,53 +152,51 @@ def _micro_sizes(cfg: Config, world: int, rows: int) -> list[int]:
     return [m for m in range(1, rows + 1) if rows % m == 0 or cfg.data.packing]
 
 
-def candidates(cfg: Config, budget: int, lengths: Lengths | None = None) -> list[tuple[Candidate, bool]]:
+def candidates(cfg: Config, budget: int, lengths: Lengths | None = None,
+               search: Search | None = None) -> list[tuple[Candidate, bool]]:
     """Every setting the auto options allow, with its predicted peak and whether it fits.
 
     ``lengths``: the training data's record lengths (preflight knows them): under --packing the mean
-    sets how many packed rows, so forwards, a step takes; unpacked, the longest sets a row's width."""
+    sets how many packed rows, so forwards, a step takes; unpacked, the longest sets a row's width.
+    ``search``: the command's (default: a new one for ``cfg`` and ``lengths``)."""
+    search = search or Search(cfg, lengths)
+    lengths = search.lengths
     ranks = cfg.parallel.nproc * cfg.parallel.nnodes
     if cfg.parallel.strategy != "auto":
         strategies = [cfg.parallel.strategy]
     elif ranks == 1:
-        strategies = ["single"]
+        strategies = [s for s, t in STRATEGIES.items() if t.one_process]
     else:  # what auto may pick: those the combination rules allow
-        strategies = [s for s in AUTO_STRATEGIES if combination_refusal(cfg, s) is None]
-    rows = {s: rows_per_rank(cfg, ranks, lengths) for s in strategies}
-    micros = {s: _micro_sizes(cfg, ranks, rows[s]) for s in strategies}
+        strategies = [s for s, t in STRATEGIES.items() if t.auto and combination_refusal(cfg, s) is None]
+    rows = rows_per_rank(cfg, ranks, lengths)
     auto = cfg.parallel.strategy == "auto" or cfg.train.micro_batch_size == "auto"
     acs = [True] if cfg.parallel.activation_checkpointing else ([False, True] if auto else [False])
-    device, traced = plan_device(cfg.parallel.device)
-    width = row_tokens(cfg, lengths)
-    facts = model_facts(cfg, {objective_of(cfg).rows_per_forward(m) for ms in micros.values() for m in ms},
-                        {compute_dtype(cfg)}, traced, width)
     out = []
     for strategy in strategies:
-        units = (["layer", "part"] if cfg.parallel.fsdp_unit == "auto" else [cfg.parallel.fsdp_unit]) \
-            if strategy == "fsdp2" else ["-"]
-        for micro in micros[strategy]:
-            forwards = -(-rows[strategy] // micro)
+        for micro in _micro_sizes(cfg, rows):
+            forwards = -(-rows // micro)
             for ac in acs:
-                for unit in units:
-                    p = predict(facts, strategy, ranks, objective_of(cfg).rows_per_forward(micro), width, ac,
-                                cfg.parallel.cpu_offload, device, cfg.parallel.replicate_groups,
-                                unit if unit != "-" else "part")
-                    gathers = _gathers_per_forward(strategy, unit, facts)
+                for unit in units_to_try(strategy, cfg.parallel.fsdp_unit):
+                    setting = search.setting(strategy, ranks, micro)
+                    p = search.predict(dataclasses.replace(setting, activation_checkpointing=ac, fsdp_unit=unit))
+                    gathers = _gathers_per_forward(strategy, unit, search.facts)
                     c = Candidate(strategy, micro, ac, unit, p.peak_mb, 2 * gathers * forwards, forwards)
                     out.append((c, p.peak_mb * MB <= budget))
     return out
 
 
-def _gathers_per_forward(strategy: str, unit: str, facts) -> int:
-    if strategy in ("ddp", "single"):
+def _gathers_per_forward(strategy: str, unit: str, facts: Facts) -> int:
+    if not traits(strategy).shards:
         return 0
-    per_layer = 1 if unit == "layer" or strategy == "fsdp1" else len(facts.units_bytes)
+    # FSDP1 always wraps whole layers; FSDP2 whole layers or their parts (--fsdp-unit)
+    per_layer = len(facts.units_bytes) if unit == "part" else 1
     return facts.layers * per_layer + 1  # + the root
 
 
-def choose(cfg: Config, lengths: Lengths | None = None) -> tuple[Config, Candidate | None, str]:
+def choose(cfg: Config, lengths: Lengths | None = None,
+           search: Search | None = None) -> tuple[Config, Candidate | None, str]:
     """``cfg`` with its auto options decided, the candidate chosen, and why, in words
-    (``lengths``: see ``candidates``)."""
+    (``lengths``, ``search``: see ``candidates``)."""
     if not needs_choice(cfg):
         return cfg, None, ""
     budget, where = budget_of(cfg)
@@ -146,7 +205,7 @@ def choose(cfg: Config, lengths: Lengths | None = None) -> tuple[Config, Candida
             raise ConfigError("option 'micro-batch-size': 'auto' needs --memory-per-rank when planning for GPUs "
                               "on a machine without one")
         return cfg, None, ""
-    found = candidates(cfg, budget, lengths)
+    found = candidates(cfg, budget, lengths, search)
     fitting = sorted((c for c, fits in found if fits), key=Candidate.key)
     if fitting:
         best = fitting[0]
@@ -163,6 +222,54 @@ def choose(cfg: Config, lengths: Lengths | None = None) -> tuple[Config, Candida
                f"{best.describe()}, {format_size(best.peak_mb * MB)}")
     parallel = dataclasses.replace(
         cfg.parallel, strategy=best.strategy, activation_checkpointing=best.activation_checkpointing,
-        fsdp_unit=best.fsdp_unit if best.strategy == "fsdp2" else cfg.parallel.fsdp_unit, chosen=why)
+        fsdp_unit=best.fsdp_unit if traits(best.strategy).fsdp_unit else cfg.parallel.fsdp_unit)
     train = dataclasses.replace(cfg.train, micro_batch_size=best.micro_batch_size)
     return dataclasses.replace(cfg, parallel=parallel, train=train), best, why
+
+
+def strategy_rows(cfg: Config, memory_per_rank: int | None = None, run: RunPlan | None = None,
+                  lengths: Lengths | None = None, search: Search | None = None) -> dict[str, list[Prediction]]:
+    """``shardtune plan``'s rows: {strategy: predictions} for ``cfg``'s micro-batch (after the choice);
+    the first of each is for the configured checkpointing/offload flags, the others vary them. A row
+    that cannot run says why in its note, in the words of the rule that refuses it
+    (``config.combination_refusal``, ``BatchSplit.of``); ``run``: the plan ``finetune`` would run,
+    whose row is marked (``Prediction.runs``); ``lengths``: the training data's, which size a step's
+    rows (``memory_model.row_tokens``); ``search``: the command's. Single is shown on one rank."""
+    search = search or Search(cfg, lengths)
+    ranks = cfg.parallel.nproc * cfg.parallel.nnodes
+    budget = memory_per_rank or default_memory_per_rank(cfg.parallel.nproc, search.device)
+    batches: dict[str, BatchSplit | str] = {}
+    for strategy in STRATEGIES:
+        try:
+            batches[strategy] = BatchSplit.of(cfg.train.batch_size, cfg.train.micro_batch_size,
+                                               ranks_of(strategy, ranks), cfg.data.packing)
+        except BatchError as err:
+            batches[strategy] = str(err)
+    if not any(isinstance(b, BatchSplit) for b in batches.values()):
+        raise BatchError(next(iter(batches.values())))  # type: ignore[arg-type]
+    given = (cfg.parallel.activation_checkpointing, cfg.parallel.cpu_offload)
+    out: dict[str, list[Prediction]] = {}
+    for strategy, batch in batches.items():
+        world = ranks_of(strategy, ranks)
+        offloads = (False, True) if traits(strategy).cpu_offload else (False,)
+        flags = [given] + [(ac, off) for ac in (False, True) for off in offloads if (ac, off) != given]
+        preds = []
+        for ac, off in flags:
+            flagged = dataclasses.replace(cfg, parallel=dataclasses.replace(
+                cfg.parallel, activation_checkpointing=ac, cpu_offload=off))
+            refused = batch if isinstance(batch, str) else combination_refusal(flagged, strategy, world)
+            if refused:
+                preds.append(Prediction(strategy, world, ac, off, {}, "", note=refused))
+                continue
+            setting = dataclasses.replace(search.setting(strategy, world, batch.micro_batch_size),
+                                          activation_checkpointing=ac, cpu_offload=off,
+                                          fsdp_unit=unit_of(strategy, cfg.parallel.fsdp_unit))
+            p = search.predict(setting)
+            p.fits = None if budget is None else p.peak_mb * MB <= budget
+            p.runs = run is not None and (run.strategy, run.activation_checkpointing, run.cpu_offload) == \
+                (strategy, ac, off)
+            preds.append(p)
+        if all(not p.terms for p in preds) and len({p.note for p in preds}) == 1:
+            preds = preds[:1]  # one reason for every row of the strategy: said once
+        out[strategy] = preds
+    return out

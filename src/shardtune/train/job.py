@@ -17,7 +17,7 @@ from shardtune.model import attention
 from shardtune.model.directory import ModelDir, check_model_dir
 from shardtune.model.meta import compute_dtype, vocab_size
 from shardtune.parallel import Strategy
-from shardtune.parallel.sharded_model import Built, build_model, plan_for
+from shardtune.parallel.sharded_model import Built, build_model
 from shardtune.runplan import RunPlan
 from shardtune.runtime import distributed
 from shardtune.runtime.distributed import Worker
@@ -30,6 +30,7 @@ from shardtune.train.data.pack import check_packing
 from shardtune.train.data.records import Dataset
 from shardtune.train.objectives import Objective, objective_of
 from shardtune.train.reference import Reference, compute_reference, precomputed_reference, reference_key
+from shardtune.train.resolve import resolve_on
 from shardtune.train.scaling import ShardedGradScaler, make_scaler
 from shardtune.train.schedule import total_steps
 from shardtune.train.step import StepResult, Trainee, evaluate, train_step
@@ -91,13 +92,13 @@ def setup(cfg: Config, worker: Worker | None = None, memory: MemoryMonitor | Non
     """The job of ``plan`` on this rank: data tokenized (or mapped from preflight's cache), the model built,
     sharded and loaded, the loss head and attention installed, the reference ready. Defaults, for callers
     that are their own entry point (tests, benches): this process's worker, a memory monitor, and
-    ``plan_for(cfg, worker)``."""
+    ``resolve_on(worker, cfg)``."""
     from transformers import AutoTokenizer
 
     worker = worker or distributed.init_worker(cfg.parallel.device, cfg.parallel.cpu_offload,
                                                cfg.parallel.collective_timeout)
     memory = memory or MemoryMonitor(worker.device)
-    plan = plan or plan_for(cfg, worker)
+    plan = plan or resolve_on(worker, cfg)
     plan.check(cfg, worker.world_size, worker.device.type)  # the batches too: this rank makes them
 
     model_dir = check_model_dir(cfg.model.path, cfg.model.trust_remote_code)

@@ -4,7 +4,7 @@ The model's sizes and saved activations come from footprint.py (config.json, a m
 safetensors headers). A rank's memory is what it keeps for the whole run (runtime, weights, LoRA
 state) plus what the busiest moment of a training step adds; the moments are listed per strategy in
 ``_moments`` and the prediction names the one that wins. The constants below were fitted to measured
-peaks (bench/memory.py); ``shardtune plan`` (plan.py) renders the predictions.
+peaks (bench/memory.py); ``shardtune plan`` (memory_table.py) renders the predictions.
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from shardtune.config import traits
 from shardtune.model.footprint import Facts
-from shardtune.parallel import host_gather
+from shardtune.runtime import cpu_tuning
 from shardtune.runtime.budget import memory_per_rank
 from shardtune.runtime.memory import MB
 from shardtune.train.loss import CHUNK_BYTES
@@ -25,7 +26,6 @@ if TYPE_CHECKING:
     from shardtune.config import Config
     from shardtune.train.data.records import Lengths
 
-STRATEGIES = ("fsdp2", "fsdp1", "ddp", "single")
 #: A worker's private memory before loading (CPU): torch, transformers, peft, gloo, tokenizer, data
 #: (the recipe imports peft before it starts loading, so this is all code, no model).
 RUNTIME_CPU_MB = 295
@@ -110,7 +110,7 @@ class Prediction:
     quantize_slice_mb: float = 0.0  # --quantize nf4: the largest weight's bf16 slice a rank quantizes at load
     fits: bool | None = None
     note: str = ""
-    runs: bool = False  # the row `finetune` would run (plan.py marks it)
+    runs: bool = False  # the row `finetune` would run (choice.strategy_rows marks it)
 
     @property
     def peak_mb(self) -> float:
@@ -134,7 +134,7 @@ def _moments(strategy: str, device: str, f: Facts, n: int, acts: float, workspac
         # whole-layer units keep the last layer gathered from its forward into its backward
         last_kept = f.block_bytes if unit == "layer" else 0.0
         buffers = 0.0
-        if device == "cpu" and n > 1 and host_gather.enabled():
+        if device == "cpu" and n > 1 and cpu_tuning.shared_gather_enabled():
             copies, buffers = 1, SHARED_BUFFERS * sum(set(units))
         moments = _fsdp2_moments(device, f, n, copies, acts, workspace, logits_fwd, logits_bwd, units, last_kept)
         for terms in moments.values():
@@ -204,21 +204,35 @@ def row_sharded_bytes(f: Facts) -> float:
 def nccl_communicators(strategy: str, ranks: int, replicate_groups: int = 1) -> int:
     """NCCL communicators a rank of ``strategy`` uses on ``ranks`` GPUs: the world's (FSDP, DDP, the loss's
     all-reduce); HSDP adds its shard and replica groups (parallel/mesh.py)."""
-    if strategy == "single" or ranks == 1:
+    if traits(strategy).one_process or ranks == 1:
         return 0
-    return 3 if replicate_groups > 1 and strategy in ("fsdp2", "fsdp1") else 1
+    return 3 if replicate_groups > 1 and traits(strategy).hsdp else 1
 
 
-def predict(f: Facts, strategy: str, ranks: int, micro_batch: int, seq_len: int, ac: bool, offload: bool,
-            device: torch.device, replicate_groups: int = 1, unit: str = "part") -> Prediction:
-    """One strategy's per-rank peak, in MB, from the model's facts (``unit``: FSDP2's unit size).
+@dataclass(frozen=True)
+class Setting:
+    """One way to run a training step, as the memory model sees it."""
 
-    HSDP (``replicate_groups`` > 1) shards over the ranks of one group only: a rank holds 1/(ranks/groups).
-    """
-    sharded = strategy in ("fsdp2", "fsdp1")
+    strategy: str
+    ranks: int
+    rows: int  # sequences one forward computes (a preference pair is two)
+    row_tokens: int  # tokens in each (``row_tokens``)
+    activation_checkpointing: bool = False
+    cpu_offload: bool = False
+    #: HSDP (> 1) shards over the ranks of one group only: a rank holds 1/(ranks/groups)
+    replicate_groups: int = 1
+    fsdp_unit: str = "part"  # FSDP2's unit of sharding, "layer" or "part" (others: ignored)
+
+
+def predict(f: Facts, s: Setting, device: str) -> Prediction:
+    """The per-rank peak of setting ``s`` on ``device`` ('cuda' or 'cpu'), in MB, from the model's facts."""
+    strategy, ranks, micro_batch, seq_len = s.strategy, s.ranks, s.rows, s.row_tokens
+    ac, offload, unit, replicate_groups = s.activation_checkpointing, s.cpu_offload, s.fsdp_unit, s.replicate_groups
+    t = traits(strategy)
+    sharded = t.shards
     n = ranks // replicate_groups if sharded else 1
     # LoRA computes in the compute dtype under every strategy (parallel/compute_dtype.py): fp16's too
-    per_layer, outside, vocab = f.saved[micro_batch, f.dtype]
+    per_layer, outside, vocab = f.saved_for(micro_batch, f.dtype)
     micro_tokens = micro_batch * seq_len
     if ac:
         # Each layer keeps only its input; in backward one layer at a time recomputes its own set.
@@ -230,23 +244,22 @@ def predict(f: Facts, strategy: str, ranks: int, micro_batch: int, seq_len: int,
     logits_fwd, logits_bwd = _head_terms(f, micro_tokens, vocab, n if by_rows else 1)
     lora = 4 * f.trainable_params / n
     runtime = (CUDA_CONTEXT_MB + NCCL_COMM_MB * nccl_communicators(strategy, ranks, replicate_groups)
-               if device.type == "cuda" else
+               if device == "cuda" else
                runtime_cpu_mb() + STEP_OVERHEAD_CPU_MB + (SHARDED_OVERHEAD_CPU_MB if sharded else 0))
     kept = {
         "runtime": runtime * MB,
         "weights": f.frozen_bytes / n,
         "lora": lora,
-        "grads": lora * (2 if strategy == "ddp" else 1),
+        "grads": lora * (2 if t.grad_buckets else 1),
         "optimizer": 2 * lora,
     }
     host = 0.0
-    if offload and device.type == "cuda":  # the shards and their optimizer live in host RAM...
+    if offload and device == "cuda":  # the shards and their optimizer live in host RAM...
         # ...but for FSDP2's row-sharded embedding tables: outside FSDP, they stay on the GPU
         on_gpu = row_sharded_bytes(f) / n if strategy == "fsdp2" else 0.0
         host = sum(kept[k] for k in ("weights", "lora", "grads", "optimizer")) - on_gpu
         kept.update(weights=on_gpu, lora=0.0, grads=0.0, optimizer=0.0)
-    moments = _moments(strategy, "cuda" if device.type == "cuda" else "cpu", f, n, acts, workspace, logits_fwd,
-                       logits_bwd, unit)
+    moments = _moments(strategy, device, f, n, acts, workspace, logits_fwd, logits_bwd, unit)
     if f.dequant_bytes:
         moments["backward through the layers"]["dequant"] = f.dequant_bytes
         # loading: the shard so far plus one slice being quantized (no gradients or optimizer yet)
@@ -256,7 +269,7 @@ def predict(f: Facts, strategy: str, ranks: int, micro_batch: int, seq_len: int,
     moment, extra = max(moments.items(), key=lambda kv: sum(kv[1].values()))
     terms = {k: kept.get(k, 0.0) + extra.get(k, 0.0) for k in TERMS}
     note = ""
-    if offload and device.type != "cuda":
+    if offload and device != "cuda":
         note = "on CPU, offloading changes nothing: the shards are in RAM already"
     return Prediction(strategy, n, ac, offload, {k: v / MB for k, v in terms.items()}, moment,
                       host_mb=host / MB, read_mb=f.checkpoint_bytes / n / MB, block_mb=f.block_bytes / MB,
@@ -300,28 +313,14 @@ def row_tokens(cfg: Config, lengths: Lengths | None) -> int:
     return min(cfg.data.seq_len, lengths.longest)
 
 
-def plan_device(requested: str = "auto") -> tuple[torch.device, torch.device]:
-    """(the device planned for, the device the fake-tensor pass runs on).
-
-    ``--device cuda`` plans for GPUs from any machine: without CUDA here the fake pass runs on the CPU
-    device (a CUDA fake pass needs CUDA: SDPA aborts the process without it) and the CUDA terms
-    (context, gathers, no glibc heap) come from ``predict``.
-    """
-    target = "cuda" if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()) else "cpu"
-    traced = target if target == "cpu" or torch.cuda.is_available() else "cpu"
-    return torch.device(target, 0) if target == "cuda" else torch.device("cpu"), torch.device(traced)
-
-
-def default_budget(local_ranks: int, device: torch.device) -> tuple[int | None, str]:
-    """This machine's memory per rank (runtime/budget.py) and where the number came from; None when
-    planning for GPUs on a machine without one."""
-    if device.type == "cuda" and not torch.cuda.is_available():
+def default_budget(local_ranks: int, device: str) -> tuple[int | None, str]:
+    """This machine's memory per rank on ``device`` ('cuda' or 'cpu': runtime/budget.py) and where the
+    number came from; None when planning for GPUs on a machine without one."""
+    if device == "cuda" and not torch.cuda.is_available():
         return None, "no GPU here: give --memory-per-rank to judge fits"
-    return memory_per_rank(device, local_ranks)
+    return memory_per_rank(torch.device(device), local_ranks)
 
 
-def default_memory_per_rank(local_ranks: int, device: torch.device) -> int | None:
+def default_memory_per_rank(local_ranks: int, device: str) -> int | None:
     """``default_budget``'s bytes."""
     return default_budget(local_ranks, device)[0]
-
-

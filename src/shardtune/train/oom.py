@@ -15,14 +15,13 @@ import logging
 
 import torch
 
-from shardtune.config import Config, ConfigError, combination_refusal, parse_size
+from shardtune.config import Config, ConfigError, combination_refusal, parse_size, traits, unit_of
 from shardtune.errors import ShardtuneError
 from shardtune.model.footprint import model_facts
-from shardtune.model.meta import compute_dtype
-from shardtune.runplan import BatchPlan, RunPlan
+from shardtune.runplan import BatchSplit, RunPlan
 from shardtune.runtime.budget import GPU_MARGIN, memory_per_rank
 from shardtune.runtime.memory import MB, format_size
-from shardtune.train.memory_model import predict
+from shardtune.train.memory_model import Setting, predict
 from shardtune.train.objectives import objective_of
 
 log = logging.getLogger("shardtune")
@@ -67,38 +66,37 @@ def _variants(cfg: Config, plan: RunPlan) -> list[tuple[str, Config, RunPlan]]:
         if combination_refusal(new, name, plan.batch.world_size) is not None:
             return
         try:
-            batch = BatchPlan.make(plan.batch.batch_size, micro or plan.batch.micro_batch_size,
+            batch = BatchSplit.of(plan.batch.batch_size, micro or plan.batch.micro_batch_size,
                                    plan.batch.world_size, plan.batch.packing)
         except ConfigError:
             return
         out.append((flag, new, dataclasses.replace(
             plan, strategy=name, batch=batch, cpu_offload=new.parallel.cpu_offload,
             activation_checkpointing=new.parallel.activation_checkpointing,
-            fsdp_unit=plan.fsdp_unit if name == plan.strategy else "part")))
+            fsdp_unit=plan.fsdp_unit if name == plan.strategy else unit_of(name, "auto"))))
 
     if not plan.activation_checkpointing:
         changed("--activation-checkpointing", activation_checkpointing=True)
     micro = plan.batch.micro_batch_size
     if micro > 1:
         changed(f"--micro-batch-size {micro // 2}", micro=micro // 2)
-    if plan.device == "cuda" and plan.strategy in ("fsdp2", "fsdp1") and not plan.cpu_offload:
+    if plan.device == "cuda" and traits(plan.strategy).cpu_offload and not plan.cpu_offload:
         changed("--cpu-offload", cpu_offload=True)
-    if plan.strategy in ("ddp", "single") and plan.batch.world_size > 1:
+    if not traits(plan.strategy).shards and plan.batch.world_size > 1:
         changed("--strategy fsdp2", strategy="fsdp2")
     return out
 
 
 def _peak_mb(facts, cfg: Config, plan: RunPlan, device: torch.device) -> float:
-    unit = plan.fsdp_unit if plan.fsdp_unit in ("layer", "part") else "part"
     rows = objective_of(cfg).rows_per_forward(plan.batch.micro_batch_size)
-    return predict(facts, plan.strategy, plan.batch.world_size, rows, plan.seq_len, plan.activation_checkpointing,
-                   plan.cpu_offload, device, plan.replicate_groups, unit).peak_mb
+    setting = Setting(plan.strategy, plan.batch.world_size, rows, plan.seq_len, plan.activation_checkpointing,
+                      plan.cpu_offload, plan.replicate_groups, plan.fsdp_unit)
+    return predict(facts, setting, device.type).peak_mb
 
 
 def _advice(cfg: Config, plan: RunPlan, device: torch.device, local_ranks: int) -> str:
     variants = _variants(cfg, plan)
-    micros = {objective_of(cfg).rows_per_forward(p.batch.micro_batch_size) for _, _, p in [("", cfg, plan), *variants]}
-    facts = model_facts(cfg, micros, {compute_dtype(cfg)}, device, plan.seq_len)
+    facts = model_facts(cfg, device, plan.seq_len)  # each micro-batch size traced when first asked for
     budget, source = _budget(cfg, device, local_ranks)
     planned = _peak_mb(facts, cfg, plan, device)
     setting = (f"{plan.strategy}, micro-batch {plan.batch.micro_batch_size}, activation checkpointing "

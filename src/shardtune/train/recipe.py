@@ -17,12 +17,13 @@ from shardtune.config import Config
 from shardtune.errors import ShardtuneError
 from shardtune.runplan import RunPlan
 from shardtune.runtime import distributed
+from shardtune.runtime.cpu_tuning import tune_malloc
 from shardtune.runtime.device import device_type
 from shardtune.runtime.distributed import Worker
 from shardtune.runtime.failure import stage, stage_of
 from shardtune.runtime.logs import setup_logging
-from shardtune.runtime.memory import MemoryMonitor, tune_malloc
-from shardtune.runtime.workers import Stopped
+from shardtune.runtime.memory import MemoryMonitor
+from shardtune.runtime.worker_failures import Stopped
 from shardtune.train.adapter import save_adapter
 from shardtune.train.checkpoint import Checkpointer, TrainState
 from shardtune.train.guard import TrainingGuard
@@ -108,13 +109,13 @@ def run(cfg: Config, plan: RunPlan | None = None) -> dict:
     SIGTERM/SIGINT raises ``Stopped`` once every rank has checkpointed (its ``exit_code`` is 128 + signal)."""
     started = time.perf_counter()
     if device_type(cfg.parallel.device) == "cpu":
-        tune_malloc()  # before anything large is allocated: see memory.py (CPU memory only)
+        tune_malloc()  # before anything large is allocated: see cpu_tuning.py (CPU memory only)
     worker = distributed.init_worker(cfg.parallel.device, cfg.parallel.cpu_offload, cfg.parallel.collective_timeout)
     cfg, plan = _plan_of_rank0(cfg, plan, worker)
     out = Path(cfg.output.out)
     setup_logging(worker.rank, cfg.output.log_file)
-    if worker.is_main and cfg.parallel.chosen:
-        log.info("configuration: %s", cfg.parallel.chosen)
+    if worker.is_main and plan.why:
+        log.info("configuration: %s", plan.why)
     memory = MemoryMonitor(worker.device)
     try:
         load_started = time.perf_counter()

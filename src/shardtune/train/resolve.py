@@ -3,35 +3,36 @@
 Every entry point calls it once: ``shardtune finetune`` and the Python API (in preflight, before any
 worker starts), plain torchrun and ``python -m shardtune.train`` without a plan (rank 0, in
 ``recipe.run``, which hands its plan to every rank), and ``shardtune plan``. What ``plan`` refuses
-is therefore what ``finetune`` refuses.
+is therefore what ``finetune`` refuses. Callers that start their own ranks (tests, benches) get the
+plan of their ranks from ``resolve_on``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 from torch import nn
 
 from shardtune.config import Config
 from shardtune.model import quantize
-from shardtune.model.footprint import model_dir_for_plan
-from shardtune.model.lora import inject_lora
-from shardtune.model.meta import build_meta_model, compute_dtype
-from shardtune.runplan import BatchPlan, RunPlan, make_plan
+from shardtune.runplan import BatchSplit, RunPlan
 from shardtune.runtime.device import backend, decide_dtype, planned_device_type
-from shardtune.train.choice import Candidate, choose
+from shardtune.runtime.distributed import Worker
+from shardtune.train.choice import Candidate, Search, choose
 
 if TYPE_CHECKING:
     from shardtune.train.data.records import Lengths
 
 
-def resolve(cfg: Config, lengths: Lengths | None = None, model: nn.Module | None = None
-            ) -> tuple[Config, RunPlan | None, Candidate | None]:
+def resolve(cfg: Config, lengths: Lengths | None = None, model: nn.Module | None = None,
+            search: Search | None = None) -> tuple[Config, RunPlan | None, Candidate | None]:
     """(``cfg`` with nothing left on 'auto', its run plan, the automatic choice's candidate or None).
 
     ``cfg`` must have passed ``config.validate``. ``lengths``: the training data's record lengths, when
     known (the planner sizes a step's rows by them: ``choice.candidates``). ``model``: the LoRA model
-    on meta, when the caller has built it (otherwise built here if a rule needs it).
+    on meta, when the caller has built it (otherwise built here if a rule needs it). ``search``: the
+    command's search over settings, when the caller reads it too (``shardtune plan``).
     The plan is None only when planning for GPUs from a machine without one with something left to
     choose: nothing measures the fit there (``shardtune plan`` still prints every prediction).
     Raises ConfigError (a BatchError for the batch arithmetic) naming the option at fault.
@@ -41,17 +42,26 @@ def resolve(cfg: Config, lengths: Lengths | None = None, model: nn.Module | None
         quantize.check_available()
     ranks = cfg.parallel.nproc * cfg.parallel.nnodes
     if cfg.train.micro_batch_size != "auto":  # before the choice: the error names the user's value
-        BatchPlan.make(cfg.train.batch_size, cfg.train.micro_batch_size, ranks, cfg.data.packing)
-    cfg, chosen, why = choose(cfg, lengths)
+        BatchSplit.of(cfg.train.batch_size, cfg.train.micro_batch_size, ranks, cfg.data.packing)
+    search = search or Search(cfg, lengths, model)
+    cfg, chosen, why = choose(cfg, lengths, search)
     if cfg.parallel.strategy == "auto":
         return cfg, None, chosen
     kind = planned_device_type(cfg.parallel.device)
-    plan = make_plan(cfg, ranks, kind, backend(kind, cfg.parallel.cpu_offload), why)
-    if cfg.model.quantize == "nf4" and plan.strategy == "fsdp2":
-        if model is None:
-            # the weights' shapes come from config.json: a plan before the download works (finetune's
-            # preflight has checked the weights files already)
-            model_dir = model_dir_for_plan(cfg.model.path, cfg.model.trust_remote_code)
-            model, _ = inject_lora(build_meta_model(model_dir, compute_dtype(cfg)), cfg.lora, cfg.train.seed)
-        quantize.check_even_split(quantize.select(model), ranks // plan.replicate_groups)
+    plan = RunPlan.of(cfg, ranks, kind, backend(kind, cfg.parallel.cpu_offload), why)
+    if cfg.model.quantize == "nf4":
+        quantize.check_sharding(quantize.select(search.model), plan)
     return cfg, plan, chosen
+
+
+def resolve_on(worker: Worker, cfg: Config, batches: bool = True) -> RunPlan:
+    """The run plan of ``cfg``, which must leave nothing to choose (``--dtype auto`` aside), on ``worker``'s
+    ranks and device: ``resolve`` for callers that started their own ranks (tests, benches,
+    ``recipe.prepare`` without a plan). ``batches=False``: for building a model, which makes no
+    batches (any batch that splits over these ranks)."""
+    cfg = decide_dtype(cfg)
+    if not batches:
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=worker.world_size,
+                                                                  micro_batch_size=None))
+    kind = worker.device.type
+    return RunPlan.of(cfg, worker.world_size, kind, backend(kind, cfg.parallel.cpu_offload))

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from shardtune.model.attention import VARLEN
-from shardtune.runplan import BatchPlan
+from shardtune.runplan import BatchSplit
 from shardtune.train.data.pack import block_causal_mask, forwards_per_rank
 from shardtune.train.data.records import IGNORE, Example
 
@@ -32,7 +32,7 @@ class Sampler:
     Batch ``step`` depends only on (seed, step), which is what makes resuming exact.
     """
 
-    def __init__(self, dataset_size: int, plan: BatchPlan, seed: int) -> None:
+    def __init__(self, dataset_size: int, plan: BatchSplit, seed: int) -> None:
         self.n, self.plan, self.seed = dataset_size, plan, seed
         self._perms: dict[int, list[int]] = {}
 
@@ -175,7 +175,7 @@ class Batcher:
         return Forward(inputs, targets.to(self.layout.device), owned.to(self.layout.device), items,
                        self.tokens(items), positions, len(items) * self.layout.per_item)
 
-    def step(self, batch: list[int], split: BatchPlan, rank: int, packing: bool) -> list[Forward]:
+    def step(self, batch: list[int], split: BatchSplit, rank: int, packing: bool) -> list[Forward]:
         """This rank's forwards of global batch ``batch`` (item indices): its share packed into rows of
         up to per_item × --seq-len tokens, or its micro-batches padded; every rank runs as many forwards."""
         per_rank = split.batch_size // split.world_size

@@ -1,0 +1,155 @@
+"""The rules about option values: ``validate`` (every check that needs no file read), ranges, which
+options combine with which strategy (``combination_refusal``, from the traits in strategies.py),
+sizes, the --data-fields mapping and the LoRA initialisations a sharded model cannot have.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+from shardtune.config.options import FLAGS, Config, ConfigError
+from shardtune.config.strategies import groups_refusal, traits
+
+
+def validate(cfg: Config, need_data: bool = True) -> None:
+    """All checks that need no files read, in one place; raise ConfigError naming the option."""
+    if not cfg.model.path:
+        raise ConfigError("option 'model' is required: a Hugging Face model directory")
+    if need_data and not cfg.data.train:
+        raise ConfigError("option 'data' is required: a .jsonl or .json training file")
+    if need_data and not cfg.output.out:
+        raise ConfigError("option 'out' is required: the output directory")
+    check_ranges(cfg)
+    validate_lora_init(cfg.lora.init)
+    parse_fields(cfg.data.fields)
+    if not 0 <= cfg.parallel.node_rank < cfg.parallel.nnodes:
+        raise ConfigError(f"option 'node-rank' must be in [0, {cfg.parallel.nnodes}), got {cfg.parallel.node_rank}")
+    if cfg.parallel.nnodes > 1 and not cfg.parallel.rdzv_endpoint:
+        raise ConfigError("option 'rdzv-endpoint' (HOST:PORT of node 0) is required with --nnodes > 1")
+    refused = groups_refusal(cfg.parallel.replicate_groups, cfg.parallel.nproc * cfg.parallel.nnodes)
+    if refused:
+        raise ConfigError(f"{refused} (--nproc {cfg.parallel.nproc} x --nnodes {cfg.parallel.nnodes})")
+    if cfg.parallel.memory_per_rank is not None:
+        parse_size(cfg.parallel.memory_per_rank)
+    if cfg.train.eval_every and not cfg.data.val:
+        raise ConfigError(f"option 'eval-every' ({cfg.train.eval_every}) validates on --val-data, which is not given: "
+                          "give --val-data FILE, or leave --eval-every out")
+    if cfg.parallel.strategy != "auto":
+        refused = combination_refusal(cfg, cfg.parallel.strategy)
+        if refused:
+            raise ConfigError(refused)
+
+    validate_preference(cfg)
+
+
+def validate_preference(cfg: Config) -> None:
+    pref = cfg.preference
+    if pref.dpo_label_smoothing and pref.dpo_loss != "sigmoid":
+        raise ConfigError(f"option 'dpo-label-smoothing' applies to --dpo-loss sigmoid, not {pref.dpo_loss}")
+    if pref.precompute_reference and cfg.train.objective != "dpo":
+        raise ConfigError(f"option 'precompute-reference': only --objective dpo has a reference model "
+                          f"(got --objective {cfg.train.objective})")
+
+
+NF4_FSDP1 = ("option 'quantize': nf4 is not supported with --strategy fsdp1 (its flat parameters cannot hold "
+             "4-bit tensors); use --strategy fsdp2 (which gathers the 4-bit data), ddp or single")
+DORA_FSDP1 = ("option 'lora-variant': dora does not work under --strategy fsdp1 (DoRA reads its base layer's "
+              "weight outside that layer's FSDP1 unit); use fsdp2, ddp or single")
+
+
+def combination_refusal(cfg: Config, strategy: str, ranks: int | None = None) -> str | None:
+    """Why ``strategy`` cannot run ``cfg`` (None: it can): every rule about which options combine, once,
+    read from the strategies' traits (strategies.py).
+
+    ``validate`` refuses a strategy given by name with it, the automatic choice skips the strategies it
+    refuses, ``shardtune plan`` prints it on their rows, and no run plan is made without passing it.
+    ``ranks``: the ranks the strategy would run on (default: --nproc × --nnodes).
+    """
+    ranks = cfg.parallel.nproc * cfg.parallel.nnodes if ranks is None else ranks
+    t = traits(strategy)
+    if t.one_process and ranks > 1:
+        return (f"option 'strategy': {strategy} runs one process, but {ranks} ranks were asked for "
+                "(--nproc × --nnodes); use ddp, fsdp2 or fsdp1, or --nproc 1")
+    if cfg.model.quantize == "nf4" and not t.nf4:
+        return NF4_FSDP1
+    if cfg.lora.variant == "dora" and not t.dora:
+        return DORA_FSDP1
+    if cfg.parallel.replicate_groups > 1:
+        if not t.hsdp:
+            return f"option 'replicate-groups' needs an FSDP strategy, not '{strategy}'"
+        refused = groups_refusal(cfg.parallel.replicate_groups, ranks)
+        if refused:
+            return refused
+    if cfg.parallel.cpu_offload and not t.cpu_offload:
+        return f"option 'cpu-offload' needs an FSDP strategy, not '{strategy}'"
+    return None
+
+
+def check_ranges(cfg: Config) -> None:
+    """Every numeric option against the range its field declares: the one place they are checked, so
+    that no optimizer, tokenizer or torch constructor is the first to see a bad value."""
+    for flag, (section, f) in FLAGS.items():
+        value = getattr(getattr(cfg, section), f.name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue  # None (the default) and 'auto' are decided later
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"option '{flag}' must be a finite number, got {value}")
+        allowed = f.metadata["range"]
+        if allowed is not None and value not in allowed:
+            raise ConfigError(f"option '{flag}' must be {allowed.describe()}, got {value}")
+
+
+_UNITS = {"": 1, "b": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4,
+          "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
+          "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
+
+def parse_size(text: str) -> int:
+    """Bytes from '8GiB', '8000MB', '1.5G' (KB/MB/GB: powers of 1000; K/M/G and KiB/MiB/GiB: of 1024)."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text or "")
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise ConfigError(f"option 'memory-per-rank': cannot read {text!r} as a size (e.g. 8GiB, 8000MB, 16G)")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+#: --data-fields names → the record field they fill
+FIELDS = {"prompt": "instruction", "instruction": "instruction", "input": "input", "response": "output",
+          "output": "output", "messages": "messages", "text": "text", "conversations": "conversations",
+          "chosen": "chosen", "rejected": "rejected"}
+
+def parse_fields(spec: str | None) -> dict[str, str]:
+    """{record field: column} from ``prompt=question,response=answer``."""
+    mapping: dict[str, str] = {}
+    for part in (spec or "").split(","):
+        if not part.strip():
+            continue
+        name, sep, column = (s.strip() for s in part.partition("="))
+        if not sep or not column or name not in FIELDS:
+            raise ConfigError(f"option 'data-fields': {part.strip()!r} is not FIELD=COLUMN with FIELD one of "
+                              f"{', '.join(FIELDS)}")
+        mapping[FIELDS[name]] = column
+    return mapping
+
+
+LORA_INITS = ("default", "gaussian")
+#: peft initialisations that read or rewrite whole base weights, or need data: impossible shard by shard.
+REFUSED_INITS = {
+    "pissa": "an SVD of each whole base weight, which it also rewrites",
+    "olora": "a QR decomposition of each whole base weight, which it also rewrites",
+    "loftq": "quantizes and decomposes each whole base weight",
+    "corda": "needs data and each whole base weight",
+    "eva": "needs data (activations) before training",
+    "lora_ga": "needs gradients from data before training",
+    "orthogonal": "reads each whole base weight",
+    "mica": "an SVD of each whole base weight",
+}
+
+def validate_lora_init(init: str) -> None:
+    name = init.lower()
+    family = next((k for k in REFUSED_INITS if name.startswith(k)), None)
+    if family:
+        raise ConfigError(f"option 'lora-init': {init!r} is not supported: it {REFUSED_INITS[family]}, while every "
+                          f"rank holds only its shard; use one of {', '.join(LORA_INITS)}")
+    if name not in LORA_INITS:
+        raise ConfigError(f"option 'lora-init': {init!r} is not one of {', '.join(LORA_INITS)}")

@@ -1,0 +1,89 @@
+"""torch's private tensor interfaces: fake tensors for the planner's forward pass, storage ids, the
+oneDNN bf16 probe, a DTensor's own local tensor, and a module's parameter shadowed by a cast copy."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+from torch import nn
+
+from shardtune.runtime.compat.changed import PrivateAPIChanged, need
+
+# --- fake tensors for the planner ------------------------------------------------------------------
+
+
+def fake_mode() -> contextlib.AbstractContextManager:
+    """A ``FakeTensorMode`` that also accepts real inputs: shapes and dtypes without memory or arithmetic."""
+    try:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+    except ImportError as err:
+        raise PrivateAPIChanged("torch._subclasses.fake_tensor.FakeTensorMode", str(err)) from err
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def storage_id(t: torch.Tensor) -> int:
+    """An id of ``t``'s storage that views share, also for fake tensors (which have no data pointer)."""
+    storage = t.untyped_storage()
+    need(storage, "torch.UntypedStorage", "_cdata")
+    return storage._cdata
+
+
+def cpu_has_fast_bf16() -> bool:
+    """Whether oneDNN multiplies bf16 natively on this CPU (AVX512 or AMX), as torch itself decides it
+    (``torch.ops.mkldnn._is_mkldnn_bf16_supported``, private): False when the op is gone, so a torch
+    change costs speed (fp32 on such CPUs under ``--dtype auto``), never correctness."""
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    try:
+        return bool(check()) if check is not None else False
+    except RuntimeError:  # a torch build without oneDNN
+        return False
+
+
+# --- a DTensor's own local tensor ------------------------------------------------------------------
+
+
+def dtensor_local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor object a DTensor holds (``to_local()`` returns a new view, while FSDP2 all-gathers from
+    ``_local_tensor`` itself, whose per-tensor fields NF4 loading sets); any other tensor as it is."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(t, DTensor):
+        return t
+    need(t, "torch DTensor", "_local_tensor")
+    return t._local_tensor
+
+
+# --- a parameter shadowed by a cast copy ------------------------------------------------------------
+
+
+def shadow_parameter(module: nn.Module, name: str, dtype: torch.dtype) -> None:
+    """Make ``module.<name>`` read its registered parameter cast to ``dtype`` (autograd carries the
+    gradient back to the parameter) until ``unshadow_parameter``: an instance attribute, which
+    ``nn.Module``'s attribute lookup finds before its registered parameters, as FSDP's unsharded views do."""
+    check_parameter_shadowing()
+    module.__dict__[name] = module._parameters[name].to(dtype)
+
+
+def unshadow_parameter(module: nn.Module, name: str) -> None:
+    """``module.<name>`` is its registered parameter again."""
+    module.__dict__.pop(name, None)
+
+
+@functools.cache
+def check_parameter_shadowing() -> None:
+    """An instance attribute must shadow a registered parameter (``nn.Module.__getattr__`` is asked only
+    for names the instance lacks), without unregistering it (once per process)."""
+    what = "torch.nn.Module's attribute lookup (a parameter shadowed by an instance attribute)"
+    probe = nn.Linear(2, 2, bias=False)
+    need(probe, what, "_parameters")
+    registered = probe._parameters["weight"]
+    copy = registered.detach().double()
+    probe.__dict__["weight"] = copy
+    try:
+        seen, listed = probe.weight, dict(probe.named_parameters()).get("weight")
+    finally:
+        probe.__dict__.pop("weight", None)
+    if seen is not copy or listed is not registered or probe.weight is not registered:
+        raise PrivateAPIChanged(what, "an instance attribute no longer shadows a registered parameter")
