@@ -50,7 +50,7 @@ def test_string_pairs_end_with_eos_and_mapped_columns_work(tmp_path):
 @pytest.mark.parametrize("record,message", [
     ({"prompt": "p", "chosen": "a"}, r"pairs.jsonl:1: no 'rejected' field"),
     ({"prompt": "p", "chosen": "  ", "rejected": "b"}, r"pairs.jsonl:1: 'chosen' is empty"),
-    ({"prompt": "p", "chosen": "a", "rejected": []}, r"pairs.jsonl:1: 'rejected' is an empty list"),
+    ({"prompt": "p", "chosen": "a", "rejected": []}, r"pairs.jsonl:1: 'rejected' must be a non-empty list"),
     ({"prompt": "p", "chosen": "a", "rejected": 3}, r"'rejected' must be a string or a list of messages"),
     ({"prompt": "p", "chosen": "a", "rejected": [{"role": "assistant", "content": "b"}]},
      r"must both be strings or both lists"),
