@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shardtune.config import ConfigError
-from shardtune.errors import check_path
+from shardtune.errors import check_path, read_text
 from shardtune.runtime.safetensors_header import header_with_length
 
 
@@ -86,13 +86,22 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
                    "spiece.model", "tokenizer.tiktoken")
 
 
+#: the tokenizer's text files: transformers decodes each as UTF-8, and names none when one is not
+TOKENIZER_TEXT_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                        "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt", "vocab.txt")
+
+
 def load_tokenizer(model_dir: ModelDir):
-    """The model directory's tokenizer, or a ModelDirError naming the directory and the reason."""
+    """The model directory's tokenizer, or a ModelDirError naming the directory (or the file) and the reason."""
     from transformers import AutoTokenizer
 
     if not any((Path(model_dir.path) / name).is_file() for name in TOKENIZER_FILES):
         raise ModelDirError(f"model directory {model_dir.path} has no tokenizer: none of "
                             f"{', '.join(TOKENIZER_FILES)}")
+    folder = Path(model_dir.path)
+    for file in [*(folder / n for n in TOKENIZER_TEXT_FILES), *sorted(folder.glob("additional_chat_templates/*"))]:
+        if file.is_file():
+            read_text(file, "tokenizer file", ModelDirError)  # names the file, line and byte of bad UTF-8
     try:
         return AutoTokenizer.from_pretrained(model_dir.path, trust_remote_code=model_dir.trust_remote_code)
     except KeyError as err:  # a file of the wrong structure: transformers says only the key

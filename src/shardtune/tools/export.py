@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, BinaryIO
 import torch
 
 from shardtune.errors import ShardtuneError
-from shardtune.model.directory import check_model_dir
+from shardtune.model.directory import check_model_dir, load_tokenizer
 from shardtune.runtime.failure import stage
 from shardtune.runtime.files import staged_file
 from shardtune.runtime.memory import MMAP_THRESHOLD, tune_malloc
@@ -106,6 +106,7 @@ def export_gguf(model: str | Path, adapter: str | Path | None, out: str | Path, 
         if (problem := gguf_gemma3.problem(config)) is not None:
             raise ExportError(f"{model_dir.path / 'config.json'}: {problem}; llama.cpp's gemma3 would not run this "
                               "model as transformers does, so this GGUF export does not write it")
+    load_tokenizer(model_dir)  # what the GGUF's vocabulary and the Modelfile are made from: refused now, named
     arch = getattr(gguf.MODEL_ARCH, family.arch)
     plan = plan_merge(model_dir, Path(adapter)) if adapter else MergePlan({}, _stored_names(model_dir), {})
     layout = _layout(model_dir, plan, config, family, quant)
