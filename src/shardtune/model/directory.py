@@ -117,52 +117,6 @@ def load_tokenizer(model_dir: ModelDir):
         ) from None
 
 
-class AdapterDirError(ConfigError):
-    """An adapter directory that is missing files or whose files are damaged."""
-
-
-def check_adapter_dir(path: str | Path, what: str = "adapter directory") -> dict:
-    """The one check of a peft adapter directory, wherever an adapter is read (merge, export, generate,
-    eval, --check vllm, --init-adapter): config and weights there, headers and sizes whole, at least one
-    tensor, and every value finite (an adapter of zeros-only changes is legal; one of no tensors or of
-    NaN is no result to ship). Returns its config; the error names the file and tensor."""
-    path = check_path(path, what, "dir", error=AdapterDirError)
-    config_file = path / "adapter_config.json"
-    if not config_file.is_file():
-        raise AdapterDirError(f"{what} {path} has no adapter_config.json (fine-tunes write OUT_DIR/adapter)")
-    config = read_json(config_file, AdapterDirError)
-    weights = path / "adapter_model.safetensors"
-    if weights.is_file():
-        header = check_safetensors(weights, AdapterDirError)
-        if not any(name != "__metadata__" for name in header):
-            raise AdapterDirError(f"{weights} holds no tensors: this adapter would change nothing (a save that "
-                                  "failed, or a file not written by a fine-tune?); use a finished fine-tune's "
-                                  "OUT_DIR/adapter, or `shardtune adapter-from-checkpoint` on one of its checkpoints")
-        _check_finite(weights)
-    elif not (path / "adapter_model.bin").is_file():
-        raise AdapterDirError(f"{what} {path} has no adapter_model.safetensors")
-    return config
-
-
-def _check_finite(weights: Path) -> None:
-    """Every floating-point tensor of ``weights`` finite, read one tensor at a time (adapters are small)."""
-    import torch
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        with safe_open(str(weights), framework="pt") as f:
-            for name in f.keys():
-                tensor = f.get_tensor(name)
-                if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-                    bad = int((~torch.isfinite(tensor)).sum())
-                    raise AdapterDirError(
-                        f"{weights}: tensor {name} holds {bad} non-finite value(s) (NaN or inf) of {tensor.numel()}: "
-                        "the training that wrote it diverged, and anything made from it would be garbage; use an "
-                        "earlier checkpoint (`shardtune adapter-from-checkpoint`) or train again with a smaller --lr")
-    except (SafetensorError, OSError) as err:
-        raise AdapterDirError(f"{weights}: not a readable safetensors file ({err})") from None
-
-
 def read_config(model_dir: ModelDir | Path, trust_remote_code: bool | None = None):
     """transformers' config of the model, validated by transformers; its complaint names config.json."""
     from transformers import AutoConfig

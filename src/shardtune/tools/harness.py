@@ -99,9 +99,10 @@ def run_tasks(model: str, adapter: str | None, tasks: list[str], limit: int | No
     from lm_eval import evaluator
     from lm_eval.models.huggingface import HFLM
 
-    from shardtune.tools.generate import load_model
+    from shardtune.tools.generate import load_model, resolve_quantize
 
     manager, _ = _tasks(tasks, include_path)  # fail before loading any model
+    quantize = resolve_quantize(quantize, adapter)  # the base and the adapter on the same base
     runs = {"base": None, **({"adapter": adapter} if adapter else {})}
     report: dict = {"model": str(model), "adapter": str(adapter) if adapter else None, "tasks": tasks,
                     "limit": limit, "num_fewshot": num_fewshot, "quantize": quantize, "results": {}}

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shardtune.errors import ShardtuneError
-from shardtune.model.directory import check_adapter_dir
+from shardtune.model.adapter_dir import check_adapter_dir
 
 VLLM_DEFAULT_MAX_LORA_RANK = 16
 _VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the values vLLM's --max-lora-rank accepts
