@@ -62,6 +62,12 @@ def test_the_same_model_elsewhere_is_a_warning_and_an_unrecorded_base_a_note(tra
     assert main(["merge", "--model", str(copy), "--adapter", str(trained_run / "adapter"), "--out",
                  str(tmp_path / "m1")]) == 0
     assert f"names {tiny_llama.resolve()} as its base, not --model {copy}" in caplog.text, caplog.text
+    config = json.loads((copy / "config.json").read_text())  # the same weights, a longer context set by hand
+    (copy / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 512}))
+    assert main(["merge", "--model", str(copy), "--adapter", str(trained_run / "adapter"), "--out",
+                 str(tmp_path / "m3")]) == 0
+    assert "whose weights are those of --model" in caplog.text and "max_position_embeddings was 256, now 512" \
+        in caplog.text, caplog.text
     peft_own = shutil.copytree(trained_run / "adapter", tmp_path / "peft")  # as peft saves it: no record
     tensors = load_file(peft_own / "adapter_model.safetensors")
     save_file(tensors, peft_own / "adapter_model.safetensors", metadata={"format": "pt"})

@@ -6,7 +6,8 @@ whole, at least one tensor, every value finite, and each LoRA pair's two halves 
 rank adapter_config.json gives. Where an adapter meets a base model (all of them but ``--check
 vllm``), the base's fingerprint (model/fingerprint.py), which shardtune records in every adapter it
 writes (the safetensors metadata key ``BASE_KEY``), must be the base's given: another model, of the
-same shapes included, is refused; the same model under another name or path is a warning; an
+same shapes included, is refused; the same model under another name or path, or the same weights
+under another config.json, is a warning; an
 adapter that records none (peft's own, an older shardtune's) gets a one-line note.
 """
 
@@ -20,7 +21,7 @@ from pathlib import Path
 from shardtune.config import ConfigError
 from shardtune.errors import check_path
 from shardtune.model.directory import ModelDir, check_safetensors, read_json
-from shardtune.model.fingerprint import differences, model_fingerprint
+from shardtune.model.fingerprint import differences, model_fingerprint, same_weights
 
 log = logging.getLogger("shardtune")
 
@@ -84,7 +85,12 @@ def check_base(path: Path, config: dict, recorded: dict | None, base: ModelDir) 
         _say(f"note: adapter {path} does not record the base model it was trained on (peft's own adapters and "
              f"an older shardtune's do not): --model {base.path} is taken to be it")
         return
-    other, _ = differences(recorded, model_fingerprint(base))
+    now = model_fingerprint(base)
+    other, _ = differences(recorded, now)
+    if other and same_weights(recorded, now):  # config.json only: a LoRA update fits the same weights
+        _say(f"adapter {path} was trained on a base whose weights are those of --model {base.path}, but {other}; "
+             "it is taken as the same model with another config")
+        return
     if other:
         raise AdapterDirError(f"adapter {path} was trained on another base model than --model {base.path}: {other}. "
                               f"Give the base it was trained on (its adapter_config.json names {name})")

@@ -91,6 +91,15 @@ def differences(before: dict[str, Any], now: dict[str, Any]) -> tuple[str | None
     return other, stored
 
 
+def same_weights(before: dict[str, Any], now: dict[str, Any]) -> bool:
+    """Whether both fingerprints sampled their weights and the tensors' names, shapes and sampled values agree
+    (config.json aside: a copy saved by another transformers version, or with a changed rope setting)."""
+    same_dtypes = before.get("dtypes") == now.get("dtypes")
+    return bool(before.get("sample") and now.get("sample")) and \
+        before.get("shapes_sha256") == now.get("shapes_sha256") and \
+        _other_values(before["sample"], now["sample"], exact=same_dtypes) is None
+
+
 def _other_values(before: dict | None, now: dict | None, exact: bool) -> str | None:
     """Why the sampled values say another training (None: the same, or one of the two has no sample).
     ``exact``: stored in the same dtypes, so equal to the bit; else equal at bf16's precision, the
