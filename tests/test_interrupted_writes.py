@@ -102,7 +102,7 @@ def test_resume_after_a_torn_metrics_line_follows_one_schedule(trained_run, tmp_
     """A torn last line (SIGKILL, OOM kill, power loss) is dropped with a note, not a JSONDecodeError.
     A resume with a larger --steps and another --lr follows this run's schedule from its first step on:
     its peak, over its number of steps, at the resumed step (docs/checkpoints.md)."""
-    from shardtune.train.recipe import lr_factor
+    from shardtune.train.schedule import lr_factor
 
     out = tmp_path / "run"
     shutil.copytree(trained_run, out)
