@@ -37,7 +37,7 @@ import torch  # noqa: E402
 
 from record import run_record  # noqa: E402
 
-from tiny import instruction_records, make_model, write_jsonl  # noqa: E402
+from tiny import SMOLLM2_CHAT_TEMPLATE, instruction_records, make_model, write_jsonl  # noqa: E402
 
 TIMEOUT = 240  # seconds a case may take before it counts as a hang (--timeout: a machine under load)
 
@@ -249,7 +249,7 @@ def _one_schedule(r: Path) -> str | None:
     """The resumed steps' rates are this run's schedule (3 steps, no warmup) at those steps (docs/checkpoints.md)."""
     import math
 
-    from shardtune.train.recipe import lr_factor
+    from shardtune.train.schedule import lr_factor
 
     metrics = [json.loads(line) for line in (r / "longer" / "metrics.jsonl").read_text().splitlines()]
     wrong = [(m["step"], m["lr"]) for m in metrics[1:]
@@ -290,7 +290,7 @@ CASES = [
     Case("--data a socket", ft(data="sock"), words="socket", setup=_socket),
     Case("--data in a missing folder", ft(data="nowhere/train.jsonl"), words="does not exist"),
     Case("--val-data a FIFO", ft("--val-data", "{r}/val.fifo"), words="option 'val-data'", setup=_fifo("val.fifo")),
-    Case("--val-data a plain directory", ft("--val-data", "{r}/emptydir"), words="is a directory",
+    Case("--val-data an empty directory", ft("--val-data", "{r}/emptydir"), words="is a folder with no data files",
          setup=lambda r: (r / "emptydir").mkdir(exist_ok=True)),
     Case("--model a FIFO", ft(model="model.fifo"), words="option 'model'", setup=_fifo("model.fifo")),
     Case("--model a file", ft(model="train.jsonl"), words="option 'model'"),
@@ -433,6 +433,209 @@ CASES = [
                                                                    out="longer"),
          code=0, words="option 'steps' changed from 1 to 3", setup=lambda r: _copy(r, "ckpt", "longer"),
          check=_one_schedule),
+]
+
+
+# --- helpers of the cases of issue 35's classes 4-6 -------------------------------------------------------
+
+
+def _other_base(r: Path) -> None:
+    """The sweep's model's architecture, config and shapes, other weights: another training of the same model."""
+    if not (r / "other").exists():
+        make_model(r / "other", "llama", seed=1)
+
+
+def _meets(command: str, model: str, adapter: str = "finished/adapter", into: str = ""
+           ) -> Callable[[Path], list[str]]:
+    """``command`` with ``adapter`` on base ``model``; what it writes goes to ``into`` (default w-base-COMMAND)."""
+    def argv(r: Path) -> list[str]:
+        a, m, folder = str(r / adapter), str(r / model), r / (into or _base_folder(command))
+        folder.mkdir(exist_ok=True)
+        return {"merge": ["merge", "--model", m, "--adapter", a, "--out", str(folder / "m")],
+                "export": ["export", "--model", m, "--adapter", a, "--out", str(folder / "m.gguf")],
+                "generate": ["generate", "--model", m, "--adapter", a, "--prompt", "hi"],
+                "eval": ["eval", "--model", m, "--adapter", a, "--data", str(r / "train.jsonl")],
+                "--init-adapter": ft("--init-adapter", a, model=model, out=str(folder / "run"))(r)}[command]
+    return argv
+
+
+def _base_folder(command: str) -> str:
+    return f"w-base-{command.strip('-').replace('-', '')}"
+
+
+def _copy_model(name: str, change: Callable[[Path], None] | None = None) -> Callable[[Path], None]:
+    def setup(r: Path) -> None:
+        _copy(r, "model", name)
+        if change:
+            change(r / name)
+    return setup
+
+
+def _unrecorded_adapter(r: Path) -> None:
+    """The finished run's adapter as peft saves one: no base model recorded."""
+    from safetensors.torch import load_file, save_file
+
+    _copy(r, "finished/adapter", "peft-adapter")
+    tensors = load_file(r / "peft-adapter" / "adapter_model.safetensors")
+    save_file(tensors, r / "peft-adapter" / "adapter_model.safetensors", metadata={"format": "pt"})
+
+
+def _qlora_run(r: Path) -> None:
+    """The finished run as if trained with --quantize nf4 (its config.yaml says so)."""
+    _copy(r, "finished", "qlora")
+    config = r / "qlora" / "config.yaml"
+    config.write_text(config.read_text().replace("quantize: none", "quantize: nf4"))
+
+
+def _half_rank(tensors: dict) -> None:
+    name = sorted(k for k in tensors if ".lora_B." in k)[0]
+    tensors[name] = tensors[name][:, : tensors[name].shape[1] // 2].clone()
+
+
+def _cut_gguf(r: Path) -> None:
+    if not (r / "gguf" / "whole.gguf").exists():
+        (r / "gguf").mkdir(exist_ok=True)
+        _run(["export", "--model", str(r / "model"), "--out", str(r / "gguf" / "whole.gguf")])
+    data = (r / "gguf" / "whole.gguf").read_bytes()
+    (r / "gguf" / "cut.gguf").write_bytes(data[: len(data) * 2 // 3])
+
+
+_TASK = ("task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\ntest_split: test\n"
+         "output_type: multiple_choice\ndoc_to_text: \"{{{{q}}}}\"\ndoc_to_choice: \"{{{{c}}}}\"\n"
+         "doc_to_target: 0\n")
+
+
+def _task_folder(name: str, text: str) -> Callable[[Path], None]:
+    def setup(r: Path) -> None:
+        (r / f"tasks-{name}").mkdir(exist_ok=True)
+        (r / f"tasks-{name}" / f"{name}.yaml").write_text(text.replace("{r}", str(r)))
+    return setup
+
+
+def _data(name: str, text: str) -> Callable[[Path], None]:
+    return lambda r: (r / name).write_text(text)
+
+
+def _gz(r: Path) -> None:
+    import gzip
+
+    (r / "train.jsonl.gz").write_bytes(gzip.compress((r / "train.jsonl").read_bytes()))
+
+
+def _jsonl_folder(r: Path) -> None:
+    (r / "jsonl-folder").mkdir(exist_ok=True)
+    lines = (r / "train.jsonl").read_text().splitlines(keepends=True)
+    (r / "jsonl-folder" / "part-a.jsonl").write_text("".join(lines[:4]))
+    (r / "jsonl-folder" / "part-b.jsonl").write_text("".join(lines[4:]))
+
+
+def _no_eos_no_template(model: Path) -> None:
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (model / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": None}))
+    (model / "chat_template.jinja").unlink(missing_ok=True)
+
+
+_CHAT = '{"messages": [{"role": "user", "content": "hi %d"}, {"role": "assistant", "content": "hello"}]}\n'
+_PAIRS = ('{"prompt": [{"role": "user", "content": "q%d"}], "chosen": [{"role": "assistant", "content": "a"}], '
+          '"rejected": [{"role": "assistant", "content": "b"}]}\n')
+_IMPLICIT = ('{"chosen": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}], '
+             '"rejected": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "b"}]}\n')
+_NO_USER = ('{"prompt": [{"role": "system", "content": "s%d"}], "chosen": [{"role": "assistant", "content": "a"}], '
+            '"rejected": [{"role": "assistant", "content": "b"}]}\n')
+
+
+def _modelfile_has(folder: str, *needles: str) -> Callable[[Path], str | None]:
+    def check(r: Path) -> str | None:
+        text = (r / folder / "m.Modelfile").read_text() if (r / folder / "m.Modelfile").is_file() else ""
+        missing = [n for n in needles if n not in text]
+        return f"the Modelfile lacks {missing}" if missing else None
+    return check
+
+
+def _smollm2_template(model: Path) -> None:
+    (model / "chat_template.jinja").write_text(SMOLLM2_CHAT_TEMPLATE)
+
+
+CASES += [
+    # --- provenance: an adapter meets only its own base ----------------------------------------------
+    *[Case(f"{command} an adapter of another base (same shapes)", _meets(command, "other"),
+           words="was trained on another base model", setup=_other_base, keep=lambda r: r / "finished",
+           check=lambda r, c=command: _only(r / _base_folder(c), []))
+      for command in ("merge", "export", "generate", "eval", "--init-adapter")],
+    Case("merge with its base under another path", _meets("merge", "model-copy", into="w-samebase"), code=0,
+         words="as its base, not --model", setup=_copy_model("model-copy")),
+    Case("merge an adapter that records no base (peft's)", _meets("merge", "model", "peft-adapter", "w-peft"),
+         code=0, words="does not record the base model", setup=_unrecorded_adapter),
+    Case("eval --adapter of a QLoRA run without --quantize", _meets("eval", "model", "qlora/adapter", "w-qlora"),
+         code=0, words="--quantize auto: the fine-tune that wrote", setup=_qlora_run),
+    # --- causes named --------------------------------------------------------------------------------
+    Case(".jsonl.gz data", lambda r: ["eval", "--model", str(r / "model"), "--data", str(r / "train.jsonl.gz"),
+                                      "--max-new-tokens", "0"], code=0, setup=_gz),
+    Case("a folder of .jsonl files as --data", lambda r: ["eval", "--model", str(r / "model"), "--data",
+                                                          str(r / "jsonl-folder"), "--max-new-tokens", "0"],
+         code=0, setup=_jsonl_folder),
+    Case("a lone surrogate in JSON data", ft(data="surrogate.jsonl"), words="surrogate.jsonl:1: 'instruction' holds "
+         "a lone surrogate", setup=_data("surrogate.jsonl", '{"instruction": "a\\ud800", "output": "b"}\n' * 4)),
+    Case("import-gguf of a GGUF cut short", lambda r: ["import-gguf", str(r / "gguf" / "cut.gguf"),
+                                                       str(r / "w-imported")],
+         words="is cut short: its header places tensor", setup=_cut_gguf, check=lambda r: _absent(r / "w-imported")),
+    Case("merge an adapter whose lora_A and lora_B ranks differ", _with_adapter("merge", "rank-adapter"),
+         words="lora_A has rank 8", setup=_adapter_variant("rank-adapter", _half_rank),
+         check=_nothing_written("merge", "rank-adapter")),
+    Case("eval --tasks with a malformed local task file", lambda r: [
+        "eval", "--model", str(r / "model"), "--tasks", "broken", "--include-path", str(r / "tasks-broken")],
+         words="broken.yaml:2 is not valid YAML", setup=_task_folder("broken", "task: broken\n  x: [\n")),
+    Case("eval --tasks with a missing local data_files path", lambda r: [
+        "eval", "--model", str(r / "model"), "--tasks", "gone", "--include-path", str(r / "tasks-gone")],
+         words="absent.jsonl does not exist",
+         setup=_task_folder("gone", _TASK.format(name="gone", data="{r}/absent.jsonl"))),
+    Case("adapter-from-checkpoint RUN (a run folder)", lambda r: ["adapter-from-checkpoint", str(r / "ckpt"),
+                                                                  str(r / "w-fromrun")],
+         words="is a run folder, not a checkpoint: give one of its checkpoints (step-1)",
+         check=lambda r: _absent(r / "w-fromrun")),
+    Case("export --out in a missing folder", lambda r: ["export", "--model", str(r / "model"), "--out",
+                                                        str(r / "no-such-folder" / "m.gguf")],
+         words="cannot be created: its folder", check=lambda r: _absent(r / "no-such-folder")),
+    Case("export with a non-UTF-8 chat_template.jinja", lambda r: [
+        "export", "--model", str(r / "badjinja"), "--out", str(r / "w-badjinja.gguf")],
+         words="chat_template.jinja:1: not valid UTF-8", check=lambda r: _absent(r / "w-badjinja.gguf"),
+         setup=_copy_model("badjinja", lambda m: (m / "chat_template.jinja").write_bytes(b"\xff{{ x }}"))),
+    Case("finetune with a non-UTF-8 chat_template.jinja", ft(model="badjinja", out="w-badjinja-run"),
+         words="chat_template.jinja:1: not valid UTF-8", check=lambda r: _absent(r / "w-badjinja-run"),
+         setup=_copy_model("badjinja", lambda m: (m / "chat_template.jinja").write_bytes(b"\xff{{ x }}"))),
+    Case("export --check vllm --max-lora-rank 0", lambda r: [
+        "export", "--adapter", str(r / "finished" / "adapter"), "--check", "vllm", "--max-lora-rank", "0"],
+         words="vLLM accepts only 1, 8, 16"),
+    # --- silent quality traps and inconsistencies ----------------------------------------------------
+    Case("--dpo-beta under --objective sft", ft("--dpo-beta", "0.5", out="w-dpobeta"),
+         words="option 'dpo-beta' applies to --objective dpo only"),
+    Case('"input": null in JSONL', lambda r: ["eval", "--model", str(r / "model"), "--data", str(r / "null.jsonl"),
+                                              "--max-new-tokens", "0"], code=0,
+         setup=_data("null.jsonl", '{"instruction": "a", "input": null, "output": "b"}\n' * 4)),
+    Case("a JSON key given twice", ft(data="twice.jsonl", out="w-twice"), words="twice.jsonl:1: key 'output' is "
+         "given twice", setup=_data("twice.jsonl", '{"instruction": "a", "output": "b", "output": "c"}\n' * 4)),
+    Case("chat data, a tokenizer without chat template or EOS", ft("--strategy", "single", model="plain-tok",
+                                                                   data="chat.jsonl", out="w-plain-tok"),
+         code=0, words="has no chat template", setup=lambda r: (_copy_model("plain-tok", _no_eos_no_template)(r),
+                                                                _data("chat.jsonl", "".join(_CHAT % i for i in
+                                                                                            range(8)))(r))),
+    Case("a tokenizer without EOS", ft("--strategy", "single", model="plain-tok", out="w-no-eos"), code=0,
+         words="has no EOS token", setup=_copy_model("plain-tok", _no_eos_no_template)),
+    Case("generate a prompt longer than the context", lambda r: [
+        "generate", "--model", str(r / "model"), "--prompt", "x" * 300], words="no room is left for an answer"),
+    Case("DPO pairs mixing explicit and implicit prompts", ft("--objective", "dpo", "--strategy", "single",
+                                                              data="mixed.jsonl", out="w-mixed"),
+         code=0, words="pairs give a 'prompt' and 1 do not",
+         setup=_data("mixed.jsonl", "".join(_PAIRS % i for i in range(7)) + _IMPLICIT)),
+    Case("DPO pairs without a user turn", ft("--objective", "dpo", "--strategy", "single", data="nouser.jsonl",
+                                             out="w-nouser"),
+         code=0, words="conversations have no user turn",
+         setup=_data("nouser.jsonl", "".join(_NO_USER % i for i in range(8)))),
+    Case("export of the demo model's chat template (SmolLM2)", lambda r: [
+        "export", "--model", str(r / "smollm2"), "--out", str(r / "w-smollm2" / "m.gguf")], code=0,
+         setup=lambda r: (_copy_model("smollm2", _smollm2_template)(r), (r / "w-smollm2").mkdir(exist_ok=True)),
+         check=_modelfile_has("w-smollm2", "TEMPLATE", 'SYSTEM """You are a helpful AI assistant named SmolLM')),
 ]
 
 

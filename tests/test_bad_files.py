@@ -70,10 +70,11 @@ def test_data_with_invalid_utf8_names_the_line(files, tmp_path, capsys):
     _fails(capsys, _finetune(files, tmp_path, data=data), f"{data}:3: not valid UTF-8 (byte 0xe9 at column 14)")
 
 
-def test_data_path_that_is_a_directory(files, tmp_path, capsys):
+def test_data_path_that_is_a_folder_without_data_files(files, tmp_path, capsys):
     data = tmp_path / "data"  # beside --out: an --out inside an input folder is refused first (runtime/outputs.py)
     data.mkdir()
-    _fails(capsys, _finetune(files, tmp_path, data=data), f"data file {data} is a directory, not a file")
+    (data / "notes.txt").write_text("not data")
+    _fails(capsys, _finetune(files, tmp_path, data=data), f"{data} is a folder with no data files: expected .jsonl")
 
 
 def test_out_that_is_a_file_or_read_only(files, tmp_path, capsys, monkeypatch):
@@ -122,7 +123,7 @@ def test_prompts_and_eval_data_that_are_unreadable(files, tmp_path, capsys):
     bad = tmp_path / "p.txt"
     bad.write_bytes(b"fine\n\xc3\x28\n")
     _fails(capsys, ["generate", "--model", str(files / "model"), "--prompts", str(bad)], f"{bad}:2: not valid UTF-8")
-    _fails(capsys, ["eval", "--model", str(files / "model"), "--data", str(tmp_path)], "is a directory, not a file")
+    _fails(capsys, ["eval", "--model", str(files / "model"), "--data", str(tmp_path)], "is a folder with no data files")
 
 
 def test_eval_and_generate_with_an_adapter_made_for_another_model(files, tmp_path, capsys):

@@ -173,7 +173,8 @@ def test_checkpoint_holds_lora_state_only_and_gives_the_final_adapter(root, refe
     assert (root / "from-ckpt" / "adapter_config.json").read_text() == \
         (reference / "adapter" / "adapter_config.json").read_text()
     assert main(["adapter-from-checkpoint", str(reference / "checkpoints"), str(root / "nope")]) == 2
-    assert "not a usable checkpoint" in capsys.readouterr().err
+    assert "is the checkpoints folder of a run, not a checkpoint: give one of its checkpoints (step-2, step-4, " \
+           "step-6)" in capsys.readouterr().err
 
 
 def test_incomplete_or_corrupt_checkpoints_are_skipped_with_a_warning(root, reference, caplog):
@@ -260,7 +261,8 @@ def test_sigint_to_the_launcher_stops_workers_cleanly(root):
 def test_a_rank_killed_with_sigkill_ends_the_run_naming_it(root):
     import psutil
 
-    from shardtune.train.checkpoint import adapter_from_checkpoint, find_latest, resume_command
+    from shardtune.train.checkpoint import find_latest, resume_command
+    from shardtune.train.checkpoint_adapter import adapter_from_checkpoint
 
     out = root / "sigkill"
     proc = _cli(root, "sigkill", "--save-every", "2")

@@ -40,5 +40,6 @@ def test_no_warning_for_ordinary_data():
                                      {"role": "assistant", "content": "a"}]}))
     assert data_warnings("d.jsonl", records, usable=9, batch_size=8) == []
     many = [(n, {"messages": [{"role": "bot", "content": "x"}]}) for n in range(1, 8)]
-    (warning,) = data_warnings("d.jsonl", many, usable=7, batch_size=4)
-    assert "chat role 'bot'" in warning and "7 messages, record line 1, 2, 3, 4, 5, …" in warning
+    role, no_user = data_warnings("d.jsonl", many, usable=7, batch_size=4)
+    assert "chat role 'bot'" in role and "7 messages, record line 1, 2, 3, 4, 5, …" in role
+    assert "7 of 7 conversations have no user turn (record line 1, 2, 3, 4, 5, …)" in no_user

@@ -53,7 +53,7 @@ def grads_and_training(rank: int, world_size: int, options: dict) -> dict:
     out = Path(cfg.output.out)
     out.mkdir(parents=True, exist_ok=True)
     result = train(job, memory, out)
-    save_adapter(job.model, job.strategy, job.built.adapter_keys, out / "adapter", cfg.model.path)
+    save_adapter(job.model, job.strategy, job.built.adapter_keys, out / "adapter", cfg.model.path, job.model_dir)
     job.model.eval()
     with torch.no_grad():
         logits = job.model(input_ids=INPUT).logits

@@ -366,6 +366,22 @@ def test_gemma2_template_without_system_turns_gets_its_turns(tmp_path):
     assert 'PARAMETER stop "<end_of_turn>"' in text
 
 
+def test_default_system_prompt_of_the_demo_model_becomes_the_modelfiles_system(tmp_path):
+    """SmolLM2-Instruct's ChatML adds a system turn of its own to a conversation without one: Ollama's SYSTEM
+    does exactly that, so the Modelfile carries TEMPLATE and SYSTEM (checked against the Jinja template with
+    and without a system message in modelfile._pieces)."""
+    from tiny import SMOLLM2_CHAT_TEMPLATE
+
+    text = _modelfile_for(tmp_path, SMOLLM2_CHAT_TEMPLATE, ["<|im_start|>", "<|im_end|>"])
+    template = text.split('TEMPLATE """', 1)[1].split('"""', 1)[0]
+    assert template == ('{{- range .Messages }}{{- if eq .Role "system" }}<|im_start|>system\n{{ .Content }}'
+                        '<|im_end|>\n{{ else if eq .Role "user" }}<|im_start|>user\n{{ .Content }}<|im_end|>\n'
+                        '{{ else if eq .Role "assistant" }}<|im_start|>assistant\n{{ .Content }}<|im_end|>\n'
+                        "{{ end }}{{ end }}<|im_start|>assistant\n")
+    assert 'SYSTEM """You are a helpful AI assistant named SmolLM, trained by Hugging Face"""' in text
+    assert 'PARAMETER stop "<|im_end|>"' in text
+
+
 def test_untranslatable_template_is_said_not_guessed(tmp_path):
     odd = ("{% for m in messages %}{% if loop.first %}FIRST {% endif %}[{{ m['role'] }}] {{ m['content'] }}\n"
            "{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}")

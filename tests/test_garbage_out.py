@@ -138,6 +138,6 @@ def test_resume_of_a_finished_run_is_refused_and_changes_nothing(trained_run, tm
 
 
 def test_the_adapter_check_passes_a_good_adapter(bad_adapters):
-    from shardtune.model.directory import check_adapter_dir
+    from shardtune.model.adapter_dir import check_adapter_dir
 
     assert check_adapter_dir(bad_adapters["good"])["r"] == 4

@@ -116,7 +116,7 @@ def nccl_training(rank: int, world_size: int, options: dict) -> dict:
     out = Path(cfg.output.out)
     out.mkdir(parents=True, exist_ok=True)
     result = train(job, memory, out)
-    save_adapter(job.model, job.strategy, job.built.adapter_keys, out / "adapter", cfg.model.path)
+    save_adapter(job.model, job.strategy, job.built.adapter_keys, out / "adapter", cfg.model.path, job.model_dir)
     row_sharded = any(isinstance(m, ShardedEmbedding) for m in job.model.modules())
     backend = str(torch.distributed.get_backend())
     memory.close()

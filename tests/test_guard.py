@@ -40,7 +40,7 @@ def test_lr_1e30_stops_at_the_first_non_finite_step(tmp_path, capsys):
     stored = _tensors(torch.load(tmp_path / "ckpt.pt", weights_only=False))
     assert any(".lora_A." in name for name in stored) and any(name.startswith("optim.") for name in stored)
     assert [name for name, t in stored.items() if not torch.isfinite(t).all()] == []
-    from shardtune.train.checkpoint import adapter_from_checkpoint
+    from shardtune.train.checkpoint_adapter import adapter_from_checkpoint
 
     adapter = load_file(adapter_from_checkpoint(checkpoints[-1], tmp_path / "a") / "adapter_model.safetensors")
     assert all(torch.isfinite(t).all() for t in adapter.values())

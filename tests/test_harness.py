@@ -108,7 +108,7 @@ def test_limit_and_num_fewshot_reach_the_harness(setup, tmp_path, capsys):
     assert report["limit"] == 4 and report["num_fewshot"] == 1 and "adapter" not in report["results"]
 
 
-def test_unknown_task_and_uncached_data_are_clear_errors(setup, tmp_path, capsys, monkeypatch):
+def test_unknown_task_missing_data_and_broken_task_files_are_named(setup, tmp_path, capsys, monkeypatch):
     root, model, adapter, tasks, records = setup
     assert main(["eval", "--model", str(model), "--tasks", "no_such_task", "--include-path", str(tasks)]) == 2
     assert "no_such_task is not a task lm-eval knows" in capsys.readouterr().err
@@ -116,7 +116,14 @@ def test_unknown_task_and_uncached_data_are_clear_errors(setup, tmp_path, capsys
     missing.mkdir()
     (missing / "gone.yaml").write_text(TASK.replace("tiny_choice", "gone").format(data=tmp_path / "absent.jsonl"))
     assert main(["eval", "--model", str(model), "--tasks", "gone", "--include-path", str(missing)]) == 2
-    assert "task data could not be loaded" in capsys.readouterr().err
+    err = capsys.readouterr().err  # the local file is named, not the network blamed
+    assert f"gone.yaml: task gone's data_files {tmp_path / 'absent.jsonl'} does not exist" in err, err
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "mine.yaml").write_text("task: mine\ndataset_path: json\n  oops: [\n")
+    assert main(["eval", "--model", str(model), "--tasks", "mine", "--include-path", str(broken)]) == 2
+    err = capsys.readouterr().err  # lm-eval skipped the file: its parse error, not "unknown task", is the cause
+    assert f"{broken / 'mine.yaml'}:3 is not valid YAML" in err, err
 
 
 def test_results_go_to_the_runs_tracker_and_report(setup, capsys):

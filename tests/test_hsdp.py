@@ -48,7 +48,7 @@ def hsdp_training(rank: int, world_size: int, options: dict) -> dict:
     out = Path(cfg.output.out)
     out.mkdir(parents=True, exist_ok=True)
     result = train(job, memory, out)
-    save_adapter(job.model, job.strategy, job.built.adapter_keys, out / "adapter", cfg.model.path)
+    save_adapter(job.model, job.strategy, job.built.adapter_keys, out / "adapter", cfg.model.path, job.model_dir)
     memory.close()
     distributed.teardown()
     return {"grads": grads, "losses": result["losses"]}

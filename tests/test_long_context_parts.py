@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from shardtune.model import attention
 from shardtune.parallel.activation_offload import Offloader
 from shardtune.parallel.tiling import tile_mlps
-from shardtune.model import attention
 
 
 def _model(arch: str = "llama", checkpointing: bool = False, **overrides):

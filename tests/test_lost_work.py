@@ -116,6 +116,6 @@ def test_a_full_disk_at_the_adapter_save_keeps_the_previous_adapter(finished, tm
     import torch
 
     with pytest.raises(OutputError, match="no space left on the device"):
-        write_adapter({"x": torch.zeros(2)}, {"peft_type": "LORA"}, adapter)
+        write_adapter({"x": torch.zeros(2)}, {"peft_type": "LORA"}, adapter, None)
     assert _snapshot(adapter) == before
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".adapter.tmp")]

@@ -193,9 +193,19 @@ def test_broken_chat_template_names_the_template_and_the_record(tmp_path: Path, 
 
 def test_adapter_for_another_base_names_the_tensor_and_both_shapes(run, tmp_path: Path) -> None:
     root, _ = run
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
     wider = make_model(tmp_path / "wider", "llama", tied=True, hidden=64)
     result = shardtune("eval", "--model", str(wider), "--adapter", str(root / "out" / "adapter"),
                        "--data", str(root / "train.jsonl"), "--max-new-tokens", "0")
+    assert result.returncode == 2, result.stderr  # the adapter records its base: the config keys that differ
+    assert "was trained on another base model" in result.stderr and "hidden_size was 32, now 64" in result.stderr
+    peft_own = shutil.copytree(root / "out" / "adapter", tmp_path / "peft-adapter")  # records none: the tensors
+    save_file(load_file(peft_own / "adapter_model.safetensors"), peft_own / "adapter_model.safetensors")
+    result = shardtune("eval", "--model", str(wider), "--adapter", str(peft_own), "--data", str(root / "train.jsonl"),
+                       "--max-new-tokens", "0")
     assert result.returncode == 2, result.stderr
     message = result.stderr.strip().splitlines()[-1]
     assert "size mismatch for" in message and "lora_" in message and message.count("(") >= 2, message

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -50,7 +49,7 @@ def test_string_pairs_end_with_eos_and_mapped_columns_work(tmp_path):
 @pytest.mark.parametrize("record,message", [
     ({"prompt": "p", "chosen": "a"}, r"pairs.jsonl:1: no 'rejected' field"),
     ({"prompt": "p", "chosen": "  ", "rejected": "b"}, r"pairs.jsonl:1: 'chosen' is empty"),
-    ({"prompt": "p", "chosen": "a", "rejected": []}, r"pairs.jsonl:1: 'rejected' is an empty list"),
+    ({"prompt": "p", "chosen": "a", "rejected": []}, r"pairs.jsonl:1: 'rejected' must be a non-empty list"),
     ({"prompt": "p", "chosen": "a", "rejected": 3}, r"'rejected' must be a string or a list of messages"),
     ({"prompt": "p", "chosen": "a", "rejected": [{"role": "assistant", "content": "b"}]},
      r"must both be strings or both lists"),
@@ -110,8 +109,14 @@ def test_objective_knobs_out_of_range_are_refused(tmp_path, no_workers, capsys, 
     assert code == 2 and re.search(message, capsys.readouterr().err)
 
 
-def test_precompute_reference_needs_dpo(tmp_path, no_workers, capsys):
-    code = _finetune(tmp_path, [{"prompt": "p", "chosen": "a", "rejected": "b"}], "--objective", "simpo",
-                     "--precompute-reference")
-    assert code == 2 and "only --objective dpo has a reference model" in capsys.readouterr().err
-    json.dumps({})
+@pytest.mark.parametrize("objective,option", [
+    ("simpo", ["--precompute-reference"]), ("sft", ["--dpo-beta", "0.5"]), ("orpo", ["--simpo-gamma", "1"]),
+    ("dpo", ["--orpo-lambda", "0.5"]), ("sft", ["--dpo-loss", "ipo"]),
+])
+def test_options_of_another_objective_are_refused(tmp_path, no_workers, capsys, objective, option):
+    """One rule (config.OBJECTIVE_OPTIONS): an option the objective would ignore is refused, never dropped."""
+    record = {"instruction": "p", "output": "a"} if objective == "sft" else {"prompt": "p", "chosen": "a",
+                                                                              "rejected": "b"}
+    code = _finetune(tmp_path, [record], "--objective", objective, *option)
+    err = capsys.readouterr().err
+    assert code == 2 and f"option '{option[0][2:]}' applies to --objective" in err and objective in err, err

@@ -51,7 +51,7 @@ def shardtune_first_step(rank: int, world_size: int, options: dict, init_dir: st
         for name, p in params.items():
             if "lora_B" in name and randomize:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    save_adapter(job.model, job.strategy, job.built.adapter_keys, Path(init_dir), cfg.model.path)
+    save_adapter(job.model, job.strategy, job.built.adapter_keys, Path(init_dir), cfg.model.path, job.model_dir)
     result = job.step(0)
     grads = {n: p.grad.clone() for n, p in params.items()}
     memory.close()

@@ -114,7 +114,7 @@ def test_init_adapter_for_another_base_or_truncated_is_named(run_dir, tmp_path, 
     base = ["finetune", "--data", str(run_dir / "pairs.jsonl"), "--out", str(tmp_path / "o"), "--objective", "dpo"]
     assert main([*base, "--model", str(other), "--init-adapter", str(trained)]) == 2
     err = capsys.readouterr().err
-    assert "has shape" in err and "another base model" in err
+    assert "was trained on another base model" in err and "hidden_size was 32, now 64" in err, err
     cut = tmp_path / "cut"
     cut.mkdir()
     (cut / "adapter_config.json").write_text((trained / "adapter_config.json").read_text())

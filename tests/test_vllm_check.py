@@ -15,11 +15,17 @@ LORA = {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.
         "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.zeros(32, 8)}
 
 
+def _lora(r: int) -> dict:
+    """LORA at rank ``r``: an adapter's tensors agree with its config (every command checks it)."""
+    return {k: torch.zeros(r, 32) if "lora_A" in k else torch.zeros(32, r) for k in LORA}
+
+
 def _adapter(path: Path, tensors: dict | None = None, **config) -> Path:
     path.mkdir()
     cfg = {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj"], **config}
     (path / "adapter_config.json").write_text(json.dumps(cfg))
-    save_file(tensors or LORA, str(path / "adapter_model.safetensors"))
+    rank = max([cfg["r"], *(cfg.get("rank_pattern") or {}).values()])
+    save_file(tensors or _lora(rank), str(path / "adapter_model.safetensors"))
     return path
 
 
@@ -36,7 +42,8 @@ def test_plain_lora_passes(tmp_path, capsys):
 @pytest.mark.parametrize("config,tensors,expected,fix", [
     ({"modules_to_save": ["lm_head"]}, None, "modules_to_save", "shardtune merge"),
     ({}, {**LORA, "base_model.model.lm_head.weight": torch.zeros(4, 32)}, "embedding/lm_head weights", "merge"),
-    ({}, {**LORA, "base_model.model.model.embed_tokens.lora_embedding_A": torch.zeros(8, 4)}, "LoRA on the embedding",
+    ({}, {**LORA, "base_model.model.model.embed_tokens.lora_embedding_A": torch.zeros(8, 4),
+           "base_model.model.model.embed_tokens.lora_embedding_B": torch.zeros(32, 8)}, "LoRA on the embedding",
      "--lora-targets"),
     ({"use_dora": True}, {**LORA, "base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector":
                           torch.ones(32)}, "DoRA", "--lora-variant lora"),

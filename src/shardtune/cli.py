@@ -87,7 +87,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
 
 
 def cmd_adapter_from_checkpoint(args: argparse.Namespace) -> int:
-    from shardtune.train.checkpoint import adapter_from_checkpoint
+    from shardtune.train.checkpoint_adapter import adapter_from_checkpoint
 
     out = adapter_from_checkpoint(args.checkpoint, args.adapter_out, args.model, overwrite=args.overwrite)
     print(f"wrote {out}")

@@ -25,10 +25,11 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp16", "fp32"),
                    help="weights and compute dtype; auto: bf16 where the device computes in it natively "
                         "(Ampere+ GPUs, AVX512/AMX CPUs), else fp16 on GPUs, fp32 on CPUs [default: auto]")
-    p.add_argument("--quantize", default="none", choices=("none", "nf4"),
+    p.add_argument("--quantize", default="auto", choices=("auto", "none", "nf4"),
                    help="nf4: the decoder-layer Linear weights in 4-bit NF4, as a QLoRA fine-tune "
                         "(--quantize nf4) trained on them, quantized from --dtype as training does: give the "
-                        "fine-tune's dtype (its summary.json) [default: none]")
+                        "fine-tune's dtype (its summary.json); auto: nf4 when the config.yaml of the run that wrote "
+                        "--adapter says --quantize nf4, else none [default: auto]")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="allow a model whose config names its own Python code (auto_map); runs that code")
 

@@ -96,13 +96,43 @@ def _check_access(probe: Path, access: int, name: str, path: Path, doing: str,
     raise error(f"{name} {doing}: {reason}" + (f" ({probe})" if probe != path else ""))
 
 
+#: compressed files read_text reads, as ``datasets`` does: (magic bytes, suffix, name)
+_COMPRESSED = ((b"\x1f\x8b", ".gz", "gzip"), (b"BZh", ".bz2", "bzip2"), (b"\xfd7zXZ\x00", ".xz", "xz"))
+
+
+def plain_suffix(path: str | Path) -> str:
+    """The suffix of what ``read_text`` reads from ``path``: ``.jsonl`` for ``data.jsonl.gz``."""
+    name = Path(path).name
+    for _, suffix, _ in _COMPRESSED:
+        name = name.removesuffix(suffix)
+    return Path(name).suffix
+
+
+def _decompressed(raw: bytes, path: Path, error: type[ShardtuneError]) -> bytes:
+    """``raw``, decompressed when it is gzip, bzip2 or xz (told by its first bytes, whatever its name)."""
+    import bz2
+    import gzip
+    import lzma
+
+    for magic, _, name in _COMPRESSED:
+        if raw.startswith(magic):
+            try:
+                return {"gzip": gzip.decompress, "bzip2": bz2.decompress, "xz": lzma.decompress}[name](raw)
+            except (OSError, EOFError, ValueError, lzma.LZMAError) as err:
+                raise error(f"{path}: a {name} file that cannot be decompressed ({err}): an interrupted copy or "
+                            "download?") from None
+    return raw
+
+
 def read_text(path: str | Path, what: str, error: type[ShardtuneError] = InputError) -> str:
-    """The UTF-8 text of ``path``; ``error`` (naming ``what``, the file and the line) when it has none."""
+    """The UTF-8 text of ``path`` (decompressed first when it is gzip, bzip2 or xz); ``error`` (naming
+    ``what``, the file and the line) when it has none."""
     path = check_path(path, what, "file", error=error)
     try:
         raw = path.read_bytes()
     except OSError as err:
         raise error(f"cannot read {what} {path}: {err.strerror or err}") from None
+    raw = _decompressed(raw, path, error)
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as err:

@@ -11,6 +11,7 @@ import logging
 from pathlib import Path
 
 from shardtune.config import Config, validate
+from shardtune.model.adapter_dir import check_adapter_dir
 from shardtune.model.checkpoint_keys import check_against_headers
 from shardtune.model.directory import check_model_dir, load_tokenizer
 from shardtune.model.lora import inject_lora
@@ -58,6 +59,8 @@ def preflight(cfg: Config) -> tuple[Config, RunPlan]:
     model_dir = check_model_dir(cfg.model.path, cfg.model.trust_remote_code)
     if cfg.output.resume:  # against the options, the data and the base model; before --out is touched
         resume_point(cfg, model_dir)
+    if cfg.lora.init_adapter:  # the one adapter check, and that it was made from this base (model/adapter_dir.py)
+        check_adapter_dir(cfg.lora.init_adapter, "option 'init-adapter': adapter directory", base=model_dir)
     tokenizer = load_tokenizer(model_dir)
     vocab = vocab_size(model_dir)
     check_tokenizer_fits(tokenizer, vocab, model_dir)
@@ -65,7 +68,8 @@ def preflight(cfg: Config) -> tuple[Config, RunPlan]:
     fmt = objective_of(cfg).records
     train = read_split(cfg, cfg.data.train, tokenizer, vocab, show_progress=True)
     records = read_records(cfg.data.train, cfg.data.fields, fmt.check)
-    warn_about_data(cfg.data.train, records, len(train.examples) // fmt.per_record, cfg.train.batch_size)
+    warn_about_data(cfg.data.train, records, len(train.examples) // fmt.per_record, cfg.train.batch_size,
+                    tokenizer, cfg.model.path)
     if fmt is PAIRS:
         refuse_identical_pairs(cfg.data.train, records)
         for message in pair_warnings(cfg.data.train, records, train.truncated, cfg.data.seq_len):

@@ -43,13 +43,23 @@ def validate(cfg: Config, need_data: bool = True) -> None:
     validate_preference(cfg)
 
 
+#: The options only some objectives read. One rule for all of them: set (to other than its default) under an
+#: objective that does not read it, an option is refused, never silently ignored.
+OBJECTIVE_OPTIONS = {"dpo-beta": ("dpo",), "dpo-loss": ("dpo",), "dpo-label-smoothing": ("dpo",),
+                     "precompute-reference": ("dpo",), "orpo-lambda": ("orpo",), "simpo-beta": ("simpo",),
+                     "simpo-gamma": ("simpo",)}
+
+
 def validate_preference(cfg: Config) -> None:
     pref = cfg.preference
+    for flag, objectives in OBJECTIVE_OPTIONS.items():
+        section, f = FLAGS[flag]
+        if cfg.train.objective not in objectives and getattr(getattr(cfg, section), f.name) != f.default:
+            raise ConfigError(f"option '{flag}' applies to --objective {' or '.join(objectives)} only, and this run "
+                              f"is --objective {cfg.train.objective}, which would ignore it: leave it out, or set "
+                              f"--objective {objectives[0]}")
     if pref.dpo_label_smoothing and pref.dpo_loss != "sigmoid":
         raise ConfigError(f"option 'dpo-label-smoothing' applies to --dpo-loss sigmoid, not {pref.dpo_loss}")
-    if pref.precompute_reference and cfg.train.objective != "dpo":
-        raise ConfigError(f"option 'precompute-reference': only --objective dpo has a reference model "
-                          f"(got --objective {cfg.train.objective})")
 
 
 NF4_FSDP1 = ("option 'quantize': nf4 is not supported with --strategy fsdp1 (its flat parameters cannot hold "

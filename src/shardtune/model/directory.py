@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shardtune.config import ConfigError
-from shardtune.errors import check_path
+from shardtune.errors import check_path, read_text
 from shardtune.runtime.safetensors_header import header_with_length
 
 
@@ -86,13 +86,22 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
                    "spiece.model", "tokenizer.tiktoken")
 
 
+#: the tokenizer's text files: transformers decodes each as UTF-8, and names none when one is not
+TOKENIZER_TEXT_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                        "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt", "vocab.txt")
+
+
 def load_tokenizer(model_dir: ModelDir):
-    """The model directory's tokenizer, or a ModelDirError naming the directory and the reason."""
+    """The model directory's tokenizer, or a ModelDirError naming the directory (or the file) and the reason."""
     from transformers import AutoTokenizer
 
     if not any((Path(model_dir.path) / name).is_file() for name in TOKENIZER_FILES):
         raise ModelDirError(f"model directory {model_dir.path} has no tokenizer: none of "
                             f"{', '.join(TOKENIZER_FILES)}")
+    folder = Path(model_dir.path)
+    for file in [*(folder / n for n in TOKENIZER_TEXT_FILES), *sorted(folder.glob("additional_chat_templates/*"))]:
+        if file.is_file():
+            read_text(file, "tokenizer file", ModelDirError)  # names the file, line and byte of bad UTF-8
     try:
         return AutoTokenizer.from_pretrained(model_dir.path, trust_remote_code=model_dir.trust_remote_code)
     except KeyError as err:  # a file of the wrong structure: transformers says only the key
@@ -106,52 +115,6 @@ def load_tokenizer(model_dir: ModelDir):
             f"model directory {model_dir.path} has no usable tokenizer "
             f"(tokenizer.json, tokenizer_config.json): {reason}"
         ) from None
-
-
-class AdapterDirError(ConfigError):
-    """An adapter directory that is missing files or whose files are damaged."""
-
-
-def check_adapter_dir(path: str | Path, what: str = "adapter directory") -> dict:
-    """The one check of a peft adapter directory, wherever an adapter is read (merge, export, generate,
-    eval, --check vllm, --init-adapter): config and weights there, headers and sizes whole, at least one
-    tensor, and every value finite (an adapter of zeros-only changes is legal; one of no tensors or of
-    NaN is no result to ship). Returns its config; the error names the file and tensor."""
-    path = check_path(path, what, "dir", error=AdapterDirError)
-    config_file = path / "adapter_config.json"
-    if not config_file.is_file():
-        raise AdapterDirError(f"{what} {path} has no adapter_config.json (fine-tunes write OUT_DIR/adapter)")
-    config = read_json(config_file, AdapterDirError)
-    weights = path / "adapter_model.safetensors"
-    if weights.is_file():
-        header = check_safetensors(weights, AdapterDirError)
-        if not any(name != "__metadata__" for name in header):
-            raise AdapterDirError(f"{weights} holds no tensors: this adapter would change nothing (a save that "
-                                  "failed, or a file not written by a fine-tune?); use a finished fine-tune's "
-                                  "OUT_DIR/adapter, or `shardtune adapter-from-checkpoint` on one of its checkpoints")
-        _check_finite(weights)
-    elif not (path / "adapter_model.bin").is_file():
-        raise AdapterDirError(f"{what} {path} has no adapter_model.safetensors")
-    return config
-
-
-def _check_finite(weights: Path) -> None:
-    """Every floating-point tensor of ``weights`` finite, read one tensor at a time (adapters are small)."""
-    import torch
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        with safe_open(str(weights), framework="pt") as f:
-            for name in f.keys():
-                tensor = f.get_tensor(name)
-                if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-                    bad = int((~torch.isfinite(tensor)).sum())
-                    raise AdapterDirError(
-                        f"{weights}: tensor {name} holds {bad} non-finite value(s) (NaN or inf) of {tensor.numel()}: "
-                        "the training that wrote it diverged, and anything made from it would be garbage; use an "
-                        "earlier checkpoint (`shardtune adapter-from-checkpoint`) or train again with a smaller --lr")
-    except (SafetensorError, OSError) as err:
-        raise AdapterDirError(f"{weights}: not a readable safetensors file ({err})") from None
 
 
 def read_config(model_dir: ModelDir | Path, trust_remote_code: bool | None = None):

@@ -16,7 +16,7 @@ from torch import nn
 
 from shardtune.config import ConfigError
 from shardtune.errors import ShardtuneError
-from shardtune.model.directory import check_adapter_dir
+from shardtune.model.adapter_dir import check_adapter_dir
 
 
 class AdapterError(ShardtuneError, ValueError):

@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Literal
 
+from shardtune.errors import check_path
 from shardtune.runtime.files import OutputError, check_writable, clear_stale
 from shardtune.runtime.lock import RunLock
 from shardtune.runtime.signals import Interrupted, signal_of
@@ -79,6 +80,8 @@ def check_output(out: str | Path, *, kind: Kind, inputs: Inputs = (), overwrite:
         raise OutputError(f"{name} {out} is a directory, not a file: name the file to write")
     if out.exists() and kind != "file" and not out.is_dir():
         raise OutputError(f"{name} {out} is an existing file, not a directory: choose another output")
+    if kind == "file":  # the rule of every file a command writes (errors.check_path): its folder must exist
+        check_path(out, name, "file", write=True, error=OutputError)
     if kind == "file" and out.exists() and not overwrite:
         raise OutputError(f"{out} already exists: choose another --out, or pass {flag} to replace it")
     if kind == "dir" and out.is_dir() and any(out.iterdir()) and not overwrite:

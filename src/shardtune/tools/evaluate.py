@@ -146,7 +146,8 @@ def _combine(spec: EvalSpec, work: _Work, shares: list[dict], world_size: int, s
         "loss": loss, "perplexity": math.exp(loss) if loss < 700 else None, "records": work.records,
         "target_tokens": targets, "truncated_records": work.truncated, "records_without_targets": work.without_targets,
         "questions": len(work.questions), "exact_match": None, "contains_match": None,
-        "model": spec.model, "adapter": spec.adapter, "data": spec.data, "world_size": world_size,
+        "model": spec.model, "adapter": spec.adapter, "quantize": spec.quantize, "data": spec.data,
+        "world_size": world_size,
         "seconds": round(seconds, 3),
     }
     answers = {i: a for s in shares for i, a in s["answers"].items()}
@@ -174,16 +175,18 @@ def evaluate(model_dir: str | Path, data: str | Path, adapter: str | Path | None
     ``data_fields``: column mapping as finetune's ``--data-fields`` (``prompt=question,response=answer``).
     """
     from shardtune.config import ConfigError
-    from shardtune.tools.generate import check_adapter_dir
+    from shardtune.model.directory import check_model_dir
+    from shardtune.tools.generate import check_adapter_dir, resolve_quantize
 
     for name, value in (("nproc", nproc), ("seq-len", seq_len), ("batch-size", batch_size)):
         if value < 1:
             raise ConfigError(f"option '{name}' must be at least 1, got {value}")
     if max_new_tokens < 0:
         raise ConfigError(f"option 'max-new-tokens' must be at least 0, got {max_new_tokens}")
-    check_adapter_dir(adapter)
+    # before any worker starts: the adapter whole, and made from this base (the workers do not check again)
+    check_adapter_dir(adapter, check_model_dir(model_dir, trust_remote_code) if adapter is not None else None)
     spec = EvalSpec(str(model_dir), str(data), str(adapter) if adapter is not None else None, seq_len, batch_size,
-                    max_new_tokens, dtype, quantize, answers, data_fields, trust_remote_code)
+                    max_new_tokens, dtype, resolve_quantize(quantize, adapter), answers, data_fields, trust_remote_code)
     if nproc == 1:
         return _run_here(spec)
     return _run_workers(spec, nproc)
@@ -239,7 +242,7 @@ def worker(spec: EvalSpec) -> None:
     try:
         with progress("loading model", 1, unit="model", enabled=worker.is_main, delay=1) as bar:
             model, tokenizer = load_model(spec.model, spec.adapter, spec.dtype, worker.device, spec.quantize,
-                                          spec.trust_remote_code)
+                                          spec.trust_remote_code, check_base=False)
             bar.advance()
         work = _read(spec, tokenizer)
         share = _evaluate_share(model, tokenizer, spec, work, worker.rank, worker.world_size)

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, BinaryIO
 
 import torch
 
-from shardtune.model.directory import check_model_dir
+from shardtune.model.directory import check_model_dir, load_tokenizer
 from shardtune.runtime.cpu_tuning import MMAP_THRESHOLD, tune_malloc
 from shardtune.runtime.failure import stage
 from shardtune.runtime.files import staged_file
@@ -80,6 +80,7 @@ def export_gguf(model: str | Path, adapter: str | Path | None, out: str | Path, 
         if (problem := gguf_gemma3.problem(config)) is not None:
             raise ExportError(f"{model_dir.path / 'config.json'}: {problem}; llama.cpp's gemma3 would not run this "
                               "model as transformers does, so this GGUF export does not write it")
+    load_tokenizer(model_dir)  # what the GGUF's vocabulary and the Modelfile are made from: refused now, named
     arch = getattr(gguf.MODEL_ARCH, family.arch)
     sources = merge_sources(model_dir, Path(adapter)) if adapter else MergeSources({}, _stored_names(model_dir), {})
     layout = _layout(model_dir, sources, config, family, quant)

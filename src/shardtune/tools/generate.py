@@ -9,6 +9,7 @@ deterministic and runs in left-padded batches; sampling uses temperature and top
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,14 +19,19 @@ import torch
 from torch import nn
 
 from shardtune.config import ConfigError
-from shardtune.errors import read_text
-from shardtune.model.directory import AdapterDirError, ModelDir, check_model_dir, load_tokenizer
-from shardtune.model.directory import check_adapter_dir as check_peft_dir
+from shardtune.errors import plain_suffix, read_text
+from shardtune.model.adapter_dir import AdapterDirError
+from shardtune.model.adapter_dir import check_adapter_dir as check_peft_dir
+from shardtune.model.directory import ModelDir, check_model_dir, load_tokenizer
 from shardtune.model.meta import DTYPES, build_meta_model
 from shardtune.runtime.device import auto_dtype, pick_device
 from shardtune.train.data.batch import pad_id
 from shardtune.train.data.chat import as_messages, render_prompt
+from shardtune.train.data.read import loads
 from shardtune.train.data.records import DataError
+from shardtune.train.run_folder import adapter_run_options
+
+log = logging.getLogger("shardtune")
 
 # A prompt is a user message's text, or a whole conversation whose next turn is the assistant's.
 Prompt = str | list[dict]
@@ -56,25 +62,29 @@ class EvalModel:
 
 def load_model(model_dir: str | Path, adapter: str | Path | None = None, dtype: str = "auto",
                device: torch.device | None = None, quantize: str = "none",
-               trust_remote_code: bool = False) -> tuple[nn.Module, object]:
+               trust_remote_code: bool = False, check_base: bool = True) -> tuple[nn.Module, object]:
     """The full model on one device (``from_pretrained``, then ``PeftModel.from_pretrained``), in eval mode.
 
-    ``quantize="nf4"``: the base as a QLoRA fine-tune trained on it, its decoder-layer Linear weights in
+    ``quantize="nf4"``: the base as a QLoRA fine-tune trained on it (``"auto"``: as the adapter's run did,
+    ``resolve_quantize``), its decoder-layer Linear weights in
     4-bit NF4, quantized from ``dtype`` as training quantizes from its ``--dtype`` (auto: the same
     choice as training's auto on the same kind of machine).
     ``trust_remote_code``: a model that names its own code (config ``auto_map``) may run it.
+    ``check_base``: the adapter is checked to be made from this base (model/adapter_dir.py); False in the
+    worker processes of a command whose launcher checked it.
     """
     from transformers import AutoModelForCausalLM
 
     from shardtune.model import quantize as nf4
 
+    quantize = resolve_quantize(quantize, adapter)
     if quantize not in nf4.NF4_CHOICES:
         raise ConfigError(f"option 'quantize': {quantize!r} is not one of {', '.join(nf4.NF4_CHOICES)}")
     if quantize == "nf4":
         nf4.check_available()
     checked = check_model_dir(model_dir, trust_remote_code)
     path = checked.path
-    check_adapter_dir(adapter)
+    check_adapter_dir(adapter, checked if check_base else None)
     device = device or pick_device()
     tokenizer = load_tokenizer(checked)
     if quantize == "nf4":
@@ -91,6 +101,19 @@ def load_model(model_dir: str | Path, adapter: str | Path | None = None, dtype: 
             reason = _first_misfit(err)
             raise AdapterDirError(f"adapter {adapter} does not fit the model {path}: {reason}") from None
     return model.to(device).eval(), tokenizer
+
+
+def resolve_quantize(quantize: str, adapter: str | Path | None) -> str:
+    """``--quantize auto``: the base the fine-tune that wrote ``adapter`` trained on, read from its run folder's
+    config.yaml (nf4 for a QLoRA run, said in a note), else none; any other value as given."""
+    if quantize != "auto":
+        return quantize
+    trained = adapter_run_options(adapter).get("quantize")
+    if trained == "nf4":
+        log.warning("--quantize auto: the fine-tune that wrote %s trained on the 4-bit NF4 base (its config.yaml), "
+                    "so the base is quantized to NF4 here too (--quantize none: the unquantized base)", adapter)
+        return "nf4"
+    return "none"
 
 
 def load_quantized(model_dir: ModelDir, dtype: torch.dtype, device: torch.device) -> nn.Module:
@@ -124,9 +147,10 @@ def _first_misfit(err: Exception) -> str:
     return named.replace("torch.Size(", "(").replace("base_model.model.", "", 1)
 
 
-def check_adapter_dir(adapter: str | Path | None) -> None:
+def check_adapter_dir(adapter: str | Path | None, base: ModelDir | None = None) -> None:
+    """The one adapter check (model/adapter_dir.py), and with ``base`` that the adapter was made from it."""
     if adapter is not None:
-        check_peft_dir(adapter)
+        check_peft_dir(adapter, base=base)
 
 
 def split_record(record: dict) -> tuple[list[dict], str | None]:
@@ -160,18 +184,20 @@ def read_prompts(path: str | Path) -> list[Prompt]:
     lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
     if not lines:
         raise DataError(f"{path}: no prompts (the file is empty)")
-    if path.suffix not in (".jsonl", ".json"):
+    suffix = plain_suffix(path)
+    if suffix not in (".jsonl", ".json"):
         return [line.strip() for _, line in lines]
     # (where, text) pairs: each line of a .jsonl file, or the whole .json array at once.
-    chunks = [(1, text)] if path.suffix == ".json" else lines
+    chunks = [(1, text)] if suffix == ".json" else lines
     records = []
     for n, chunk in chunks:
         try:
-            value = json.loads(chunk)
+            # strictly, as data files are read: a key given twice or a lone surrogate is named (data/read.py)
+            value = loads(chunk, lambda i, n=n: f"{path}:{i if suffix == '.json' else n}")
         except json.JSONDecodeError as err:
             raise DataError(f"{path}:{n + err.lineno - 1}: not valid JSON: {err.msg}") from None
         # In a .json array the record's index stands in for its line.
-        records += list(enumerate(value, 1)) if path.suffix == ".json" and isinstance(value, list) else [(n, value)]
+        records += list(enumerate(value, 1)) if suffix == ".json" and isinstance(value, list) else [(n, value)]
     prompts: list[Prompt] = []
     for n, record in records:
         if not isinstance(record, dict) or not ({"instruction", "messages", "text"} & set(record)):
@@ -199,6 +225,27 @@ def stop_ids(model: nn.Module, tokenizer) -> list[int]:
     configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     ids.update(configured if isinstance(configured, list) else [configured])
     return sorted(i for i in ids if i is not None)
+
+
+def check_context(model: nn.Module, prompts: Sequence[Prompt], encoded: list[list[int]],
+                  max_new_tokens: int) -> int | None:
+    """The model's context in tokens (``max_position_embeddings``; None: it states none). A prompt that fills
+    it is refused (the model never saw positions beyond it: its answer would be noise); one that leaves less
+    than ``max_new_tokens`` gets its answer cut at the context's end, said once."""
+    context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if not isinstance(context, int) or not encoded:
+        return None
+    longest = max(range(len(encoded)), key=lambda i: len(encoded[i]))
+    n, text = len(encoded[longest]), prompt_text(prompts[longest])
+    shown = f"{'the prompt' if len(encoded) == 1 else f'prompt {longest + 1}'} ({text[:40]!r}{'…' * (len(text) > 40)})"
+    if n >= context:
+        raise DataError(f"{shown} has {n} tokens, and the model's context is {context} "
+                        "(max_position_embeddings in its config.json): no room is left for an answer, and the "
+                        "model never saw positions beyond it; shorten the prompt")
+    if n + max_new_tokens > context:
+        log.warning("%s has %d tokens: with --max-new-tokens %d the answer would run past the model's context of "
+                    "%d tokens, so it is cut at %d new tokens", shown, n, max_new_tokens, context, context - n)
+    return context
 
 
 def _streamer(tokenizer, out: TextIO):
@@ -238,6 +285,7 @@ def generate_answers(model: nn.Module, tokenizer, prompts: Sequence[Prompt], max
     )
     device = next(model.parameters()).device
     encoded = [prompt_ids(tokenizer, p) for p in prompts]
+    context = check_context(model, prompts, encoded, max_new_tokens)
     # Similar lengths share a batch, so little of each batch is padding.
     order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
     step = 1 if stream is not None else max(1, batch_size)
@@ -252,6 +300,7 @@ def generate_answers(model: nn.Module, tokenizer, prompts: Sequence[Prompt], max
             # Left padding: every prompt ends where generation starts; generate derives positions from the mask.
             ids[row, width - len(encoded[i]):] = torch.tensor(encoded[i])
             mask[row, width - len(encoded[i]):] = 1
+        config.max_new_tokens = min(max_new_tokens, context - width) if context else max_new_tokens
         out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config,
                              streamer=_streamer(tokenizer, stream) if stream is not None else None)
         for row, i in enumerate(batch):

@@ -114,6 +114,12 @@ def _check_gguf_file(path: Path) -> None:
         magic = f.read(4)
     if magic != GGUF_MAGIC:
         raise GGUFImportError(f"{path} is not a GGUF file (it starts with {magic!r}, not {GGUF_MAGIC!r})")
+    _check_gguf_package()
+    from shardtune.tools.gguf_header import check_complete
+
+    short = check_complete(path)
+    if short:
+        raise GGUFImportError(f"{path} is cut short: {short} (an interrupted download or copy: fetch it again)")
 
 
 def _check_gguf_package() -> None:

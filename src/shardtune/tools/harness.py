@@ -14,12 +14,15 @@ names the task. ``include_path`` adds a folder of task YAML files (the harness's
 from __future__ import annotations
 
 import dataclasses
+import glob
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from shardtune.errors import ShardtuneError
+import yaml
+
+from shardtune.errors import ShardtuneError, check_path, read_text
 from shardtune.tools.eval_results import write_json
 
 if TYPE_CHECKING:
@@ -38,8 +41,12 @@ def _tasks(names: list[str], include_path: str | None):
     except ImportError:
         raise HarnessError("--tasks needs lm-evaluation-harness: pip install 'shardtune[eval]' "
                            "(or pip install lm-eval)") from None
+    if include_path:
+        check_path(include_path, "--include-path", "dir", error=HarnessError)
     manager = TaskManager(include_path=include_path) if include_path else TaskManager()
     unknown = [n for n in names if n not in manager.all_tasks]
+    if include_path:  # lm-eval skips a file it cannot read (its task is then unknown) and a missing data file
+        check_task_files(include_path, names, unknown)  # reads as a network error: named here instead
     if unknown:
         where = f" (nor in --include-path {include_path})" if include_path else ""
         raise HarnessError(f"--tasks: {', '.join(unknown)} is not a task lm-eval knows{where}; "
@@ -48,9 +55,46 @@ def _tasks(names: list[str], include_path: str | None):
         return manager, get_task_dict(names, manager)
     except Exception as err:  # noqa: BLE001 - datasets raises many kinds when the data is not at hand
         reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        raise HarnessError(f"--tasks {','.join(names)}: the task data could not be loaded ({reason}). Offline, "
-                           "lm-eval reads the datasets cache: run once with network access (or copy the cache) "
-                           "to cache it") from None
+        raise HarnessError(f"--tasks {','.join(names)}: the task data could not be loaded ({reason}). For data "
+                           "from the Hub: offline, lm-eval reads the datasets cache; run once with network access "
+                           "(or copy the cache) to cache it") from None
+
+
+class _TaskLoader(yaml.SafeLoader):
+    """YAML as lm-eval's task files write it: tags of their own (``!function utils.process_docs``) allowed."""
+
+
+_TaskLoader.add_multi_constructor("!", lambda loader, suffix, node: None)
+
+
+def check_task_files(include_path: str | Path, names: list[str], unknown: list[str]) -> None:
+    """The task files under ``include_path``: while a task asked for is ``unknown``, one that is not valid YAML
+    is named (lm-eval skipped it: most likely the task's own); the local ``data_files`` of the tasks asked
+    for must exist (datasets' error for a missing local file reads as one about the network)."""
+    for file in sorted(p for p in Path(include_path).rglob("*") if p.suffix in (".yaml", ".yml") and p.is_file()):
+        try:
+            task = yaml.load(read_text(file, "task file", HarnessError), Loader=_TaskLoader)
+        except yaml.YAMLError as err:
+            if not unknown:
+                continue
+            mark = getattr(err, "problem_mark", None)
+            where = f"{file}:{mark.line + 1}" if mark else str(file)
+            raise HarnessError(f"--tasks: {', '.join(unknown)} is not a task lm-eval knows, and {where} is not valid "
+                               f"YAML ({getattr(err, 'problem', None) or err}): lm-eval skipped that file; fix it "
+                               "(is the task defined there?)") from None
+        if not isinstance(task, dict) or task.get("task") not in names:
+            continue
+        for path in _local_files((task.get("dataset_kwargs") or {}).get("data_files")):
+            if not glob.glob(str(Path(path).expanduser())):
+                raise HarnessError(f"{file}: task {task['task']}'s data_files {path} does not exist (a local path: "
+                                   f"relative ones start at the working directory, {Path.cwd()})")
+
+
+def _local_files(data_files: object) -> list[str]:
+    """The local paths among a task's ``data_files`` (a path, a list, or a mapping of split to either)."""
+    values = data_files.values() if isinstance(data_files, dict) else [data_files]
+    paths = [p for v in values for p in (v if isinstance(v, list) else [v]) if isinstance(p, str)]
+    return [p for p in paths if "://" not in p]
 
 
 @dataclass(frozen=True)
@@ -69,7 +113,10 @@ def run_tasks(subject: EvalModel, tasks: Tasks, batch_size: int = 8, out: str | 
     from lm_eval import evaluator
     from lm_eval.models.huggingface import HFLM
 
+    from shardtune.tools.generate import resolve_quantize
+
     manager, _ = _tasks(tasks.names, tasks.include_path)  # fail before loading any model
+    subject = dataclasses.replace(subject, quantize=resolve_quantize(subject.quantize, subject.adapter))
     adapter = subject.adapter
     runs = {"base": None, **({"adapter": adapter} if adapter else {})}
     report: dict = {"model": str(subject.model), "adapter": str(adapter) if adapter else None, "tasks": tasks.names,

@@ -28,8 +28,9 @@ from pathlib import Path
 import torch
 
 from shardtune.errors import ShardtuneError
+from shardtune.model.adapter_dir import check_adapter_dir
 from shardtune.model.checkpoint_keys import checkpoint_key
-from shardtune.model.directory import ModelDir, check_adapter_dir, check_model_dir
+from shardtune.model.directory import ModelDir, check_model_dir
 from shardtune.model.lora import PEFT_PREFIX
 from shardtune.model.meta import DTYPES
 from shardtune.runtime.cpu_tuning import tune_malloc
@@ -39,6 +40,7 @@ from shardtune.runtime.outputs import check_output, claim_output
 from shardtune.runtime.progress import Bar, progress
 from shardtune.runtime.safetensors_header import TORCH_DTYPES, encode_header
 from shardtune.runtime.versions import tied_weights_keys
+from shardtune.train.run_folder import adapter_run_options
 
 log = logging.getLogger("shardtune")
 
@@ -66,11 +68,12 @@ class Change:
     norm_dim: int = 1
 
 
-def read_adapter(adapter: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+def read_adapter(adapter: Path, base: ModelDir | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
+    """The adapter's config and tensors, checked (model/adapter_dir.py), against ``base`` when given."""
     from safetensors.torch import load_file
 
     config_file, weights = adapter / "adapter_config.json", adapter / "adapter_model.safetensors"
-    config = check_adapter_dir(adapter)
+    config = check_adapter_dir(adapter, base=base)
     if not weights.is_file():
         raise MergeError(f"adapter directory {adapter} has no {weights.name}")
     if config.get("peft_type", "LORA") != "LORA":
@@ -250,7 +253,7 @@ class MergeSources:
 
 def merge_sources(model_dir: ModelDir, adapter: Path) -> MergeSources:
     """Read the adapter and resolve each of its changes to a tensor of ``model_dir``'s checkpoint."""
-    config, tensors = read_adapter(adapter)
+    config, tensors = read_adapter(adapter, model_dir)
     file_of = dict(model_dir.index["weight_map"]) if model_dir.index else {}
     if not file_of:
         from safetensors import safe_open
@@ -300,7 +303,7 @@ def merge(model: str | Path, adapter: str | Path, out: str | Path, dtype: str = 
             index["metadata"] = {**index.get("metadata", {}), "total_size": total}
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     log.info("merged %s into %s: %d tensors changed, %.1f MiB written", adapter, out, len(changes), total / 2**20)
-    if _trained_on_nf4(Path(adapter)):
+    if adapter_run_options(adapter).get("quantize") == "nf4":
         log.info("the adapter was trained on the 4-bit NF4 base (--quantize nf4) and is folded into the original "
                  "weights, as QLoRA usually is: outputs differ from the quantized model's by about the quantization "
                  "error (`shardtune eval --quantize nf4 --adapter …` reproduces the training-time base instead)")
@@ -320,16 +323,6 @@ def written_dtypes(model_dir: ModelDir, wanted: torch.dtype | None) -> set[str]:
                 if stored.is_floating_point:
                     found.add(str(_out_dtype(stored, wanted)).removeprefix("torch."))
     return found
-
-
-def _trained_on_nf4(adapter: Path) -> bool:
-    """Whether the fine-tune that wrote ``adapter`` (OUT_DIR/adapter, next to OUT_DIR/config.yaml) used NF4."""
-    import yaml
-
-    try:
-        return (yaml.safe_load((adapter.parent / "config.yaml").read_text()) or {}).get("quantize") == "nf4"
-    except (OSError, yaml.YAMLError, AttributeError):
-        return False
 
 
 def _copy_other_files(src: Path, dst: Path, dtype: torch.dtype | None, untie: bool) -> None:

@@ -6,11 +6,14 @@ and after its content, and the generation prompt is what ``add_generation_prompt
 pieces make a Go template. A template that takes no lone assistant turn (Gemma: turns must alternate
 from a user's) gives the assistant's pieces after a user turn. One with no system turn of its own
 but the system text at the start of the first user message (Gemma 3) gets a Go template that does
-the same; one that refuses system messages (Gemma 1 and 2) gets no system branch. It is kept only
-if it renders a sample conversation exactly as the Jinja template does (checked here, by replaying
-the Go template's logic); a template with logic beyond "wrap each message by its role" (tools,
-thinking blocks, per-position rules) fails that check and the Modelfile says so instead of carrying
-a wrong TEMPLATE. The BOS token is left out: llama.cpp adds it itself, as the GGUF's add_bos_token
+the same; one that refuses system messages (Gemma 1 and 2) gets no system branch. One that opens a
+conversation without a system message with a default one (SmolLM2-Instruct, Qwen2.5: "You are a
+helpful assistant…") gets that text as the Modelfile's ``SYSTEM``, which Ollama puts first exactly
+when a conversation has no system message of its own. It is kept only if it renders two sample
+conversations, with and without a system message, exactly as the Jinja template does (checked here,
+by replaying the Go template's logic); a template with logic beyond "wrap each message by its role"
+(tools, thinking blocks, other per-position rules) fails that check and the Modelfile says so instead
+of carrying a wrong TEMPLATE. The BOS token is left out: llama.cpp adds it itself, as the GGUF's add_bos_token
 says.
 """
 
@@ -40,6 +43,8 @@ def write_modelfile(model_dir: Path, gguf_file: Path, path: Path) -> dict:
     lines = [f"FROM ./{gguf_file.name}", ""]
     if pieces is not None:
         lines += [f'TEMPLATE """{go_template(pieces)}"""', ""]
+        if "default_system" in pieces:  # Ollama adds it when a conversation has no system message, as the template
+            lines += [f'SYSTEM """{pieces["default_system"]}"""', ""]
     else:
         lines += [f"# No TEMPLATE: {note}; write one by hand (https://github.com/ollama/ollama/blob/main/docs/"
                   "template.md) or `ollama show --modelfile` a model of the same family.", ""]
@@ -92,7 +97,12 @@ def _pieces(tok) -> tuple[dict | None, str]:
         if user.count(_MARK) != 1:
             return None, "the chat template writes a user message's content other than once"
         pieces["user"] = tuple(user.split(_MARK))
-        assistant = _wrap(tok, [], "assistant") or _wrap(tok, [{"role": "user", "content": "x"}], "assistant")
+        default = _default_system(tok, pieces["user"])
+        if default is not None:
+            pieces["user"], pieces["default_system"] = default
+        opening = [{"role": "system", "content": "x"}] if default is not None else []  # no default inserted after it
+        assistant = _wrap(tok, opening, "assistant") or _wrap(tok, [*opening, {"role": "user", "content": "x"}],
+                                                                "assistant")
         if assistant is None:
             return None, "the chat template writes an assistant message's content other than once"
         pieces["assistant"] = assistant
@@ -107,15 +117,33 @@ def _pieces(tok) -> tuple[dict | None, str]:
         pieces["gen"] = _render(tok, turn, True).removeprefix(_render(tok, turn, False))
     except Exception as err:  # noqa: BLE001 - Jinja errors of any kind mean: not translatable
         return None, f"the chat template could not be rendered ({type(err).__name__}: {err})"
-    sample = _SAMPLE if "system" in pieces or "system_in_user" in pieces else _SAMPLE[1:]
-    try:
-        expected = _render(tok, sample, True)
-    except Exception as err:  # noqa: BLE001
-        return None, f"the chat template could not render a sample conversation ({err})"
-    if _replay(pieces, sample) != expected:
-        return None, ("the chat template does more than wrap each message by its role (e.g. rules for the first "
-                      "or last turn, tools, reasoning), which this translation to a Go template does not cover")
+    samples = [_SAMPLE, _SAMPLE[1:]] if "system" in pieces or "system_in_user" in pieces else [_SAMPLE[1:]]
+    for sample in samples:
+        try:
+            expected = _render(tok, sample, True)
+        except Exception as err:  # noqa: BLE001
+            return None, f"the chat template could not render a sample conversation ({err})"
+        if _replay(pieces, sample) != expected:
+            return None, ("the chat template does more than wrap each message by its role (e.g. rules for the "
+                          "first or last turn, tools, reasoning), which this translation to a Go template does not "
+                          "cover")
     return pieces, ""
+
+
+def _default_system(tok, user: tuple[str, str]) -> tuple[tuple[str, str], str] | None:
+    """For a template that opens a conversation without a system message with a system turn of its own text
+    (SmolLM2-Instruct's "You are a helpful AI assistant named SmolLM…"): (the user's own pieces, that text);
+    else None."""
+    system = _wrap(tok, [], "system")
+    own = _wrap(tok, [{"role": "system", "content": "x"}], "user")  # after a system message: no default added
+    if system is None or own is None or own == user:
+        return None
+    head, tail = user[0], user[1]
+    opened = head.removesuffix(own[0])
+    if tail != own[1] or opened == head or not (opened.startswith(system[0]) and opened.endswith(system[1])):
+        return None
+    text = opened[len(system[0]):len(opened) - len(system[1])]
+    return (own, text) if text and '"""' not in text and _MARK not in text else None
 
 
 def _accepts_system(tok) -> bool:
@@ -129,6 +157,8 @@ def _accepts_system(tok) -> bool:
 
 def _replay(pieces: dict, messages: list[dict]) -> str:
     """What ``go_template(pieces)`` renders for ``messages``, as Ollama would (system first, then the turns)."""
+    if "default_system" in pieces and (not messages or messages[0]["role"] != "system"):
+        messages = [{"role": "system", "content": pieces["default_system"]}, *messages]  # Ollama's SYSTEM
     folded = "system_in_user" in pieces
     system = ""
     for m in messages:

@@ -15,11 +15,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shardtune.errors import ShardtuneError
-from shardtune.model.directory import check_adapter_dir
+from shardtune.model.adapter_dir import check_adapter_dir
 
 VLLM_DEFAULT_MAX_LORA_RANK = 16
 _VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the values vLLM's --max-lora-rank accepts
 _MERGE = "or merge it (`shardtune merge --model BASE --adapter DIR --out MERGED`) and serve the merged model"
+
+
+class VllmCheckError(ShardtuneError, ValueError):
+    """The check itself was asked wrongly (an option value vLLM would not accept)."""
 
 
 @dataclass(frozen=True)
@@ -29,7 +33,11 @@ class Problem:
 
 
 def vllm_problems(adapter: str | Path, max_lora_rank: int = VLLM_DEFAULT_MAX_LORA_RANK) -> list[Problem]:
-    """Everything vLLM would refuse in ``adapter`` (started with ``--max-lora-rank max_lora_rank``)."""
+    """Everything vLLM would refuse in ``adapter`` (started with ``--max-lora-rank max_lora_rank``, one of the
+    values vLLM accepts)."""
+    if max_lora_rank not in _VLLM_RANKS:
+        raise VllmCheckError(f"option --max-lora-rank {max_lora_rank}: vLLM accepts only "
+                             f"{', '.join(map(str, _VLLM_RANKS))}; give the value your vLLM server is started with")
     adapter = Path(adapter)
     config = check_adapter_dir(adapter)
     names = _tensor_names(adapter)

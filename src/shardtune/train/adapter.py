@@ -1,4 +1,6 @@
-"""The peft adapter a run produces: only the LoRA tensors are gathered, and the directory is written atomically."""
+"""The peft adapter a run produces: only the LoRA tensors are gathered, and the directory is written atomically,
+with the base model's fingerprint in its metadata (what every command that meets a base checks:
+model/adapter_dir.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardtune.model.adapter_dir import base_metadata
+from shardtune.model.directory import ModelDir
+from shardtune.model.fingerprint import model_fingerprint
 from shardtune.model.hub import base_model_name
 from shardtune.parallel import Strategy
 from shardtune.runtime.files import staged_dir
@@ -21,13 +26,14 @@ def _umask() -> int:
     return current
 
 
-def write_adapter(tensors: dict[str, torch.Tensor], config: dict, out: Path) -> Path:
-    """Write a peft adapter directory (adapter_config.json + adapter_model.safetensors) atomically."""
+def write_adapter(tensors: dict[str, torch.Tensor], config: dict, out: Path, base: dict | None) -> Path:
+    """Write a peft adapter directory (adapter_config.json + adapter_model.safetensors) atomically; ``base``:
+    the fingerprint of the model it was trained on (None: unknown, a checkpoint of an older shardtune)."""
     from safetensors.torch import save_file
 
     with staged_dir(out) as tmp:
         weights = tmp / "adapter_model.safetensors"
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(weights), metadata={"format": "pt"})
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(weights), metadata=base_metadata(base))
         # safetensors writes through a private temporary file (0600): give it the mode the other files get
         weights.chmod(0o666 & ~_umask())
         (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
@@ -42,15 +48,17 @@ def peft_config_dict(model: nn.Module, strategy: Strategy, base_model_path: str)
 
 
 def save_adapter(
-    model: nn.Module, strategy: Strategy, keys: dict[str, str], out: Path, base_model_path: str
+    model: nn.Module, strategy: Strategy, keys: dict[str, str], out: Path, base_model_path: str, model_dir: ModelDir
 ) -> Path:
     """Write ``out`` (adapter_config.json + adapter_model.safetensors) on rank 0; a collective.
 
     ``keys``: {adapter file key: trainable parameter name}, from ``adapter_key_map`` before sharding.
+    ``model_dir``: the base model, whose fingerprint the adapter records.
     """
     full = strategy.full_tensors(model, list(keys.values()))
     if strategy.worker.is_main:
-        write_adapter({k: full[n] for k, n in keys.items()}, peft_config_dict(model, strategy, base_model_path), out)
+        write_adapter({k: full[n] for k, n in keys.items()}, peft_config_dict(model, strategy, base_model_path), out,
+                      model_fingerprint(model_dir))
     dist.barrier()
     return out
 

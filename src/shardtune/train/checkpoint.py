@@ -20,7 +20,6 @@ import logging
 import os
 import shutil
 import time
-import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -35,12 +34,10 @@ from shardtune.config import FLAGS, FREE, MUST_MATCH, Config
 from shardtune.errors import ShardtuneError
 from shardtune.model.directory import ModelDir
 from shardtune.model.fingerprint import differences, model_fingerprint
-from shardtune.model.hub import base_model_name
 from shardtune.parallel import Strategy
-from shardtune.runtime.failure import stage
 from shardtune.runtime.files import fingerprint, output_error, replace_dir
-from shardtune.runtime.outputs import CHECKPOINTS, STEP_DIR, check_output, claim_output
-from shardtune.train.adapter import peft_config_dict, write_adapter
+from shardtune.runtime.outputs import CHECKPOINTS, STEP_DIR
+from shardtune.train.adapter import peft_config_dict
 
 log = logging.getLogger("shardtune")
 
@@ -92,7 +89,7 @@ def find_latest(out: Path, before: int | None = None) -> Path | None:
     found = sorted((int(m.group(1)), p) for p in root.iterdir()
                    if (m := _STEP_DIR.match(p.name)) and (before is None or int(m.group(1)) < before))
     for step, path in reversed(found):
-        problem = _problem(path, step)
+        problem = checkpoint_problem(path, step)
         if problem is None:
             return path
         log.warning("skipping checkpoint %s: %s", path, problem)
@@ -112,7 +109,7 @@ def discard_checkpoints(out: Path, first: int) -> list[Path]:
     return doomed
 
 
-def _problem(path: Path, step: int | None) -> str | None:
+def checkpoint_problem(path: Path, step: int | None) -> str | None:
     """Why ``path`` cannot be resumed from, or None.
 
     Decided from metadata and file sizes only, before any rank loads anything: a load that fails
@@ -245,7 +242,7 @@ class Checkpointer:
         try:
             dcp.load(sd, storage_reader=dcp.FileSystemReader(str(path)))
         except (Exception, CheckpointException) as err:  # checked beforehand: only damage made since lands here
-            raise CheckpointError(f"loading checkpoint {path} failed: {_reason(err)}") from None
+            raise CheckpointError(f"loading checkpoint {path} failed: {failure_reason(err)}") from None
         set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"],
                        options=StateDictOptions(strict=False, ignore_frozen_params=True))
         self.scheduler.load_state_dict(meta["scheduler"])
@@ -286,10 +283,10 @@ def _write_error(err: BaseException, tmp: Path) -> ShardtuneError:
     for cause in causes:
         if isinstance(cause, OSError):
             return output_error(cause, tmp)
-    return CheckpointError(f"writing checkpoint {tmp} failed: {_reason(err)}")
+    return CheckpointError(f"writing checkpoint {tmp} failed: {failure_reason(err)}")
 
 
-def _reason(err: BaseException) -> str:
+def failure_reason(err: BaseException) -> str:
     """One line for a DCP failure: its first rank's own exception (DCP's message embeds tracebacks)."""
     failures = getattr(err, "failures", None)
     if isinstance(err, CheckpointException) and failures:
@@ -363,41 +360,3 @@ def _broadcast(value: object) -> object:
     holder = [value]
     dist.broadcast_object_list(holder, src=0)
     return holder[0]
-
-
-def adapter_from_checkpoint(path: Path, out: Path, model: str | Path | None = None, overwrite: bool = False) -> Path:
-    """Write the peft adapter held by resumable checkpoint ``path``, in this one process.
-
-    Reads only the LoRA tensors (whole, whatever the number of ranks that wrote them); needs no base
-    weights. ``model`` replaces the base model path recorded in the adapter config. A non-empty ``out``
-    is replaced only with ``overwrite=True``, and never when it is (or holds) the checkpoint.
-    """
-    path = Path(path)
-    inputs = (("checkpoint", path),)
-    check_output(out, kind="dir", inputs=inputs, overwrite=overwrite, name="output directory")
-    match = _STEP_DIR.match(path.name)
-    problem = _problem(path, int(match.group(1)) if match else None) if path.is_dir() else "no such directory"
-    if problem:
-        raise CheckpointError(f"{path} is not a usable checkpoint: {problem}")
-    meta = json.loads((path / META).read_text())
-    reader = dcp.FileSystemReader(str(path))
-    stored = reader.read_metadata().state_dict_metadata
-    keys = {adapter_key: f"model.{name}" for adapter_key, name in meta["adapter_keys"].items()}
-    missing = [k for k in keys.values() if k not in stored]
-    if missing:
-        raise CheckpointError(f"{path}: the checkpoint lacks {', '.join(missing[:5])}")
-    tensors = {k: torch.empty(stored[k].size, dtype=stored[k].properties.dtype) for k in keys.values()}
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-        warnings.simplefilter("ignore", UserWarning)
-        try:
-            dcp.load(tensors, storage_reader=reader, no_dist=True)
-        except (Exception, CheckpointException) as err:
-            raise CheckpointError(f"reading checkpoint {path} failed: {_reason(err)}") from None
-    config = json.loads((path / "adapter_config.json").read_text())
-    if model is not None:
-        config["base_model_name_or_path"] = base_model_name(model)
-    with claim_output(out, kind="dir", command="adapter-from-checkpoint", inputs=inputs, overwrite=overwrite,
-                      name="output directory") as out, stage("write"):
-        return write_adapter({a: tensors[k] for a, k in keys.items()}, config, out)
-
-

@@ -131,7 +131,8 @@ def run(cfg: Config, plan: RunPlan | None = None) -> dict:
                 log.warning("%s", message)
             raise Stopped(result["stopped_by"], message)
         with memory.phase("save"), stage("save"):
-            adapter = save_adapter(job.model, job.strategy, job.built.adapter_keys, out / "adapter", cfg.model.path)
+            adapter = save_adapter(job.model, job.strategy, job.built.adapter_keys, out / "adapter", cfg.model.path,
+                                   job.model_dir)
         summary = run_summary(job, plan, memory, result, adapter, load_seconds, time.perf_counter() - started)
         if worker.is_main:
             write_json_atomic(out / "summary.json", summary)

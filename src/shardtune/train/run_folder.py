@@ -96,3 +96,17 @@ def check_not_finished(cfg: Config, steps: int) -> None:
         f"nothing to resume{f' (this run would end at step {steps})' if steps < done else ''}, and nothing was "
         "changed. To train further, resume with a larger --steps (or --epochs); to start again, pass --overwrite "
         "instead of --resume, or choose another --out")
+
+
+def adapter_run_options(adapter: str | Path | None) -> dict:
+    """The options of the fine-tune that wrote ``adapter`` (OUT/adapter): its OUT/config.yaml, or {} for an
+    adapter that is not a run's (or whose config.yaml cannot be read)."""
+    import yaml
+
+    if not adapter:
+        return {}
+    try:
+        options = yaml.safe_load((Path(adapter).parent / "config.yaml").read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return {}
+    return options if isinstance(options, dict) else {}

@@ -9,6 +9,17 @@ from pathlib import Path
 from shardtune.train.data.records import DataError
 
 
+def check_messages(messages: object, key: str, where: str) -> None:
+    """The one shape check of a message list, wherever records hold one (SFT ``messages``, a pair's ``prompt``,
+    ``chosen`` and ``rejected``): a non-empty list of objects with string ``role`` and ``content``. What a
+    list then lacks (a user turn) or holds that templates do not know (a role) is warned about (checks.py)."""
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f"{where}: '{key}' must be a non-empty list of messages")
+    for i, m in enumerate(messages):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            raise DataError(f"{where}: {key}[{i}] must be an object with string 'role' and 'content'")
+
+
 def as_messages(record: dict) -> list[dict] | None:
     """Instruction and chat records as chat messages; None for plain text."""
     if "messages" in record:

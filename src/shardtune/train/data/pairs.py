@@ -16,7 +16,7 @@ fills ``--seq-len`` is an error, as no response token would be left.
 
 from __future__ import annotations
 
-from shardtune.train.data.chat import render_conversation, render_prompt, rendered
+from shardtune.train.data.chat import check_messages, render_conversation, render_prompt, rendered
 from shardtune.train.data.records import IGNORE, DataError, Example, RecordFormat
 
 EXPECTED = "a preference pair needs 'chosen' and 'rejected' (and 'prompt', unless chosen and rejected are " \
@@ -46,7 +46,7 @@ def check_pair(record: object, where: str) -> None:
             if not value.strip():
                 raise DataError(f"{where}: '{key}' is empty")
         elif isinstance(value, list):
-            _check_messages(value, key, where)
+            check_messages(value, key, where)
             if not any(m["content"].strip() for m in value):
                 raise DataError(f"{where}: '{key}' is empty (no message has content)")
         else:
@@ -61,18 +61,24 @@ def check_pair(record: object, where: str) -> None:
     if isinstance(chosen, str) != isinstance(prompt, str):
         raise DataError(f"{where}: 'prompt' and the responses must both be strings or both lists of messages")
     if isinstance(prompt, list):
-        _check_messages(prompt, "prompt", where)
+        check_messages(prompt, "prompt", where)
         for key, value in (("chosen", chosen), ("rejected", rejected)):
             if any(m["role"] != "assistant" for m in value):
                 raise DataError(f"{where}: '{key}' must hold assistant messages only (the prompt holds the rest)")
 
 
-def _check_messages(messages: list, key: str, where: str) -> None:
-    if not messages:
-        raise DataError(f"{where}: '{key}' is an empty list")
-    for i, m in enumerate(messages):
-        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-            raise DataError(f"{where}: {key}[{i}] must be an object with string 'role' and 'content'")
+def conversation(record: dict) -> list[dict] | None:
+    """The messages of a conversational pair up to its chosen answer (None for a pair of strings): what the
+    message warnings (checks.py) read, as they read an SFT record's messages."""
+    prompt, chosen = _prompt_of(record), record.get("chosen")
+    if not isinstance(chosen, list):
+        return None
+    return (prompt if isinstance(prompt, list) else []) + chosen
+
+
+def explicit_prompt(record: dict) -> bool:
+    """Whether the pair gives its prompt (else it is the shared start of chosen and rejected)."""
+    return _prompt_of(record) is not None
 
 
 def _shared_prefix(a, b) -> int:

@@ -8,7 +8,7 @@
 
 from __future__ import annotations
 
-from shardtune.train.data.chat import as_messages, render_tokens
+from shardtune.train.data.chat import as_messages, check_messages, render_tokens
 from shardtune.train.data.records import IGNORE, DataError, Example, RecordFormat
 
 
@@ -22,11 +22,7 @@ def check_record(record: object, where: str) -> None:
                         f"orpo or simpo")
     if "messages" in record:
         msgs = record["messages"]
-        if not isinstance(msgs, list) or not msgs:
-            raise DataError(f"{where}: 'messages' must be a non-empty list")
-        for i, m in enumerate(msgs):
-            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-                raise DataError(f"{where}: messages[{i}] must be an object with string 'role' and 'content'")
+        check_messages(msgs, "messages", where)
         if not any(m["role"] == "assistant" for m in msgs):
             raise DataError(f"{where}: no message has role 'assistant', so nothing would be learned")
     elif "instruction" in record or "output" in record:
