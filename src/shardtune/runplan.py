@@ -76,6 +76,9 @@ class RunPlan:
     replicate_groups: int
     quantize: str  # none or nf4: checked against the strategy (config.combination_refusal)
     lora_variant: str  # lora or dora: likewise
+    mlp_tile: int = 0  # tokens per MLP tile (parallel/tiling.py); 0: untiled
+    loss_chunk: int = 0  # tokens per loss-head chunk (train/loss_head.py); 0: its default
+    activation_offload: bool = False  # saved activations to pinned host memory (GPUs)
     why: str = ""  # what the automatic choice picked and why; "" when nothing was left to choose
 
     @property
@@ -95,6 +98,8 @@ class RunPlan:
         if not batch:
             cfg = dataclasses.replace(cfg, train=dataclasses.replace(
                 cfg.train, batch_size=self.batch.batch_size, micro_batch_size=self.batch.micro_batch_size))
+        if cfg.parallel.mlp_tile == "auto":  # decided by the planner, from the memory a rank may use
+            cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, mlp_tile=self.mlp_tile or None))
         expected = RunPlan.of(cfg, world_size, device, self.backend, self.why)
         if expected != self:
             diff = {k: (v, getattr(self, k)) for k, v in dataclasses.asdict(expected).items()
@@ -109,7 +114,7 @@ class RunPlan:
         """
         p, t = cfg.parallel, cfg.train
         for flag, value in (("strategy", p.strategy), ("micro-batch-size", t.micro_batch_size),
-                            ("dtype", cfg.model.dtype)):
+                            ("dtype", cfg.model.dtype), ("mlp-tile", p.mlp_tile)):
             if value == "auto":
                 raise ConfigError(f"option '{flag}': 'auto' is decided by shardtune.train.resolve before a run starts")
         refused = combination_refusal(cfg, p.strategy, ranks)
@@ -118,4 +123,4 @@ class RunPlan:
         batch = BatchSplit.of(t.batch_size, t.micro_batch_size, ranks, cfg.data.packing)
         return cls(p.strategy, unit_of(p.strategy, p.fsdp_unit), batch, cfg.data.seq_len, cfg.model.dtype, device,
                    backend, p.activation_checkpointing, p.cpu_offload, p.replicate_groups, cfg.model.quantize,
-                   cfg.lora.variant, why)
+                   cfg.lora.variant, int(p.mlp_tile or 0), p.loss_chunk or 0, p.activation_offload, why)

@@ -215,6 +215,21 @@ class ParallelConfig:
         "`plan` [default: this GPU's memory, or available RAM / local ranks]."
     )
     cpu_offload: bool = opt(False, "cpu-offload", FREE, "Keep sharded parameters on CPU (FSDP only).")
+    mlp_tile: int | str | None = opt(
+        "auto", "mlp-tile", FREE,
+        "Long context: compute each decoder layer's MLP this many tokens at a time, recomputed tile by tile in "
+        "backward, so one tile's intermediate exists instead of the whole sequence's (one more MLP forward per "
+        "layer). auto: tiles of hidden-size tokens, only when the run does not fit --memory-per-rank without.",
+        auto=True, range=AT_LEAST_1)
+    loss_chunk: int | None = opt(
+        None, "loss-chunk", FREE,
+        "Tokens the loss head scores at a time (it never holds the whole sequence's logits) [default: as many "
+        "as fill 64 MiB of fp32 logits].", range=AT_LEAST_1)
+    activation_offload: bool = opt(
+        False, "activation-offload", FREE,
+        "GPUs: keep what a forward saves for backward (with --activation-checkpointing: each layer's input) in "
+        "pinned host memory, copied out and back on a side stream, overlapped with compute. On CPU it changes "
+        "nothing.")
     device: str = opt(
         "auto", "device", FREE,
         "Where ranks compute: auto (cuda when a GPU is visible), cpu, or cuda (one GPU per rank).",

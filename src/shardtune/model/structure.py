@@ -104,3 +104,16 @@ def embedding_eligible(embed: nn.Module | None) -> bool:
     """A plain frozen ``nn.Embedding`` (subclasses such as Gemma's scaled one change the lookup)."""
     return (type(embed) is nn.Embedding and embed.max_norm is None and not embed.sparse
             and not embed.weight.requires_grad)
+
+
+#: the attribute under which decoder layers of transformers' models keep their MLP
+MLP_NAMES = ("mlp", "feed_forward", "ffn")
+
+
+def mlp_of(layer: nn.Module) -> nn.Module | None:
+    """A decoder layer's MLP (what parallel/tiling.py tiles), or None when it has none by a known name."""
+    for name in MLP_NAMES:
+        module = getattr(layer, name, None)
+        if isinstance(module, nn.Module):
+            return module
+    return None

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from shardtune.model.structure import base_model
+from shardtune.model.structure import base_model, decoder_layers
 from shardtune.parallel.base import Strategy
 from shardtune.runplan import RunPlan
 from shardtune.runtime.distributed import Worker
@@ -44,13 +44,19 @@ def parallelize(
     strategy: Strategy,
     load: Callable[[nn.Module], object],
     activation_checkpointing: bool,
+    mlp_tile: int = 0,
 ) -> nn.Module:
-    """Apply, in this order: activation checkpointing → sharding (on meta) → loading → wrapping.
+    """Apply, in this order: MLP tiling → activation checkpointing → sharding (on meta) → loading → wrapping.
 
-    Checkpointing goes first so that sharding wraps the checkpointed blocks; sharding happens on the
-    meta device, so that ``load`` allocates and reads only each rank's shard; wrappers that need real
-    weights (DDP broadcasts them) come last.
+    Tiling replaces each MLP's forward, which the layer (checkpointed or not) calls; checkpointing goes
+    before sharding so that sharding wraps the checkpointed blocks; sharding happens on the meta device,
+    so that ``load`` allocates and reads only each rank's shard; wrappers that need real weights (DDP
+    broadcasts them) come last.
     """
+    if mlp_tile:
+        from shardtune.parallel.tiling import tile_mlps
+
+        tile_mlps(decoder_layers(model), mlp_tile)
     if activation_checkpointing:
         base = base_model(model)
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -68,7 +68,7 @@ def _build(model_dir: ModelDir, meta_model: nn.Module | None, cfg: Config, worke
     snapshot = take_snapshot(model, lora_init)
     model = parallelize(
         model, strategy, lambda m: load(m, model_dir, worker.device, snapshot, strategy),
-        plan.activation_checkpointing,
+        plan.activation_checkpointing, plan.mlp_tile,
     )
     return Built(model, strategy, plan.why or "requested", adapter_keys, total, trainable)
 
@@ -140,7 +140,7 @@ def load_sharded(
     cfg = Config(model=ModelConfig(path=str(model), dtype=dtype, trust_remote_code=trust_remote_code),
                  lora=lora, train=TrainConfig(seed=seed, batch_size=worker.world_size),
                  parallel=ParallelConfig(strategy="fsdp2", activation_checkpointing=activation_checkpointing,
-                                         cpu_offload=cpu_offload))
+                                         cpu_offload=cpu_offload, mlp_tile=None))
     kind = worker.device.type
     plan = RunPlan.of(cfg, worker.world_size, kind, backend(kind, cpu_offload))
     return _build(model_dir, meta_model, cfg, worker, plan).model

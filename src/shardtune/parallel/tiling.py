@@ -20,16 +20,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-#: the attribute under which decoder layers of transformers' models keep their MLP
-MLP_NAMES = ("mlp", "feed_forward", "ffn")
-
-
-def mlp_of(layer: nn.Module) -> nn.Module | None:
-    for name in MLP_NAMES:
-        module = getattr(layer, name, None)
-        if isinstance(module, nn.Module):
-            return module
-    return None
+from shardtune.model.structure import mlp_of
 
 
 def _tiled(forward: Callable[[torch.Tensor], torch.Tensor], tile: int) -> Callable[..., torch.Tensor]:

@@ -67,7 +67,8 @@ class Job:
         return self.built.strategy
 
     def trainee(self, reference: Reference | None) -> Trainee:
-        return Trainee(self.model, self.strategy, self.objective, reference, self.worker)
+        return Trainee(self.model, self.strategy, self.objective, reference, self.worker,
+                       self.cfg.parallel.activation_offload)
 
     def step(self, step: int) -> StepResult:
         """Forward and backward of this rank's share of global batch ``step`` (no optimizer step)."""
@@ -119,7 +120,7 @@ def setup(cfg: Config, worker: Worker | None = None, memory: MemoryMonitor | Non
     if cfg.data.packing:
         check_packing(model)
     impl = attention.use_shardtune_attention(model)
-    loss_head.install(model)
+    loss_head.install(model, plan.loss_chunk or None)
     built.model.train()
 
     def batcher(data: Dataset) -> Batcher:

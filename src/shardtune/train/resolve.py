@@ -60,6 +60,8 @@ def resolve_on(worker: Worker, cfg: Config, batches: bool = True) -> RunPlan:
     ``recipe.prepare`` without a plan). ``batches=False``: for building a model, which makes no
     batches (any batch that splits over these ranks)."""
     cfg = decide_dtype(cfg)
+    if cfg.parallel.mlp_tile == "auto":  # no budget to judge by: untiled
+        cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, mlp_tile=None))
     if not batches:
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=worker.world_size,
                                                                   micro_batch_size=None))

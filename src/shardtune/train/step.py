@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from shardtune.parallel import Strategy
+from shardtune.parallel.activation_offload import offloaded
 from shardtune.runtime import distributed
 from shardtune.runtime.distributed import Worker
 from shardtune.train.data.batch import Batcher, Forward
@@ -42,6 +43,7 @@ class Trainee:
     objective: Objective
     reference: Reference | None
     worker: Worker
+    offload: bool = False  # --activation-offload: what forwards save waits in host memory (GPUs)
 
 
 def train_step(t: Trainee, batcher: Batcher, batch: list[int], forwards: list[Forward],
@@ -57,7 +59,8 @@ def train_step(t: Trainee, batcher: Batcher, batch: list[int], forwards: list[Fo
     for n, fwd in enumerate(forwards):
         reference = t.reference.values(t.model, fwd) if t.reference is not None else None
         with t.strategy.gradient_sync(t.model, enabled=n == len(forwards) - 1):
-            scores = score(t.model, fwd.inputs, fwd.targets)
+            with offloaded(device, t.offload):
+                scores = score(t.model, fwd.inputs, fwd.targets)
             terms = t.objective.terms(scores, fwd, batcher, norms, reference)
             # Gradient sync averages over ranks; multiplying by world_size turns that average back into
             # the sum over ranks, so the gradient is that of the global batch's loss whatever the split.
