@@ -24,9 +24,21 @@ from shardtune.model.directory import ModelDir, ModelDirError, check_model_dir
 from shardtune.model.head import head_transform
 from shardtune.model.lora import inject_lora
 from shardtune.model.meta import build_meta_model, compute_dtype
-from shardtune.model.structure import decoder_layers, embedding_tables, layer_parts, tables_by_rows
+from shardtune.model.structure import decoder_layers, embedding_tables, layer_parts, mlp_of, tables_by_rows
 from shardtune.runtime.compat import fake_mode, storage_id
 from shardtune.runtime.safetensors_header import read_header
+
+
+@dataclass(frozen=True)
+class Saved:
+    """What one forward saves for backward: bytes per decoder layer, the part of each that its MLP saves
+    (what tiling the MLP turns into one tile's worth, parallel/tiling.py), what the rest of the model
+    saves, and the vocabulary (the width of the logits)."""
+
+    per_layer: list[int]
+    mlp: list[int]
+    outside: int
+    vocab: int
 
 
 @dataclass
@@ -55,20 +67,22 @@ class Facts:
     #: the compute dtype (--dtype): LoRA computes in it too (parallel/compute_dtype.py), which sets the
     #: dtype of what its matmuls save; ``saved`` is keyed by it
     dtype: torch.dtype = torch.float32
-    #: {(micro-batch size, LoRA weight dtype): (saved bytes per decoder layer, outside them, vocabulary)}:
-    #: each found by one fake-tensor pass, when first asked for (``saved_for``)
-    saved: dict[tuple[int, torch.dtype], tuple[list[int], int, int]] = field(default_factory=dict)
-    #: the fake-tensor pass of a (micro-batch size, LoRA weight dtype) on the model these facts are of
-    trace: Callable[[int, torch.dtype], tuple[list[int], int, int]] | None = field(
-        default=None, repr=False, compare=False)
+    #: the row width traced when none is asked for (--seq-len, or the data's longest record)
+    seq_len: int = 0
+    #: {(micro-batch size, LoRA weight dtype, row width): what it saves for backward}: each found by one
+    #: fake-tensor pass, when first asked for (``saved_for``)
+    saved: dict[tuple[int, torch.dtype, int], Saved] = field(default_factory=dict)
+    #: the fake-tensor pass of a (micro-batch size, LoRA weight dtype, row width) on the model these facts are of
+    trace: Callable[[int, torch.dtype, int], Saved] | None = field(default=None, repr=False, compare=False)
 
-    def saved_for(self, micro_batch: int, lora_dtype: torch.dtype) -> tuple[list[int], int, int]:
-        """What a micro-batch of ``micro_batch`` rows saves for backward (``saved``), traced once."""
-        key = (micro_batch, lora_dtype)
+    def saved_for(self, micro_batch: int, lora_dtype: torch.dtype, seq_len: int | None = None) -> Saved:
+        """What a micro-batch of ``micro_batch`` rows of ``seq_len`` tokens (default: ``self.seq_len``) saves
+        for backward (``saved``), traced once."""
+        key = (micro_batch, lora_dtype, seq_len or self.seq_len)
         if key not in self.saved:
             if self.trace is None:
                 raise KeyError(key)
-            self.saved[key] = self.trace(micro_batch, lora_dtype)
+            self.saved[key] = self.trace(*key)
         return self.saved[key]
 
 
@@ -81,9 +95,9 @@ def _unique_params(module: nn.Module) -> dict[int, nn.Parameter]:
     return {id(p): p for p in module.parameters()}
 
 
-def _saved_bytes(model: nn.Module, batch: int, seq: int, lora_dtype: torch.dtype,
-                 device: torch.device) -> tuple[list[int], int, int]:
-    """Bytes autograd saves for backward per decoder layer and outside them, and the vocabulary.
+def _saved_bytes(model: nn.Module, batch: int, seq: int, lora_dtype: torch.dtype, device: torch.device) -> Saved:
+    """Bytes autograd saves for backward per decoder layer (and within it, by its MLP) and outside them,
+    and the vocabulary.
 
     One forward pass on fake tensors: the real kernels' shapes and dtypes (and the real attention
     path for ``device``, with the attention implementation training switches to), no memory and no
@@ -92,11 +106,14 @@ def _saved_bytes(model: nn.Module, batch: int, seq: int, lora_dtype: torch.dtype
     from torch.func import functional_call
 
     layers = decoder_layers(model)
-    per_layer, other, where = [0] * len(layers), [0], [-1]
+    per_layer, mlp, other, where, in_mlp = [0] * len(layers), [0] * len(layers), [0], [-1], [False]
     hooks = []
     for i, layer in enumerate(layers):
         hooks.append(layer.register_forward_pre_hook(lambda m, a, i=i: where.__setitem__(0, i)))
         hooks.append(layer.register_forward_hook(lambda m, a, o: where.__setitem__(0, -1)))
+        if (module := mlp_of(layer)) is not None:
+            hooks.append(module.register_forward_pre_hook(lambda m, a: in_mlp.__setitem__(0, True)))
+            hooks.append(module.register_forward_hook(lambda m, a, o: in_mlp.__setitem__(0, False)))
     with fake_mode() as mode:
         params = {n: torch.empty(p.shape, dtype=lora_dtype if p.requires_grad else p.dtype, device=device,
                                  requires_grad=p.requires_grad) for n, p in model.named_parameters()}
@@ -111,6 +128,7 @@ def _saved_bytes(model: nn.Module, batch: int, seq: int, lora_dtype: torch.dtype
                 nbytes = t.untyped_storage().nbytes()
                 if where[0] >= 0:
                     per_layer[where[0]] += nbytes
+                    mlp[where[0]] += nbytes if in_mlp[0] else 0
                 else:
                     other[0] += nbytes
             return t
@@ -123,7 +141,7 @@ def _saved_bytes(model: nn.Module, batch: int, seq: int, lora_dtype: torch.dtype
         finally:
             for h in hooks:
                 h.remove()
-    return per_layer, other[0], int(logits.shape[-1])
+    return Saved(per_layer, mlp, other[0], int(logits.shape[-1]))
 
 
 def _nbytes(p: torch.Tensor, dtype: torch.dtype, nf4: set[int]) -> int:
@@ -201,10 +219,10 @@ def model_facts(cfg: Config, device: torch.device, seq_len: int | None = None, m
         quantize_slice_bytes=largest_nf4.numel() * dtype.itemsize if largest_nf4 is not None else 0,
         chunked_head=head_transform(base, head)[0] is not None,
     )
-    facts.trace = functools.partial(_trace, model, seq_len or cfg.data.seq_len, device)
+    facts.seq_len = seq_len or cfg.data.seq_len
+    facts.trace = functools.partial(_trace, model, device)
     return facts
 
 
-def _trace(model: nn.Module, seq_len: int, device: torch.device, micro_batch: int,
-           lora_dtype: torch.dtype) -> tuple[list[int], int, int]:
+def _trace(model: nn.Module, device: torch.device, micro_batch: int, lora_dtype: torch.dtype, seq_len: int) -> Saved:
     return _saved_bytes(model, micro_batch, seq_len, lora_dtype, device)

@@ -70,14 +70,17 @@ class Candidate:
     peak_mb: float
     collectives: int  # weight gathers per optimizer step (forward and backward)
     forwards: int
+    mlp_tile: int = 0  # tokens per MLP tile; 0: untiled
 
     def key(self) -> tuple:
-        return (self.activation_checkpointing, self.collectives, self.forwards, -self.micro_batch_size)
+        return (self.activation_checkpointing, bool(self.mlp_tile), self.collectives, self.forwards,
+                -self.micro_batch_size)
 
     def describe(self) -> str:
         unit = f", {self.fsdp_unit} units" if traits(self.strategy).fsdp_unit else ""
+        tiles = f", MLP tiles of {self.mlp_tile} tokens" if self.mlp_tile else ""
         return (f"{self.strategy}{unit}, micro-batch {self.micro_batch_size}, activation checkpointing "
-                f"{'on' if self.activation_checkpointing else 'off'}")
+                f"{'on' if self.activation_checkpointing else 'off'}{tiles}")
 
 
 class Search:
@@ -116,16 +119,40 @@ class Search:
         this configuration's rows and flags (``dataclasses.replace`` varies them)."""
         p = self.cfg.parallel
         return Setting(strategy, ranks, objective_of(self.cfg).rows_per_forward(micro_batch_size), self.width,
-                       p.activation_checkpointing, p.cpu_offload, p.replicate_groups, unit_of(strategy, p.fsdp_unit))
+                       p.activation_checkpointing, p.cpu_offload, p.replicate_groups, unit_of(strategy, p.fsdp_unit),
+                       mlp_tile=0 if p.mlp_tile in (None, "auto") else int(p.mlp_tile), loss_chunk=p.loss_chunk or 0,
+                       activation_offload=p.activation_offload)
+
+    @property
+    def auto_tile(self) -> int:
+        return auto_mlp_tile(self.facts)
+
+    def tiles_to_try(self) -> list[int]:
+        """--mlp-tile's values the choice weighs: untiled and ``auto_mlp_tile`` for 'auto', else the given one."""
+        tile = self.cfg.parallel.mlp_tile
+        if tile == "auto":
+            return [0, self.auto_tile]
+        return [int(tile or 0)]
 
     def predict(self, setting: Setting) -> Prediction:
         return predict(self.facts, setting, self.device)
 
 
+def auto_mlp_tile(facts: Facts) -> int:
+    """``--mlp-tile auto``'s tile when the run needs one: hidden-size tokens (as ALST tiles), so a tile's MLP
+    set is about a layer's weights' size whatever the context."""
+    return facts.hidden
+
+
 def needs_choice(cfg: Config) -> bool:
-    return (cfg.parallel.strategy == "auto" or cfg.train.micro_batch_size == "auto"
+    return (cfg.parallel.strategy == "auto" or cfg.train.micro_batch_size == "auto" or cfg.parallel.mlp_tile == "auto"
             or (cfg.parallel.fsdp_unit == "auto"
                 and (cfg.parallel.strategy == "auto" or traits(cfg.parallel.strategy).fsdp_unit)))
+
+
+def _asks_choice(cfg: Config) -> bool:
+    """Whether the user left the setting itself to the planner (not only --mlp-tile, which it settles quietly)."""
+    return needs_choice(dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, mlp_tile=None)))
 
 
 def budget_of(cfg: Config) -> tuple[int | None, str]:
@@ -177,11 +204,13 @@ def candidates(cfg: Config, budget: int, lengths: Lengths | None = None,
             forwards = -(-rows // micro)
             for ac in acs:
                 for unit in units_to_try(strategy, cfg.parallel.fsdp_unit):
-                    setting = search.setting(strategy, ranks, micro)
-                    p = search.predict(dataclasses.replace(setting, activation_checkpointing=ac, fsdp_unit=unit))
-                    gathers = _gathers_per_forward(strategy, unit, search.facts)
-                    c = Candidate(strategy, micro, ac, unit, p.peak_mb, 2 * gathers * forwards, forwards)
-                    out.append((c, p.peak_mb * MB <= budget))
+                    for tile in search.tiles_to_try():
+                        setting = dataclasses.replace(search.setting(strategy, ranks, micro),
+                                                      activation_checkpointing=ac, fsdp_unit=unit, mlp_tile=tile)
+                        p = search.predict(setting)
+                        gathers = _gathers_per_forward(strategy, unit, search.facts)
+                        c = Candidate(strategy, micro, ac, unit, p.peak_mb, 2 * gathers * forwards, forwards, tile)
+                        out.append((c, p.peak_mb * MB <= budget))
     return out
 
 
@@ -204,27 +233,42 @@ def choose(cfg: Config, lengths: Lengths | None = None,
         if cfg.train.micro_batch_size == "auto":
             raise ConfigError("option 'micro-batch-size': 'auto' needs --memory-per-rank when planning for GPUs "
                               "on a machine without one")
-        return cfg, None, ""
+        return _untiled(cfg), None, ""
+    search = search or Search(cfg, lengths)
     found = candidates(cfg, budget, lengths, search)
     fitting = sorted((c for c, fits in found if fits), key=Candidate.key)
+    asked = _asks_choice(cfg)
     if fitting:
         best = fitting[0]
         why = (f"fastest setting that fits {format_size(budget)} per rank ({where}): {best.describe()}, predicted "
                f"peak {format_size(best.peak_mb * MB)}; {len(fitting)} of {len(found)} settings fit; rule: no "
-               f"activation checkpointing, then fewest weight collectives per step ({best.collectives}), then "
-               f"largest micro-batch")
+               f"activation checkpointing, then untiled MLPs, then fewest weight collectives per step "
+               f"({best.collectives}), then largest micro-batch")
+        if not asked:  # only --mlp-tile auto was open: a word only when it tiles
+            why = (f"MLP tiled ({best.mlp_tile} tokens per tile, --mlp-tile auto): untiled, the predicted peak "
+                   f"exceeds {format_size(budget)} per rank ({where})") if best.mlp_tile else ""
     else:
         best = min((c for c, _ in found), key=lambda c: c.peak_mb)
-        if cfg.parallel.memory_per_rank:
-            raise ConfigError(f"option 'memory-per-rank': no setting fits {format_size(budget)} per rank; the "
-                              f"smallest predicted peak is {format_size(best.peak_mb * MB)} ({best.describe()})")
+        if cfg.parallel.memory_per_rank or search.device == "cuda":
+            from shardtune.train.longest import too_long
+
+            raise ConfigError(too_long(cfg, search, best, budget, where))
         why = (f"nothing fits {format_size(budget)} per rank ({where}); the smallest predicted peak: "
-               f"{best.describe()}, {format_size(best.peak_mb * MB)}")
+               f"{best.describe()}, {format_size(best.peak_mb * MB)}") if asked else ""
+    tile = best.mlp_tile or None if cfg.parallel.mlp_tile == "auto" else cfg.parallel.mlp_tile
+    if not asked and not best.mlp_tile:  # nothing was open but --mlp-tile auto, and it stays untiled
+        return _untiled(cfg), None, ""
     parallel = dataclasses.replace(
-        cfg.parallel, strategy=best.strategy, activation_checkpointing=best.activation_checkpointing,
+        cfg.parallel, strategy=best.strategy, activation_checkpointing=best.activation_checkpointing, mlp_tile=tile,
         fsdp_unit=best.fsdp_unit if traits(best.strategy).fsdp_unit else cfg.parallel.fsdp_unit)
     train = dataclasses.replace(cfg.train, micro_batch_size=best.micro_batch_size)
     return dataclasses.replace(cfg, parallel=parallel, train=train), best, why
+
+
+def _untiled(cfg: Config) -> Config:
+    if cfg.parallel.mlp_tile != "auto":
+        return cfg
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, mlp_tile=None))
 
 
 def strategy_rows(cfg: Config, memory_per_rank: int | None = None, run: RunPlan | None = None,

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from shardtune.config import traits
-from shardtune.model.footprint import Facts
+from shardtune.model.footprint import Facts, Saved
 from shardtune.runtime import cpu_tuning
 from shardtune.runtime.budget import memory_per_rank
 from shardtune.runtime.memory import MB
@@ -222,6 +222,9 @@ class Setting:
     #: HSDP (> 1) shards over the ranks of one group only: a rank holds 1/(ranks/groups)
     replicate_groups: int = 1
     fsdp_unit: str = "part"  # FSDP2's unit of sharding, "layer" or "part" (others: ignored)
+    mlp_tile: int = 0  # tokens per MLP tile (--mlp-tile); 0: untiled
+    loss_chunk: int = 0  # tokens per loss-head chunk (--loss-chunk); 0: its default
+    activation_offload: bool = False  # --activation-offload: saved activations in pinned host memory (GPUs)
 
 
 def predict(f: Facts, s: Setting, device: str) -> Prediction:
@@ -232,16 +235,25 @@ def predict(f: Facts, s: Setting, device: str) -> Prediction:
     sharded = t.shards
     n = ranks // replicate_groups if sharded else 1
     # LoRA computes in the compute dtype under every strategy (parallel/compute_dtype.py): fp16's too
-    per_layer, outside, vocab = f.saved_for(micro_batch, f.dtype)
+    saved = f.saved_for(micro_batch, f.dtype, seq_len)
     micro_tokens = micro_batch * seq_len
+    layer_input = micro_tokens * f.hidden * f.compute_itemsize  # a decoder layer's input (and its MLP's)
+    kept_by_layer, recomputed = _layer_sets(saved, s.mlp_tile, seq_len, layer_input)
+    offloading = s.activation_offload and device == "cuda"
+    host_acts = 0.0
     if ac:
         # Each layer keeps only its input; in backward one layer at a time recomputes its own set.
-        acts = f.layers * micro_tokens * f.hidden * f.compute_itemsize + outside
-        workspace = 2 * max(per_layer, default=0)
+        inputs = f.layers * layer_input
+        if offloading:  # the inputs wait in host memory; two layers' are on the GPU (one in use, one coming)
+            host_acts, inputs = inputs, min(f.layers, 2) * layer_input
+        acts = inputs + saved.outside
+        workspace = 2 * max(recomputed, default=0)
     else:
-        acts, workspace = sum(per_layer) + outside, max(per_layer, default=0)
+        acts, workspace = sum(kept_by_layer) + saved.outside, max(recomputed, default=0)
+        if offloading:
+            host_acts, acts = sum(kept_by_layer), 2 * max(kept_by_layer, default=0) + saved.outside
     by_rows = strategy == "fsdp2" and f.tables_by_rows["head"]
-    logits_fwd, logits_bwd = _head_terms(f, micro_tokens, vocab, n if by_rows else 1)
+    logits_fwd, logits_bwd = _head_terms(f, micro_tokens, saved.vocab, n if by_rows else 1, s.loss_chunk)
     lora = 4 * f.trainable_params / n
     runtime = (CUDA_CONTEXT_MB + NCCL_COMM_MB * nccl_communicators(strategy, ranks, replicate_groups)
                if device == "cuda" else
@@ -253,11 +265,11 @@ def predict(f: Facts, s: Setting, device: str) -> Prediction:
         "grads": lora * (2 if t.grad_buckets else 1),
         "optimizer": 2 * lora,
     }
-    host = 0.0
+    host = host_acts
     if offload and device == "cuda":  # the shards and their optimizer live in host RAM...
         # ...but for FSDP2's row-sharded embedding tables: outside FSDP, they stay on the GPU
         on_gpu = row_sharded_bytes(f) / n if strategy == "fsdp2" else 0.0
-        host = sum(kept[k] for k in ("weights", "lora", "grads", "optimizer")) - on_gpu
+        host += sum(kept[k] for k in ("weights", "lora", "grads", "optimizer")) - on_gpu
         kept.update(weights=on_gpu, lora=0.0, grads=0.0, optimizer=0.0)
     moments = _moments(strategy, device, f, n, acts, workspace, logits_fwd, logits_bwd, unit)
     if f.dequant_bytes:
@@ -269,15 +281,26 @@ def predict(f: Facts, s: Setting, device: str) -> Prediction:
     moment, extra = max(moments.items(), key=lambda kv: sum(kv[1].values()))
     terms = {k: kept.get(k, 0.0) + extra.get(k, 0.0) for k in TERMS}
     note = ""
-    if offload and device != "cuda":
-        note = "on CPU, offloading changes nothing: the shards are in RAM already"
+    if (offload or s.activation_offload) and device != "cuda":
+        note = "on CPU, offloading changes nothing: what it would move is in RAM already"
     return Prediction(strategy, n, ac, offload, {k: v / MB for k, v in terms.items()}, moment,
                       host_mb=host / MB, read_mb=f.checkpoint_bytes / n / MB, block_mb=f.block_bytes / MB,
                       quantize_slice_mb=f.quantize_slice_bytes / n / MB,
                       note=note)
 
 
-def _head_terms(f: Facts, tokens: int, vocab: int, blocks: int) -> tuple[float, float]:
+def _layer_sets(saved: Saved, tile: int, seq_len: int, layer_input: int) -> tuple[list[float], list[float]]:
+    """Per decoder layer: what its forward keeps for backward, and what exists while backward recomputes
+    it. Tiled (``tile`` tokens, parallel/tiling.py), an MLP keeps only its input (the tiles' checkpoints)
+    and recomputes one tile's set at a time."""
+    if not tile or tile >= seq_len:
+        return list(saved.per_layer), list(saved.per_layer)
+    share = tile / seq_len
+    kept = [total - mlp + (layer_input if mlp else 0) for total, mlp in zip(saved.per_layer, saved.mlp)]
+    return kept, [k + share * mlp for k, mlp in zip(kept, saved.mlp)]
+
+
+def _head_terms(f: Facts, tokens: int, vocab: int, blocks: int, chunk_override: int = 0) -> tuple[float, float]:
     """What the output head and the loss add at the end of forward and at the start of backward.
 
     The loss head (train/loss_head.py) makes the logits of one chunk of tokens at a time, in fp32 (and in
@@ -289,7 +312,7 @@ def _head_terms(f: Facts, tokens: int, vocab: int, blocks: int) -> tuple[float, 
     exist, and the chunked cross-entropy (train/loss.py) works on them a fp32 chunk at a time."""
     item = f.compute_itemsize
     if f.chunked_head:
-        chunk = min(tokens, loss_head_chunk(vocab))
+        chunk = min(tokens, loss_head_chunk(vocab, chunk_override or None))
         logit_chunk = chunk * -(-vocab // blocks) * (4 + (item if item < 4 else 0))
         deriv = tokens * f.hidden * item
         running = tokens * f.hidden * (4 + item) if blocks > 1 else chunk * f.hidden * (4 + item)
