@@ -11,8 +11,10 @@ from shardtune.cli_tools import add_commands
 from shardtune.config import FLAGS, field_type
 
 
-def _add_config_flags(parser: argparse.ArgumentParser) -> None:
+def _add_config_flags(parser: argparse.ArgumentParser, words: dict[str, tuple[str, str]] | None = None) -> None:
+    """Every option's flag; ``words``: {flag: (a word it also accepts here, what the word asks)}."""
     parser.add_argument("--config", help="YAML file of options (flag names as keys); flags given here override it.")
+    words = {**{flag: ("auto", "") for flag, (_, f) in FLAGS.items() if f.metadata.get("auto")}, **(words or {})}
     for flag, (_, f) in FLAGS.items():
         kind = field_type(f)
         help_text = f.metadata["help"].replace("%", "%%")
@@ -21,15 +23,16 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(f"--{flag}", action=argparse.BooleanOptionalAction, default=None, help=help_text)
         else:
             default = f.default if f.default is not None else "none"
-            parser.add_argument(f"--{flag}", type=_or_auto(kind) if f.metadata.get("auto") else kind, default=None,
-                                choices=f.metadata["choices"], help=f"{help_text} [default: {default}]")
+            word, meaning = words.get(flag, (None, ""))
+            parser.add_argument(f"--{flag}", type=_or_word(kind, word) if word else kind, default=None,
+                                choices=f.metadata["choices"], help=f"{help_text}{meaning} [default: {default}]")
 
 
-def _or_auto(kind: type):
+def _or_word(kind: type, word: str):
     def parse(text: str):
-        return "auto" if text.strip().lower() == "auto" else kind(text)
+        return word if text.strip().lower() == word else kind(text)
 
-    parse.__name__ = f"{kind.__name__} or 'auto'"  # what argparse names in its error message
+    parse.__name__ = f"{kind.__name__} or '{word}'"  # what argparse names in its error message
     return parse
 
 
@@ -52,7 +55,11 @@ def cmd_finetune(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     from shardtune.memory_table import show
 
-    return show(args.config, _overrides(args), args.json)
+    overrides = _overrides(args)
+    longest = overrides["seq-len"] == "max"
+    if longest:
+        overrides["seq-len"] = None
+    return show(args.config, overrides, args.json, longest)
 
 
 def _fmt(value: Any) -> str:
@@ -106,7 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_finetune)
 
     p = sub.add_parser("plan", help="Predict each rank's peak memory per strategy, without reading any weight.")
-    _add_config_flags(p)
+    _add_config_flags(p, {"seq-len": ("max", " max: the longest sequence that fits --memory-per-rank, per strategy, "
+                                               "as configured and with the flags that would lengthen it.")})
     p.add_argument("--json", action="store_true", help="print one JSON object keyed by strategy")
     p.set_defaults(func=cmd_plan)
 

@@ -15,10 +15,11 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-from shardtune.config import Config, build_config, validate
-from shardtune.runtime.memory import format_size
+from shardtune.config import Config, ConfigError, build_config, validate
+from shardtune.runtime.memory import MB, format_size
 from shardtune.train.choice import Search, budget_of, strategy_rows
 from shardtune.train.data.records import Lengths
+from shardtune.train.longest import longest_rows
 from shardtune.train.memory_model import TERMS, Prediction, row_tokens
 from shardtune.train.resolve import resolve
 from shardtune.train.training_data import training_lengths
@@ -84,15 +85,18 @@ def _rows_line(cfg: Config, lengths: Lengths | None) -> str:
             f"(mean {lengths.mean:.0f}), after --seq-len {cfg.data.seq_len}")
 
 
-def show(config: str | Path | None, overrides: dict[str, Any], as_json_output: bool) -> int:
+def show(config: str | Path | None, overrides: dict[str, Any], as_json_output: bool, longest: bool = False) -> int:
     """``shardtune plan``: the run plan ``finetune`` would resolve for these flags (refusing what it
-    refuses), and the predictions per strategy for its micro-batch; reads no weights."""
+    refuses), and the predictions per strategy for its micro-batch; reads no weights. ``longest``
+    (``--seq-len max``): instead, the longest sequence that fits, per strategy."""
     from shardtune.runtime.logs import quiet_libraries
 
     quiet_libraries()
     cfg = build_config(config, overrides)
     validate(cfg, need_data=False)
     budget, where = budget_of(cfg)
+    if longest:
+        return show_longest(cfg, budget, where, as_json_output)
     lengths = training_lengths(cfg)  # finetune sizes a step by them too (preflight)
     search = Search(cfg, lengths)  # the model facts, once: for the choice and for the table
     cfg, run, chosen = resolve(cfg, lengths, search=search)
@@ -123,4 +127,34 @@ def show(config: str | Path | None, overrides: dict[str, Any], as_json_output: b
         header.append("activations from a fake-tensor pass on the CPU device (no CUDA here); "
                       "GPU terms (CUDA context, NCCL buffers and gathers) added")
     print(render(predictions, header))
+    return 0
+
+
+def show_longest(cfg: Config, budget: int | None, where: str, as_json_output: bool) -> int:
+    """``shardtune plan --seq-len max``: per strategy, the longest sequence that fits ``budget`` as configured,
+    and with the flags that would make a longer one fit (train/longest.py)."""
+    if budget is None:
+        raise ConfigError("option 'seq-len': max needs --memory-per-rank when planning for GPUs on a machine "
+                          "without one")
+    search = Search(cfg)
+    rows = longest_rows(cfg, search, budget)
+    if as_json_output:
+        print(json.dumps({"memory_per_rank_mb": round(budget / MB, 1), "device": search.device,
+                          "max_seq_len": {s: r.given for s, r in rows.items() if not r.note},
+                          "longest": {s: r.as_dict() for s, r in rows.items()}}, indent=2))
+        return 0
+    micro = cfg.train.micro_batch_size if isinstance(cfg.train.micro_batch_size, int) else 1
+    lines = [f"shardtune plan --seq-len max: {cfg.model.path} ({search.cfg.model.dtype}), LoRA r={cfg.lora.r} on "
+             f"{cfg.lora.targets}, {micro} sequence{'s' * (micro > 1)} per forward, device {search.device}; memory "
+             f"per rank {format_size(budget)} ({where})", "",
+             f"  {'strategy':<8} {'ranks':>5} {'as configured':>14} {'with flags':>11}  flags"]
+    for strategy, r in rows.items():
+        if r.note:
+            lines.append(f"  {strategy:<8} {r.ranks:>5} {'-':>14} {'-':>11}  {r.note}")
+            continue
+        lines.append(f"  {strategy:<8} {r.ranks:>5} {r.given:>14} {r.frugal:>11}  {' '.join(r.flags) or '-'}")
+    lines += ["", "tokens per sequence, whole multiples of 64; 0: not even 64 tokens fit. 'with flags': with the "
+              "memory savers that apply and were not given (each costs speed: recomputation, or copies to host "
+              "memory)."]
+    print("\n".join(lines))
     return 0

@@ -15,7 +15,7 @@ from shardtune.model.adapter_dir import check_adapter_dir
 from shardtune.model.checkpoint_keys import check_against_headers
 from shardtune.model.directory import check_model_dir, load_tokenizer
 from shardtune.model.lora import inject_lora
-from shardtune.model.meta import build_meta_model, check_tokenizer_fits, compute_dtype, vocab_size
+from shardtune.model.meta import build_meta_model, check_tokenizer_fits, compute_dtype, context_warning, vocab_size
 from shardtune.runplan import RunPlan
 from shardtune.runtime.device import check_local_ranks, decide_dtype, device_type, warn_oversubscribed
 from shardtune.runtime.files import OutputError, check_writable
@@ -62,6 +62,10 @@ def preflight(cfg: Config) -> tuple[Config, RunPlan]:
     if cfg.lora.init_adapter:  # the one adapter check, and that it was made from this base (model/adapter_dir.py)
         check_adapter_dir(cfg.lora.init_adapter, "option 'init-adapter': adapter directory", base=model_dir)
     tokenizer = load_tokenizer(model_dir)
+    if (warning := context_warning(model_dir, cfg.data.seq_len)) is not None:
+        log.warning("%s", warning)
+    if cfg.parallel.activation_offload and device_type(cfg.parallel.device) == "cpu":
+        log.info("--activation-offload: on CPU it changes nothing (what it would move is in host memory already)")
     vocab = vocab_size(model_dir)
     check_tokenizer_fits(tokenizer, vocab, model_dir)
     # Tokenized once, here: the workers map the cache instead of each tokenizing every record again.

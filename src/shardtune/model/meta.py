@@ -51,6 +51,20 @@ def build_meta_model(model_dir: ModelDir, dtype: torch.dtype) -> nn.Module:
 
 
 
+def context_warning(model_dir: ModelDir, seq_len: int) -> str | None:
+    """A warning when ``seq_len`` exceeds the positions the model was trained for (``max_position_embeddings``)
+    and its config scales no rotary embedding to reach it: users extend a context on purpose, so not an error."""
+    config = read_config(model_dir).get_text_config()
+    positions = getattr(config, "max_position_embeddings", None)
+    scaling = getattr(config, "rope_scaling", None) or {}
+    scaled = isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type", "default")) != "default"
+    if not positions or seq_len <= positions or scaled:
+        return None
+    return (f"--seq-len {seq_len} exceeds the {positions} positions {model_dir.path / 'config.json'} was trained for "
+            "(max_position_embeddings) and it sets no rope scaling: positions beyond it are extrapolated; set "
+            "rope_scaling in the config (e.g. yarn) if you mean to extend the context")
+
+
 def vocab_size(model_dir: ModelDir) -> int | None:
     """Rows of the input embedding by the config: the bound every token id of the data must respect."""
     value = getattr(read_config(model_dir).get_text_config(), "vocab_size", None)
