@@ -178,7 +178,7 @@ def test_checkpoint_holds_lora_state_only_and_gives_the_final_adapter(root, refe
 
 
 def test_incomplete_or_corrupt_checkpoints_are_skipped_with_a_warning(root, reference, caplog):
-    from shardtune.train.checkpoint import find_latest
+    from shardtune.train.checkpoint_files import find_latest
 
     out = root / "broken"
     _start_from(reference, 2, out)
@@ -213,7 +213,7 @@ def _wait_for_steps(out: Path, n: int, proc: subprocess.Popen, timeout: float = 
 
 
 def test_sigterm_saves_a_checkpoint_and_says_how_to_resume(root):
-    from shardtune.train.checkpoint import find_latest
+    from shardtune.train.checkpoint_files import find_latest
 
     out = root / "sigterm"
     proc = _cli(root, "sigterm")
@@ -241,7 +241,7 @@ def test_sigint_to_the_launcher_stops_workers_cleanly(root):
     """Interrupting a notebook kernel sends SIGINT to the launching process only: workers must not linger."""
     import psutil
 
-    from shardtune.train.checkpoint import find_latest
+    from shardtune.train.checkpoint_files import find_latest
 
     out = root / "sigint"
     proc = _cli(root, "sigint")
@@ -261,8 +261,8 @@ def test_sigint_to_the_launcher_stops_workers_cleanly(root):
 def test_a_rank_killed_with_sigkill_ends_the_run_naming_it(root):
     import psutil
 
-    from shardtune.train.checkpoint import find_latest, resume_command
     from shardtune.train.checkpoint_adapter import adapter_from_checkpoint
+    from shardtune.train.checkpoint_files import find_latest, resume_command
 
     out = root / "sigkill"
     proc = _cli(root, "sigkill", "--save-every", "2")

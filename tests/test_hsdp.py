@@ -140,7 +140,7 @@ def test_two_loopback_nodes_hsdp_give_the_one_rank_adapter_and_resume_as_plain_f
 
 
 def test_resume_command_names_the_node():
-    from shardtune.train.checkpoint import resume_command
+    from shardtune.train.checkpoint_files import resume_command
 
     assert resume_command(Path("o")) == "shardtune finetune --config o/config.yaml --resume"
     # node 1 resuming with node 0's config.yaml must say it is node 1
