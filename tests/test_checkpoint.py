@@ -1,6 +1,8 @@
 """Resumable checkpoints: exact resume, resharded resume, signals, a lost rank, adapters from checkpoints.
 
-Every run goes through the public API or the CLI, so each is a fresh set of worker processes.
+Every run goes through the public API or the CLI: the signals, the lost rank and the documented resume
+command through the launcher and its fresh workers; the runs compared for exact and resharded resume on
+ranks started as plain torchrun starts them (dist_utils.finetune_on_ranks).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import pytest
 import torch
 
 from shardtune.runtime.distributed import COLLECTIVE_TIMEOUT
+
+from dist_utils import finetune_on_ranks
 
 STEPS = 6
 EXACT = ("step", "loss", "lr", "grad_norm", "tokens")
@@ -39,9 +43,7 @@ def _options(root: Path, out: str, nproc: int, **extra) -> dict:
 @pytest.fixture(scope="module")
 def reference(root) -> Path:
     """An uninterrupted 2-rank FSDP2 run saving steps 2, 4 and 6; started with --resume and nothing to resume."""
-    import shardtune
-
-    summary = shardtune.finetune(_options(root, "ref", 2, resume=True))
+    summary = finetune_on_ranks(_options(root, "ref", 2, resume=True), 2)
     assert summary["steps"] == STEPS and summary["resumed_from_step"] == 0
     assert f"nothing to resume in {root / 'ref'}: starting at step 0" in (root / "ref.log").read_text()
     return root / "ref"
@@ -70,15 +72,13 @@ def _complete(out: Path) -> list[str]:
 
 
 def test_resume_on_the_same_ranks_is_bit_exact_and_skips_broken_checkpoints(root, reference):
-    import shardtune
-
     out = root / "same"
     _start_from(reference, 4, out)
     # Newer but unusable: a write that never finished, and a directory without its marker.
     shutil.copytree(reference / "checkpoints" / "step-6", out / "checkpoints" / ".step-6.tmp")
     shutil.copytree(reference / "checkpoints" / "step-6", out / "checkpoints" / "step-5")
     (out / "checkpoints" / "step-5" / "COMPLETE").unlink()
-    summary = shardtune.finetune(_options(root, "same", 2, resume=True, **{"keep-last": 1}))
+    summary = finetune_on_ranks(_options(root, "same", 2, resume=True, **{"keep-last": 1}), 2)
     assert summary["resumed_from_step"] == 4
     log = (root / "same.log").read_text()
     assert ".step-6.tmp: a checkpoint whose writing never finished" in log
@@ -97,12 +97,10 @@ def test_resume_on_the_same_ranks_is_bit_exact_and_skips_broken_checkpoints(root
 
 def test_resume_on_other_world_sizes_matches(root, reference):
     """2 ranks → 1 (from step 2), then that run's 1-rank checkpoint → 2 ranks (from step 4)."""
-    import shardtune
-
     _start_from(reference, 2, root / "two-to-one")
-    shardtune.finetune(_options(root, "two-to-one", 1, resume=True))
+    finetune_on_ranks(_options(root, "two-to-one", 1, resume=True), 1)
     _start_from(root / "two-to-one", 4, root / "one-to-two")
-    shardtune.finetune(_options(root, "one-to-two", 2, resume=True))
+    finetune_on_ranks(_options(root, "one-to-two", 2, resume=True), 2)
     ref_metrics, ref_adapter = _metrics(reference), _adapter(reference / "adapter")
     for name in ("two-to-one", "one-to-two"):
         metrics, adapter = _metrics(root / name), _adapter(root / name / "adapter")
@@ -178,7 +176,7 @@ def test_checkpoint_holds_lora_state_only_and_gives_the_final_adapter(root, refe
 
 
 def test_incomplete_or_corrupt_checkpoints_are_skipped_with_a_warning(root, reference, caplog):
-    from shardtune.train.checkpoint import find_latest
+    from shardtune.train.checkpoint_files import find_latest
 
     out = root / "broken"
     _start_from(reference, 2, out)
@@ -213,7 +211,7 @@ def _wait_for_steps(out: Path, n: int, proc: subprocess.Popen, timeout: float = 
 
 
 def test_sigterm_saves_a_checkpoint_and_says_how_to_resume(root):
-    from shardtune.train.checkpoint import find_latest
+    from shardtune.train.checkpoint_files import find_latest
 
     out = root / "sigterm"
     proc = _cli(root, "sigterm")
@@ -241,7 +239,7 @@ def test_sigint_to_the_launcher_stops_workers_cleanly(root):
     """Interrupting a notebook kernel sends SIGINT to the launching process only: workers must not linger."""
     import psutil
 
-    from shardtune.train.checkpoint import find_latest
+    from shardtune.train.checkpoint_files import find_latest
 
     out = root / "sigint"
     proc = _cli(root, "sigint")
@@ -261,8 +259,8 @@ def test_sigint_to_the_launcher_stops_workers_cleanly(root):
 def test_a_rank_killed_with_sigkill_ends_the_run_naming_it(root):
     import psutil
 
-    from shardtune.train.checkpoint import find_latest, resume_command
     from shardtune.train.checkpoint_adapter import adapter_from_checkpoint
+    from shardtune.train.checkpoint_files import find_latest, resume_command
 
     out = root / "sigkill"
     proc = _cli(root, "sigkill", "--save-every", "2")

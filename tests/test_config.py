@@ -246,7 +246,7 @@ def test_default_config_round_trips(tmp_path):
 
 
 def test_every_option_declares_what_resume_does_when_it_changes():
-    """The resume policy lives with each option in the schema (train/checkpoint.py reads it): a new option
+    """The resume policy lives with each option in the schema (train/resume_checks.py reads it): a new option
     without one fails here, not silently as 'warn' on someone's resume."""
     from shardtune.config import FLAGS, MUST_MATCH, RESUME_POLICIES, opt
 

@@ -14,7 +14,7 @@ from shardtune.runtime.failure import FAIL_AT
 
 
 def test_full_disk_at_metrics_and_tracker_writes(run_root, tmp_path, monkeypatch, capsys):
-    from shardtune.train.checkpoint import find_latest
+    from shardtune.train.checkpoint_files import find_latest
 
     out, log = tmp_path / "out", tmp_path / "run.log"
     # The tracker's writes fail from step 2 on, metrics.jsonl's at step 3.

@@ -12,7 +12,7 @@ import torch
 
 from test_equivalence import grads_and_training
 
-from dist_utils import free_port, run_ranks
+from dist_utils import finetune_on_ranks, free_port, run_ranks
 from tiny import make_run_dir, run_options
 
 
@@ -111,8 +111,6 @@ def _flags(options: dict) -> list[str]:
 
 def test_two_loopback_nodes_hsdp_give_the_one_rank_adapter_and_resume_as_plain_fsdp(root, one_rank):
     """2 "nodes" x 2 processes, one replica group per node, one --out shared by both nodes."""
-    import shardtune
-
     options = _options(root, "nodes", strategy="fsdp2", **{"micro-batch-size": 1, "save-every": 2})
     endpoint = f"127.0.0.1:{free_port()}"
     runs = [[sys.executable, "-m", "shardtune", "finetune", *_flags(options), "--nproc", "2", "--nnodes", "2",
@@ -134,13 +132,13 @@ def test_two_loopback_nodes_hsdp_give_the_one_rank_adapter_and_resume_as_plain_f
     resumed = root / "resumed"
     (resumed / "checkpoints").mkdir(parents=True)
     shutil.copytree(out / "checkpoints" / "step-2", resumed / "checkpoints" / "step-2")
-    summary = shardtune.finetune(_options(root, "resumed", strategy="fsdp2", resume=True), nproc=2)
+    summary = finetune_on_ranks(_options(root, "resumed", strategy="fsdp2", resume=True), 2)  # torchrun-style
     assert summary["resumed_from_step"] == 2
     _assert_close(_adapter(root / "one"), _adapter(resumed))
 
 
 def test_resume_command_names_the_node():
-    from shardtune.train.checkpoint import resume_command
+    from shardtune.train.checkpoint_files import resume_command
 
     assert resume_command(Path("o")) == "shardtune finetune --config o/config.yaml --resume"
     # node 1 resuming with node 0's config.yaml must say it is node 1

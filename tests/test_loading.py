@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dist_utils import run_ranks
+from dist_utils import finetune_on_ranks, run_ranks
 from tiny import instruction_records, make_model, write_jsonl
 
 INPUT = torch.arange(1, 25).reshape(2, 12) * 7 % 250
@@ -105,19 +105,17 @@ def test_tied_weight_stored_under_lm_head_name(tmp_path):
 
 def test_tied_lm_head_in_modules_to_save_trains_alike_on_every_strategy(tmp_path):
     """peft's trainable copy of a tied lm_head starts from the embedding (the checkpoint stores only
-    that name) and ends equal on every strategy."""
+    that name) and ends equal on every strategy. On ranks started as plain torchrun starts them."""
     from safetensors.torch import load_file
-
-    import shardtune
 
     model = make_model(tmp_path / "model", "llama", tied=True)
     data = write_jsonl(tmp_path / "train.jsonl", instruction_records(8))
     adapters = {}
     for strategy, nproc in (("single", 1), ("ddp", 2), ("fsdp1", 2), ("fsdp2", 2)):
         out = tmp_path / strategy
-        shardtune.finetune({"model": str(model), "data": str(data), "out": str(out), "dtype": "fp32", "steps": 2,
-                            "batch-size": 4, "lr": 1e-2, "lora-modules-to-save": "lm_head", "strategy": strategy},
-                           nproc=nproc)
+        finetune_on_ranks({"model": str(model), "data": str(data), "out": str(out), "dtype": "fp32", "steps": 2,
+                           "batch-size": 4, "lr": 1e-2, "lora-modules-to-save": "lm_head", "strategy": strategy},
+                          nproc)
         adapters[strategy] = load_file(out / "adapter" / "adapter_model.safetensors")
     head = "base_model.model.lm_head.weight"
     embed = load_file(model / "model.safetensors")["model.embed_tokens.weight"]

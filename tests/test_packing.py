@@ -12,6 +12,7 @@ from shardtune.train.data.batch import Batcher, Layout, sequence_sums
 from shardtune.train.data.pack import block_causal_mask, forwards_per_rank, pack_rows
 from shardtune.train.data.records import IGNORE, Example
 
+from dist_utils import finetune_on_ranks
 from tiny import instruction_records, make_model, make_run_dir, run_options
 
 
@@ -145,17 +146,16 @@ def _metrics(out: Path) -> list[dict]:
 
 
 def test_packed_runs_train_like_padded_ones_on_any_split_and_resume_exactly(root):
+    """On ranks started as plain torchrun starts them (finetune_on_ranks): what the runs compute is the subject."""
     import shutil
 
-    import shardtune
-
-    padded = shardtune.finetune(_options(root, "padded", strategy="single"))
-    packed = shardtune.finetune(_options(root, "packed", strategy="single", packing=True))
+    padded = finetune_on_ranks(_options(root, "padded", strategy="single"), 1)
+    packed = finetune_on_ranks(_options(root, "packed", strategy="single", packing=True), 1)
     # 2 ranks, one packed row per forward: ranks pack into different numbers of rows, so some run
     # empty forwards (they would hang otherwise), and gradients are reduced once per step.
     split = _options(root, "split", strategy="fsdp2", nproc=2, packing=True, **{"micro-batch-size": 1,
                                                                                "save-every": 2})
-    two = shardtune.finetune(split)
+    two = finetune_on_ranks(split, 2)
     runs = {"padded": _metrics(root / "padded"), "packed": _metrics(root / "packed"), "split": _metrics(root / "split")}
     for name in ("packed", "split"):
         for key in ("loss", "grad_norm"):  # the loss rule holds however the batch is packed and split
@@ -172,7 +172,7 @@ def test_packed_runs_train_like_padded_ones_on_any_split_and_resume_exactly(root
     (out / "checkpoints").mkdir(parents=True)
     shutil.copytree(root / "split" / "checkpoints" / "step-2", out / "checkpoints" / "step-2")
     (out / "metrics.jsonl").write_text("".join((root / "split" / "metrics.jsonl").read_text().splitlines(True)[:2]))
-    resumed = shardtune.finetune({**split, "out": str(out), "resume": True})
+    resumed = finetune_on_ranks({**split, "out": str(out), "resume": True}, 2)
     assert resumed["resumed_from_step"] == 2
     exact = ("step", "loss", "grad_norm", "tokens", "fill_ratio")
     assert [{k: m[k] for k in exact} for m in _metrics(out)] == [{k: m[k] for k in exact} for m in runs["split"]]

@@ -1,6 +1,8 @@
 """Preference objectives on N ranks train exactly like 1 rank with the same global batch of pairs:
 loss curve, TRL's metrics, gradient norms and the adapter, under fsdp2, fsdp1, ddp and fsdp2 + nf4, and
-packed like unpacked. Through the public API: fresh worker processes, as a user runs it."""
+packed like unpacked. Through the public API, ``shardtune.finetune``, on ranks started as plain torchrun starts
+them (dist_utils.finetune_on_ranks: forked from a preloaded server; the launcher's own workers are
+tested in test_launch.py and test_preference_run.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dist_utils import run_ranks, trained_job
+from dist_utils import finetune_on_ranks, run_ranks, trained_job
 from tiny import make_model, write_jsonl
 
 METRIC_KEYS = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen",
@@ -65,39 +67,33 @@ def _assert_same_run(a: Path, b: Path, rtol: float = 1e-5, atol: float = 1e-6) -
     ("simpo", ["ddp"]),
 ])
 def test_two_ranks_equal_one_rank(pref_root, objective, strategies):
-    import shardtune
-
     one = _options(pref_root, f"{objective}-one", objective, strategy="single", nproc=1)
-    summary = shardtune.finetune(one)
+    summary = finetune_on_ranks(one, 1)
     assert summary["train_loss_first"] == pytest.approx(0.6931472, rel=1e-6) or objective != "dpo"  # ln 2
     for strategy in strategies:
         # 2 ranks × micro-batch 2 × 2 accumulation steps: the same 8 pairs a step, split differently
         two = _options(pref_root, f"{objective}-{strategy}", objective, strategy=strategy, nproc=2,
                        **{"micro-batch-size": 2})
-        assert shardtune.finetune(two)["world_size"] == 2
+        assert finetune_on_ranks(two, 2)["world_size"] == 2
         _assert_same_run(Path(one["out"]), Path(two["out"]))
 
 
 def test_two_ranks_equal_one_rank_with_nf4(pref_root):
     """The reference under --quantize nf4 is the 4-bit base the policy sees, on every rank."""
-    import shardtune
-
     one = _options(pref_root, "nf4-one", "dpo", strategy="single", nproc=1, quantize="nf4")
     two = _options(pref_root, "nf4-fsdp2", "dpo", strategy="fsdp2", nproc=2, quantize="nf4",
                    **{"micro-batch-size": 2})
-    assert shardtune.finetune(one)["train_loss_first"] == pytest.approx(0.6931472, rel=1e-6)
-    shardtune.finetune(two)
+    assert finetune_on_ranks(one, 1)["train_loss_first"] == pytest.approx(0.6931472, rel=1e-6)
+    finetune_on_ranks(two, 2)
     _assert_same_run(Path(one["out"]), Path(two["out"]), rtol=1e-4, atol=1e-5)
 
 
 def test_packed_pairs_train_like_padded_ones(pref_root):
-    import shardtune
-
     padded = _options(pref_root, "dpo-padded", "dpo", strategy="single", nproc=1, **{"seq-len": 96})
     packed = _options(pref_root, "dpo-packed", "dpo", strategy="fsdp2", nproc=2, packing=True,
                       **{"seq-len": 96, "micro-batch-size": 1})
-    shardtune.finetune(padded)
-    summary = shardtune.finetune(packed)
+    finetune_on_ranks(padded, 1)
+    summary = finetune_on_ranks(packed, 2)
     assert summary["packing"] and summary["fill_ratio"] > 0.5
     _assert_same_run(Path(padded["out"]), Path(packed["out"]))
 

@@ -28,18 +28,29 @@ def _options(root: Path, name: str, **extra) -> dict:
             "lr": 1e-2, "warmup-steps": 1, "seed": 2, **extra}
 
 
+@pytest.fixture(scope="module")
+def live(run_dir) -> dict:
+    """The 1-rank run with the live reference: compared with the precomputed one, and its adapter is what the
+    --init-adapter checks below start from. Its options."""
+    import shardtune
+
+    options = _options(run_dir, "live", strategy="single", nproc=1)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("SHARDTUNE_CACHE", str(run_dir / "cache"))
+        shardtune.finetune(options)
+    return options
+
+
 def _metrics(out: str) -> list[dict]:
     return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_precomputed_reference_trains_like_the_live_one_and_is_reused(run_dir, monkeypatch):
+def test_precomputed_reference_trains_like_the_live_one_and_is_reused(run_dir, live, monkeypatch):
     import shardtune
 
     monkeypatch.setenv("SHARDTUNE_CACHE", str(run_dir / "cache"))
-    live = _options(run_dir, "live", strategy="single", nproc=1)
     pre = _options(run_dir, "pre", strategy="fsdp2", nproc=2, **{"precompute-reference": True,
                                                                   "micro-batch-size": 1})
-    shardtune.finetune(live)
     summary = shardtune.finetune(pre)
     a, b = _metrics(live["out"]), _metrics(pre["out"])
     for key in ("loss", "grad_norm", "rewards/margins", "logps/chosen"):
@@ -87,14 +98,12 @@ def test_resumed_preference_run_continues_exactly(run_dir, monkeypatch):
     ({"lora-r": 4}, r"adapter_config.json: r is 8 but this run's --lora-r gives 4"),
     ({"lora-targets": "q_proj"}, r"target_modules .* differ from this run's --lora-targets"),
 ])
-def test_init_adapter_that_does_not_fit_is_refused_before_workers(run_dir, no_workers, capsys, change, message):
+def test_init_adapter_that_does_not_fit_is_refused_before_workers(run_dir, live, no_workers, capsys, change, message):
     import re
 
     from shardtune.cli import main
 
-    trained = run_dir / "live" / "adapter"
-    if not trained.exists():
-        pytest.skip("needs the adapter of test_precomputed_reference_trains_like_the_live_one_and_is_reused")
+    trained = Path(live["out"]) / "adapter"
     args = ["finetune", "--model", str(run_dir / "model"), "--data", str(run_dir / "pairs.jsonl"), "--out",
             str(run_dir / "bad"), "--objective", "dpo", "--init-adapter", str(trained), "--lora-targets", "all-linear"]
     for k, v in change.items():
@@ -104,13 +113,11 @@ def test_init_adapter_that_does_not_fit_is_refused_before_workers(run_dir, no_wo
     assert re.search(message, err) and "Traceback" not in err
 
 
-def test_init_adapter_for_another_base_or_truncated_is_named(run_dir, tmp_path, no_workers, capsys):
+def test_init_adapter_for_another_base_or_truncated_is_named(run_dir, live, tmp_path, no_workers, capsys):
     from shardtune.cli import main
 
     other = make_model(tmp_path / "wide", "llama", hidden=64)
-    trained = run_dir / "live" / "adapter"
-    if not trained.exists():
-        pytest.skip("needs the adapter of test_precomputed_reference_trains_like_the_live_one_and_is_reused")
+    trained = Path(live["out"]) / "adapter"
     base = ["finetune", "--data", str(run_dir / "pairs.jsonl"), "--out", str(tmp_path / "o"), "--objective", "dpo"]
     assert main([*base, "--model", str(other), "--init-adapter", str(trained)]) == 2
     err = capsys.readouterr().err
@@ -125,13 +132,11 @@ def test_init_adapter_for_another_base_or_truncated_is_named(run_dir, tmp_path, 
     assert "adapter_model.safetensors" in err and "truncated" in err
 
 
-def test_eval_on_pairs_reports_preference_accuracy_for_base_and_adapter(run_dir, capsys):
+def test_eval_on_pairs_reports_preference_accuracy_for_base_and_adapter(run_dir, live, capsys):
     """After DPO the adapter prefers the chosen responses of its training pairs more than the base does."""
     from shardtune.cli import main
 
-    trained = run_dir / "live" / "adapter"
-    if not trained.exists():
-        pytest.skip("needs the adapter of test_precomputed_reference_trains_like_the_live_one_and_is_reused")
+    trained = Path(live["out"]) / "adapter"
     args = ["eval", "--model", str(run_dir / "model"), "--data", str(run_dir / "pairs.jsonl"), "--dtype", "fp32"]
     assert main([*args, "--adapter", str(trained), "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
@@ -140,7 +145,7 @@ def test_eval_on_pairs_reports_preference_accuracy_for_base_and_adapter(run_dir,
     assert tuned["mean_margin"] > base["mean_margin"] and tuned["reward_margin"] > 0
     assert tuned["reward_margin"] == pytest.approx(tuned["mean_margin"] - base["mean_margin"], rel=1e-4)
     # saved in the run folder, sent to its trackers at the run's last step, shown by `shardtune report`
-    assert json.loads((run_dir / "live" / "eval.json").read_text()) == result
+    assert json.loads((Path(live["out"]) / "eval.json").read_text()) == result
     assert main([*args, "--adapter", str(trained), "--report-to", "tensorboard"]) == 0
     capsys.readouterr()
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

@@ -23,7 +23,7 @@ from tiny import make_model, write_jsonl
 def launched(monkeypatch) -> list:
     """The runs that passed every check (their workers are not started)."""
     runs: list = []
-    monkeypatch.setattr(shardtune.launch, "launch", lambda cfg, plan: runs.append(cfg) or {})
+    monkeypatch.setattr(shardtune.launch, "launch", lambda cfg, plan, asked=None: runs.append(cfg) or {})
     return runs
 
 

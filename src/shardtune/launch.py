@@ -73,7 +73,7 @@ def launch(cfg: Config, plan: RunPlan, asked: Config | None = None) -> dict:
         except WorkerCrash as err:  # an exception none of our checks foresaw, in a worker
             raise unexpected(f"rank {err.rank}", stage_of(err.traceback), err.message, err.traceback, out) from None
         except (RankTimeout, RankKilled) as err:  # a rank was lost: say where the run can continue from
-            from shardtune.train.checkpoint import find_latest, resume_command
+            from shardtune.train.checkpoint_files import find_latest, resume_command
 
             latest = find_latest(out)
             raise type(err)(f"{err}; newest checkpoint: " + (

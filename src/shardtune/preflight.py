@@ -20,7 +20,6 @@ from shardtune.runplan import RunPlan
 from shardtune.runtime.device import check_local_ranks, decide_dtype, device_type, warn_oversubscribed
 from shardtune.runtime.files import OutputError, check_writable
 from shardtune.runtime.versions import check_apis
-from shardtune.train.checkpoint import resume_point
 from shardtune.train.data.checks import pair_warnings, warn_about_data
 from shardtune.train.data.pack import check_packing
 from shardtune.train.data.pairs import PAIRS, split_pair
@@ -29,6 +28,7 @@ from shardtune.train.data.records import DataError, lengths_of
 from shardtune.train.input_paths import check_input_paths
 from shardtune.train.objectives import objective_of
 from shardtune.train.resolve import resolve
+from shardtune.train.resume_checks import resume_point
 from shardtune.train.run_folder import check_not_finished, check_run_folder
 from shardtune.train.schedule import total_steps
 from shardtune.train.trackers import check_installed

@@ -50,7 +50,7 @@ class Range:
 AT_LEAST_1, AT_LEAST_0, POSITIVE = Range(1), Range(0), Range(0, low_open=True)
 
 
-#: What ``--resume`` does when an option differs from the checkpoint's run (train/checkpoint.py):
+#: What ``--resume`` does when an option differs from the checkpoint's run (train/resume_checks.py):
 FREE = "free"  # continue without a word: where and how the run computes, not what it computes
 WARN = "warn"  # continue, saying which option changed: the continuation is another run from there on
 MUST_MATCH = "must-match"  # refuse before loading: it decides which tensors the checkpoint holds

@@ -1,16 +1,8 @@
-"""Resumable checkpoints of a run, written atomically; only LoRA (trainable) state, never the frozen base.
+"""Resumable checkpoints of a run, written atomically: only LoRA (trainable) state, never the frozen base.
 
-A resumable checkpoint ``OUT/checkpoints/step-N/`` holds:
-  ``.metadata``, ``__*_*.distcp``   torch.distributed.checkpoint (DCP): the trainable parameters and
-                                  AdamW's state, each rank writing its own shard (FSDP2 DTensors)
-  ``rng/rank-K.pt``               every rank's torch RNG states (LoRA dropout)
-  ``adapter_config.json``         peft's config, so that ``adapter-from-checkpoint`` needs no model
-  ``checkpoint.json``             data position (``step``: the next step to run), world size, LR
-                                  scheduler state, running totals, the run's options, adapter key names,
-                                  the data's and the base model's fingerprints (what ``--resume`` checks)
-  ``COMPLETE``                    written last: a directory without it is never resumed from
-It is written as ``.step-N.tmp`` and renamed by rank 0 once every rank has finished writing, so a
-crash mid-write leaves the previous checkpoints as they were.
+``Checkpointer`` saves and restores them (collectives: every rank writes and reads its own shards); the
+layout on disk and finding the newest complete one are checkpoint_files.py's, whether one fits this
+run is resume_checks.py's.
 """
 
 from __future__ import annotations
@@ -30,23 +22,25 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from shardtune.config import FLAGS, FREE, MUST_MATCH, Config
+from shardtune.config import Config
 from shardtune.errors import ShardtuneError
 from shardtune.model.directory import ModelDir
-from shardtune.model.fingerprint import differences, model_fingerprint
+from shardtune.model.fingerprint import model_fingerprint
 from shardtune.parallel import Strategy
 from shardtune.runtime.files import fingerprint, output_error, replace_dir
-from shardtune.runtime.outputs import CHECKPOINTS, STEP_DIR
+from shardtune.runtime.outputs import STEP_DIR
 from shardtune.train.adapter import peft_config_dict
+from shardtune.train.checkpoint_files import (
+    MARKER,
+    META,
+    CheckpointError,
+    checkpoints_dir,
+    failure_reason,
+    find_latest,
+)
+from shardtune.train.resume_checks import check_resumable
 
 log = logging.getLogger("shardtune")
-
-MARKER, META = "COMPLETE", "checkpoint.json"
-_STEP_DIR = STEP_DIR  # OUT/checkpoints/step-N: named in runtime/outputs.py, whose rule keeps outputs out of it
-
-
-class CheckpointError(ShardtuneError, RuntimeError):
-    """A checkpoint that cannot be used; the message names it and says why."""
 
 
 @dataclass
@@ -66,79 +60,6 @@ class TrainState:
         self.train_seconds += seconds
         self.first_loss = loss if self.first_loss is None else self.first_loss
         self.last_loss = loss
-
-
-def checkpoints_dir(out: Path) -> Path:
-    return Path(out) / CHECKPOINTS
-
-
-def resume_command(out: Path, nnodes: int = 1, node_rank: int = 0) -> str:
-    """The command that continues the run; multi-node: this node's (config.yaml is node 0's)."""
-    node = f" --node-rank {node_rank}" if nnodes > 1 else ""
-    return f"shardtune finetune --config {Path(out) / 'config.yaml'}{node} --resume"
-
-
-def find_latest(out: Path, before: int | None = None) -> Path | None:
-    """The newest complete checkpoint under ``out`` (of a step before ``before``, when given); incomplete
-    or unreadable ones are skipped, with a warning."""
-    root = checkpoints_dir(out)
-    if not root.is_dir():
-        return None
-    for tmp in sorted(root.glob(".step-*.tmp")):
-        log.warning("skipping %s: a checkpoint whose writing never finished", tmp)
-    found = sorted((int(m.group(1)), p) for p in root.iterdir()
-                   if (m := _STEP_DIR.match(p.name)) and (before is None or int(m.group(1)) < before))
-    for step, path in reversed(found):
-        problem = checkpoint_problem(path, step)
-        if problem is None:
-            return path
-        log.warning("skipping checkpoint %s: %s", path, problem)
-    return None
-
-
-def discard_checkpoints(out: Path, first: int) -> list[Path]:
-    """Delete the checkpoints of step ``first`` and later (weights an update blew up, train/guard.py);
-    return them. The older ones, written before, stay."""
-    root = checkpoints_dir(out)
-    if not root.is_dir():
-        return []
-    doomed = sorted((p for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and int(m.group(1)) >= first),
-                    key=lambda p: int(p.name.split("-")[1]))
-    for path in doomed:
-        shutil.rmtree(path, ignore_errors=True)
-    return doomed
-
-
-def checkpoint_problem(path: Path, step: int | None) -> str | None:
-    """Why ``path`` cannot be resumed from, or None.
-
-    Decided from metadata and file sizes only, before any rank loads anything: a load that fails
-    halfway may already have overwritten part of the model and optimizer state.
-    """
-    if not (path / MARKER).is_file():
-        return f"no {MARKER} marker (its writing did not finish)"
-    try:
-        meta = json.loads((path / META).read_text())
-        if step is not None and meta["step"] != step:
-            return f"{META} says step {meta['step']}"
-        metadata = dcp.FileSystemReader(str(path)).read_metadata()
-    except (Exception, CheckpointException) as err:  # any damage at all means: do not resume from it
-        return f"unreadable ({type(err).__name__}: {err})"
-    return _short_file(path, metadata.storage_data or {})
-
-
-def _short_file(path: Path, storage: dict) -> str | None:
-    """A data file that is missing or shorter than the bytes the checkpoint's metadata places in it."""
-    needed: dict[str, int] = {}
-    for info in storage.values():
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
-    for name, size in sorted(needed.items()):
-        file = path / name
-        if not file.is_file():
-            return f"its data file {file} is missing"
-        if file.stat().st_size < size:
-            return f"its data file {file} is truncated ({file.stat().st_size} of {size} bytes)"
-    return None
 
 
 class Checkpointer:
@@ -209,7 +130,7 @@ class Checkpointer:
     def _prune(self) -> None:
         """Keep the newest ``keep_last`` complete checkpoints; drop leftovers of interrupted writes."""
         complete = sorted((int(m.group(1)), p) for p in self.root.iterdir()
-                          if (m := _STEP_DIR.match(p.name)) and (p / MARKER).is_file())
+                          if (m := STEP_DIR.match(p.name)) and (p / MARKER).is_file())
         for _, path in complete[:-self.cfg.output.keep_last]:
             shutil.rmtree(path, ignore_errors=True)
         for path in self.root.glob(".step-*.tmp"):
@@ -284,76 +205,6 @@ def _write_error(err: BaseException, tmp: Path) -> ShardtuneError:
         if isinstance(cause, OSError):
             return output_error(cause, tmp)
     return CheckpointError(f"writing checkpoint {tmp} failed: {failure_reason(err)}")
-
-
-def failure_reason(err: BaseException) -> str:
-    """One line for a DCP failure: its first rank's own exception (DCP's message embeds tracebacks)."""
-    failures = getattr(err, "failures", None)
-    if isinstance(err, CheckpointException) and failures:
-        rank, (cause, *_) = min(failures.items())
-        return f"rank {rank}: {type(cause).__name__}: {cause}"
-    return f"{type(err).__name__}: {err}"
-
-
-def check_resumable(cfg: Config, path: Path, meta: dict, data: dict | None, model: dict | None) -> list[str]:
-    """Refuse to resume ``cfg`` from checkpoint ``path`` when its tensors, its base model or its data no
-    longer fit.
-
-    ``data`` and ``model`` are the training data's and the base model's fingerprints now. Returns what a
-    resume accepts with a warning: the other options that changed, a base model stored in other dtypes.
-    """
-    saved, now = meta["options"], cfg.flat()
-    # Each option's policy is declared with it in the schema (config/options.py, ``opt(..., resume)``).
-    policy = {flag: f.metadata["resume"] for flag, (_, f) in FLAGS.items()}
-    changed = {k: (saved.get(k), v) for k, v in now.items() if policy[k] != FREE and saved.get(k) != v}
-    bad = {k: v for k, v in changed.items() if policy[k] == MUST_MATCH}
-    if bad:
-        raise CheckpointError(f"cannot resume from {path}: " + "; ".join(
-            f"option '{k}' was {a!r}, now {b!r}" for k, (a, b) in bad.items())
-            + " (these decide which tensors the checkpoint holds; use the old values or a new --out)")
-    notes = [f"resuming from {path} with option '{k}' changed from {a!r} to {b!r}" for k, (a, b) in changed.items()]
-    notes += _check_base_model(cfg, path, meta, model)
-    before = meta.get("data")
-    if before and data and (before["bytes"], before["sha256"]) != (data["bytes"], data["sha256"]):
-        message = (f"the training data {data['path']} changed since checkpoint {path} was written "
-                   f"({before['bytes']} bytes, sha256 {before['sha256'][:12]}…; now {data['bytes']} bytes, "
-                   f"sha256 {data['sha256'][:12]}…)")
-        if not cfg.output.allow_data_change:
-            raise CheckpointError(f"cannot resume: {message}; the saved data position would point at other "
-                                  "records. Restore the file, or pass --allow-data-change to continue anyway")
-        notes.append(f"{message}; continuing (--allow-data-change)")
-    return notes
-
-
-def _check_base_model(cfg: Config, path: Path, meta: dict, now: dict | None) -> list[str]:
-    """Refuse another base model than the checkpoint's (its LoRA tensors were trained on that one)."""
-    before = meta.get("model")
-    if before is None:  # written before checkpoints recorded it
-        return [f"checkpoint {path} does not record its base model (an older shardtune wrote it): "
-                f"--model {cfg.model.path} is assumed to be the one it was made from"]
-    if now is None:
-        return []
-    other, stored = differences(before, now)
-    if other:
-        raise CheckpointError(
-            f"cannot resume from {path}: it was made from another base model than --model {cfg.model.path}: "
-            f"{other}. Resume with the model the checkpoint was made from (its run's --model was "
-            f"{meta['options'].get('model')}), or train this one in a new --out")
-    return [f"resuming from {path}: the base model is the same, but {stored}"] if stored else []
-
-
-def resume_point(cfg: Config, model_dir: ModelDir) -> Path | None:
-    """The checkpoint ``--resume`` will continue from (None: none), checked against ``cfg``, its base
-    model and its data.
-
-    Run once in the launching process, before any worker loads a weight, so that a refused resume
-    changes nothing under ``--out``.
-    """
-    path = find_latest(Path(cfg.output.out))
-    if path is not None:
-        meta = json.loads((path / META).read_text())
-        check_resumable(cfg, path, meta, fingerprint(cfg.data.train), model_fingerprint(model_dir))
-    return path
 
 
 def _broadcast(value: object) -> object:

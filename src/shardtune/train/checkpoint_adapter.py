@@ -22,7 +22,7 @@ from shardtune.model.hub import base_model_name
 from shardtune.runtime.failure import stage
 from shardtune.runtime.outputs import CHECKPOINTS, STEP_DIR, check_output, claim_output
 from shardtune.train.adapter import write_adapter
-from shardtune.train.checkpoint import META, CheckpointError, checkpoint_problem, failure_reason
+from shardtune.train.checkpoint_files import META, CheckpointError, checkpoint_problem, failure_reason
 
 
 def adapter_from_checkpoint(path: Path, out: Path, model: str | Path | None = None, overwrite: bool = False) -> Path:

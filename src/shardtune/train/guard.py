@@ -31,7 +31,7 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from shardtune.config import FLAGS
 from shardtune.errors import ShardtuneError
-from shardtune.train.checkpoint import discard_checkpoints, find_latest, resume_command
+from shardtune.train.checkpoint_files import discard_checkpoints, find_latest, resume_command
 
 log = logging.getLogger("shardtune")
 

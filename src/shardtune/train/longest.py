@@ -98,7 +98,7 @@ def frugal(setting: Setting, search: Search) -> tuple[Setting, tuple[str, ...]]:
         setting, activation_checkpointing=True, mlp_tile=setting.mlp_tile or search.auto_tile,
         activation_offload=setting.activation_offload or cuda,
         cpu_offload=setting.cpu_offload or (cuda and traits(setting.strategy).cpu_offload),
-        fsdp_unit="part" if setting.strategy == "fsdp2" else setting.fsdp_unit)
+        fsdp_unit="part" if traits(setting.strategy).fsdp_unit else setting.fsdp_unit)
     flags = [flag for flag, before, after in (
         ("--activation-checkpointing", setting.activation_checkpointing, True),
         ("--mlp-tile auto", bool(setting.mlp_tile), True),

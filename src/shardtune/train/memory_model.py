@@ -129,7 +129,8 @@ def _moments(strategy: str, device: str, f: Facts, n: int, acts: float, workspac
              logits_bwd: float, unit: str = "part") -> dict[str, dict[str, float]]:
     """The busiest moments of a step for ``strategy``: {moment: the terms it adds to the kept state}."""
     copies = GATHER_COPIES.get((strategy, device), 0)
-    if strategy == "fsdp2":
+    t = traits(strategy)
+    if t.fsdp_unit:
         units = f.units_bytes if unit == "part" else [f.block_bytes]
         # whole-layer units keep the last layer gathered from its forward into its backward
         last_kept = f.block_bytes if unit == "layer" else 0.0
@@ -141,7 +142,7 @@ def _moments(strategy: str, device: str, f: Facts, n: int, acts: float, workspac
             terms["buffers"] = buffers
         return moments
     blocks = BACKWARD_BLOCKS.get((strategy, device), 0) * f.block_bytes
-    if strategy == "fsdp1" and f.head_bytes:  # untied tables are units of their own (parallel/fsdp1.py)
+    if t.table_units and f.head_bytes:  # untied tables are units of their own (parallel/fsdp1.py)
         # The gather's extra copies last only while it runs, before the logits exist.
         return {
             "start of forward (input embedding gathered)": {"root": copies * f.embed_bytes},
@@ -252,7 +253,7 @@ def predict(f: Facts, s: Setting, device: str) -> Prediction:
         acts, workspace = sum(kept_by_layer) + saved.outside, max(recomputed, default=0)
         if offloading:
             host_acts, acts = sum(kept_by_layer), 2 * max(kept_by_layer, default=0) + saved.outside
-    by_rows = strategy == "fsdp2" and f.tables_by_rows["head"]
+    by_rows = t.row_tables and f.tables_by_rows["head"]
     logits_fwd, logits_bwd = _head_terms(f, micro_tokens, saved.vocab, n if by_rows else 1, s.loss_chunk)
     lora = 4 * f.trainable_params / n
     runtime = (CUDA_CONTEXT_MB + NCCL_COMM_MB * nccl_communicators(strategy, ranks, replicate_groups)
@@ -268,7 +269,7 @@ def predict(f: Facts, s: Setting, device: str) -> Prediction:
     host = host_acts
     if offload and device == "cuda":  # the shards and their optimizer live in host RAM...
         # ...but for FSDP2's row-sharded embedding tables: outside FSDP, they stay on the GPU
-        on_gpu = row_sharded_bytes(f) / n if strategy == "fsdp2" else 0.0
+        on_gpu = row_sharded_bytes(f) / n if t.row_tables else 0.0
         host += sum(kept[k] for k in ("weights", "lora", "grads", "optimizer")) - on_gpu
         kept.update(weights=on_gpu, lora=0.0, grads=0.0, optimizer=0.0)
     moments = _moments(strategy, device, f, n, acts, workspace, logits_fwd, logits_bwd, unit)

@@ -16,7 +16,7 @@ import shutil
 from pathlib import Path
 
 from shardtune.config import Config, ConfigError
-from shardtune.train.checkpoint import META, checkpoints_dir, find_latest
+from shardtune.train.checkpoint_files import META, checkpoints_dir, find_latest
 from shardtune.train.metrics import read_metrics
 
 log = logging.getLogger("shardtune")

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from shardtune.train.checkpoint import find_latest, resume_command
+from shardtune.train.checkpoint_files import find_latest, resume_command
 
 
 def stop_message(signum: int, out: Path, nnodes: int = 1, node_rank: int = 0) -> str:

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from shardtune.config import traits
 from shardtune.runplan import RunPlan
 from shardtune.runtime import distributed
 from shardtune.runtime.memory import MemoryMonitor
@@ -31,7 +32,7 @@ def run_summary(job: Job, plan: RunPlan, memory: MemoryMonitor, result: dict, ad
         "strategy_reason": job.built.strategy_reason,
         "micro_batch_size": job.sampler.plan.micro_batch_size,
         "activation_checkpointing": cfg.parallel.activation_checkpointing,
-        "fsdp_unit": cfg.parallel.fsdp_unit if job.strategy.name == "fsdp2" else None,
+        "fsdp_unit": cfg.parallel.fsdp_unit if traits(job.strategy.name).fsdp_unit else None,
         "run_plan": plan.as_dict(),
         "steps": job.steps, "tokens": state.tokens,
         "train_loss_first": state.first_loss, "train_loss_last": state.last_loss,
