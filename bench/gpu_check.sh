@@ -113,9 +113,6 @@ COMMON=(--device "$DEV" --collective-timeout 60 --seed 1 --overwrite)
 TINY_BASE=(--model "$TINY" --data "$DATA_SHORT" --seq-len 128 --batch-size $((4 * N)) --steps 8
            --lr 1e-2 --warmup-steps 1 --lora-r 8 --dtype "$DTYPE" "${COMMON[@]}")
 TINY_RUN=("${TINY_BASE[@]}" --nproc "$N")
-# fsdp2 + --quantize nf4 on ONE rank fails in the first forward (torchao's NF4 all-gather extension gets
-# one output instead of three; reproduced on CPU, reported): on one GPU the NF4 rows run `single`
-NF4=$([ "$N" -ge 2 ] && echo fsdp2 || echo single)
 BIG_RUN=(--model "${BIG:-none}" --data "$DATA" --seq-len 512 --nproc "$N" --batch-size $((8 * N)) --steps 8
          --micro-batch-size 8 --lr 1e-3 --warmup-steps 1 --lora-targets q_proj,v_proj --dtype "$DTYPE" "${COMMON[@]}")
 
@@ -154,7 +151,7 @@ row_fp16() {  # loss scaling: an overflow is a skipped step (metrics.jsonl count
     --metric loss_scale --loss-down
 }
 row_dtype-auto() { finetune dtype-auto "${TINY_RUN[@]}" --dtype auto -- --expect "dtype=$AUTO"; }
-row_nf4() { finetune nf4 "${TINY_RUN[@]}" --strategy "$NF4" --quantize nf4 -- --expect quantize=nf4 --loss-down; }
+row_nf4() { finetune nf4 "${TINY_RUN[@]}" --strategy fsdp2 --quantize nf4 -- --expect strategy=fsdp2 --expect quantize=nf4 --loss-down; }
 row_dpo-precomputed() {
   finetune dpo-precomputed "${TINY_RUN[@]}" --data "$PAIRS" --objective dpo --precompute-reference \
     --val-data "$PAIRS_VAL" --strategy fsdp2 -- --val --metric "rewards/accuracies"
@@ -226,7 +223,7 @@ row_plan-single() {
 }
 row_offload() { planned offload "${BIG_RUN[@]}" --strategy fsdp2 --fsdp-unit layer --cpu-offload -- --loss-down; }
 row_ac() { planned ac "${BIG_RUN[@]}" --strategy fsdp2 --fsdp-unit layer --activation-checkpointing -- --loss-down; }
-row_nf4-big() { planned nf4-big "${BIG_RUN[@]}" --strategy "$NF4" --quantize nf4 -- --loss-down; }
+row_nf4-big() { planned nf4-big "${BIG_RUN[@]}" --strategy fsdp2 --quantize nf4 -- --loss-down; }
 row_auto-limit() {  # the automatic choice against the device's real limit: a ballast leaves 8 GiB free
   local leave=8 ready=$CACHE/ballast.ready
   if [ $DRY = 1 ]; then echo "  $CHECK ballast --leave $leave --ready $ready &"; else
