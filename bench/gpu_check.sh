@@ -55,18 +55,29 @@ for r in ${ONLY//,/ }; do
   [[ " $(echo $ALL_ROWS) " == *" $r "* ]] || { echo "gpu_check.sh: no row $r (see --list)" >&2; exit 2; }
 done
 
-# One overall limit for everything below: timeout signals the whole process group (launchers, workers).
+CACHE=${CACHE:-/tmp/shardtune-gpu}
+export GPU_CHECK_RESULTS=$CACHE/results.jsonl
+# the CPU smoke checks the script, not a GPU: its rows stay out of bench/results
+SUMMARY=$([ $CPU = 1 ] && echo "$CACHE/gpu_check-cpu-smoke.json" || echo bench/results/gpu_check.json)
+
+# One overall limit for everything below: timeout signals the whole process group (launchers, workers),
+# and 20 s later kills what is left (exit 137). The rows judged before the limit are kept, and the
+# limit is one more failed row.
 if [ -z "${GPU_CHECK_INNER:-}" ] && [ $DRY = 0 ]; then
   GPU_CHECK_INNER=1 timeout --kill-after=20 "$LIMIT" bash "$0" "${ARGS[@]}"
   code=$?
-  [ $code = 124 ] && echo "FAIL gpu_check: the whole check ran past its ${LIMIT} s limit"
+  if [ $code = 124 ] || [ $code = 137 ]; then
+    echo "FAIL gpu_check: the whole check ran past its ${LIMIT} s limit"
+    mkdir -p "$CACHE"
+    echo "{\"row\": \"gpu_check\", \"passed\": false, \"problems\": [\"ran past its ${LIMIT} s limit\"]}" \
+      >> "$GPU_CHECK_RESULTS"
+    python3 bench/gpu_check.py collect "$GPU_CHECK_RESULTS" "$SUMMARY"
+  fi
   exit $code
 fi
 
 export PYTHONPATH="$PWD/src:${PYTHONPATH:-}"
-CACHE=${CACHE:-/tmp/shardtune-gpu}
 RUNS=$CACHE/runs
-export GPU_CHECK_RESULTS=$CACHE/results.jsonl
 DEV=cuda
 [ $CPU = 1 ] && DEV=cpu
 export GPU_CHECK_DEVICE=$DEV
@@ -251,5 +262,4 @@ for row in $ROWS; do
 done
 [ $DRY = 1 ] && exit 0
 echo "all rows: $((SECONDS - START)) s"
-# the CPU smoke checks the script, not a GPU: its rows stay out of bench/results
-$CHECK collect "$GPU_CHECK_RESULTS" "$([ $CPU = 1 ] && echo "$CACHE/gpu_check-cpu-smoke.json" || echo bench/results/gpu_check.json)"
+$CHECK collect "$GPU_CHECK_RESULTS" "$SUMMARY"
