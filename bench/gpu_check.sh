@@ -55,18 +55,29 @@ for r in ${ONLY//,/ }; do
   [[ " $(echo $ALL_ROWS) " == *" $r "* ]] || { echo "gpu_check.sh: no row $r (see --list)" >&2; exit 2; }
 done
 
-# One overall limit for everything below: timeout signals the whole process group (launchers, workers).
+CACHE=${CACHE:-/tmp/shardtune-gpu}
+export GPU_CHECK_RESULTS=$CACHE/results.jsonl
+# the CPU smoke checks the script, not a GPU: its rows stay out of bench/results
+SUMMARY=$([ $CPU = 1 ] && echo "$CACHE/gpu_check-cpu-smoke.json" || echo bench/results/gpu_check.json)
+
+# One overall limit for everything below: timeout signals the whole process group (launchers, workers),
+# and 20 s later kills what is left (exit 137). The rows judged before the limit are kept, and the
+# limit is one more failed row.
 if [ -z "${GPU_CHECK_INNER:-}" ] && [ $DRY = 0 ]; then
   GPU_CHECK_INNER=1 timeout --kill-after=20 "$LIMIT" bash "$0" "${ARGS[@]}"
   code=$?
-  [ $code = 124 ] && echo "FAIL gpu_check: the whole check ran past its ${LIMIT} s limit"
+  if [ $code = 124 ] || [ $code = 137 ]; then
+    echo "FAIL gpu_check: the whole check ran past its ${LIMIT} s limit"
+    mkdir -p "$CACHE"
+    echo "{\"row\": \"gpu_check\", \"passed\": false, \"problems\": [\"ran past its ${LIMIT} s limit\"]}" \
+      >> "$GPU_CHECK_RESULTS"
+    python3 bench/gpu_check.py collect "$GPU_CHECK_RESULTS" "$SUMMARY"
+  fi
   exit $code
 fi
 
 export PYTHONPATH="$PWD/src:${PYTHONPATH:-}"
-CACHE=${CACHE:-/tmp/shardtune-gpu}
 RUNS=$CACHE/runs
-export GPU_CHECK_RESULTS=$CACHE/results.jsonl
 DEV=cuda
 [ $CPU = 1 ] && DEV=cpu
 export GPU_CHECK_DEVICE=$DEV
@@ -113,9 +124,6 @@ COMMON=(--device "$DEV" --collective-timeout 60 --seed 1 --overwrite)
 TINY_BASE=(--model "$TINY" --data "$DATA_SHORT" --seq-len 128 --batch-size $((4 * N)) --steps 8
            --lr 1e-2 --warmup-steps 1 --lora-r 8 --dtype "$DTYPE" "${COMMON[@]}")
 TINY_RUN=("${TINY_BASE[@]}" --nproc "$N")
-# fsdp2 + --quantize nf4 on ONE rank fails in the first forward (torchao's NF4 all-gather extension gets
-# one output instead of three; reproduced on CPU, reported): on one GPU the NF4 rows run `single`
-NF4=$([ "$N" -ge 2 ] && echo fsdp2 || echo single)
 BIG_RUN=(--model "${BIG:-none}" --data "$DATA" --seq-len 512 --nproc "$N" --batch-size $((8 * N)) --steps 8
          --micro-batch-size 8 --lr 1e-3 --warmup-steps 1 --lora-targets q_proj,v_proj --dtype "$DTYPE" "${COMMON[@]}")
 
@@ -154,7 +162,7 @@ row_fp16() {  # loss scaling: an overflow is a skipped step (metrics.jsonl count
     --metric loss_scale --loss-down
 }
 row_dtype-auto() { finetune dtype-auto "${TINY_RUN[@]}" --dtype auto -- --expect "dtype=$AUTO"; }
-row_nf4() { finetune nf4 "${TINY_RUN[@]}" --strategy "$NF4" --quantize nf4 -- --expect quantize=nf4 --loss-down; }
+row_nf4() { finetune nf4 "${TINY_RUN[@]}" --strategy fsdp2 --quantize nf4 -- --expect strategy=fsdp2 --expect quantize=nf4 --loss-down; }
 row_dpo-precomputed() {
   finetune dpo-precomputed "${TINY_RUN[@]}" --data "$PAIRS" --objective dpo --precompute-reference \
     --val-data "$PAIRS_VAL" --strategy fsdp2 -- --val --metric "rewards/accuracies"
@@ -226,7 +234,7 @@ row_plan-single() {
 }
 row_offload() { planned offload "${BIG_RUN[@]}" --strategy fsdp2 --fsdp-unit layer --cpu-offload -- --loss-down; }
 row_ac() { planned ac "${BIG_RUN[@]}" --strategy fsdp2 --fsdp-unit layer --activation-checkpointing -- --loss-down; }
-row_nf4-big() { planned nf4-big "${BIG_RUN[@]}" --strategy "$NF4" --quantize nf4 -- --loss-down; }
+row_nf4-big() { planned nf4-big "${BIG_RUN[@]}" --strategy fsdp2 --quantize nf4 -- --loss-down; }
 row_auto-limit() {  # the automatic choice against the device's real limit: a ballast leaves 8 GiB free
   local leave=8 ready=$CACHE/ballast.ready
   if [ $DRY = 1 ]; then echo "  $CHECK ballast --leave $leave --ready $ready &"; else
@@ -254,5 +262,4 @@ for row in $ROWS; do
 done
 [ $DRY = 1 ] && exit 0
 echo "all rows: $((SECONDS - START)) s"
-# the CPU smoke checks the script, not a GPU: its rows stay out of bench/results
-$CHECK collect "$GPU_CHECK_RESULTS" "$([ $CPU = 1 ] && echo "$CACHE/gpu_check-cpu-smoke.json" || echo bench/results/gpu_check.json)"
+$CHECK collect "$GPU_CHECK_RESULTS" "$SUMMARY"

@@ -179,3 +179,15 @@ def test_fp16_overflowing_step_after_step_is_a_divergence(setup_dir):
     assert run["error"] and "training diverged at step 4" in run["error"], run["error"]
     assert "overflowed at 3 steps in a row" in run["error"] and "the last at a loss scale of 16384" in run["error"]
     assert [m["step"] for m in run["metrics"]] == [1, 2, 3]
+
+
+def test_the_progress_line_counts_skipped_steps_once_there_are_any():
+    from shardtune.train.metrics import Progress
+
+    progress = Progress(total=5, initial=0, enabled=True)
+    record = {"loss": 1.5, "tokens_per_second": 10.0, "memory_mb": 100.0, "skipped_steps": 0}
+    progress.update(record)
+    assert "skipped" not in progress.bar.postfix
+    progress.update({**record, "skipped_steps": 2})
+    assert "skipped 2" in progress.bar.postfix
+    progress.close()

@@ -38,6 +38,16 @@ def test_script_parses_lists_its_rows_and_refuses_unknown_ones():
     assert _sh("--frobnicate").returncode == 2
 
 
+def test_the_overall_limit_ends_the_check_and_keeps_a_failed_row_for_it(tmp_path):
+    """A check cut off by its --limit (a hung collective, a slow machine) exits 124 saying so, and its
+    summary holds the rows judged so far plus the limit as a failed row (it used to write none)."""
+    done = _sh("--cpu-smoke", "--only", "env", "--limit", "1", env={"CACHE": str(tmp_path)})
+    assert done.returncode == 124, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "FAIL gpu_check: the whole check ran past its 1 s limit" in done.stdout
+    rows = json.loads((tmp_path / "gpu_check-cpu-smoke.json").read_text())
+    assert rows[-1] == {"row": "gpu_check", "passed": False, "problems": ["ran past its 1 s limit"]}
+
+
 def test_every_rows_shardtune_command_is_one_the_cli_takes(tmp_path):
     done = _sh("--dry-run", env={"CACHE": str(tmp_path), "PYTHONPATH": str(ROOT / "src")})
     assert done.returncode == 0, done.stderr[-2000:]

@@ -71,6 +71,32 @@ def _records(tok, n: int) -> list[Example]:
     return [tokenize(tok, r, 128)[0] for r in instruction_records(n, seed=5)]
 
 
+def test_a_packed_step_reads_no_device_value_on_the_host(tmp_path):
+    """The meta device stands for the GPU: a value read back from it (``.tolist()``, ``.item()``, ``bool``)
+    raises, where on a GPU it is a host sync. The varlen layouts (flash's, shardtune's) get their record
+    lengths as host integers, and shardtune's attention splits by them: the batch, the forward and the
+    backward read nothing back (the packed batch once read its segments back, in every forward)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from shardtune.model.attention import use_shardtune_attention
+    from shardtune.train import loss_head
+
+    path = make_model(tmp_path / "llama", "llama")
+    examples = _records(AutoTokenizer.from_pretrained(path), 7)
+    rows = pack_rows([len(e.input_ids) for e in examples], 160)
+    meta = torch.device("meta")
+    for impl in ("flash_attention_2", "shardtune"):
+        fwd = Batcher(Layout(examples, 1, 160, 0, meta, impl, torch.float32)).packed(rows)
+        assert all(v.is_meta for v in fwd.inputs.values() if isinstance(v, torch.Tensor))
+        assert {k: v for k, v in fwd.inputs.items() if not isinstance(v, torch.Tensor)}  # lengths on the host
+    with meta:
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), attn_implementation="sdpa",
+                                                 dtype=torch.float32)
+    assert use_shardtune_attention(model) == "shardtune"
+    loss_head.install(model)
+    loss_head.score(model, fwd.inputs, fwd.targets).logps.sum().backward()
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
 @pytest.mark.parametrize("attention", ["shardtune", "sdpa", "eager"])
 def test_packed_token_losses_and_gradients_equal_padded(tmp_path, arch, attention):

@@ -119,6 +119,21 @@ def test_offload_moves_shards_off_the_gpu(model_dir: Path) -> None:
     assert on_cpu.terms["weights"] > 0 and "nothing" in on_cpu.note
 
 
+def test_offload_keeps_nf4_weights_on_the_gpu_where_one_rank_holds_them_whole(tmp_path: Path) -> None:
+    """fsdp2 on a shard group of one keeps NF4 weights whole, outside FSDP (parallel/fsdp2.py), so
+    --cpu-offload leaves them on the GPU: one GPU, or HSDP with one rank per group. Sharded: offloaded."""
+    from shardtune.train.memory_model import row_sharded_bytes
+
+    model = make_model(tmp_path / "model", "llama", hidden=64)  # whole 64-weight blocks: quantized
+    facts = model_facts(_cfg(model, dtype="bf16", quantize="nf4"), torch.device("cpu"))
+    assert facts.nf4_bytes > 0
+    tables = row_sharded_bytes(facts) / MB
+    for ranks, groups, on_gpu in [(1, 1, tables + facts.nf4_bytes / MB), (2, 2, tables + facts.nf4_bytes / MB),
+                                  (2, 1, tables / 2)]:
+        offloaded = predict(facts, Setting("fsdp2", ranks, 1, 64, cpu_offload=True, replicate_groups=groups), "cuda")
+        assert offloaded.terms["weights"] == pytest.approx(on_gpu), (ranks, groups)
+
+
 def test_tied_model_keeps_its_root(tmp_path: Path) -> None:
     tied = make_model(tmp_path / "tied", "llama", tied=True)
     predictions = strategy_rows(_cfg(tied), 1 << 40)

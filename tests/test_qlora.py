@@ -168,6 +168,26 @@ def test_two_ranks_equal_one_rank_with_nf4(tmp_path, data_file, arch, tied):
     torch.testing.assert_close(one["logits"], expected, rtol=1e-4, atol=1e-4)
 
 
+def test_fsdp2_with_shard_groups_of_one_rank_trains_as_single(tmp_path, data_file):
+    """fsdp2 where one rank holds the whole weight (--nproc 1; HSDP with one rank per replica group):
+    FSDP2's one-rank shortcut gathered only the first of NF4's three all-gather inputs and the first
+    forward crashed in torchao's post-all-gather; now the 4-bit weights stay whole, outside FSDP."""
+    model = make_model(tmp_path / "model", "llama", hidden=64, row_scales=True)
+    single = run_ranks(grads_and_training, 1, _options(model, data_file, tmp_path / "single", strategy="single",
+                                                        steps=2, **{"micro-batch-size": 8}), timeout=900)[0]
+    runs = {"one": (1, {}), "hsdp": (2, {"replicate-groups": 2})}
+    for name, (world, extra) in runs.items():
+        ranks = run_ranks(grads_and_training, world, _options(model, data_file, tmp_path / name, strategy="fsdp2",
+                                                               steps=2, **{"micro-batch-size": 8 // world}, **extra),
+                          timeout=900)
+        torch.testing.assert_close(ranks[0]["before"], single["before"], rtol=0, atol=0)  # the same 4-bit base
+        for name_, g in single["grads"].items():
+            torch.testing.assert_close(ranks[-1]["grads"][name_], g, rtol=1e-4, atol=1e-6, msg=name_)
+        torch.testing.assert_close(torch.tensor(ranks[0]["losses"]), torch.tensor(single["losses"]),
+                                   rtol=1e-5, atol=1e-6)
+        _assert_adapters_close(tmp_path / "single" / "adapter", tmp_path / name / "adapter")
+
+
 def _assert_adapters_close(a: Path, b: Path) -> None:
     """As test_equivalence's check, with an absolute tolerance for lora_A: its first gradients come at
     step 2 (B starts at zero) and AdamW's first steps turn rounding-level gradient differences of

@@ -62,6 +62,8 @@ class Facts:
     #: the largest weight's slice a rank quantizes while loading; 0 without quantization
     dequant_bytes: int = 0
     quantize_slice_bytes: int = 0
+    #: --quantize nf4: all NF4 weights as stored (4-bit codes and their scalers); 0 without quantization
+    nf4_bytes: int = 0
     #: whether the loss head scores chunk by chunk (model/head.py); False: the full logits exist
     chunked_head: bool = True
     #: the compute dtype (--dtype): LoRA computes in it too (parallel/compute_dtype.py), which sets the
@@ -217,6 +219,7 @@ def model_facts(cfg: Config, device: torch.device, seq_len: int | None = None, m
         else sum(p.numel() for p in params.values() if not p.requires_grad) * dtype.itemsize,
         dequant_bytes=largest_nf4.numel() * dtype.itemsize if largest_nf4 is not None else 0,
         quantize_slice_bytes=largest_nf4.numel() * dtype.itemsize if largest_nf4 is not None else 0,
+        nf4_bytes=sum(_nbytes(p, dtype, nf4) for i, p in params.items() if i in nf4),
         chunked_head=head_transform(base, head)[0] is not None,
     )
     facts.seq_len = seq_len or cfg.data.seq_len

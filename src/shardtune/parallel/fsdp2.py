@@ -12,6 +12,7 @@ from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from shardtune.model.nf4_fill import is_nf4
 from shardtune.model.structure import decoder_layers, embedding_tables, layer_parts, tables_by_rows
 from shardtune.parallel import gloo_comms, host_gather, sharded_embeddings
 from shardtune.parallel.base import Strategy
@@ -38,14 +39,20 @@ class FSDP2(Strategy):
         # fp32 so that summing over ranks loses nothing.
         self.mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
         self.offload = CPUOffloadPolicy(pin_memory=worker.device.type == "cuda") if cpu_offload else OffloadPolicy()
+        self.whole: set[nn.Parameter] = set()  # frozen NF4 weights FSDP leaves alone (``shard``)
         if cpu_offload and worker.device.type == "cuda":
-            self.host_params = _fsdp_managed
-
+            self.host_params = self._fsdp_managed
 
     def shard(self, model: nn.Module) -> nn.Module:
         layers = decoder_layers(model)
         if not layers:
             raise ValueError(f"{type(model).__name__}: found no decoder layers to shard (_no_split_modules)")
+        if shard_mesh(self.mesh).size() == 1:
+            # One rank holds the whole weight (one process, or HSDP shard groups of one): there is nothing
+            # to gather, and FSDP2's one-rank shortcut copies only the first of a tensor subclass's
+            # all-gather inputs, so torchao's NF4 (three: scalers, factors, codes) fails in its
+            # post-all-gather. The frozen 4-bit weights stay whole outside FSDP, used in place.
+            self.whole = {p for p in model.parameters() if is_nf4(p)}
         if self.unit == "layer":
             # Backward starts with the last layer right after forward: resharding it would only gather it
             # again at once (torchtitan keeps it too). Per-part units are chosen to fit, so they reshard.
@@ -57,7 +64,7 @@ class FSDP2(Strategy):
         units += [self._unit(module, reshard_after_forward=reshard) for module, reshard in own_units]
         # The root holds what is left (final norm; embeddings not sharded by rows), needed again at the start
         # of backward: keeping it unsharded after forward saves one all-gather per step.
-        units.append(self._unit(model, reshard_after_forward=False, ignored_params=ignored))
+        units.append(self._unit(model, reshard_after_forward=False, ignored_params=ignored | self.whole))
         if self.worker.device.type == "cpu":  # gloo's all-gather only: NCCL's is in place already
             self.gather = host_gather.for_group(shard_mesh(self.mesh).get_group())
             for unit in units:
@@ -106,7 +113,8 @@ class FSDP2(Strategy):
     def _unit(self, module: nn.Module, reshard_after_forward: bool = True,
               ignored_params: set[nn.Parameter] | None = None) -> FSDPModule:
         return fully_shard(module, mesh=self.mesh, mp_policy=self.mp, offload_policy=self.offload,
-                           reshard_after_forward=reshard_after_forward, ignored_params=ignored_params)
+                           reshard_after_forward=reshard_after_forward,
+                           ignored_params=ignored_params if ignored_params is not None else self.whole or None)
 
     def gradient_sync(self, model: nn.Module, enabled: bool) -> ContextManager:
         # Without sync every unit keeps its unsharded gradient (only LoRA's are trainable: small)
@@ -147,13 +155,13 @@ class FSDP2(Strategy):
             out[n] = p.to("cpu", copy=True)
         return out
 
-
-def _fsdp_managed(model: nn.Module) -> set[int]:
-    """Ids of the parameters FSDP2 shards (offloaded to the CPU): all but the row-sharded embeddings'."""
-    outside = {id(p) for m in model.modules()
-               if isinstance(m, (sharded_embeddings.ShardedEmbedding, sharded_embeddings.ShardedHead))
-               for p in m.parameters()}
-    return {id(p) for p in model.parameters() if id(p) not in outside}
+    def _fsdp_managed(self, model: nn.Module) -> set[int]:
+        """Ids of the parameters FSDP2 shards (offloaded to the CPU): all but the row-sharded embeddings'
+        and the whole NF4 weights (used in place on the device)."""
+        outside = {id(p) for m in model.modules()
+                   if isinstance(m, (sharded_embeddings.ShardedEmbedding, sharded_embeddings.ShardedHead))
+                   for p in m.parameters()} | {id(p) for p in self.whole}
+        return {id(p) for p in model.parameters() if id(p) not in outside}
 
 
 def _replace(model: nn.Module, old: nn.Module, new: nn.Module) -> nn.Module:

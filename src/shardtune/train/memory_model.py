@@ -268,8 +268,9 @@ def predict(f: Facts, s: Setting, device: str) -> Prediction:
     }
     host = host_acts
     if offload and device == "cuda":  # the shards and their optimizer live in host RAM...
-        # ...but for FSDP2's row-sharded embedding tables: outside FSDP, they stay on the GPU
-        on_gpu = row_sharded_bytes(f) / n if t.row_tables else 0.0
+        # ...but for FSDP2's row-sharded embedding tables: outside FSDP, they stay on the GPU; so do the
+        # NF4 weights where one rank holds them whole (parallel/fsdp2.py: a shard group of one; fsdp1 has no NF4)
+        on_gpu = (row_sharded_bytes(f) / n if t.row_tables else 0.0) + (f.nf4_bytes if n == 1 else 0)
         host += sum(kept[k] for k in ("weights", "lora", "grads", "optimizer")) - on_gpu
         kept.update(weights=on_gpu, lora=0.0, grads=0.0, optimizer=0.0)
     moments = _moments(strategy, device, f, n, acts, workspace, logits_fwd, logits_bwd, unit)
