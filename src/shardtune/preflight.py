@@ -12,6 +12,7 @@ from pathlib import Path
 
 from shardtune.config import Config, validate
 from shardtune.model.adapter_dir import check_adapter_dir
+from shardtune.model.attention import check_context_parallel
 from shardtune.model.checkpoint_keys import check_against_headers
 from shardtune.model.directory import check_model_dir, load_tokenizer
 from shardtune.model.lora import inject_lora
@@ -81,6 +82,7 @@ def preflight(cfg: Config) -> tuple[Config, RunPlan]:
     check_against_headers(model, model_dir)  # every weight there, of its shape and a float dtype
     if cfg.data.packing:
         check_packing(model)
+    check_context_parallel(model, cfg.parallel.context_parallel)
     cfg, plan, _ = resolve(cfg, lengths_of(train.examples), model)
     assert plan is not None  # the device was checked above: a run always has one
     if plan.why:

@@ -24,13 +24,14 @@ class Traits:
     auto: bool  # --strategy auto may pick it on several ranks (on one rank auto runs the one-process one)
     fsdp_unit: bool  # --fsdp-unit applies (FSDP2: whole layers or their parts; FSDP1 always wraps layers)
     grad_buckets: bool  # keeps a second copy of the gradients (DDP's all-reduce buckets)
+    context_parallel: bool = False  # --context-parallel > 1 applies: sequences cut over groups of ranks
 
 
 #: Every strategy, in the order ``shardtune plan`` lists them. fsdp1 is never picked by auto: fsdp2
 #: does all it does (nf4, DoRA) with a lower peak.
 STRATEGIES: dict[str, Traits] = {t.name: t for t in (
     Traits("fsdp2", shards=True, one_process=False, cpu_offload=True, hsdp=True, nf4=True, dora=True, auto=True,
-           fsdp_unit=True, grad_buckets=False),
+           fsdp_unit=True, grad_buckets=False, context_parallel=True),
     Traits("fsdp1", shards=True, one_process=False, cpu_offload=True, hsdp=True, nf4=False, dora=False, auto=False,
            fsdp_unit=False, grad_buckets=False),
     Traits("ddp", shards=False, one_process=False, cpu_offload=False, hsdp=False, nf4=True, dora=True, auto=True,

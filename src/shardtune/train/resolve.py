@@ -16,7 +16,7 @@ from torch import nn
 
 from shardtune.config import Config
 from shardtune.model import quantize
-from shardtune.runplan import BatchSplit, RunPlan
+from shardtune.runplan import RunPlan, batch_split
 from shardtune.runtime.device import backend, decide_dtype, planned_device_type
 from shardtune.runtime.distributed import Worker
 from shardtune.train.choice import Candidate, Search, choose
@@ -42,7 +42,7 @@ def resolve(cfg: Config, lengths: Lengths | None = None, model: nn.Module | None
         quantize.check_available()
     ranks = cfg.parallel.nproc * cfg.parallel.nnodes
     if cfg.train.micro_batch_size != "auto":  # before the choice: the error names the user's value
-        BatchSplit.of(cfg.train.batch_size, cfg.train.micro_batch_size, ranks, cfg.data.packing)
+        batch_split(cfg, ranks)
     search = search or Search(cfg, lengths, model)
     cfg, chosen, why = choose(cfg, lengths, search)
     if cfg.parallel.strategy == "auto":
