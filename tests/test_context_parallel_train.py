@@ -179,3 +179,41 @@ def test_context_parallel_refuses_attention_it_cannot_split_and_too_few_heads(tm
         err = capsys.readouterr().err
         for word in words:
             assert word in err, (arch, word, err)
+
+
+def test_planner_counts_pieces_and_auto_turns_cp_on_only_when_nothing_else_fits(cp_root):
+    """The planner: a rank's activations shrink with its piece (the exchange buffers added); ``auto`` keeps
+    CP off while anything fits without it (activation checkpointing included), and picks the smallest N
+    that fits when nothing does."""
+    import dataclasses
+
+    from shardtune.config import build_config
+    from shardtune.runtime.memory import MB
+    from shardtune.train.choice import Search, choose
+
+    options = {"model": str(cp_root / "model"), "data": str(cp_root / "train.jsonl"), "out": "unused",
+               "nproc": 4, "strategy": "fsdp2", "dtype": "fp32", "seq-len": 2048, "batch-size": 4,
+               "micro-batch-size": 1, "packing": True, "context-parallel": "auto", "fsdp-unit": "part"}
+    cfg = build_config(options)
+    search = Search(cfg)
+
+    def peak(cp: int, ac: bool) -> float:
+        setting = dataclasses.replace(search.setting("fsdp2", 4, 1), context_parallel=cp, activation_checkpointing=ac)
+        return search.predict(setting)
+
+    one, two, four = peak(1, True), peak(2, True), peak(4, True)
+    assert two.terms["activations"] < 0.75 * one.terms["activations"]
+    assert four.terms["activations"] < two.terms["activations"]
+    assert one.peak_mb > two.peak_mb > four.peak_mb
+    peaks = {(cp, ac): peak(cp, ac).peak_mb for cp in (1, 2, 4) for ac in (False, True)}
+    chosen = []
+    for budget in (peaks[1, False] + 1, peaks[1, True] + 0.01, (one.peak_mb + two.peak_mb) / 2,
+                   (two.peak_mb + four.peak_mb) / 2):
+        decided, _, why = choose(dataclasses.replace(cfg, parallel=dataclasses.replace(
+            cfg.parallel, memory_per_rank=f"{budget * MB:.0f}B")), search=search)
+        cp = min(n for n in (1, 2, 4) if min(peaks[n, False], peaks[n, True]) <= budget)  # the smallest that fits
+        expected = (cp, peaks[cp, False] > budget)  # and checkpointing only when it must
+        got = (decided.parallel.context_parallel, decided.parallel.activation_checkpointing)
+        assert got == expected, (budget, got, why)
+        chosen.append(got[0])
+    assert chosen == [1, 1, 2, 4]

@@ -82,9 +82,9 @@ def preflight(cfg: Config) -> tuple[Config, RunPlan]:
     check_against_headers(model, model_dir)  # every weight there, of its shape and a float dtype
     if cfg.data.packing:
         check_packing(model)
-    check_context_parallel(model, cfg.parallel.context_parallel)
     cfg, plan, _ = resolve(cfg, lengths_of(train.examples), model)
     assert plan is not None  # the device was checked above: a run always has one
+    check_context_parallel(model, plan.context_parallel)
     if plan.why:
         log.info("configuration: %s", plan.why)
     return cfg, plan

@@ -118,7 +118,7 @@ class RunPlan:
         """
         p, t = cfg.parallel, cfg.train
         for flag, value in (("strategy", p.strategy), ("micro-batch-size", t.micro_batch_size),
-                            ("dtype", cfg.model.dtype)):
+                            ("dtype", cfg.model.dtype), ("context-parallel", p.context_parallel)):
             if value == "auto":
                 raise ConfigError(f"option '{flag}': 'auto' is decided by shardtune.train.resolve before a run starts")
         refused = combination_refusal(cfg, p.strategy, ranks)

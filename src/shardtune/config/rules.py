@@ -39,7 +39,7 @@ def validate(cfg: Config, need_data: bool = True) -> None:
         refused = combination_refusal(cfg, cfg.parallel.strategy)
         if refused:
             raise ConfigError(refused)
-    elif cfg.parallel.context_parallel > 1:  # whichever strategy auto picks: the ranks must split
+    elif cfg.parallel.context_parallel not in (1, "auto"):  # whichever strategy auto picks: the ranks must split
         able = next(s for s, t in STRATEGIES.items() if t.context_parallel)
         refused = context_parallel_refusal(cfg, able, cfg.parallel.nproc * cfg.parallel.nnodes)
         if refused:
@@ -110,7 +110,7 @@ def context_parallel_refusal(cfg: Config, strategy: str, ranks: int) -> str | No
     """Why --context-parallel cannot run with ``strategy`` on ``ranks`` ranks (None: it can, or it is 1).
     What the model must allow (its attention, its heads) is model/attention.py's ``check_context_parallel``."""
     n, groups = cfg.parallel.context_parallel, cfg.parallel.replicate_groups
-    if n == 1:
+    if n in (1, "auto"):  # 'auto' weighs only the sizes this rule allows (train/choice.py)
         return None
     if not traits(strategy).context_parallel:
         able = " or ".join(s for s, t in STRATEGIES.items() if t.context_parallel)

@@ -161,25 +161,31 @@ def shardtune_attention(model: nn.Module) -> Iterator[str]:
 
 
 def check_context_parallel(model: nn.Module, size: int) -> None:
-    """Refuse ``--context-parallel size`` (before loading) for a model whose attention it cannot split:
-    one whose attention does not go through transformers' attention interface as SDPA (which becomes
-    ``shardtune``, where the pieces meet), or with fewer query heads than ranks (each rank attends for
-    a share of the heads)."""
+    """Refuse ``--context-parallel size`` (before loading) where ``context_parallel_refusal`` says why."""
     from shardtune.config import ConfigError
 
+    refused = context_parallel_refusal(model, size)
+    if refused:
+        raise ConfigError(refused)
+
+
+def context_parallel_refusal(model: nn.Module, size: int) -> str | None:
+    """Why ``--context-parallel size`` cannot split ``model``'s attention (None: it can): its attention
+    does not go through transformers' attention interface as SDPA (which becomes ``shardtune``, where
+    the pieces meet), or it has fewer query heads than ranks (each rank attends for a share of them)."""
     if size == 1:
-        return
+        return None
     config = _config(model)
     impl = implementation(model)
     own = not getattr(_transformers_model(model), "_supports_attention_backend", False)
     if impl not in ("sdpa", NAME) or own:
         what = "attention code of its own" if own else f"attention '{impl}'"
-        raise ConfigError(
-            f"option 'context-parallel' ({size}): the model ({config.model_type}) runs {what}, which context "
-            "parallelism cannot split: it needs sdpa through transformers' attention interface (Llama, Qwen2/3, "
-            "Mistral, Gemma 3, ...); train this model without --context-parallel")
+        return (f"option 'context-parallel' ({size}): the model ({config.model_type}) runs {what}, which context "
+                "parallelism cannot split: it needs sdpa through transformers' attention interface (Llama, "
+                "Qwen2/3, Mistral, Gemma 3, ...); train this model without --context-parallel")
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = getattr(text, "num_attention_heads", None)
     if heads is not None and size > heads:
-        raise ConfigError(f"option 'context-parallel' ({size}): the model ({config.model_type}) has {heads} attention "
-                          f"heads, and each rank of a group attends for a share of them: use at most {heads}")
+        return (f"option 'context-parallel' ({size}): the model ({config.model_type}) has {heads} attention "
+                f"heads, and each rank of a group attends for a share of them: use at most {heads}")
+    return None

@@ -39,6 +39,7 @@ from shardtune.config import (
     unit_of,
     units_to_try,
 )
+from shardtune.model.attention import context_parallel_refusal
 from shardtune.model.footprint import Facts, meta_lora_model, model_facts
 from shardtune.runplan import BatchError, BatchSplit, RunPlan
 from shardtune.runtime.device import decide_dtype, planned_device_type, trace_device
@@ -70,13 +71,17 @@ class Candidate:
     peak_mb: float
     collectives: int  # weight gathers per optimizer step (forward and backward)
     forwards: int
+    context_parallel: int = 1  # ranks each sequence is cut over
 
     def key(self) -> tuple:
-        return (self.activation_checkpointing, self.collectives, self.forwards, -self.micro_batch_size)
+        # context parallelism last of all: it halves the data parallelism, so only when nothing else fits
+        return (self.context_parallel, self.activation_checkpointing, self.collectives, self.forwards,
+                -self.micro_batch_size)
 
     def describe(self) -> str:
         unit = f", {self.fsdp_unit} units" if traits(self.strategy).fsdp_unit else ""
-        return (f"{self.strategy}{unit}, micro-batch {self.micro_batch_size}, activation checkpointing "
+        cp = f", context parallel {self.context_parallel}" if self.context_parallel > 1 else ""
+        return (f"{self.strategy}{unit}{cp}, micro-batch {self.micro_batch_size}, activation checkpointing "
                 f"{'on' if self.activation_checkpointing else 'off'}")
 
 
@@ -115,8 +120,25 @@ class Search:
         """``strategy`` on ``ranks`` with micro-batches of ``micro_batch_size`` records (or pairs), with
         this configuration's rows and flags (``dataclasses.replace`` varies them)."""
         p = self.cfg.parallel
+        cp = p.context_parallel if p.context_parallel != "auto" and traits(strategy).context_parallel else 1
         return Setting(strategy, ranks, objective_of(self.cfg).rows_per_forward(micro_batch_size), self.width,
-                       p.activation_checkpointing, p.cpu_offload, p.replicate_groups, unit_of(strategy, p.fsdp_unit))
+                       p.activation_checkpointing, p.cpu_offload, p.replicate_groups, unit_of(strategy, p.fsdp_unit),
+                       cp)
+
+    def context_sizes(self, ranks: int) -> list[int]:
+        """The --context-parallel sizes to weigh: the one given, or under 'auto' 1 and each that the ranks
+        (of each replica group), the batch and the model allow."""
+        p = self.cfg.parallel
+        if p.context_parallel != "auto":
+            return [int(p.context_parallel)]
+        sizes = [1]
+        for n in range(2, ranks + 1):
+            cfg = dataclasses.replace(self.cfg, parallel=dataclasses.replace(p, context_parallel=n))
+            able = next(s for s, t in STRATEGIES.items() if t.context_parallel)
+            if (combination_refusal(cfg, able, ranks) is None and context_parallel_refusal(self.model, n) is None
+                    and self.cfg.train.batch_size % (ranks // n) == 0):
+                sizes.append(n)
+        return sizes
 
     def predict(self, setting: Setting) -> Prediction:
         return predict(self.facts, setting, self.device)
@@ -124,6 +146,7 @@ class Search:
 
 def needs_choice(cfg: Config) -> bool:
     return (cfg.parallel.strategy == "auto" or cfg.train.micro_batch_size == "auto"
+            or cfg.parallel.context_parallel == "auto"
             or (cfg.parallel.fsdp_unit == "auto"
                 and (cfg.parallel.strategy == "auto" or traits(cfg.parallel.strategy).fsdp_unit)))
 
@@ -168,20 +191,24 @@ def candidates(cfg: Config, budget: int, lengths: Lengths | None = None,
         strategies = [s for s, t in STRATEGIES.items() if t.one_process]
     else:  # what auto may pick: those the combination rules allow
         strategies = [s for s, t in STRATEGIES.items() if t.auto and combination_refusal(cfg, s) is None]
-    rows = rows_per_rank(cfg, ranks, lengths)
-    auto = cfg.parallel.strategy == "auto" or cfg.train.micro_batch_size == "auto"
+    auto = "auto" in (cfg.parallel.strategy, cfg.train.micro_batch_size, cfg.parallel.context_parallel)
     acs = [True] if cfg.parallel.activation_checkpointing else ([False, True] if auto else [False])
     out = []
-    for strategy in strategies:
-        for micro in _micro_sizes(cfg, rows):
-            forwards = -(-rows // micro)
-            for ac in acs:
-                for unit in units_to_try(strategy, cfg.parallel.fsdp_unit):
-                    setting = search.setting(strategy, ranks, micro)
-                    p = search.predict(dataclasses.replace(setting, activation_checkpointing=ac, fsdp_unit=unit))
-                    gathers = _gathers_per_forward(strategy, unit, search.facts)
-                    c = Candidate(strategy, micro, ac, unit, p.peak_mb, 2 * gathers * forwards, forwards)
-                    out.append((c, p.peak_mb * MB <= budget))
+    for cp in search.context_sizes(ranks):
+        rows = rows_per_rank(cfg, ranks // cp, lengths)  # a CP group's ranks share their rows
+        for strategy in strategies:
+            if cp > 1 and not traits(strategy).context_parallel:
+                continue
+            for micro in _micro_sizes(cfg, rows):
+                forwards = -(-rows // micro)
+                for ac in acs:
+                    for unit in units_to_try(strategy, cfg.parallel.fsdp_unit):
+                        setting = dataclasses.replace(search.setting(strategy, ranks, micro), context_parallel=cp,
+                                                      activation_checkpointing=ac, fsdp_unit=unit)
+                        p = search.predict(setting)
+                        gathers = _gathers_per_forward(strategy, unit, search.facts)
+                        c = Candidate(strategy, micro, ac, unit, p.peak_mb, 2 * gathers * forwards, forwards, cp)
+                        out.append((c, p.peak_mb * MB <= budget))
     return out
 
 
@@ -222,6 +249,7 @@ def choose(cfg: Config, lengths: Lengths | None = None,
                f"{best.describe()}, {format_size(best.peak_mb * MB)}")
     parallel = dataclasses.replace(
         cfg.parallel, strategy=best.strategy, activation_checkpointing=best.activation_checkpointing,
+        context_parallel=best.context_parallel,
         fsdp_unit=best.fsdp_unit if traits(best.strategy).fsdp_unit else cfg.parallel.fsdp_unit)
     train = dataclasses.replace(cfg.train, micro_batch_size=best.micro_batch_size)
     return dataclasses.replace(cfg, parallel=parallel, train=train), best, why
@@ -239,10 +267,12 @@ def strategy_rows(cfg: Config, memory_per_rank: int | None = None, run: RunPlan 
     ranks = cfg.parallel.nproc * cfg.parallel.nnodes
     budget = memory_per_rank or default_memory_per_rank(cfg.parallel.nproc, search.device)
     batches: dict[str, BatchSplit | str] = {}
+    cp = cfg.parallel.context_parallel if cfg.parallel.context_parallel != "auto" else 1
     for strategy in STRATEGIES:
+        n = cp if traits(strategy).context_parallel else 1  # the others refuse it, by the rule's words
         try:
             batches[strategy] = BatchSplit.of(cfg.train.batch_size, cfg.train.micro_batch_size,
-                                               ranks_of(strategy, ranks), cfg.data.packing)
+                                               ranks_of(strategy, ranks) // n, cfg.data.packing, n)
         except BatchError as err:
             batches[strategy] = str(err)
     if not any(isinstance(b, BatchSplit) for b in batches.values()):

@@ -222,6 +222,7 @@ class Setting:
     #: HSDP (> 1) shards over the ranks of one group only: a rank holds 1/(ranks/groups)
     replicate_groups: int = 1
     fsdp_unit: str = "part"  # FSDP2's unit of sharding, "layer" or "part" (others: ignored)
+    context_parallel: int = 1  # ranks a sequence is cut over (--context-parallel): each holds a piece
 
 
 def predict(f: Facts, s: Setting, device: str) -> Prediction:
@@ -233,6 +234,9 @@ def predict(f: Facts, s: Setting, device: str) -> Prediction:
     n = ranks // replicate_groups if sharded else 1
     # LoRA computes in the compute dtype under every strategy (parallel/compute_dtype.py): fp16's too
     per_layer, outside, vocab = f.saved_for(micro_batch, f.dtype)
+    cp = s.context_parallel
+    if cp > 1:  # this rank's piece of every row: what is saved per token shrinks with it
+        per_layer, outside, seq_len = context_parallel_terms(f, per_layer, outside, micro_batch, seq_len, cp)
     micro_tokens = micro_batch * seq_len
     if ac:
         # Each layer keeps only its input; in backward one layer at a time recomputes its own set.
@@ -240,6 +244,8 @@ def predict(f: Facts, s: Setting, device: str) -> Prediction:
         workspace = 2 * max(per_layer, default=0)
     else:
         acts, workspace = sum(per_layer) + outside, max(per_layer, default=0)
+    if cp > 1:  # one layer's all-to-all buffers
+        workspace += exchange_bytes(f, micro_batch, seq_len, cp)
     by_rows = strategy == "fsdp2" and f.tables_by_rows["head"]
     logits_fwd, logits_bwd = _head_terms(f, micro_tokens, vocab, n if by_rows else 1)
     lora = 4 * f.trainable_params / n
@@ -275,6 +281,31 @@ def predict(f: Facts, s: Setting, device: str) -> Prediction:
                       host_mb=host / MB, read_mb=f.checkpoint_bytes / n / MB, block_mb=f.block_bytes / MB,
                       quantize_slice_mb=f.quantize_slice_bytes / n / MB,
                       note=note)
+
+
+def context_parallel_terms(f: Facts, per_layer: list[int], outside: int, rows: int, seq_len: int,
+                           cp: int) -> tuple[list[float], float, int]:
+    """(saved per layer, saved outside the layers, tokens per row) on one rank of a CP group of ``cp``:
+    its piece of each row (parallel/context_parallel.py). Everything but attention is saved per token,
+    so 1/cp of the whole row's (traced at ``seq_len``); Ulysses attention (parallel/ulysses.py) keeps
+    its share of the heads over the whole row, which exceeds 1/cp on the busiest rank when the
+    heads do not divide cp (``HeadShares.most_heads``): that excess is added."""
+    from shardtune.parallel.ulysses import head_shares
+
+    piece = -(-seq_len // cp)
+    scale = piece / seq_len
+    extra = 0.0
+    if f.heads:
+        held = f.heads + 2 * f.kv_heads  # q, k, v; the output is a q-sized share too
+        most = head_shares(f.heads, f.kv_heads, cp).most_heads
+        extra = max(0.0, most - held / cp) * rows * piece * cp * f.head_dim * f.compute_itemsize
+    return [b * scale + extra for b in per_layer], outside * scale, piece
+
+
+def exchange_bytes(f: Facts, rows: int, piece: int, cp: int) -> float:
+    """Ulysses' all-to-all buffers for one layer (parallel/ulysses.py: what is sent, what is received,
+    and its rearranged copy), about three times the rank's q, k and v of its piece."""
+    return 3 * (f.heads + 2 * f.kv_heads) * rows * piece * f.head_dim * f.compute_itemsize
 
 
 def _head_terms(f: Facts, tokens: int, vocab: int, blocks: int) -> tuple[float, float]:

@@ -41,7 +41,7 @@ def resolve(cfg: Config, lengths: Lengths | None = None, model: nn.Module | None
     if cfg.model.quantize == "nf4":
         quantize.check_available()
     ranks = cfg.parallel.nproc * cfg.parallel.nnodes
-    if cfg.train.micro_batch_size != "auto":  # before the choice: the error names the user's value
+    if "auto" not in (cfg.train.micro_batch_size, cfg.parallel.context_parallel):  # the error names the user's value
         batch_split(cfg, ranks)
     search = search or Search(cfg, lengths, model)
     cfg, chosen, why = choose(cfg, lengths, search)
