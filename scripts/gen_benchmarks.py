@@ -401,6 +401,27 @@ def long_context(name: str, data: Result) -> list[str]:
     return lines + ["", "Targets, as the bench judged them:", ""] + [f"- {t}" for t in data.get("targets", [])]
 
 
+def context_parallel(name: str, data: Result) -> list[str]:
+    lines = header(name, data, "fp32", f"python bench/context_parallel.py --layers {data.get('layers')}")
+    lines += [f"A random Llama of SmolLM2-135M's shape (576 hidden, 49,152-token vocabulary) with {data.get('layers')} "
+              "layers, LoRA r16 all-linear, activation checkpointing, one record of the row's tokens per data-parallel "
+              "group and step. `cp N`: N processes with `--context-parallel N`; `dp 2`: 2 processes, a record each. "
+              "Peak: the busiest rank's train peak (summary); planner: `shardtune plan --json`.", ""]
+    rows = [[r["row"], r["ranks"], r["tokens"], job_error(r) or r.get("peak_mb"), r.get("planned_mb"),
+             r.get("tokens_per_second")] for r in data["rows"]]
+    lines += table(["row", "ranks", "tokens", "peak MB per rank", "planner MB", "tokens/s"], rows)
+    fig = data.get("figures") or {}
+    longest = [[f"CP {cp}", cell((fig.get("mb_per_token") or {}).get(cp)), t, (fig.get("longest_ratio") or {}).get(cp)]
+               for cp, t in (fig.get("longest_tokens") or {}).items()]
+    if longest:
+        lines += ["", f"Within {cell(fig.get('budget_mib'))} MiB per rank:", ""]
+        lines += table(["", "MB per token", "longest context", "× CP 1"], longest)
+    speed = fig.get("cp2_over_dp2_tokens_per_second") or {}
+    if speed:
+        lines += ["", "Tokens/s of CP 2 over DP 2: " + ", ".join(f"{cell(v)} at {t} tokens" for t, v in speed.items())]
+    return lines
+
+
 def other(name: str, data: Any) -> list[str]:
     keys = ", ".join(map(str, data)) if isinstance(data, dict) else type(data).__name__
     return [f"### {name}", "", f"No table layout is known for this file (fields: {keys}); "
@@ -424,6 +445,7 @@ KINDS: list[tuple[str, str, Callable[[str, Any], list[str]]]] = [
     ("llama-cpp-check", "The exported GGUF in llama.cpp: bench/llama_cpp_check.py", llama_cpp_check),
     ("cp-attention-memory", "Context-parallel attention's memory: bench/cp_attention_memory.py", cp_attention_memory),
     ("long-context-", "Long context against TRL and transformers: bench/long_context.py", long_context),
+    ("context-parallel-", "Context parallelism: bench/context_parallel.py", context_parallel),
     ("", "Other results", other),
 ]
 

@@ -12,6 +12,7 @@ from shardtune import cli
 from shardtune.config import ConfigError, build_config
 from shardtune.train.choice import candidates, choose
 from shardtune.train.data.records import Lengths
+from shardtune.train.resolve import resolve
 
 from tiny import make_run_dir
 
@@ -59,7 +60,7 @@ def test_choice_is_the_first_fitting_setting_by_the_speed_rule(root):
 def test_nothing_fits_names_the_budget_and_the_smallest_peak(root):
     with pytest.raises(ConfigError, match=r"memory-per-rank.*no setting fits 1 MiB per rank; the smallest "
                                           r"predicted peak is [0-9.]+ [KMG]iB \("):
-        choose(_cfg(root, **{"memory-per-rank": "1MiB"}))
+        resolve(_cfg(root, **{"memory-per-rank": "1MiB"}))
 
 
 def test_explicit_settings_are_kept(root):

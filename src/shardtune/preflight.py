@@ -12,6 +12,7 @@ from pathlib import Path
 
 from shardtune.config import Config, validate
 from shardtune.model.adapter_dir import check_adapter_dir
+from shardtune.model.attention import check_context_parallel
 from shardtune.model.checkpoint_keys import check_against_headers
 from shardtune.model.directory import check_model_dir, load_tokenizer
 from shardtune.model.lora import inject_lora
@@ -87,6 +88,7 @@ def preflight(cfg: Config) -> tuple[Config, RunPlan]:
         check_packing(model)
     cfg, plan, _ = resolve(cfg, lengths_of(train.examples), model)
     assert plan is not None  # the device was checked above: a run always has one
+    check_context_parallel(model, plan.context_parallel)
     if plan.why:
         log.info("configuration: %s", plan.why)
     return cfg, plan

@@ -45,15 +45,20 @@ class BatchSplit:
         return self.batch_size // (self.micro_batch_size * self.world_size)
 
     @classmethod
-    def of(cls, batch_size: int, micro_batch_size: int | None, world_size: int, packing: bool = False) -> BatchSplit:
+    def of(cls, batch_size: int, micro_batch_size: int | None, world_size: int, packing: bool = False,
+           context_parallel: int = 1) -> BatchSplit:
+        """The split over ``world_size`` data-parallel ranks; ``context_parallel``: said in the messages (the
+        ranks are then groups of that many ranks, which share their micro-batches)."""
+        ranks = f"{world_size} ranks" if context_parallel == 1 else (
+            f"{world_size} data-parallel groups (of --context-parallel {context_parallel} ranks each)")
         if batch_size % world_size:
             raise BatchError(
-                f"--batch-size {batch_size} is the global batch and must be a multiple of the {world_size} ranks"
+                f"--batch-size {batch_size} is the global batch and must be a multiple of the {ranks}"
             )
         micro = micro_batch_size or batch_size // world_size
         if not packing and batch_size % (micro * world_size):
             raise BatchError(
-                f"--batch-size {batch_size} cannot be made of micro-batches of {micro} on {world_size} ranks: "
+                f"--batch-size {batch_size} cannot be made of micro-batches of {micro} on {ranks}: "
                 f"it must equal micro-batch-size × ranks × accumulation steps "
                 f"(e.g. --micro-batch-size {math.gcd(batch_size // world_size, micro)})"
             )
@@ -79,11 +84,15 @@ class RunPlan:
     mlp_tile: int = 0  # tokens per MLP tile (parallel/tiling.py); 0: untiled
     loss_chunk: int = 0  # tokens per loss-head chunk (train/loss_head.py); 0: its default
     activation_offload: bool = False  # saved activations to pinned host memory (GPUs)
+    #: ranks per context-parallel group: each sequence is cut into this many pieces; ``batch`` is split over
+    #: the world size / this many data-parallel groups (the ranks of a group share their micro-batches)
+    context_parallel: int = 1
     why: str = ""  # what the automatic choice picked and why; "" when nothing was left to choose
 
     @property
     def world_size(self) -> int:
-        return self.batch.world_size
+        """All ranks: the data-parallel ranks times the ranks of a context-parallel group."""
+        return self.batch.world_size * self.context_parallel
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -114,13 +123,22 @@ class RunPlan:
         """
         p, t = cfg.parallel, cfg.train
         for flag, value in (("strategy", p.strategy), ("micro-batch-size", t.micro_batch_size),
-                            ("dtype", cfg.model.dtype), ("mlp-tile", p.mlp_tile)):
+                            ("dtype", cfg.model.dtype), ("mlp-tile", p.mlp_tile),
+                            ("context-parallel", p.context_parallel)):
             if value == "auto":
                 raise ConfigError(f"option '{flag}': 'auto' is decided by shardtune.train.resolve before a run starts")
         refused = combination_refusal(cfg, p.strategy, ranks)
         if refused:
             raise ConfigError(refused)
-        batch = BatchSplit.of(t.batch_size, t.micro_batch_size, ranks, cfg.data.packing)
+        batch = batch_split(cfg, ranks)
         return cls(p.strategy, unit_of(p.strategy, p.fsdp_unit), batch, cfg.data.seq_len, cfg.model.dtype, device,
                    backend, p.activation_checkpointing, p.cpu_offload, p.replicate_groups, cfg.model.quantize,
-                   cfg.lora.variant, int(p.mlp_tile or 0), p.loss_chunk or 0, p.activation_offload, why)
+                   cfg.lora.variant, int(p.mlp_tile or 0), p.loss_chunk or 0, p.activation_offload,
+                   p.context_parallel, why)
+
+
+def batch_split(cfg: Config, ranks: int) -> BatchSplit:
+    """The batch split of ``cfg`` on ``ranks`` ranks: over its data-parallel groups (ranks /
+    --context-parallel), whose ranks share every micro-batch, each taking its piece of the sequences."""
+    cp = cfg.parallel.context_parallel
+    return BatchSplit.of(cfg.train.batch_size, cfg.train.micro_batch_size, ranks // cp, cfg.data.packing, cp)

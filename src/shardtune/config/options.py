@@ -239,6 +239,13 @@ class ParallelConfig:
         1, "replicate-groups", FREE,
         "HSDP: replica groups (normally --nnodes); each group of ranks/R shards the model, the groups replicate it.",
         range=AT_LEAST_1)
+    context_parallel: int | str = opt(
+        1, "context-parallel", FREE,
+        "Context parallelism: cut every sequence into N pieces, one per rank of a group of N consecutive ranks "
+        "(attention across the pieces by an all-to-all over heads), so each rank holds about 1/N of a sequence's "
+        "activations and logits: a longer context. N must divide the ranks; --strategy fsdp2 (weights sharded over "
+        "all ranks); models on shardtune's attention (those that run sdpa through transformers). 'auto': the "
+        "smallest N with which a step fits --memory-per-rank, 1 when it fits without.", auto=True, range=AT_LEAST_1)
     nnodes: int = opt(1, "nnodes", FREE, "Number of nodes (multi-node runs).", range=AT_LEAST_1)
     node_rank: int = opt(0, "node-rank", FREE, "This node's index among --nnodes.", range=AT_LEAST_0)
     collective_timeout: float = opt(

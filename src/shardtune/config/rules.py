@@ -8,8 +8,8 @@ from __future__ import annotations
 import math
 import re
 
-from shardtune.config.options import FLAGS, Config, ConfigError
-from shardtune.config.strategies import groups_refusal, traits
+from shardtune.config.options import FLAGS, OBJECTIVES, Config, ConfigError
+from shardtune.config.strategies import STRATEGIES, groups_refusal, traits
 
 
 def validate(cfg: Config, need_data: bool = True) -> None:
@@ -37,6 +37,11 @@ def validate(cfg: Config, need_data: bool = True) -> None:
                           "give --val-data FILE, or leave --eval-every out")
     if cfg.parallel.strategy != "auto":
         refused = combination_refusal(cfg, cfg.parallel.strategy)
+        if refused:
+            raise ConfigError(refused)
+    elif cfg.parallel.context_parallel not in (1, "auto"):  # whichever strategy auto picks: the ranks must split
+        able = next(s for s, t in STRATEGIES.items() if t.context_parallel)
+        refused = context_parallel_refusal(cfg, able, cfg.parallel.nproc * cfg.parallel.nnodes)
         if refused:
             raise ConfigError(refused)
 
@@ -93,6 +98,35 @@ def combination_refusal(cfg: Config, strategy: str, ranks: int | None = None) ->
             return refused
     if cfg.parallel.cpu_offload and not t.cpu_offload:
         return f"option 'cpu-offload' needs an FSDP strategy, not '{strategy}'"
+    return context_parallel_refusal(cfg, strategy, ranks)
+
+
+#: the objectives context parallelism splits: their loss is a sum over target tokens, or a function of
+#: per-sequence sums (which the ranks of a CP group add up before it); every objective of OBJECTIVES
+CP_OBJECTIVES = OBJECTIVES
+
+
+def context_parallel_refusal(cfg: Config, strategy: str, ranks: int) -> str | None:
+    """Why --context-parallel cannot run with ``strategy`` on ``ranks`` ranks (None: it can, or it is 1).
+    What the model must allow (its attention, its heads) is model/attention.py's ``check_context_parallel``."""
+    n, groups = cfg.parallel.context_parallel, cfg.parallel.replicate_groups
+    if n in (1, "auto"):  # 'auto' weighs only the sizes this rule allows (train/choice.py)
+        return None
+    if not traits(strategy).context_parallel:
+        able = " or ".join(s for s, t in STRATEGIES.items() if t.context_parallel)
+        return (f"option 'context-parallel' ({n}) needs --strategy {able} (weights sharded over every rank, "
+                f"each sequence over a group of {n}); '{strategy}' cannot carry it: use --strategy {able}, "
+                "or leave --context-parallel out")
+    fits = [d for d in range(2, ranks + 1) if ranks % d == 0 and (ranks // groups) % d == 0]
+    hint = f"use one of {', '.join(map(str, fits))}" if fits else "use more ranks (--nproc)"
+    if ranks % n:
+        return f"option 'context-parallel': {n} does not divide the {ranks} ranks (--nproc × --nnodes); {hint}"
+    if groups > 1 and (ranks // groups) % n:
+        return (f"option 'context-parallel': {n} does not divide the {ranks // groups} ranks of each of the "
+                f"--replicate-groups {groups} groups (a sequence's pieces stay within a group); {hint}")
+    if cfg.train.objective not in CP_OBJECTIVES:
+        return (f"option 'context-parallel' does not split --objective {cfg.train.objective}; it splits "
+                f"{', '.join(CP_OBJECTIVES)}: leave --context-parallel out")
     return None
 
 

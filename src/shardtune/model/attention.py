@@ -25,7 +25,9 @@ interface (``_supports_attention_backend``); others keep their own attention and
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import functools
+import itertools
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -58,11 +60,41 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None
     return torch.cat(out, dim=2)
 
 
+def record_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: Sequence[Sequence[int]],
+                     scale: float | None = None, dropout: float = 0.0, window: int | None = None) -> torch.Tensor:
+    """Causal attention of each segment of each row on its own: ``(rows, heads, seq, dim)`` in and out,
+    ``bounds[row]`` the cuts between the row's segments (0, ..., seq): a packed record, or a whole row.
+    No token sees another segment and no mask is built. The one rule for keeping records apart, used
+    with and without context parallelism (parallel/ulysses.py runs it on a rank's share of the heads)."""
+    if all(len(cuts) == 2 for cuts in bounds):  # a segment per row: one call for the whole batch
+        return _sdpa(q, k, v, scale, dropout, window)
+    rows = []
+    # Cut with split, not slicing: split's backward is one concatenation, a slice's a zero tensor of the
+    # whole input per record.
+    for cuts, qr, kr, vr in zip(bounds, q.split(1), k.split(1), v.split(1)):
+        lengths = [b - a for a, b in zip(cuts, cuts[1:])]
+        parts = [_sdpa(qs, ks, vs, scale, dropout, window)
+                 for qs, ks, vs in zip(qr.split(lengths, 2), kr.split(lengths, 2), vr.split(lengths, 2))]
+        rows.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=2))
+    return rows[0] if len(rows) == 1 else torch.cat(rows)
+
+
+#: ``shardtune_cp(q, k, v, scale, attend)``: attention of this rank's piece of every row across the pieces
+#: of its context-parallel group (parallel/ulysses.py's ``PieceAttention``), ``attend`` the per-record rule
+PieceAttention = Callable[..., torch.Tensor]
+
+
 def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
               attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
               sliding_window: int | None = None, shardtune_lengths: tuple[int, ...] | None = None,
-              **kwargs) -> tuple[torch.Tensor, None]:
-    """transformers' attention-function interface: (batch, heads, s, dim) in, (batch, s, heads, dim) out."""
+              shardtune_cp: PieceAttention | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function interface: (batch, heads, s, dim) in, (batch, s, heads, dim) out.
+    ``shardtune_lengths``: one packed row's records; ``shardtune_cp``: the rows are this rank's pieces
+    (context parallelism; every rank of the group calls it, whatever its piece holds)."""
+    dropout = dropout if module.training else 0.0
+    if shardtune_cp is not None:
+        attend = functools.partial(record_attention, dropout=dropout, window=sliding_window)
+        return shardtune_cp(query, key, value, scaling, attend).transpose(1, 2).contiguous(), None
     q_len, k_len = query.size(2), key.size(2)
     if attention_mask is not None or (q_len != k_len and q_len != 1):
         # Not a training forward (a cache with a mask, chunked prefill): transformers' own SDPA path.
@@ -70,7 +102,6 @@ def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: 
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    dropout = dropout if module.training else 0.0
     if q_len == 1:  # one new token against the cache: it sees every key
         out = F.scaled_dot_product_attention(query, key, value, scale=scaling, enable_gqa=query.size(1) != key.size(1))
     elif shardtune_lengths is None:
@@ -79,10 +110,8 @@ def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: 
         if query.size(0) != 1 or sum(shardtune_lengths) != q_len:
             raise ValueError(f"packed attention: lengths {sum(shardtune_lengths)} tokens in all for a batch of "
                              f"{tuple(query.shape[:1])} rows of {q_len}")
-        # split, not slices: a slice's backward makes a zero tensor of the whole row for every record
-        lengths = list(shardtune_lengths)
-        out = torch.cat([_sdpa(q, k, v, scaling, dropout, sliding_window) for q, k, v in
-                         zip(query.split(lengths, 2), key.split(lengths, 2), value.split(lengths, 2))], dim=2)
+        cuts = [0, *itertools.accumulate(shardtune_lengths)]
+        out = record_attention(query, key, value, [cuts], scaling, dropout, sliding_window)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -129,3 +158,34 @@ def shardtune_attention(model: nn.Module) -> Iterator[str]:
     finally:
         if now != before:
             _transformers_model(model).set_attn_implementation(before)
+
+
+def check_context_parallel(model: nn.Module, size: int) -> None:
+    """Refuse ``--context-parallel size`` (before loading) where ``context_parallel_refusal`` says why."""
+    from shardtune.config import ConfigError
+
+    refused = context_parallel_refusal(model, size)
+    if refused:
+        raise ConfigError(refused)
+
+
+def context_parallel_refusal(model: nn.Module, size: int) -> str | None:
+    """Why ``--context-parallel size`` cannot split ``model``'s attention (None: it can): its attention
+    does not go through transformers' attention interface as SDPA (which becomes ``shardtune``, where
+    the pieces meet), or it has fewer query heads than ranks (each rank attends for a share of them)."""
+    if size == 1:
+        return None
+    config = _config(model)
+    impl = implementation(model)
+    own = not getattr(_transformers_model(model), "_supports_attention_backend", False)
+    if impl not in ("sdpa", NAME) or own:
+        what = "attention code of its own" if own else f"attention '{impl}'"
+        return (f"option 'context-parallel' ({size}): the model ({config.model_type}) runs {what}, which context "
+                "parallelism cannot split: it needs sdpa through transformers' attention interface (Llama, "
+                "Qwen2/3, Mistral, Gemma 3, ...); train this model without --context-parallel")
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = getattr(text, "num_attention_heads", None)
+    if heads is not None and size > heads:
+        return (f"option 'context-parallel' ({size}): the model ({config.model_type}) has {heads} attention "
+                f"heads, and each rank of a group attends for a share of them: use at most {heads}")
+    return None

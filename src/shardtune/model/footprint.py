@@ -74,6 +74,10 @@ class Facts:
     #: {(micro-batch size, LoRA weight dtype, row width): what it saves for backward}: each found by one
     #: fake-tensor pass, when first asked for (``saved_for``)
     saved: dict[tuple[int, torch.dtype, int], Saved] = field(default_factory=dict)
+    #: attention's query and key/value heads and their width (context parallelism's head shares)
+    heads: int = 0
+    kv_heads: int = 0
+    head_dim: int = 0
     #: the fake-tensor pass of a (micro-batch size, LoRA weight dtype, row width) on the model these facts are of
     trace: Callable[[int, torch.dtype, int], Saved] | None = field(default=None, repr=False, compare=False)
 
@@ -221,10 +225,20 @@ def model_facts(cfg: Config, device: torch.device, seq_len: int | None = None, m
         quantize_slice_bytes=largest_nf4.numel() * dtype.itemsize if largest_nf4 is not None else 0,
         nf4_bytes=sum(_nbytes(p, dtype, nf4) for i, p in params.items() if i in nf4),
         chunked_head=head_transform(base, head)[0] is not None,
+        **_heads(base.config),
     )
     facts.seq_len = seq_len or cfg.data.seq_len
     facts.trace = functools.partial(_trace, model, device)
     return facts
+
+
+def _heads(config) -> dict[str, int]:
+    """The attention heads of a transformers config (its text model's), 0 where it names none."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = int(getattr(text, "num_attention_heads", 0) or 0)
+    kv = int(getattr(text, "num_key_value_heads", 0) or heads)
+    dim = int(getattr(text, "head_dim", 0) or (text.hidden_size // heads if heads else 0))
+    return {"heads": heads, "kv_heads": kv, "head_dim": dim}
 
 
 def _trace(model: nn.Module, device: torch.device, micro_batch: int, lora_dtype: torch.dtype, seq_len: int) -> Saved:

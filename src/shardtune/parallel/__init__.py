@@ -12,6 +12,7 @@ from torch import nn
 
 from shardtune.model.structure import base_model, decoder_layers
 from shardtune.parallel.base import Strategy
+from shardtune.parallel.mesh import context_group
 from shardtune.runplan import RunPlan
 from shardtune.runtime.distributed import Worker
 
@@ -21,7 +22,14 @@ __all__ = ["Strategy", "make_strategy", "parallelize"]
 def make_strategy(plan: RunPlan, worker: Worker, compute_dtype: torch.dtype) -> Strategy:
     """The strategy of a run plan (which options combine was checked when the plan was made, once):
     its ``replicate_groups`` > 1 means HSDP (shard within groups, replicate across them), its
-    ``fsdp_unit`` FSDP2's unit of sharding."""
+    ``fsdp_unit`` FSDP2's unit of sharding; its ``context_parallel`` the groups of ranks that share their
+    micro-batches and cut each sequence among them (``Strategy.context``)."""
+    strategy = _strategy(plan, worker, compute_dtype)
+    strategy.context = context_group(worker, plan.context_parallel)
+    return strategy
+
+
+def _strategy(plan: RunPlan, worker: Worker, compute_dtype: torch.dtype) -> Strategy:
     if plan.strategy == "fsdp2":
         from shardtune.parallel.fsdp2 import FSDP2
 

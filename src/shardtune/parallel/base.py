@@ -9,6 +9,7 @@ from contextlib import AbstractContextManager as ContextManager
 import torch
 from torch import nn
 
+from shardtune.parallel.mesh import ContextGroup
 from shardtune.runtime.distributed import Worker
 
 
@@ -24,6 +25,8 @@ class Strategy:
     def __init__(self, worker: Worker, compute_dtype: torch.dtype | None = None) -> None:
         self.worker = worker
         self.compute_dtype = compute_dtype
+        #: data parallelism × context parallelism (``make_strategy`` sets it; none: every rank its own data)
+        self.context = ContextGroup(1, 0, None, worker.rank, worker.world_size)
 
     def shard(self, model: nn.Module) -> nn.Module:
         """Called on the meta model, before any weight exists."""

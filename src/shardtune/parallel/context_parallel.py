@@ -149,3 +149,29 @@ def sum_over_group(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> t
     (FSDP's reduction) are the gradient of ``f`` once.
     """
     return _SumOverGroup.apply(x, group)
+
+
+class _SharedSum(torch.autograd.Function):
+    """All-reduce (sum) forward and backward (see ``shared_sum``)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:  # type: ignore[override]
+        ctx.group = group
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def shared_sum(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """``x`` summed over the CP group, for a loss of which each of the N ranks counts a share: every
+    rank computes ``f(sum) / N`` (so the ranks' losses add up to ``f`` once, as the per-token losses of
+    the pieces do), and the gradients of the N shares, added in backward, give each rank's own terms
+    ``f'(sum)`` (the training step's objectives: a preference pair's log-probabilities). Where each
+    rank computes the whole ``f(sum)`` instead, ``sum_over_group``."""
+    return _SharedSum.apply(x, group)

@@ -15,6 +15,7 @@ from torch import nn
 
 from shardtune.config import Config, LoraConfig, ModelConfig, ParallelConfig, TrainConfig
 from shardtune.model import quantize
+from shardtune.model.attention import check_context_parallel
 from shardtune.model.directory import ModelDir, check_model_dir
 from shardtune.model.loading import load, take_snapshot
 from shardtune.model.lora import adapter_key_map, count_params, inject_lora, trainable_names
@@ -50,6 +51,7 @@ def _build(model_dir: ModelDir, meta_model: nn.Module | None, cfg: Config, worke
         quantize.check_available()
     dtype = compute_dtype(cfg)
     model = meta_model if meta_model is not None else build_meta_model(model_dir, dtype)
+    check_context_parallel(model, plan.context_parallel)  # before any weight is read
     model, lora_init = inject_lora(model, cfg.lora, cfg.train.seed)
     # Named before sharding: FSDP1's wrappers hide the module names peft needs to name adapter tensors.
     adapter_keys = adapter_key_map(model, trainable_names(model))

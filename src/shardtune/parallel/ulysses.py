@@ -2,8 +2,8 @@
 
 Each rank of a CP group holds q, k, v of its piece of the sequence for all heads. One all-to-all
 gives it the whole sequence for its share of the heads; it runs the ordinary single-process
-attention on that (one causal attention per packed record, ``record_attention``, memory linear in
-the record's length), and a second all-to-all brings its piece back for all heads. What a rank
+attention on that (one causal attention per packed record, model/attention.py's ``record_attention``,
+memory linear in the record's length), and a second all-to-all brings its piece back for all heads. What a rank
 computes is exactly the one-process attention restricted to some heads, so record boundaries and
 causality are honoured the same way however records fall across pieces, and the result is exact
 (the same kernels on the same numbers). An all-to-all is a permutation, so its backward is the
@@ -24,31 +24,15 @@ from functools import cached_property, lru_cache
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
+from shardtune.model.attention import record_attention
 from shardtune.parallel.context_parallel import SequencePieces
+
+__all__ = ["HeadShares", "PieceAttention", "head_shares", "record_attention", "ulysses_attention"]
 
 #: ``attend(q, k, v, bounds, scale)``: the single-process attention over whole rows, per record
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Sequence[Sequence[int]], float | None], torch.Tensor]
 Ranges = tuple[tuple[int, int], ...]  # one [start, stop) of heads per rank
-
-
-def record_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: Sequence[Sequence[int]],
-                     scale: float | None = None) -> torch.Tensor:
-    """Causal attention of each segment of each row on its own: ``(rows, heads, seq, dim)`` in and out,
-    ``bounds[row]`` the cuts between the row's segments (0, ..., seq). No mask is built: SDPA's flash
-    kernel (CPU and CUDA) with ``is_causal`` keeps memory linear in the segment's length; ``k``/``v``
-    may have fewer heads than ``q`` (grouped-query attention, ``enable_gqa``)."""
-    gqa = q.shape[1] != k.shape[1]
-    rows = []
-    # Cut with split, not slicing: split's backward is one concatenation, a slice's a zero tensor of
-    # the whole input per record.
-    for cuts, qr, kr, vr in zip(bounds, q.split(1), k.split(1), v.split(1)):
-        lengths = [b - a for a, b in zip(cuts, cuts[1:])]
-        parts = [F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
-                 for qs, ks, vs in zip(qr.split(lengths, 2), kr.split(lengths, 2), vr.split(lengths, 2))]
-        rows.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=2))
-    return rows[0] if len(rows) == 1 else torch.cat(rows)
 
 
 @dataclass(frozen=True)
@@ -225,3 +209,16 @@ def _attend_share(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: tupl
     outs = [attend(qs, ks, vs, bounds, scale) for qs, ks, vs in
             zip(q.split([b - a for a, b in runs], 1), k.split(kv_sizes, 1), v.split(kv_sizes, 1))]
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+
+@dataclass(frozen=True)
+class PieceAttention:
+    """What a context-parallel forward gives the model's attention (``shardtune_cp``, model/attention.py):
+    this rank's layout of the micro-batch and its CP group; called per layer with q, k, v of the piece."""
+
+    layout: SequencePieces
+    group: dist.ProcessGroup | None
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None,
+                 attend: Attend = record_attention) -> torch.Tensor:
+        return ulysses_attention(q, k, v, self.layout, self.group, scale, attend)

@@ -39,6 +39,7 @@ from shardtune.config import (
     unit_of,
     units_to_try,
 )
+from shardtune.model.attention import context_parallel_refusal
 from shardtune.model.footprint import Facts, meta_lora_model, model_facts
 from shardtune.runplan import BatchError, BatchSplit, RunPlan
 from shardtune.runtime.device import decide_dtype, planned_device_type, trace_device
@@ -61,6 +62,15 @@ if TYPE_CHECKING:
 log = logging.getLogger("shardtune")
 
 
+class NothingFits(ConfigError):
+    """No setting fits the budget (an explicit one, or a GPU's): ``resolve`` words the refusal with the longest
+    --seq-len that fits (train/longest.py), from this search and its smallest candidate."""
+
+    def __init__(self, search: Search, best: Candidate, budget: int, where: str) -> None:
+        super().__init__(f"no setting fits {format_size(budget)} per rank ({where})")
+        self.search, self.best, self.budget, self.where = search, best, budget, where
+
+
 @dataclass(frozen=True)
 class Candidate:
     strategy: str
@@ -71,15 +81,19 @@ class Candidate:
     collectives: int  # weight gathers per optimizer step (forward and backward)
     forwards: int
     mlp_tile: int = 0  # tokens per MLP tile; 0: untiled
+    context_parallel: int = 1  # ranks each sequence is cut over
 
     def key(self) -> tuple:
-        return (self.activation_checkpointing, bool(self.mlp_tile), self.collectives, self.forwards,
+        # context parallelism last of all: it halves the data parallelism, so only when nothing else fits
+        return (self.context_parallel, self.activation_checkpointing, bool(self.mlp_tile), self.collectives,
+                self.forwards,
                 -self.micro_batch_size)
 
     def describe(self) -> str:
         unit = f", {self.fsdp_unit} units" if traits(self.strategy).fsdp_unit else ""
+        cp = f", context parallel {self.context_parallel}" if self.context_parallel > 1 else ""
         tiles = f", MLP tiles of {self.mlp_tile} tokens" if self.mlp_tile else ""
-        return (f"{self.strategy}{unit}, micro-batch {self.micro_batch_size}, activation checkpointing "
+        return (f"{self.strategy}{unit}{cp}, micro-batch {self.micro_batch_size}, activation checkpointing "
                 f"{'on' if self.activation_checkpointing else 'off'}{tiles}")
 
 
@@ -118,10 +132,11 @@ class Search:
         """``strategy`` on ``ranks`` with micro-batches of ``micro_batch_size`` records (or pairs), with
         this configuration's rows and flags (``dataclasses.replace`` varies them)."""
         p = self.cfg.parallel
+        cp = p.context_parallel if p.context_parallel != "auto" and traits(strategy).context_parallel else 1
         return Setting(strategy, ranks, objective_of(self.cfg).rows_per_forward(micro_batch_size), self.width,
                        p.activation_checkpointing, p.cpu_offload, p.replicate_groups, unit_of(strategy, p.fsdp_unit),
                        mlp_tile=0 if p.mlp_tile in (None, "auto") else int(p.mlp_tile), loss_chunk=p.loss_chunk or 0,
-                       activation_offload=p.activation_offload)
+                       activation_offload=p.activation_offload, context_parallel=cp)
 
     @property
     def auto_tile(self) -> int:
@@ -133,6 +148,21 @@ class Search:
         if tile == "auto":
             return [0, self.auto_tile]
         return [int(tile or 0)]
+
+    def context_sizes(self, ranks: int) -> list[int]:
+        """The --context-parallel sizes to weigh: the one given, or under 'auto' 1 and each that the ranks
+        (of each replica group), the batch and the model allow."""
+        p = self.cfg.parallel
+        if p.context_parallel != "auto":
+            return [int(p.context_parallel)]
+        sizes = [1]
+        for n in range(2, ranks + 1):
+            cfg = dataclasses.replace(self.cfg, parallel=dataclasses.replace(p, context_parallel=n))
+            able = next(s for s, t in STRATEGIES.items() if t.context_parallel)
+            if (combination_refusal(cfg, able, ranks) is None and context_parallel_refusal(self.model, n) is None
+                    and self.cfg.train.batch_size % (ranks // n) == 0):
+                sizes.append(n)
+        return sizes
 
     def predict(self, setting: Setting) -> Prediction:
         return predict(self.facts, setting, self.device)
@@ -146,6 +176,7 @@ def auto_mlp_tile(facts: Facts) -> int:
 
 def needs_choice(cfg: Config) -> bool:
     return (cfg.parallel.strategy == "auto" or cfg.train.micro_batch_size == "auto" or cfg.parallel.mlp_tile == "auto"
+            or cfg.parallel.context_parallel == "auto"
             or (cfg.parallel.fsdp_unit == "auto"
                 and (cfg.parallel.strategy == "auto" or traits(cfg.parallel.strategy).fsdp_unit)))
 
@@ -195,22 +226,26 @@ def candidates(cfg: Config, budget: int, lengths: Lengths | None = None,
         strategies = [s for s, t in STRATEGIES.items() if t.one_process]
     else:  # what auto may pick: those the combination rules allow
         strategies = [s for s, t in STRATEGIES.items() if t.auto and combination_refusal(cfg, s) is None]
-    rows = rows_per_rank(cfg, ranks, lengths)
-    auto = cfg.parallel.strategy == "auto" or cfg.train.micro_batch_size == "auto"
+    auto = "auto" in (cfg.parallel.strategy, cfg.train.micro_batch_size, cfg.parallel.context_parallel)
     acs = [True] if cfg.parallel.activation_checkpointing else ([False, True] if auto else [False])
     out = []
-    for strategy in strategies:
-        for micro in _micro_sizes(cfg, rows):
-            forwards = -(-rows // micro)
-            for ac in acs:
-                for unit in units_to_try(strategy, cfg.parallel.fsdp_unit):
-                    for tile in search.tiles_to_try():
-                        setting = dataclasses.replace(search.setting(strategy, ranks, micro),
-                                                      activation_checkpointing=ac, fsdp_unit=unit, mlp_tile=tile)
-                        p = search.predict(setting)
-                        gathers = _gathers_per_forward(strategy, unit, search.facts)
-                        c = Candidate(strategy, micro, ac, unit, p.peak_mb, 2 * gathers * forwards, forwards, tile)
-                        out.append((c, p.peak_mb * MB <= budget))
+    for cp in search.context_sizes(ranks):
+        rows = rows_per_rank(cfg, ranks // cp, lengths)  # a CP group's ranks share their rows
+        for strategy in strategies:
+            if cp > 1 and not traits(strategy).context_parallel:
+                continue
+            for micro in _micro_sizes(cfg, rows):
+                forwards = -(-rows // micro)
+                for ac in acs:
+                    for unit in units_to_try(strategy, cfg.parallel.fsdp_unit):
+                        for tile in search.tiles_to_try():
+                            setting = dataclasses.replace(search.setting(strategy, ranks, micro), context_parallel=cp,
+                                                          activation_checkpointing=ac, fsdp_unit=unit, mlp_tile=tile)
+                            p = search.predict(setting)
+                            gathers = _gathers_per_forward(strategy, unit, search.facts)
+                            c = Candidate(strategy, micro, ac, unit, p.peak_mb, 2 * gathers * forwards, forwards,
+                                          tile, cp)
+                            out.append((c, p.peak_mb * MB <= budget))
     return out
 
 
@@ -242,17 +277,15 @@ def choose(cfg: Config, lengths: Lengths | None = None,
         best = fitting[0]
         why = (f"fastest setting that fits {format_size(budget)} per rank ({where}): {best.describe()}, predicted "
                f"peak {format_size(best.peak_mb * MB)}; {len(fitting)} of {len(found)} settings fit; rule: no "
-               f"activation checkpointing, then untiled MLPs, then fewest weight collectives per step "
-               f"({best.collectives}), then largest micro-batch")
+               f"context parallelism, then no activation checkpointing, then untiled MLPs, then fewest weight "
+               f"collectives per step ({best.collectives}), then largest micro-batch")
         if not asked:  # only --mlp-tile auto was open: a word only when it tiles
             why = (f"MLP tiled ({best.mlp_tile} tokens per tile, --mlp-tile auto): untiled, the predicted peak "
                    f"exceeds {format_size(budget)} per rank ({where})") if best.mlp_tile else ""
     else:
         best = min((c for c, _ in found), key=lambda c: c.peak_mb)
         if cfg.parallel.memory_per_rank or search.device == "cuda":
-            from shardtune.train.longest import too_long
-
-            raise ConfigError(too_long(cfg, search, best, budget, where))
+            raise NothingFits(search, best, budget, where)
         why = (f"nothing fits {format_size(budget)} per rank ({where}); the smallest predicted peak: "
                f"{best.describe()}, {format_size(best.peak_mb * MB)}") if asked else ""
     tile = best.mlp_tile or None if cfg.parallel.mlp_tile == "auto" else cfg.parallel.mlp_tile
@@ -260,6 +293,7 @@ def choose(cfg: Config, lengths: Lengths | None = None,
         return _untiled(cfg), None, ""
     parallel = dataclasses.replace(
         cfg.parallel, strategy=best.strategy, activation_checkpointing=best.activation_checkpointing, mlp_tile=tile,
+        context_parallel=best.context_parallel,
         fsdp_unit=best.fsdp_unit if traits(best.strategy).fsdp_unit else cfg.parallel.fsdp_unit)
     train = dataclasses.replace(cfg.train, micro_batch_size=best.micro_batch_size)
     return dataclasses.replace(cfg, parallel=parallel, train=train), best, why
@@ -283,10 +317,12 @@ def strategy_rows(cfg: Config, memory_per_rank: int | None = None, run: RunPlan 
     ranks = cfg.parallel.nproc * cfg.parallel.nnodes
     budget = memory_per_rank or default_memory_per_rank(cfg.parallel.nproc, search.device)
     batches: dict[str, BatchSplit | str] = {}
+    cp = cfg.parallel.context_parallel if cfg.parallel.context_parallel != "auto" else 1
     for strategy in STRATEGIES:
+        n = cp if traits(strategy).context_parallel else 1  # the others refuse it, by the rule's words
         try:
             batches[strategy] = BatchSplit.of(cfg.train.batch_size, cfg.train.micro_batch_size,
-                                               ranks_of(strategy, ranks), cfg.data.packing)
+                                               ranks_of(strategy, ranks) // n, cfg.data.packing, n)
         except BatchError as err:
             batches[strategy] = str(err)
     if not any(isinstance(b, BatchSplit) for b in batches.values()):

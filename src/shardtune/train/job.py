@@ -125,7 +125,7 @@ def setup(cfg: Config, worker: Worker | None = None, memory: MemoryMonitor | Non
 
     def batcher(data: Dataset) -> Batcher:
         return Batcher(Layout(data.examples, objective.per_item, cfg.data.seq_len, pad_id(tokenizer), worker.device,
-                              impl, compute_dtype(cfg)))
+                              impl, compute_dtype(cfg), built.strategy.context))
 
     n_items = len(train_data.examples) // objective.per_item
     job = Job(cfg, worker, built, objective, train_data, val_data, batcher(train_data),

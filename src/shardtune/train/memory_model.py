@@ -9,7 +9,7 @@ peaks (bench/memory.py); ``shardtune plan`` (memory_table.py) renders the predic
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -226,6 +226,7 @@ class Setting:
     mlp_tile: int = 0  # tokens per MLP tile (--mlp-tile); 0: untiled
     loss_chunk: int = 0  # tokens per loss-head chunk (--loss-chunk); 0: its default
     activation_offload: bool = False  # --activation-offload: saved activations in pinned host memory (GPUs)
+    context_parallel: int = 1  # ranks a sequence is cut over (--context-parallel): each holds a piece
 
 
 def predict(f: Facts, s: Setting, device: str) -> Prediction:
@@ -237,6 +238,9 @@ def predict(f: Facts, s: Setting, device: str) -> Prediction:
     n = ranks // replicate_groups if sharded else 1
     # LoRA computes in the compute dtype under every strategy (parallel/compute_dtype.py): fp16's too
     saved = f.saved_for(micro_batch, f.dtype, seq_len)
+    cp = s.context_parallel
+    if cp > 1:  # this rank's piece of every row: what is saved per token shrinks with it
+        saved, seq_len = context_parallel_terms(f, saved, micro_batch, seq_len, cp)
     micro_tokens = micro_batch * seq_len
     layer_input = micro_tokens * f.hidden * f.compute_itemsize  # a decoder layer's input (and its MLP's)
     kept_by_layer, recomputed = _layer_sets(saved, s.mlp_tile, seq_len, layer_input)
@@ -253,6 +257,8 @@ def predict(f: Facts, s: Setting, device: str) -> Prediction:
         acts, workspace = sum(kept_by_layer) + saved.outside, max(recomputed, default=0)
         if offloading:
             host_acts, acts = sum(kept_by_layer), 2 * max(kept_by_layer, default=0) + saved.outside
+    if cp > 1:  # one layer's all-to-all buffers
+        workspace += exchange_bytes(f, micro_batch, seq_len, cp)
     by_rows = t.row_tables and f.tables_by_rows["head"]
     logits_fwd, logits_bwd = _head_terms(f, micro_tokens, saved.vocab, n if by_rows else 1, s.loss_chunk)
     lora = 4 * f.trainable_params / n
@@ -300,6 +306,31 @@ def _layer_sets(saved: Saved, tile: int, seq_len: int, layer_input: int) -> tupl
     share = tile / seq_len
     kept = [total - mlp + (layer_input if mlp else 0) for total, mlp in zip(saved.per_layer, saved.mlp)]
     return kept, [k + share * mlp for k, mlp in zip(kept, saved.mlp)]
+
+
+def context_parallel_terms(f: Facts, saved: Saved, rows: int, seq_len: int, cp: int) -> tuple[Saved, int]:
+    """(what is saved, tokens per row) on one rank of a CP group of ``cp``: its piece of each row
+    (parallel/context_parallel.py). Everything but attention is saved per token, so 1/cp of the whole
+    row's (traced at ``seq_len``); Ulysses attention (parallel/ulysses.py) keeps its share of the heads
+    over the whole row, which exceeds 1/cp on the busiest rank when the heads do not divide cp
+    (``HeadShares.most_heads``): that excess is added."""
+    from shardtune.parallel.ulysses import head_shares
+
+    piece = -(-seq_len // cp)
+    scale = piece / seq_len
+    extra = 0.0
+    if f.heads:
+        held = f.heads + 2 * f.kv_heads  # q, k, v; the output is a q-sized share too
+        most = head_shares(f.heads, f.kv_heads, cp).most_heads
+        extra = max(0.0, most - held / cp) * rows * piece * cp * f.head_dim * f.compute_itemsize
+    return replace(saved, per_layer=[b * scale + extra for b in saved.per_layer],
+                   mlp=[b * scale for b in saved.mlp], outside=saved.outside * scale), piece
+
+
+def exchange_bytes(f: Facts, rows: int, piece: int, cp: int) -> float:
+    """Ulysses' all-to-all buffers for one layer (parallel/ulysses.py: what is sent, what is received,
+    and its rearranged copy), about three times the rank's q, k and v of its piece."""
+    return 3 * (f.heads + 2 * f.kv_heads) * rows * piece * f.head_dim * f.compute_itemsize
 
 
 def _head_terms(f: Facts, tokens: int, vocab: int, blocks: int, chunk_override: int = 0) -> tuple[float, float]:

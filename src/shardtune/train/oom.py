@@ -63,15 +63,16 @@ def _variants(cfg: Config, plan: RunPlan) -> list[tuple[str, Config, RunPlan]]:
     def changed(flag: str, strategy: str | None = None, micro: int | None = None, **parallel) -> None:
         new = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, **parallel))
         name = strategy or plan.strategy
-        if combination_refusal(new, name, plan.batch.world_size) is not None:
+        if combination_refusal(new, name, plan.world_size) is not None:
             return
+        cp = new.parallel.context_parallel
         try:
             batch = BatchSplit.of(plan.batch.batch_size, micro or plan.batch.micro_batch_size,
-                                   plan.batch.world_size, plan.batch.packing)
+                                   plan.world_size // cp, plan.batch.packing, cp)
         except ConfigError:
             return
         out.append((flag, new, dataclasses.replace(
-            plan, strategy=name, batch=batch, cpu_offload=new.parallel.cpu_offload,
+            plan, strategy=name, batch=batch, cpu_offload=new.parallel.cpu_offload, context_parallel=cp,
             activation_checkpointing=new.parallel.activation_checkpointing,
             fsdp_unit=plan.fsdp_unit if name == plan.strategy else unit_of(name, "auto"))))
 
@@ -82,15 +83,17 @@ def _variants(cfg: Config, plan: RunPlan) -> list[tuple[str, Config, RunPlan]]:
         changed(f"--micro-batch-size {micro // 2}", micro=micro // 2)
     if plan.device == "cuda" and traits(plan.strategy).cpu_offload and not plan.cpu_offload:
         changed("--cpu-offload", cpu_offload=True)
-    if not traits(plan.strategy).shards and plan.batch.world_size > 1:
+    if not traits(plan.strategy).shards and plan.world_size > 1:
         changed("--strategy fsdp2", strategy="fsdp2")
+    if traits(plan.strategy).context_parallel and plan.world_size >= 2 * plan.context_parallel:
+        changed(f"--context-parallel {2 * plan.context_parallel}", context_parallel=2 * plan.context_parallel)
     return out
 
 
 def _peak_mb(facts, cfg: Config, plan: RunPlan, device: torch.device) -> float:
     rows = objective_of(cfg).rows_per_forward(plan.batch.micro_batch_size)
-    setting = Setting(plan.strategy, plan.batch.world_size, rows, plan.seq_len, plan.activation_checkpointing,
-                      plan.cpu_offload, plan.replicate_groups, plan.fsdp_unit)
+    setting = Setting(plan.strategy, plan.world_size, rows, plan.seq_len, plan.activation_checkpointing,
+                      plan.cpu_offload, plan.replicate_groups, plan.fsdp_unit, plan.context_parallel)
     return predict(facts, setting, device.type).peak_mb
 
 

@@ -14,12 +14,13 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from shardtune.config import Config
+from shardtune.config import Config, ConfigError
 from shardtune.model import quantize
-from shardtune.runplan import BatchSplit, RunPlan
+from shardtune.runplan import RunPlan, batch_split
 from shardtune.runtime.device import backend, decide_dtype, planned_device_type
 from shardtune.runtime.distributed import Worker
-from shardtune.train.choice import Candidate, Search, choose
+from shardtune.train.choice import Candidate, NothingFits, Search, choose
+from shardtune.train.longest import too_long
 
 if TYPE_CHECKING:
     from shardtune.train.data.records import Lengths
@@ -41,10 +42,13 @@ def resolve(cfg: Config, lengths: Lengths | None = None, model: nn.Module | None
     if cfg.model.quantize == "nf4":
         quantize.check_available()
     ranks = cfg.parallel.nproc * cfg.parallel.nnodes
-    if cfg.train.micro_batch_size != "auto":  # before the choice: the error names the user's value
-        BatchSplit.of(cfg.train.batch_size, cfg.train.micro_batch_size, ranks, cfg.data.packing)
+    if "auto" not in (cfg.train.micro_batch_size, cfg.parallel.context_parallel):  # the error names the user's value
+        batch_split(cfg, ranks)
     search = search or Search(cfg, lengths, model)
-    cfg, chosen, why = choose(cfg, lengths, search)
+    try:
+        cfg, chosen, why = choose(cfg, lengths, search)
+    except NothingFits as refused:
+        raise ConfigError(too_long(cfg, refused.search, refused.best, refused.budget, refused.where)) from None
     if cfg.parallel.strategy == "auto":
         return cfg, None, chosen
     kind = planned_device_type(cfg.parallel.device)

@@ -33,6 +33,7 @@ def run_summary(job: Job, plan: RunPlan, memory: MemoryMonitor, result: dict, ad
         "micro_batch_size": job.sampler.plan.micro_batch_size,
         "activation_checkpointing": cfg.parallel.activation_checkpointing,
         "fsdp_unit": cfg.parallel.fsdp_unit if traits(job.strategy.name).fsdp_unit else None,
+        "context_parallel": plan.context_parallel,
         "run_plan": plan.as_dict(),
         "steps": job.steps, "tokens": state.tokens,
         "train_loss_first": state.first_loss, "train_loss_last": state.last_loss,

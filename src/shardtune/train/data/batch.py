@@ -11,6 +11,12 @@ one sequence a row, or packed (pack.py), in the layout the model's attention wan
 ``Forward.targets`` holds, per position, the token it predicts (the next token's label; IGNORE where
 none, so also at each record's end); ``Forward.owners`` which of the forward's sequences that target
 belongs to: what the loss head scores and the objectives sum.
+
+Context parallelism (``Layout.context``, --context-parallel N): the N ranks of a group take the same
+items (their data-parallel rank's), lay them out as above, and each keeps its piece of every row
+(parallel/context_parallel.py): input ids, positions (those of the whole row: restarting per packed
+record), targets (pre-shifted, so a target travels with its token) and owners; rows padded to a
+multiple of N, the padding never a target. Attention meets the pieces through ``shardtune_cp``.
 """
 
 from __future__ import annotations
@@ -20,7 +26,10 @@ from dataclasses import dataclass
 
 import torch
 
-from shardtune.model.attention import VARLEN
+from shardtune.model.attention import NAME, VARLEN
+from shardtune.parallel.context_parallel import shared_sum, split_sequence
+from shardtune.parallel.mesh import ContextGroup
+from shardtune.parallel.ulysses import PieceAttention
 from shardtune.runplan import BatchSplit
 from shardtune.train.data.pack import block_causal_mask, forwards_per_rank
 from shardtune.train.data.records import IGNORE, Example
@@ -86,6 +95,13 @@ class Forward:
     real_tokens: int  # record tokens, not padding
     positions: int  # tokens the model computes, padding included
     sequences: int  # len(items) × per_item
+    context: ContextGroup | None = None  # context parallelism: the rows are this rank's pieces
+
+    @property
+    def share(self) -> float:
+        """What this rank counts of a value every rank of its CP group computes whole from per-sequence
+        sums (``sequence_sums``): 1/N, so that the group counts it once."""
+        return 1.0 / self.context.size if self.context is not None else 1.0
 
 
 @dataclass
@@ -99,6 +115,13 @@ class Layout:
     device: torch.device
     attention: str  # the model's attention implementation (train/attention.py)
     dtype: torch.dtype  # the compute dtype (of a 4-D mask)
+    context: ContextGroup | None = None  # context parallelism (size > 1), else None
+
+    def __post_init__(self) -> None:
+        if self.context is not None and self.context.size == 1:
+            self.context = None
+        if self.context is not None and self.attention != NAME:
+            raise ValueError(f"context parallelism needs the '{NAME}' attention, not '{self.attention}'")
 
 
 class Batcher:
@@ -124,7 +147,7 @@ class Batcher:
         inputs = {"input_ids": batch["input_ids"].to(lay.device)}
         if lay.attention not in VARLEN:
             inputs["attention_mask"] = mask.to(lay.device)
-        return self._forward(inputs, batch["labels"], owners, items, mask.numel())
+        return self._forward(inputs, batch["labels"], owners, items)
 
     def packed(self, rows_of_items: list[list[int]]) -> Forward:
         """Each row's items end to end (their sequences in order), rows right-padded to the longest; under
@@ -163,21 +186,49 @@ class Batcher:
                 max_length_k=max(lengths))
         elif lay.attention not in VARLEN:
             inputs["attention_mask"] = block_causal_mask(segments.to(lay.device), lay.dtype)
-        return self._forward(inputs, labels, owners, [i for row in rows_of_items for i in row], ids.numel())
+        return self._forward(inputs, labels, owners, [i for row in rows_of_items for i in row], segments)
 
     def _forward(self, inputs: dict, labels: torch.Tensor, owners: torch.Tensor, items: list[int],
-                 positions: int) -> Forward:
+                 segments: torch.Tensor | None = None) -> Forward:
+        """The forward of whole rows (``segments``: packed rows' record per token, -1 padding; None: a
+        record per row), or under context parallelism this rank's piece of them."""
         targets = torch.full_like(labels, IGNORE)
         targets[:, :-1] = labels[:, 1:]
         owned = torch.full_like(owners, -1)
         owned[:, :-1] = owners[:, 1:]
         owned[targets == IGNORE] = -1
+        context = self.layout.context
+        if context is not None:
+            inputs, targets, owned = self._piece(context, inputs, targets, owned, segments)
         return Forward(inputs, targets.to(self.layout.device), owned.to(self.layout.device), items,
-                       self.tokens(items), positions, len(items) * self.layout.per_item)
+                       self.tokens(items), targets.numel(), len(items) * self.layout.per_item, context)
+
+    def _piece(self, context: ContextGroup, inputs: dict, targets: torch.Tensor, owned: torch.Tensor,
+               segments: torch.Tensor | None) -> tuple[dict, torch.Tensor, torch.Tensor]:
+        """This rank's piece of the rows: the model's inputs (positions of the whole rows), targets, owners."""
+        ids = inputs["input_ids"]
+        positions = inputs.get("position_ids")
+        if positions is None:  # unpacked rows: each counts from 0
+            positions = torch.arange(ids.size(1), device=ids.device).expand_as(ids)
+        layout, piece = split_sequence(
+            {"input_ids": ids, "position_ids": positions, "targets": targets, "owners": owned},
+            {"input_ids": self.layout.pad_id, "position_ids": 0, "targets": IGNORE, "owners": -1},
+            context.size, context.rank, segments)
+        inputs = {"input_ids": piece["input_ids"], "position_ids": piece["position_ids"],
+                  "shardtune_cp": PieceAttention(layout, context.group)}
+        return inputs, piece["targets"], piece["owners"]
+
+    def data_rank(self, rank: int, world_size: int) -> tuple[int, int]:
+        """(which share of the items rank ``rank`` of ``world_size`` takes, of how many shares): its own,
+        or under context parallelism its data-parallel group's (the ranks of a CP group share items)."""
+        c = self.layout.context
+        return (c.data_rank, c.data_ranks) if c is not None else (rank, world_size)
 
     def step(self, batch: list[int], split: BatchSplit, rank: int, packing: bool) -> list[Forward]:
-        """This rank's forwards of global batch ``batch`` (item indices): its share packed into rows of
-        up to per_item × --seq-len tokens, or its micro-batches padded; every rank runs as many forwards."""
+        """Rank ``rank``'s forwards of global batch ``batch`` (item indices): its share (its data-parallel
+        group's, ``split`` being over those) packed into rows of up to per_item × --seq-len tokens, or its
+        micro-batches padded; every rank runs as many forwards."""
+        rank, _ = self.data_rank(rank, split.world_size)
         per_rank = split.batch_size // split.world_size
         shares = [batch[r * per_rank:(r + 1) * per_rank] for r in range(split.world_size)]
         if packing:
@@ -191,7 +242,9 @@ class Batcher:
                  ) -> Iterator[Forward]:
         """Every world_size-th of ``n_items`` items, longest first (less padding), ``micro`` a forward.
         ``together`` (a sharded model): a rank out of items gets empty forwards, so that it still joins
-        every collective (each rank runs as many forwards as the rank with the most items)."""
+        every collective (each rank runs as many forwards as the rank with the most items). The ranks of a
+        context-parallel group take the same items (``data_rank``)."""
+        rank, world_size = self.data_rank(rank, world_size)
         mine = sorted(range(rank, n_items, world_size), key=lambda i: -self.tokens([i]))
         per_rank = -(-n_items // world_size) if together else len(mine)
         for start in range(0, per_rank, micro):
@@ -199,7 +252,11 @@ class Batcher:
 
 
 def sequence_sums(values: torch.Tensor, fwd: Forward) -> torch.Tensor:
-    """Per sequence of ``fwd`` (in forward order), the sum of ``values`` (rows, width) over its targets."""
+    """Per sequence of ``fwd`` (in forward order), the sum of ``values`` (rows, width) over its targets
+    (under context parallelism over every piece of it: the whole sequence's, on every rank of the group)."""
     n = fwd.sequences
     index = torch.where(fwd.owners >= 0, fwd.owners, n).flatten()
-    return values.new_zeros(n + 1).index_add(0, index, values.flatten())[:n]
+    sums = values.new_zeros(n + 1).index_add(0, index, values.flatten())[:n]
+    # Context parallelism: a sequence's targets lie in pieces on every rank of the group; each rank then
+    # holds the whole sums, and counts what it computes from them by ``fwd.share`` (``shared_sum``).
+    return shared_sum(sums, fwd.context.group) if fwd.context is not None else sums

@@ -6,7 +6,8 @@ both). A pair's log-probability of a response is the sum of its target tokens' l
 SimPO and IPO use the mean per target token instead. The loss of a global batch is the mean over its
 pairs of each pair's loss (plus, for ORPO, the mean NLL over every target token of the chosen
 responses): each forward contributes ``sum(its pair losses) / global pairs`` (+ ``its chosen NLL sum /
-global chosen tokens``), which is linear and sums to the global loss.
+global chosen tokens``), which is linear and sums to the global loss. Under context parallelism the
+sequence sums are added over the pieces first (``sequence_sums``), and each of the N ranks counts 1/N.
 Rewards (logged as TRL names them): β·(π − ref) for DPO, λ·π̄ for ORPO, β·π̄ for SimPO.
 """
 
@@ -64,7 +65,9 @@ class PairObjective(Objective):
         loss = terms.losses.sum() / norms["pairs"]
         if norms["chosen_targets"]:
             loss = loss + terms.nll_sum / norms["chosen_targets"]
-        return Terms(loss, terms.metric_sums())
+        # every term comes from whole-sequence sums: under context parallelism each rank of a group holds
+        # them all, and counts its share, so that the group counts each pair once
+        return Terms(loss * fwd.share, terms.metric_sums() * fwd.share)
 
     def summarize(self, sums: list[float], norms: dict[str, float]) -> dict[str, float]:
         return {name: v / norms["pairs"] for name, v in zip(METRICS, sums)}
