@@ -129,3 +129,17 @@ def shardtune_attention(model: nn.Module) -> Iterator[str]:
     finally:
         if now != before:
             _transformers_model(model).set_attn_implementation(before)
+
+
+@contextlib.contextmanager
+def sdpa_attention(model: nn.Module) -> Iterator[str]:
+    """The model on transformers' ``sdpa`` for the forwards inside (generation: left-padded prompts and a KV
+    cache need the padding mask that ``shardtune`` never builds), back on its own implementation after."""
+    before = implementation(model)
+    if before == NAME:
+        _transformers_model(model).set_attn_implementation("sdpa")
+    try:
+        yield implementation(model)
+    finally:
+        if before == NAME:
+            _transformers_model(model).set_attn_implementation(before)
