@@ -72,7 +72,8 @@ def preflight(cfg: Config) -> tuple[Config, RunPlan]:
     fmt = objective.records
     train = read_split(cfg, cfg.data.train, tokenizer, vocab, show_progress=True)
     records = read_records(cfg.data.train, cfg.data.fields, fmt.check)
-    warn_about_data(cfg.data.train, records, len(train.examples) // fmt.per_record, cfg.train.batch_size,
+    warn_about_data(cfg.data.train, records, len(train.examples) // fmt.per_record,
+                    objective.records_per_batch(cfg.train.batch_size),
                     tokenizer, cfg.model.path)
     if fmt is PAIRS:
         refuse_identical_pairs(cfg.data.train, records)

@@ -110,6 +110,9 @@ NF4_FSDP1 = ("option 'quantize': nf4 is not supported with --strategy fsdp1 (its
 DORA_FSDP1 = ("option 'lora-variant': dora does not work under --strategy fsdp1 (DoRA reads its base layer's "
               "weight outside that layer's FSDP1 unit); use fsdp2, ddp or single")
 
+GRPO_FSDP1 = ("option 'objective': grpo samples its completions with the policy, a forward per token, which "
+              "--strategy fsdp1's flat parameters do not run; use fsdp2 (sharded like fsdp1), ddp or single")
+
 
 def combination_refusal(cfg: Config, strategy: str, ranks: int | None = None) -> str | None:
     """Why ``strategy`` cannot run ``cfg`` (None: it can): every rule about which options combine, once,
@@ -128,6 +131,8 @@ def combination_refusal(cfg: Config, strategy: str, ranks: int | None = None) ->
         return NF4_FSDP1
     if cfg.lora.variant == "dora" and not t.dora:
         return DORA_FSDP1
+    if cfg.train.objective == "grpo" and not t.generates:
+        return GRPO_FSDP1
     if cfg.parallel.replicate_groups > 1:
         if not t.hsdp:
             return f"option 'replicate-groups' needs an FSDP strategy, not '{strategy}'"

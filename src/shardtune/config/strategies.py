@@ -24,6 +24,7 @@ class Traits:
     auto: bool  # --strategy auto may pick it on several ranks (on one rank auto runs the one-process one)
     fsdp_unit: bool  # --fsdp-unit applies (FSDP2: whole layers or their parts; FSDP1 always wraps layers)
     grad_buckets: bool  # keeps a second copy of the gradients (DDP's all-reduce buckets)
+    generates: bool = True  # --objective grpo works: the policy samples its completions token by token
 
 
 #: Every strategy, in the order ``shardtune plan`` lists them. fsdp1 is never picked by auto: fsdp2
@@ -32,7 +33,7 @@ STRATEGIES: dict[str, Traits] = {t.name: t for t in (
     Traits("fsdp2", shards=True, one_process=False, cpu_offload=True, hsdp=True, nf4=True, dora=True, auto=True,
            fsdp_unit=True, grad_buckets=False),
     Traits("fsdp1", shards=True, one_process=False, cpu_offload=True, hsdp=True, nf4=False, dora=False, auto=False,
-           fsdp_unit=False, grad_buckets=False),
+           fsdp_unit=False, grad_buckets=False, generates=False),
     Traits("ddp", shards=False, one_process=False, cpu_offload=False, hsdp=False, nf4=True, dora=True, auto=True,
            fsdp_unit=False, grad_buckets=True),
     Traits("single", shards=False, one_process=True, cpu_offload=False, hsdp=False, nf4=True, dora=True,

@@ -46,6 +46,10 @@ class Objective:
         """Items an epoch of ``records`` data records makes (what --epochs multiplies): one per record."""
         return records // self.per_item
 
+    def records_per_batch(self, batch_size: int) -> int:
+        """Data records one global batch of --batch-size items draws."""
+        return batch_size
+
     @property
     def per_item(self) -> int:
         """Sequences per item: one per record, two per preference pair."""

@@ -88,6 +88,9 @@ class Grpo(Objective):
         """Each prompt is drawn once an epoch, for num_generations completions, each stepped num_iterations times."""
         return records * self.num_generations * self.num_iterations
 
+    def records_per_batch(self, batch_size: int) -> int:
+        return batch_size // self.num_generations  # --batch-size counts completions
+
     def _current(self) -> Rollout:
         if self.rollout is None:
             raise RuntimeError("--objective grpo: a step needs its generation batch first (train/rollout.py)")
