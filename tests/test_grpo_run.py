@@ -178,3 +178,17 @@ def test_a_reward_function_that_raises_stops_the_run_naming_it_and_the_prompt(gr
     del base[i:i + 2]
     del base[base.index("format=[0-9]") - 1:base.index("format=[0-9]") + 1]
     _fails(capsys, main(base), "reward function 'picky'", "ValueError: no sixes", "what is 3+3?")
+
+
+def test_the_planner_counts_generation(grpo_root, capsys):
+    """`shardtune plan` adds generation's moment: a KV cache for every completion a rank samples at once."""
+    def kv_cache(batch: int) -> dict:
+        code = main(["plan", *argv(grpo_root, "plan")[1:], "--batch-size", str(batch), "--max-completion-length",
+                     "256", "--nproc", "2", "--strategy", "fsdp2", "--micro-batch-size", "1", "--json"])
+        assert code == 0
+        return json.loads(capsys.readouterr().out)["fsdp2"]
+
+    small, large = kv_cache(64), kv_cache(1024)
+    assert large["peak_at"] == "generation (KV cache)"
+    assert large["terms"]["kv_cache"] == pytest.approx(16 * small["terms"]["kv_cache"], rel=1e-3)  # rounded to kB
+    assert large["terms"]["grads"] == 0  # generation comes before the step's backward

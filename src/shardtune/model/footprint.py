@@ -52,6 +52,8 @@ class Facts:
     quantize_slice_bytes: int = 0
     #: whether the loss head scores chunk by chunk (model/head.py); False: the full logits exist
     chunked_head: bool = True
+    #: a KV cache's bytes per token over all layers (keys and values, compute dtype): generation (GRPO)
+    kv_bytes_per_token: int = 0
     #: the compute dtype (--dtype): LoRA computes in it too (parallel/compute_dtype.py), which sets the
     #: dtype of what its matmuls save; ``saved`` is keyed by it
     dtype: torch.dtype = torch.float32
@@ -200,9 +202,19 @@ def model_facts(cfg: Config, device: torch.device, seq_len: int | None = None, m
         dequant_bytes=largest_nf4.numel() * dtype.itemsize if largest_nf4 is not None else 0,
         quantize_slice_bytes=largest_nf4.numel() * dtype.itemsize if largest_nf4 is not None else 0,
         chunked_head=head_transform(base, head)[0] is not None,
+        kv_bytes_per_token=len(layers) * 2 * _kv_width(base.config) * dtype.itemsize,
     )
     facts.trace = functools.partial(_trace, model, seq_len or cfg.data.seq_len, device)
     return facts
+
+
+def _kv_width(config) -> int:
+    """Key (or value) elements a layer caches per token: key-value heads × head dimension."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = getattr(text, "num_attention_heads", 1) or 1
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    return int(kv_heads * head_dim)
 
 
 def _trace(model: nn.Module, seq_len: int, device: torch.device, micro_batch: int,

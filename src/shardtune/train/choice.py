@@ -114,9 +114,12 @@ class Search:
     def setting(self, strategy: str, ranks: int, micro_batch_size: int) -> Setting:
         """``strategy`` on ``ranks`` with micro-batches of ``micro_batch_size`` records (or pairs), with
         this configuration's rows and flags (``dataclasses.replace`` varies them)."""
-        p = self.cfg.parallel
-        return Setting(strategy, ranks, objective_of(self.cfg).rows_per_forward(micro_batch_size), self.width,
-                       p.activation_checkpointing, p.cpu_offload, p.replicate_groups, unit_of(strategy, p.fsdp_unit))
+        p, objective = self.cfg.parallel, objective_of(self.cfg)
+        # an objective that generates samples all of a rank's completions of the batch at once
+        generation = (self.cfg.train.batch_size // ranks, self.width) if objective.generates else (0, 0)
+        return Setting(strategy, ranks, objective.rows_per_forward(micro_batch_size), self.width,
+                       p.activation_checkpointing, p.cpu_offload, p.replicate_groups, unit_of(strategy, p.fsdp_unit),
+                       *generation)
 
     def predict(self, setting: Setting) -> Prediction:
         return predict(self.facts, setting, self.device)
