@@ -37,6 +37,11 @@ def picky(prompts, completions, answer, **fields):
 
 def short(prompts, completions, **fields):
     return [0.0]
+
+
+def first_step_only(prompts, completions, trainer_state, **fields):
+    """Tells completions apart at the first step only: then nothing is left to learn."""
+    return [float(i % 2) if trainer_state.global_step == 0 else 0.0 for i in range(len(completions))]
 '''
 
 
@@ -157,7 +162,8 @@ def test_reward_problems_found_before_workers_start(grpo_root, capsys, no_worker
         return [*base[:swap], spec, *base[swap + 1:]]
 
     _fails(capsys, main(with_reward(f"{root / 'missing.py'}:digits")), "missing.py", "--reward")
-    _fails(capsys, main(with_reward(f"{root / 'rewards.py'}:nothing")), "has no 'nothing'", "digits, picky, short")
+    _fails(capsys, main(with_reward(f"{root / 'rewards.py'}:nothing")), "has no 'nothing'",
+           "digits, first_step_only, picky, short")
     _fails(capsys, main(with_reward("no_such_module_here:fn")), "no_such_module_here")
     _fails(capsys, main([*base, "--batch-size", "6"]), "option 'batch-size' (6)", "--num-generations 4")
     _fails(capsys, main([*base, "--reward-weights", "1,x"]), "option 'reward-weights'")
@@ -192,3 +198,17 @@ def test_the_planner_counts_generation(grpo_root, capsys):
     assert large["peak_at"] == "generation (KV cache)"
     assert large["terms"]["kv_cache"] == pytest.approx(16 * small["terms"]["kv_cache"], rel=1e-3)  # rounded to kB
     assert large["terms"]["grads"] == 0  # generation comes before the step's backward
+
+
+def test_steps_with_nothing_to_learn_are_no_divergence_under_ddp(grpo_root):
+    """After the first step every completion is rewarded alike: every advantage is 0, and so is the gradient,
+    right after a step whose gradient was not; the divergence guard must not take that for blown-up weights.
+    On 2 DDP ranks, which generate each on its own (no collective per token)."""
+    code = main(["finetune", "--model", str(grpo_root / "model"), "--data", str(grpo_root / "prompts.jsonl"),
+                 "--out", str(grpo_root / "flat"), "--objective", "grpo", "--reward", f"{grpo_root / 'rewards.py'}:first_step_only",
+                 "--num-generations", "2", "--batch-size", "4", "--max-completion-length", "6", "--seq-len", "48",
+                 "--steps", "3", "--dtype", "fp32", "--strategy", "ddp", "--nproc", "2"])
+    assert code == 0
+    rows = metrics(grpo_root / "flat")
+    assert rows[0]["grad_norm"] > 0 and rows[0]["frac_reward_zero_std"] == 0.0
+    assert [(m["grad_norm"], m["frac_reward_zero_std"], m["loss"]) for m in rows[1:]] == [(0.0, 1.0, 0.0)] * 2
