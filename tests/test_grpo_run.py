@@ -205,7 +205,8 @@ def test_steps_with_nothing_to_learn_are_no_divergence_under_ddp(grpo_root):
     right after a step whose gradient was not; the divergence guard must not take that for blown-up weights.
     On 2 DDP ranks, which generate each on its own (no collective per token)."""
     code = main(["finetune", "--model", str(grpo_root / "model"), "--data", str(grpo_root / "prompts.jsonl"),
-                 "--out", str(grpo_root / "flat"), "--objective", "grpo", "--reward", f"{grpo_root / 'rewards.py'}:first_step_only",
+                 "--out", str(grpo_root / "flat"), "--objective", "grpo",
+                 "--reward", f"{grpo_root / 'rewards.py'}:first_step_only",
                  "--num-generations", "2", "--batch-size", "4", "--max-completion-length", "6", "--seq-len", "48",
                  "--steps", "3", "--dtype", "fp32", "--strategy", "ddp", "--nproc", "2"])
     assert code == 0
