@@ -213,3 +213,24 @@ def test_steps_with_nothing_to_learn_are_no_divergence_under_ddp(grpo_root):
     rows = metrics(grpo_root / "flat")
     assert rows[0]["grad_norm"] > 0 and rows[0]["frac_reward_zero_std"] == 0.0
     assert [(m["grad_norm"], m["frac_reward_zero_std"], m["loss"]) for m in rows[1:]] == [(0.0, 1.0, 0.0)] * 2
+
+
+def test_eval_reward_scores_base_and_adapter_completions(grpo_root, one_rank, capsys):
+    """`shardtune eval --reward`: greedy completions of held-out prompts, scored by the reward functions, for the
+    base (the adapter switched off) and base + adapter."""
+    def evaluate(*extra: str) -> dict:
+        code = main(["eval", "--model", str(grpo_root / "model"), "--data", str(grpo_root / "prompts.jsonl"),
+                     "--reward", f"{grpo_root / 'rewards.py'}:digits", "--reward", "format=[0-9]",
+                     "--reward-weights", "1,0.5", "--max-new-tokens", "6", "--json", *extra])
+        assert code == 0
+        return json.loads(capsys.readouterr().out)
+
+    both = evaluate("--adapter", str(one_rank / "adapter"), "--out", str(grpo_root / "eval.json"))
+    base = evaluate()
+    assert both["prompts"] == base["prompts"] == len(prompt_records())
+    assert both["base"] == base["base"]  # the adapter switched off is the base
+    tuned = both["adapter_figures"]
+    assert {"reward", "rewards/digits/mean", "rewards/format/mean", "completions/clipped_ratio"} <= set(tuned)
+    assert tuned["reward"] == pytest.approx(tuned["rewards/digits/mean"] + 0.5 * tuned["rewards/format/mean"])
+    assert tuned["samples"] != both["base"]["samples"]  # the adapter's completions differ from the base's
+    assert json.loads((grpo_root / "eval.json").read_text()) == both
