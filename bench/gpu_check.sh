@@ -48,7 +48,12 @@ harness torchrun two-ranks-one-gpu plan-fsdp2 plan-fsdp1 plan-ddp plan-single of
 # Placeholders for the paths the lead is adding; each becomes a row like the ones below when it lands:
 #   long-context     --seq-len 32768 on the 1.1B model, activation checkpointing, planner row as plan-fsdp2
 #   context-parallel --context-parallel 2 (two GPUs), loss equal to the one-rank run's
-#   grpo             --objective grpo on the tiny model, generation on the GPU, rewards finite
+#   grpo             --objective grpo on the tiny model (fsdp2, 2 ranks and nf4), generation on the GPU, rewards
+#                    finite, completions.jsonl written; planner row as plan-fsdp2 with its "generation (KV cache)"
+#   vllm-sync        a real vLLM server (VLLM_ALLOW_RUNTIME_LORA_UPDATING=True vllm serve BASE --enable-lora) and
+#                    train/generator_client.py: sync two adapter versions, /v1/models lists each from its folder,
+#                    the greedy completions of version 2 equal `shardtune generate --adapter` (tests/
+#                    test_generator_client.py runs the protocol against a stub on CPU)
 ROWS=$([ $QUICK = 1 ] && [ -z "$ONLY" ] && echo $QUICK_ROWS || echo $ALL_ROWS)  # --only picks from all
 if [ $LIST = 1 ]; then echo $ROWS | tr ' ' '\n'; exit 0; fi
 for r in ${ONLY//,/ }; do

@@ -21,6 +21,8 @@ def _add_config_flags(parser: argparse.ArgumentParser, words: dict[str, tuple[st
         if kind is bool:
             # Both forms, so that a flag can switch off what the YAML file switched on.
             parser.add_argument(f"--{flag}", action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        elif kind is list:  # repeatable: each use adds one value
+            parser.add_argument(f"--{flag}", action="append", default=None, help=f"{help_text} [repeatable]")
         else:
             default = f.default if f.default is not None else "none"
             word, meaning = words.get(flag, (None, ""))

@@ -67,6 +67,16 @@ def cmd_eval(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else results.default_out(args.adapter, results.EVAL_FILE)
     results.check_report_to(args.report_to, out)
     results.check_out(out, args.model, args.adapter, args.data)
+    if args.reward:  # prompts: the mean reward of the model's own completions, base against adapter
+        from shardtune.tools import reward_eval
+
+        result = reward_eval.evaluate_rewards(_subject(args), args.data, args.reward, args.reward_weights,
+                                              args.max_new_tokens, args.batch_size, args.temperature, args.seed,
+                                              args.seq_len, args.data_fields)
+        if out is not None:
+            results.write_json(out, result)
+        print(json.dumps(result, indent=2) if args.json else reward_eval.table(result))
+        return 0
     if is_preference_data(args.data, args.data_fields):  # pairs: preference accuracy, base against adapter
         result = evaluate_preferences(_subject(args), args.data, args.seq_len, args.batch_size, args.data_fields)
         if out is not None:
@@ -206,6 +216,14 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    "on each process [default: 8]")
     p.add_argument("--max-new-tokens", type=int, default=64,
                    help="longest generated answer; 0 skips generation (loss only) [default: 64]")
+    p.add_argument("--reward", action="append", metavar="SPEC", help="prompt data (GRPO's): the mean reward of "
+                   "the model's completions, base and base + --adapter, by this reward function (as finetune's "
+                   "--reward; repeatable)")
+    p.add_argument("--reward-weights", metavar="W,W", help="with --reward: one weight per function [default: 1 each]")
+    p.add_argument("--temperature", type=float, default=0.0, help="with --reward: 0 for greedy completions, above 0 "
+                   "sampled (seeded per prompt) [default: 0]")
+    p.add_argument("--seed", type=int, default=0, help="with --reward and --temperature > 0: the sampling seed "
+                   "[default: 0]")
     p.add_argument("--tasks", metavar="NAME[,NAME]", help="instead of --data: lm-evaluation-harness tasks, on the "
                    "base and on base + --adapter side by side (docs/export.md)")
     p.add_argument("--limit", type=int, help="with --tasks: at most N documents per task [default: all]")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from shardtune.config import Config, validate
+from shardtune.config import Config, reward_weights, validate
 from shardtune.model.adapter_dir import check_adapter_dir
 from shardtune.model.attention import check_context_parallel
 from shardtune.model.checkpoint_keys import check_against_headers
@@ -30,6 +30,7 @@ from shardtune.train.input_paths import check_input_paths
 from shardtune.train.objectives import objective_of
 from shardtune.train.resolve import resolve
 from shardtune.train.resume_checks import resume_point
+from shardtune.train.rewards import load_rewards
 from shardtune.train.run_folder import check_not_finished, check_run_folder
 from shardtune.train.schedule import total_steps
 from shardtune.train.trackers import check_installed
@@ -52,6 +53,8 @@ def preflight(cfg: Config) -> tuple[Config, RunPlan]:
     warn_oversubscribed(device_type(cfg.parallel.device), cfg.parallel.nproc)
     cfg = decide_dtype(cfg)  # --dtype auto: for this machine's device, the same for every rank
     check_installed(cfg.output.report_to)
+    if cfg.train.objective == "grpo":  # every --reward imported now: a missing file or name stops here, named
+        load_rewards(cfg.grpo.reward or [], reward_weights(cfg.grpo.reward_weights))
     out = Path(cfg.output.out)
     if out.exists() and not out.is_dir():
         raise OutputError(f"option 'out': {out} is an existing file, not a directory")
@@ -70,16 +73,18 @@ def preflight(cfg: Config) -> tuple[Config, RunPlan]:
     vocab = vocab_size(model_dir)
     check_tokenizer_fits(tokenizer, vocab, model_dir)
     # Tokenized once, here: the workers map the cache instead of each tokenizing every record again.
-    fmt = objective_of(cfg).records
+    objective = objective_of(cfg)
+    fmt = objective.records
     train = read_split(cfg, cfg.data.train, tokenizer, vocab, show_progress=True)
     records = read_records(cfg.data.train, cfg.data.fields, fmt.check)
-    warn_about_data(cfg.data.train, records, len(train.examples) // fmt.per_record, cfg.train.batch_size,
+    warn_about_data(cfg.data.train, records, len(train.examples) // fmt.per_record,
+                    objective.records_per_batch(cfg.train.batch_size),
                     tokenizer, cfg.model.path)
     if fmt is PAIRS:
         refuse_identical_pairs(cfg.data.train, records)
         for message in pair_warnings(cfg.data.train, records, train.truncated, cfg.data.seq_len):
             log.warning("%s", message)
-    check_not_finished(cfg, total_steps(cfg, len(train.examples) // fmt.per_record))
+    check_not_finished(cfg, total_steps(cfg, objective.epoch_items(len(train.examples))))
     if cfg.data.val:
         read_split(cfg, cfg.data.val, tokenizer, vocab, show_progress=True)
     model, _ = inject_lora(build_meta_model(model_dir, compute_dtype(cfg)), cfg.lora, cfg.train.seed)

@@ -26,6 +26,7 @@ from shardtune.config.options import (
     Config,
     ConfigError,
     DataConfig,
+    GrpoConfig,
     LoraConfig,
     ModelConfig,
     OutputConfig,
@@ -45,6 +46,7 @@ from shardtune.config.rules import (
     combination_refusal,
     parse_fields,
     parse_size,
+    reward_weights,
     validate,
     validate_lora_init,
     validate_preference,
@@ -64,8 +66,10 @@ from shardtune.config.strategies import (
 __all__ = [
     "FIELDS", "FLAGS", "FREE", "FSDP_UNITS", "NO_UNIT", "STRATEGIES", "Traits", "groups_refusal", "ranks_of",
     "traits", "unit_of", "units_to_try", "LORA_INITS", "MUST_MATCH", "OBJECTIVES", "REFUSED_INITS", "RESUME_POLICIES",
-    "SECTIONS", "WARN", "Config", "ConfigError", "DataConfig", "LoraConfig", "ModelConfig", "OutputConfig",
+    "SECTIONS", "WARN", "Config", "ConfigError", "DataConfig", "GrpoConfig", "LoraConfig", "ModelConfig",
+    "OutputConfig",
     "ParallelConfig", "PreferenceConfig", "Range", "TrainConfig", "build_config", "check_ranges",
-    "combination_refusal", "field_type", "flatten", "opt", "parse_fields", "parse_size", "read_yaml",
+    "combination_refusal", "field_type", "flatten", "opt", "parse_fields", "parse_size", "reward_weights",
+    "read_yaml",
     "validate", "validate_lora_init", "validate_preference", "write_yaml",
 ]

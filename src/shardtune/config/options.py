@@ -20,8 +20,10 @@ class ConfigError(ShardtuneError, ValueError):
     """A configuration problem the user must fix; the message says which option and why."""
 
 
-#: --objective values; every one but sft trains on preference pairs
-OBJECTIVES = ("sft", "dpo", "orpo", "simpo")
+#: --objective values: sft on records, dpo/orpo/simpo on preference pairs, grpo on prompts (online RL)
+OBJECTIVES = ("sft", "dpo", "orpo", "simpo", "grpo")
+#: --grpo-loss values, as TRL 1.16's loss_type (train/grpo_loss.py implements each)
+GRPO_LOSSES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
 
 
 @dataclass(frozen=True)
@@ -163,8 +165,9 @@ class TrainConfig:
     eval_every: int = opt(0, "eval-every", FREE, "Validation every N steps (0: only at the end; needs --val-data).",
         range=AT_LEAST_0)
     objective: str = opt(
-        "sft", "objective", WARN, "What to learn: sft (next-token loss on responses), or from preference pairs "
-        "(prompt, chosen, rejected): dpo, orpo or simpo.", OBJECTIVES,
+        "sft", "objective", WARN, "What to learn: sft (next-token loss on responses), from preference pairs "
+        "(prompt, chosen, rejected): dpo, orpo or simpo, or grpo (online RL from prompts and --reward functions; "
+        "docs/grpo.md).", OBJECTIVES,
     )
 
 
@@ -190,6 +193,45 @@ class PreferenceConfig:
         False, "precompute-reference", FREE, "DPO: compute every pair's reference log-probs once before training "
         "(stored beside the token cache); steps then skip the reference forward."
     )
+
+
+@dataclass
+class GrpoConfig:
+    """GRPO's knobs (--objective grpo); names and defaults as TRL 1.16's GRPOConfig (docs/grpo.md)."""
+
+    reward: list[str] | None = opt(
+        None, "reward", WARN, "GRPO: a reward function, TRL's convention fn(prompts, completions, **fields): "
+        "path/to/file.py:name, module:name, or a built-in (exact_match[=FIELD], contains[=FIELD], format=REGEX, "
+        "length=TOKENS); repeat the option for several.")
+    reward_weights: str | None = opt(
+        None, "reward-weights", WARN, "GRPO: comma-separated weights, one per --reward (default 1 each).")
+    num_generations: int = opt(8, "num-generations", WARN, "GRPO: completions sampled per prompt (a group); "
+                               "--batch-size counts completions, so it must be a multiple of this.", range=Range(2))
+    max_completion_length: int = opt(256, "max-completion-length", WARN,
+                                     "GRPO: tokens a completion may have (it ends at EOS or here).", range=AT_LEAST_1)
+    temperature: float = opt(1.0, "temperature", WARN, "GRPO: sampling temperature (0: greedy).", range=AT_LEAST_0)
+    top_p: float = opt(1.0, "top-p", WARN, "GRPO: nucleus sampling; 1 keeps every token.",
+                       range=Range(0, 1, low_open=True))
+    top_k: int = opt(0, "top-k", WARN, "GRPO: sample among the k most likely tokens (0: off).", range=AT_LEAST_0)
+    mask_truncated_completions: bool = opt(
+        False, "mask-truncated-completions", WARN, "GRPO: completions cut by --max-completion-length count no "
+        "token in the loss (they are still counted in completions/clipped_ratio).")
+    loss: str = opt("dapo", "grpo-loss", WARN, "GRPO: the loss's normalisation, as TRL's loss_type (dapo: one "
+                    "mean over every token of the batch; grpo: per-sequence means; dr_grpo: / max length).",
+                    GRPO_LOSSES)
+    scale_rewards: str = opt("group", "scale-rewards", WARN, "GRPO: advantages divided by the std of the group's "
+                             "rewards, of the batch's, or not at all (Dr. GRPO).", ("group", "batch", "none"))
+    epsilon: float = opt(0.2, "epsilon", WARN, "GRPO: the ratio is clipped below at 1 - epsilon.",
+                         range=AT_LEAST_0)
+    epsilon_high: float | None = opt(None, "epsilon-high", WARN, "GRPO: the ratio is clipped above at "
+                                     "1 + epsilon-high (DAPO's clip-higher: 0.28) [default: --epsilon].",
+                                     range=AT_LEAST_0)
+    beta: float = opt(0.0, "grpo-beta", WARN, "GRPO: weight of the KL to the reference (the base with the adapter "
+                      "off, or the --init-adapter model); 0: no reference forward.", range=AT_LEAST_0)
+    num_iterations: int = opt(1, "num-iterations", WARN, "GRPO: optimizer steps on each generation batch "
+                              "(μ; > 1 keeps the old policy's log-probs for the ratio).", range=AT_LEAST_1)
+    importance_sampling: str = opt("token", "importance-sampling", WARN, "GRPO: the ratio per token, or per "
+                                   "sequence (GSPO).", ("token", "sequence"))
 
 
 @dataclass
@@ -288,6 +330,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     preference: PreferenceConfig = field(default_factory=PreferenceConfig)
+    grpo: GrpoConfig = field(default_factory=GrpoConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
 
@@ -310,9 +353,9 @@ SECTIONS = {f.name for f in fields(Config)}
 
 
 def field_type(f: dataclasses.Field) -> type:
-    """The Python type an option's values have: bool, int, float or str."""
+    """The Python type an option's values have: bool, int, float, str, or list (of str: a repeatable flag)."""
     text = str(f.type)
-    for name, typ in (("bool", bool), ("int", int), ("float", float)):
+    for name, typ in (("bool", bool), ("int", int), ("float", float), ("list", list)):
         if text.startswith(name):
             return typ
     return str

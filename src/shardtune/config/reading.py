@@ -32,6 +32,8 @@ def _coerce(flag: str, value: Any) -> Any:
             if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
                 raise ValueError(value)
             value = value.lower() in ("true", "1", "yes")
+        elif typ is list:  # a repeatable option: one value, or a list of them
+            value = [str(v) for v in (value if isinstance(value, (list, tuple)) else [value])]
         elif typ is str and isinstance(value, (list, tuple)):
             value = ",".join(str(v) for v in value)
         elif typ is int and isinstance(value, float) and not value.is_integer():

@@ -52,7 +52,12 @@ def validate(cfg: Config, need_data: bool = True) -> None:
 #: objective that does not read it, an option is refused, never silently ignored.
 OBJECTIVE_OPTIONS = {"dpo-beta": ("dpo",), "dpo-loss": ("dpo",), "dpo-label-smoothing": ("dpo",),
                      "precompute-reference": ("dpo",), "orpo-lambda": ("orpo",), "simpo-beta": ("simpo",),
-                     "simpo-gamma": ("simpo",)}
+                     "simpo-gamma": ("simpo",),
+                     **{flag: ("grpo",) for flag in ("reward", "reward-weights", "num-generations",
+                                                     "max-completion-length", "temperature", "top-p", "top-k",
+                                                     "mask-truncated-completions", "grpo-loss", "scale-rewards",
+                                                     "epsilon", "epsilon-high", "grpo-beta", "num-iterations",
+                                                     "importance-sampling")}}
 
 
 def validate_preference(cfg: Config) -> None:
@@ -65,12 +70,53 @@ def validate_preference(cfg: Config) -> None:
                               f"--objective {objectives[0]}")
     if pref.dpo_label_smoothing and pref.dpo_loss != "sigmoid":
         raise ConfigError(f"option 'dpo-label-smoothing' applies to --dpo-loss sigmoid, not {pref.dpo_loss}")
+    if cfg.train.objective == "grpo":
+        validate_grpo(cfg)
+
+
+def validate_grpo(cfg: Config) -> None:
+    """GRPO's rules that need no file read (the reward functions are loaded in preflight)."""
+    g = cfg.grpo
+    if not g.reward:
+        raise ConfigError("option 'reward' is required with --objective grpo: give --reward path/to/file.py:name, "
+                          "module:name or a built-in (exact_match, contains, format=REGEX, length=TOKENS); repeat "
+                          "it for several")
+    weights = reward_weights(g.reward_weights)
+    if weights is not None and len(weights) != len(g.reward):
+        raise ConfigError(f"option 'reward-weights' has {len(weights)} weights for {len(g.reward)} --reward "
+                          "functions: give one weight per function")
+    if cfg.train.batch_size % g.num_generations:
+        raise ConfigError(f"option 'batch-size' ({cfg.train.batch_size}) counts completions under --objective grpo "
+                          f"and must hold whole groups of --num-generations {g.num_generations}: use a multiple of "
+                          f"{g.num_generations}")
+    if cfg.data.val:
+        raise ConfigError("option 'val-data' does not apply to --objective grpo (a loss on held-out prompts means "
+                          "little): measure held-out prompts with `shardtune eval --reward ...` instead")
+
+
+def reward_weights(text: str | None) -> list[float] | None:
+    """--reward-weights as numbers (None: 1 each); ConfigError naming the option for anything else."""
+    if text is None or not str(text).strip():
+        return None
+    out = []
+    for part in str(text).split(","):
+        try:
+            value = float(part)
+        except ValueError:
+            raise ConfigError(f"option 'reward-weights': {part.strip()!r} is not a number (give e.g. 1,0.5)") from None
+        if not math.isfinite(value):
+            raise ConfigError(f"option 'reward-weights': {part.strip()!r} is not a finite number")
+        out.append(value)
+    return out
 
 
 NF4_FSDP1 = ("option 'quantize': nf4 is not supported with --strategy fsdp1 (its flat parameters cannot hold "
              "4-bit tensors); use --strategy fsdp2 (which gathers the 4-bit data), ddp or single")
 DORA_FSDP1 = ("option 'lora-variant': dora does not work under --strategy fsdp1 (DoRA reads its base layer's "
               "weight outside that layer's FSDP1 unit); use fsdp2, ddp or single")
+
+GRPO_FSDP1 = ("option 'objective': grpo samples its completions with the policy, a forward per token, which "
+              "--strategy fsdp1's flat parameters do not run; use fsdp2 (sharded like fsdp1), ddp or single")
 
 
 def combination_refusal(cfg: Config, strategy: str, ranks: int | None = None) -> str | None:
@@ -90,6 +136,8 @@ def combination_refusal(cfg: Config, strategy: str, ranks: int | None = None) ->
         return NF4_FSDP1
     if cfg.lora.variant == "dora" and not t.dora:
         return DORA_FSDP1
+    if cfg.train.objective == "grpo" and not t.generates:
+        return GRPO_FSDP1
     if cfg.parallel.replicate_groups > 1:
         if not t.hsdp:
             return f"option 'replicate-groups' needs an FSDP strategy, not '{strategy}'"

@@ -27,22 +27,24 @@ class Traits:
     row_tables: bool  # frozen embedding tables are used from row shards, outside the wrapper (sharded_embeddings)
     table_units: bool  # untied embedding tables are units of their own, each gathered whole for its use
     context_parallel: bool  # --context-parallel > 1 applies: sequences cut over groups of ranks
+    generates: bool  # --objective grpo works: the policy samples its completions token by token
 
 
 #: Every strategy, in the order ``shardtune plan`` lists them. fsdp1 is never picked by auto: fsdp2
 #: does all it does (nf4, DoRA) with a lower peak.
 STRATEGIES: dict[str, Traits] = {t.name: t for t in (
     Traits("fsdp2", shards=True, one_process=False, cpu_offload=True, hsdp=True, nf4=True, dora=True, auto=True,
-           fsdp_unit=True, grad_buckets=False, row_tables=True, table_units=False, context_parallel=True),
+           fsdp_unit=True, grad_buckets=False, row_tables=True, table_units=False, context_parallel=True,
+           generates=True),
     Traits("fsdp1", shards=True, one_process=False, cpu_offload=True, hsdp=True, nf4=False, dora=False, auto=False,
            fsdp_unit=False, grad_buckets=False, row_tables=False, table_units=True,
-           context_parallel=False),
+           context_parallel=False, generates=False),
     Traits("ddp", shards=False, one_process=False, cpu_offload=False, hsdp=False, nf4=True, dora=True, auto=True,
            fsdp_unit=False, grad_buckets=True, row_tables=False, table_units=False,
-           context_parallel=False),
+           context_parallel=False, generates=True),
     Traits("single", shards=False, one_process=True, cpu_offload=False, hsdp=False, nf4=True, dora=True,
            auto=False, fsdp_unit=False, grad_buckets=False, row_tables=False, table_units=False,
-           context_parallel=False),
+           context_parallel=False, generates=True),
 )}
 #: What --strategy accepts
 STRATEGY_CHOICES = ("auto", *STRATEGIES)

@@ -189,3 +189,17 @@ def context_parallel_refusal(model: nn.Module, size: int) -> str | None:
         return (f"option 'context-parallel' ({size}): the model ({config.model_type}) has {heads} attention "
                 f"heads, and each rank of a group attends for a share of them: use at most {heads}")
     return None
+
+
+@contextlib.contextmanager
+def sdpa_attention(model: nn.Module) -> Iterator[str]:
+    """The model on transformers' ``sdpa`` for the forwards inside (generation: left-padded prompts and a KV
+    cache need the padding mask that ``shardtune`` never builds), back on its own implementation after."""
+    before = implementation(model)
+    if before == NAME:
+        _transformers_model(model).set_attn_implementation("sdpa")
+    try:
+        yield implementation(model)
+    finally:
+        if before == NAME:
+            _transformers_model(model).set_attn_implementation(before)

@@ -66,6 +66,8 @@ class Facts:
     nf4_bytes: int = 0
     #: whether the loss head scores chunk by chunk (model/head.py); False: the full logits exist
     chunked_head: bool = True
+    #: a KV cache's bytes per token over all layers (keys and values, compute dtype): generation (GRPO)
+    kv_bytes_per_token: int = 0
     #: the compute dtype (--dtype): LoRA computes in it too (parallel/compute_dtype.py), which sets the
     #: dtype of what its matmuls save; ``saved`` is keyed by it
     dtype: torch.dtype = torch.float32
@@ -208,6 +210,7 @@ def model_facts(cfg: Config, device: torch.device, seq_len: int | None = None, m
     in_layers = {i for layer in layers for i in _unique_params(layer)}
     embed, head, tied = embedding_tables(model)
     largest = max(layers, key=lambda layer: sum(p.numel() for p in layer.parameters()), default=None)
+    heads = _heads(base.config)  # attention's shape: context parallelism's head shares, generation's KV cache
     facts = Facts(
         total_params=sum(p.numel() for p in params.values()), trainable_params=trainable,
         frozen_bytes=frozen, compute_itemsize=dtype.itemsize, dtype=dtype, layers=len(layers),
@@ -225,7 +228,8 @@ def model_facts(cfg: Config, device: torch.device, seq_len: int | None = None, m
         quantize_slice_bytes=largest_nf4.numel() * dtype.itemsize if largest_nf4 is not None else 0,
         nf4_bytes=sum(_nbytes(p, dtype, nf4) for i, p in params.items() if i in nf4),
         chunked_head=head_transform(base, head)[0] is not None,
-        **_heads(base.config),
+        **heads,
+        kv_bytes_per_token=len(layers) * 2 * heads["kv_heads"] * heads["head_dim"] * dtype.itemsize,
     )
     facts.seq_len = seq_len or cfg.data.seq_len
     facts.trace = functools.partial(_trace, model, device)

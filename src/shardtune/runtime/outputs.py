@@ -27,7 +27,7 @@ from shardtune.runtime.signals import Interrupted, signal_of
 CHECKPOINTS = "checkpoints"
 STEP_DIR = re.compile(r"^step-(\d+)$")
 #: What a fine-tune writes into its --out: an input there would be replaced or rotated away.
-RUN_OUTPUTS = ("adapter", CHECKPOINTS, "config.yaml", "metrics.jsonl", "summary.json")
+RUN_OUTPUTS = ("adapter", CHECKPOINTS, "config.yaml", "metrics.jsonl", "summary.json", "completions.jsonl")
 
 Kind = Literal["dir", "file", "run"]
 Inputs = Iterable[tuple[str, "str | Path | None"]]

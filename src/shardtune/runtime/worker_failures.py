@@ -135,9 +135,12 @@ def describe(err: Exception, log_dir: Path, world_size: int = 0) -> WorkerError:
     if isinstance(data, dict) and data.get("message"):
         stack = data.get("extraInfo", {}).get("py_callstack", "")
         lines = [line for line in stack.strip().splitlines() if line.strip()]
-        # The exception's own line follows the last frame (frames are indented; a message may span lines).
-        last_frame = max((i for i, line in enumerate(lines) if line.startswith(" ")), default=-1)
-        if last_frame + 1 < len(lines) and _ours(lines[last_frame + 1]):
+        # The exception's own line follows the last frame ("  File ..." and its code lines, indented further);
+        # a message may span lines, indented or not.
+        after = max((i for i, line in enumerate(lines) if line.startswith("  File ")), default=-1) + 1
+        while after < len(lines) and lines[after].startswith("    "):
+            after += 1
+        if after < len(lines) and _ours(lines[after]):
             # One of our errors: its message is written for the user, a traceback would only bury it.
             return WorkerError(f"rank {rank}: {data['message'].split(': ', 1)[-1]}")
         return WorkerCrash(rank, data["message"], stack)

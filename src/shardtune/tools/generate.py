@@ -30,6 +30,7 @@ from shardtune.train.data.chat import as_messages, render_prompt
 from shardtune.train.data.read import loads
 from shardtune.train.data.records import DataError
 from shardtune.train.run_folder import adapter_run_options
+from shardtune.train.sampling import stop_ids
 
 log = logging.getLogger("shardtune")
 
@@ -217,14 +218,6 @@ def prompt_ids(tokenizer, prompt: Prompt) -> list[int]:
     if tokenizer.bos_token_id is not None and not tokenizer.chat_template:
         ids = [tokenizer.bos_token_id] + ids
     return ids
-
-
-def stop_ids(model: nn.Module, tokenizer) -> list[int]:
-    """End-of-answer tokens: the tokenizer's eos and whatever the model's generation config adds."""
-    ids = {tokenizer.eos_token_id}
-    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    ids.update(configured if isinstance(configured, list) else [configured])
-    return sorted(i for i in ids if i is not None)
 
 
 def check_context(model: nn.Module, prompts: Sequence[Prompt], encoded: list[list[int]],

@@ -31,6 +31,7 @@ from shardtune.runtime.files import fingerprint, output_error, replace_dir
 from shardtune.runtime.outputs import STEP_DIR
 from shardtune.train.adapter import peft_config_dict
 from shardtune.train.checkpoint_files import (
+    EXTRA,
     MARKER,
     META,
     CheckpointError,
@@ -67,8 +68,11 @@ class Checkpointer:
 
     def __init__(self, cfg: Config, model: nn.Module, strategy: Strategy, keys: dict[str, str],
                  optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
-                 model_dir: ModelDir, scaler: torch.amp.GradScaler | None = None) -> None:
+                 model_dir: ModelDir, scaler: torch.amp.GradScaler | None = None, extra: object | None = None) -> None:
+        """``extra``: an object with ``state_dict()`` / ``load_state_dict(state)`` whose state goes with each
+        checkpoint (the same on every rank: rank 0 writes it)."""
         self.cfg, self.model, self.strategy = cfg, model, strategy
+        self.extra = extra
         self.keys, self.names = keys, list(keys.values())
         self.optimizer, self.scheduler, self.scaler = optimizer, scheduler, scaler
         self.worker = strategy.worker
@@ -119,6 +123,8 @@ class Checkpointer:
             if self.scaler is not None and self.scaler.is_enabled():  # fp16's loss scale continues too
                 meta["loss_scaler"] = self.scaler.state_dict()
             (tmp / META).write_text(json.dumps(meta, indent=1) + "\n")
+            if self.extra is not None:
+                torch.save(self.extra.state_dict(), tmp / EXTRA)
             with open(tmp / MARKER, "w") as f:
                 os.fsync(f.fileno())
             replace_dir(tmp, final)
@@ -167,6 +173,8 @@ class Checkpointer:
         set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"],
                        options=StateDictOptions(strict=False, ignore_frozen_params=True))
         self.scheduler.load_state_dict(meta["scheduler"])
+        if self.extra is not None and (path / EXTRA).is_file():
+            self.extra.load_state_dict(torch.load(path / EXTRA, weights_only=True))
         follow_this_schedule(self.scheduler, self.cfg.train.lr)
         if self.scaler is not None and self.scaler.is_enabled() and "loss_scaler" in meta:
             self.scaler.load_state_dict(meta["loss_scaler"])

@@ -5,6 +5,7 @@ Layout of ``OUT/checkpoints/step-N/`` (written by checkpoint.py's ``Checkpointer
                                   AdamW's state, each rank writing its own shard (FSDP2 DTensors)
   ``rng/rank-K.pt``               every rank's torch RNG states (LoRA dropout)
   ``adapter_config.json``         peft's config, so that ``adapter-from-checkpoint`` needs no model
+  ``extra.pt``                    what the objective keeps between steps (GRPO: the generation batch), if any
   ``checkpoint.json``             data position (``step``: the next step to run), world size, LR
                                   scheduler state, running totals, the run's options, adapter key names,
                                   the data's and the base model's fingerprints (what ``--resume`` checks)
@@ -26,7 +27,7 @@ from shardtune.runtime.outputs import CHECKPOINTS, STEP_DIR
 
 log = logging.getLogger("shardtune")
 
-MARKER, META = "COMPLETE", "checkpoint.json"
+MARKER, META, EXTRA = "COMPLETE", "checkpoint.json", "extra.pt"
 _STEP_DIR = STEP_DIR  # OUT/checkpoints/step-N: named in runtime/outputs.py, whose rule keeps outputs out of it
 
 

@@ -131,12 +131,15 @@ class Search:
     def setting(self, strategy: str, ranks: int, micro_batch_size: int) -> Setting:
         """``strategy`` on ``ranks`` with micro-batches of ``micro_batch_size`` records (or pairs), with
         this configuration's rows and flags (``dataclasses.replace`` varies them)."""
-        p = self.cfg.parallel
+        p, objective = self.cfg.parallel, objective_of(self.cfg)
         cp = p.context_parallel if p.context_parallel != "auto" and traits(strategy).context_parallel else 1
-        return Setting(strategy, ranks, objective_of(self.cfg).rows_per_forward(micro_batch_size), self.width,
+        # an objective that generates samples all of a rank's completions of the batch at once
+        generation = (self.cfg.train.batch_size // ranks, self.width) if objective.generates else (0, 0)
+        return Setting(strategy, ranks, objective.rows_per_forward(micro_batch_size), self.width,
                        p.activation_checkpointing, p.cpu_offload, p.replicate_groups, unit_of(strategy, p.fsdp_unit),
                        mlp_tile=0 if p.mlp_tile in (None, "auto") else int(p.mlp_tile), loss_chunk=p.loss_chunk or 0,
-                       activation_offload=p.activation_offload, context_parallel=cp)
+                       activation_offload=p.activation_offload, context_parallel=cp,
+                       generation_rows=generation[0], generation_tokens=generation[1])
 
     @property
     def auto_tile(self) -> int:

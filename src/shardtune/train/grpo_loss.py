@@ -42,8 +42,9 @@ from dataclasses import dataclass, field
 import torch
 
 from shardtune.config import ConfigError
+from shardtune.config.options import GRPO_LOSSES
 
-LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
+LOSS_TYPES = GRPO_LOSSES
 DEFAULT_LOSS = "dapo"  # TRL 1.16's default
 IS_LEVELS = ("token", "sequence")
 CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # the PPO-clip family

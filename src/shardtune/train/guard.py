@@ -18,7 +18,8 @@ blew the LoRA weights up (a far too large --lr saturates every output): the loss
 is learned any more, and an adapter written from these weights would be garbage (lora_B of 1e30). The
 run ends there as for a non-finite loss; the checkpoints written from that update on hold the blown-up
 weights and are deleted, so the newest one left (and named, with the command that resumes from it)
-is the last good one.
+is the last good one. A gradient of 0 with a loss of exactly 0 is no such sign: GRPO's step has nothing
+to learn when every group's completions were rewarded alike (all advantages 0).
 """
 
 from __future__ import annotations
@@ -78,7 +79,9 @@ class TrainingGuard:
                if not math.isfinite(value)]
         if bad:
             self._diverged(step, bad)
-        if grad_norm == 0 and self.last_norm:  # the update of the step before did it
+        # the update of the step before did it; unless the loss is 0 too: a step with nothing to learn (GRPO:
+        # every group's completions rewarded alike, so every advantage is 0)
+        if grad_norm == 0 and self.last_norm and loss != 0:
             # checkpoint step-N holds the weights after N updates: from step-(step - 1) on they are blown up
             deleted = discard_checkpoints(self.out, step - 1) if self.is_main else []
             gone = (f" ({', '.join(p.name for p in deleted)}, written from the blown-up weights, "

@@ -1,5 +1,6 @@
 """The job of a rank: everything the training loop needs, set up once (``setup``): the data, the model
-built, sharded and loaded with its loss head and attention, the objective, its reference, the sampler.
+built, sharded and loaded with its loss head and attention, the objective, its reference, the sampler (or,
+for an objective that generates, its rollouts).
 
 Tests and benches use ``setup(cfg)`` as their own entry point to a ready job.
 """
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from shardtune.config import Config
+from shardtune.config import Config, reward_weights
 from shardtune.model import attention
 from shardtune.model.directory import ModelDir, check_model_dir
 from shardtune.model.meta import compute_dtype, vocab_size
@@ -27,10 +28,13 @@ from shardtune.train import loss_head
 from shardtune.train.data.batch import Batcher, Layout, Sampler, pad_id
 from shardtune.train.data.cache import cache_key, token_cache
 from shardtune.train.data.pack import check_packing
+from shardtune.train.data.read import read_records
 from shardtune.train.data.records import Dataset
 from shardtune.train.objectives import Objective, objective_of
 from shardtune.train.reference import Reference, compute_reference, precomputed_reference, reference_key
 from shardtune.train.resolve import resolve_on
+from shardtune.train.rewards import load_rewards
+from shardtune.train.rollout import Rollouts
 from shardtune.train.scaling import ShardedGradScaler, make_scaler
 from shardtune.train.schedule import total_steps
 from shardtune.train.step import StepResult, Trainee, evaluate, train_step
@@ -57,6 +61,8 @@ class Job:
     model_dir: ModelDir
     reference: Reference | None = None  # the reference model's values of the training items
     val_reference: Reference | None = None
+    rollouts: Rollouts | None = None  # an objective that generates (GRPO): its generation batches
+
 
     @property
     def model(self) -> nn.Module:
@@ -72,9 +78,12 @@ class Job:
 
     def step(self, step: int) -> StepResult:
         """Forward and backward of this rank's share of global batch ``step`` (no optimizer step)."""
-        batch = self.sampler.global_batch(step)
-        forwards = self.batcher.step(batch, self.sampler.plan, self.worker.rank, self.cfg.data.packing)
-        return train_step(self.trainee(self.reference), self.batcher, batch, forwards, self.scaler)
+        if self.rollouts is not None:  # the policy's own completions, sampled when the step starts a batch of them
+            batcher, batch, split = self.rollouts.batch(step)
+        else:
+            batcher, batch, split = self.batcher, self.sampler.global_batch(step), self.sampler.plan
+        forwards = batcher.step(batch, split, self.worker.rank, self.cfg.data.packing)
+        return train_step(self.trainee(self.reference), batcher, batch, forwards, self.scaler)
 
     def validate(self) -> dict[str, float]:
         """``val_loss`` (the objective's loss over the whole validation set) and ``val_`` + its metrics."""
@@ -130,9 +139,15 @@ def setup(cfg: Config, worker: Worker | None = None, memory: MemoryMonitor | Non
     n_items = len(train_data.examples) // objective.per_item
     job = Job(cfg, worker, built, objective, train_data, val_data, batcher(train_data),
               batcher(val_data) if val_data is not None else None, Sampler(n_items, plan.batch, cfg.train.seed),
-              total_steps(cfg, n_items), make_scaler(cfg.model.dtype, worker.device), model_dir)
+              total_steps(cfg, objective.epoch_items(len(train_data.examples))),
+              make_scaler(cfg.model.dtype, worker.device), model_dir)
     if objective.uses_reference:
         job.reference, job.val_reference = _references(job, tokenizer)
+    if objective.generates:
+        job.rollouts = Rollouts(cfg, job.trainee(None), tokenizer, list(train_data.examples),
+                                read_records(cfg.data.train, cfg.data.fields, objective.records.check), plan.batch,
+                                load_rewards(cfg.grpo.reward or [], reward_weights(cfg.grpo.reward_weights)), impl,
+                                compute_dtype(cfg))
     torch.manual_seed(cfg.train.seed + worker.rank)  # LoRA dropout differs per rank, reproducibly
     return job
 

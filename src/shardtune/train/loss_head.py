@@ -30,6 +30,7 @@ cross-entropy (``loss.py``), as before: correct, at the old memory cost; ``insta
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -269,17 +270,28 @@ def _scoring(state: _Head, targets: torch.Tensor) -> Iterator[None]:
             setattr(cfg, attr, value)
 
 
-def score(model: nn.Module, inputs: dict[str, torch.Tensor], targets: torch.Tensor) -> Scores:
+def score(model: nn.Module, inputs: dict[str, torch.Tensor], targets: torch.Tensor,
+          temperature: float = 1.0) -> Scores:
     """One forward of ``model`` on ``inputs``, scored against ``targets`` (rows, width): the token each
-    position predicts, IGNORE where none (see ``Scores``)."""
+    position predicts, IGNORE where none (see ``Scores``). ``temperature``: the log-probabilities of
+    logits / temperature (GRPO scores completions as they were sampled); the head scales its logits, or,
+    after a softcap (which comes first), the full logits are divided."""
     state = _head_state(model)
-    if state is None:
+    if state is None or (temperature != 1.0 and state.transform.softcap is not None):
         logits = model(**inputs).logits
+        if temperature != 1.0:
+            logits = logits.float() / temperature
         logps = -token_cross_entropy(logits, targets)
         with torch.no_grad():
             correct = (logits.argmax(dim=-1) == targets) & (targets != IGNORE)
         return Scores(logps, correct)
-    with _scoring(state, targets):
-        logps = model(**inputs).logits
+    transform = state.transform
+    if temperature != 1.0:
+        state.transform = dataclasses.replace(transform, scale=transform.scale / temperature)
+    try:
+        with _scoring(state, targets):
+            logps = model(**inputs).logits
+    finally:
+        state.transform = transform
     correct, state.correct = state.correct, None
     return Scores(logps, correct)

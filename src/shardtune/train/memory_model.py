@@ -88,6 +88,8 @@ TERMS: dict[str, str] = {
                    "input, plus one layer's recomputed set), and the backward of one layer",
     "logits": "the loss head: one chunk of tokens' logits in fp32 at a time, and what it keeps per token for "
               "backward (tokens × hidden); without it (a trained head) the full logits and their gradient",
+    "kv_cache": "GRPO's generation: the KV cache of the completions a rank samples at once (keys and values "
+                "of every layer for prompt + completion tokens), with the last position's logits",
     "dequant": "--quantize nf4: the largest 4-bit weight dequantized to the compute dtype for its matmul "
                "(forward and backward); while loading, a rank's bf16 slice of it being quantized",
 }
@@ -227,6 +229,9 @@ class Setting:
     loss_chunk: int = 0  # tokens per loss-head chunk (--loss-chunk); 0: its default
     activation_offload: bool = False  # --activation-offload: saved activations in pinned host memory (GPUs)
     context_parallel: int = 1  # ranks a sequence is cut over (--context-parallel): each holds a piece
+    #: GRPO: completions a rank samples at once, and their prompt + completion tokens (0: no generation)
+    generation_rows: int = 0
+    generation_tokens: int = 0
 
 
 def predict(f: Facts, s: Setting, device: str) -> Prediction:
@@ -286,6 +291,8 @@ def predict(f: Facts, s: Setting, device: str) -> Prediction:
         moments["loading (a weight's slice quantized)"] = {
             "dequant": QUANTIZE_SLICE_COPIES * f.quantize_slice_bytes / n,
             "grads": -kept["grads"], "optimizer": -kept["optimizer"]}
+    if s.generation_rows:
+        moments["generation (KV cache)"] = _generation_terms(f, s, n, saved.vocab, kept)
     moment, extra = max(moments.items(), key=lambda kv: sum(kv[1].values()))
     terms = {k: kept.get(k, 0.0) + extra.get(k, 0.0) for k in TERMS}
     note = ""
@@ -333,6 +340,17 @@ def exchange_bytes(f: Facts, rows: int, piece: int, cp: int) -> float:
     return 3 * (f.heads + 2 * f.kv_heads) * rows * piece * f.head_dim * f.compute_itemsize
 
 
+def _generation_terms(f: Facts, s: Setting, n: int, vocab: int, kept: dict[str, float]) -> dict[str, float]:
+    """GRPO's generation, before the step's backward (no gradients yet): the KV cache of the rank's rows,
+    the weights a forward gathers (a layer at a time under FSDP), one layer's prefill activations (no_grad)
+    and the last position's logits with the sampler's fp64 softmax and cumulative sum."""
+    rows, tokens = s.generation_rows, s.generation_tokens
+    gathered = GATHER_COPIES.get((s.strategy, "cuda"), 0) * f.block_bytes if n > 1 else 0.0
+    prefill = 8 * rows * tokens * f.hidden * f.compute_itemsize
+    return {"kv_cache": rows * tokens * f.kv_bytes_per_token + rows * vocab * (f.compute_itemsize + 4 + 16),
+            "blocks": gathered, "activations": prefill, "grads": -kept["grads"]}
+
+
 def _head_terms(f: Facts, tokens: int, vocab: int, blocks: int, chunk_override: int = 0) -> tuple[float, float]:
     """What the output head and the loss add at the end of forward and at the start of backward.
 
@@ -363,10 +381,12 @@ def _head_terms(f: Facts, tokens: int, vocab: int, blocks: int, chunk_override: 
 def row_tokens(cfg: Config, lengths: Lengths | None) -> int:
     """Tokens in each row of a step's widest micro-batch: packed rows are --seq-len long; unpacked ones
     are padded to their micro-batch's longest record, so at most the data's longest (``lengths``,
-    after --seq-len; unknown: --seq-len)."""
+    after --seq-len; unknown: --seq-len). GRPO's rows are a prompt and a completion of up to
+    --max-completion-length tokens."""
+    completion = cfg.grpo.max_completion_length if cfg.train.objective == "grpo" else 0
     if cfg.data.packing or lengths is None or not lengths.longest:
-        return cfg.data.seq_len
-    return min(cfg.data.seq_len, lengths.longest)
+        return cfg.data.seq_len + completion
+    return min(cfg.data.seq_len, lengths.longest) + completion
 
 
 def default_budget(local_ranks: int, device: str) -> tuple[int | None, str]:

@@ -37,6 +37,9 @@ class Progress:
         memory = record.get("peak_mb", record["memory_mb"])
         # preference objectives: how many of the batch's pairs the policy already ranks right
         acc = f" | acc {record['rewards/accuracies']:.0%}" if "rewards/accuracies" in record else ""
+        # GRPO: the generation batch's mean reward and how many completions the length limit cut
+        if "reward" in record:
+            acc += f" | reward {record['reward']:.3f} | clipped {record.get('completions/clipped_ratio', 0):.0%}"
         # fp16: steps the loss scaler skipped (gradient overflow), said once there are any
         skipped = f" | skipped {record['skipped_steps']}" if record.get("skipped_steps") else ""
         self.bar.set_postfix_str(

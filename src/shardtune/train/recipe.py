@@ -1,7 +1,7 @@
 """The fine-tuning recipe, run by every rank: set up (job.py) → train → save. Read top to bottom.
 
 Started by the launcher (``python -m shardtune.train CONFIG.yaml``) or by torchrun with the same
-arguments. Which objective it runs (SFT, DPO, ORPO, SimPO) it never asks: the objective is a component
+arguments. Which objective it runs (SFT, DPO, ORPO, SimPO, GRPO) it never asks: the objective is a component
 (train/objectives/) behind one step and one evaluation (train/step.py).
 """
 
@@ -45,7 +45,7 @@ def train(job: Job, memory: MemoryMonitor, out: Path) -> dict:
     cfg = job.cfg
     optimizer, scheduler = optimizer_and_schedule(cfg, list(job.strategy.trainable(job.model).values()), job.steps)
     checkpoints = Checkpointer(cfg, job.model, job.strategy, job.built.adapter_keys, optimizer, scheduler,
-                               job.model_dir, job.scaler)
+                               job.model_dir, job.scaler, extra=job.rollouts)
     # Batch ``step`` depends only on (seed, step): starting the loop at the saved step is the data position.
     state = checkpoints.resume() if cfg.output.resume else TrainState()
     first_step = state.step

@@ -165,3 +165,11 @@ def hf_next_logits(model: nn.Module) -> NextLogits:
                     **{key: cache})
         return out.logits[:, -1]
     return next_logits
+
+
+def stop_ids(model: nn.Module, tokenizer) -> list[int]:
+    """End-of-answer tokens: the tokenizer's eos and whatever the model's generation config adds."""
+    ids = {tokenizer.eos_token_id}
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids.update(configured if isinstance(configured, list) else [configured])
+    return sorted(i for i in ids if i is not None)

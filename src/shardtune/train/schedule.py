@@ -10,7 +10,8 @@ from shardtune.config import Config
 
 
 def total_steps(cfg: Config, n_items: int) -> int:
-    """``n_items``: records, or pairs under a preference objective (what --batch-size counts)."""
+    """``n_items``: an epoch's items, what --batch-size counts: records, pairs under a preference objective,
+    completions under GRPO (``Objective.epoch_items``)."""
     if cfg.train.steps:
         return cfg.train.steps
     return max(1, math.ceil((cfg.train.epochs or 1.0) * n_items / cfg.train.batch_size))

@@ -5,13 +5,16 @@ it needs the reference model, behind one interface (base.py); the recipe never a
     dpo     preference pairs against a reference    (dpo.py)
     orpo    preference pairs, odds ratio + NLL      (orpo.py)
     simpo   preference pairs, length-normalised     (simpo.py)
+    grpo    online RL: the policy's own completions of prompts, scored by reward functions (grpo.py)
 """
 
 from __future__ import annotations
 
 from shardtune.config import Config
+from shardtune.train.grpo_loss import GRPOSettings
 from shardtune.train.objectives.base import Objective
 from shardtune.train.objectives.dpo import Dpo
+from shardtune.train.objectives.grpo import Grpo
 from shardtune.train.objectives.orpo import Orpo
 from shardtune.train.objectives.sft import Sft
 from shardtune.train.objectives.simpo import Simpo
@@ -26,7 +29,17 @@ def objective_of(cfg: Config) -> Objective:
         return Orpo(p.orpo_lambda)
     if name == "simpo":
         return Simpo(p.simpo_beta, p.simpo_gamma)
+    if name == "grpo":
+        g = cfg.grpo
+        return Grpo(grpo_settings(cfg), g.temperature, g.num_generations, g.num_iterations)
     return Sft()
 
 
-__all__ = ["Objective", "objective_of"]
+def grpo_settings(cfg: Config) -> GRPOSettings:
+    """The loss's settings from the GRPO options."""
+    g = cfg.grpo
+    return GRPOSettings(loss_type=g.loss, beta=g.beta, epsilon=g.epsilon, epsilon_high=g.epsilon_high,
+                        importance_sampling_level=g.importance_sampling, max_completion_length=g.max_completion_length)
+
+
+__all__ = ["Objective", "objective_of", "grpo_settings"]

@@ -36,6 +36,19 @@ class Objective:
     metrics: tuple[str, ...] = ()
     #: whether ``terms`` needs the reference model's values (``reference_of``) of each forward
     uses_reference: bool = False
+    #: whether a step's items are sampled from the policy before the step (GRPO's rollouts, train/rollout.py)
+    #: rather than read from the data: the data then holds prompts, and ``--batch-size`` counts completions
+    generates: bool = False
+    #: the temperature the loss head scores at (GRPO: the sampling temperature, as TRL)
+    temperature: float = 1.0
+
+    def epoch_items(self, records: int) -> int:
+        """Items an epoch of ``records`` data records makes (what --epochs multiplies): one per record."""
+        return records // self.per_item
+
+    def records_per_batch(self, batch_size: int) -> int:
+        """Data records one global batch of --batch-size items draws."""
+        return batch_size
 
     @property
     def per_item(self) -> int:

@@ -1,0 +1,117 @@
+"""`shardtune eval --reward ...` on prompts: the mean reward of the model's own completions, base against adapter.
+
+For each model (the base, and base + adapter when one is given) every prompt of the file (GRPO's prompt
+records, ``{"prompt": text or messages, ...fields}``) gets one completion, greedy by default (``temperature``
+> 0: sampled, seeded per prompt as training samples), with the same KV-cache sampler training uses; the
+reward functions score them with the records' fields as in training. Reported: each function's mean
+(``rewards/<fn>/mean``), the weighted sum's mean (``reward``), the share of completions cut by the length
+limit, and a few completions. One process: the adapter is switched off for the base's pass, so one copy
+of the model serves both.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from shardtune.config import reward_weights
+from shardtune.train.rewards import RewardFunction
+
+if TYPE_CHECKING:
+    from shardtune.tools.generate import EvalModel
+
+SAMPLES = 3
+
+
+def evaluate_rewards(subject: EvalModel, data: str | Path, rewards: list[str], weights: str | None = None,
+                     max_new_tokens: int = 64, batch_size: int = 8, temperature: float = 0.0, seed: int = 0,
+                     seq_len: int = 512, data_fields: str = "") -> dict[str, Any]:
+    """The figures of the module docstring, for the base and (with an adapter) base + adapter."""
+    from shardtune.runtime.compat import adapters_disabled
+    from shardtune.tools.generate import check_adapter_dir
+    from shardtune.train.data.prompts import PROMPTS
+    from shardtune.train.data.read import read_records
+    from shardtune.train.data.tokenize import load_dataset
+    from shardtune.train.rewards import load_rewards
+
+    functions = load_rewards(rewards, reward_weights(weights))
+    check_adapter_dir(subject.adapter)
+    model, tokenizer = subject.load()
+    model.eval()
+    prompts = load_dataset(data, tokenizer, seq_len, fields=data_fields, fmt=PROMPTS)
+    records = read_records(data, data_fields, PROMPTS.check)
+    result: dict[str, Any] = {"prompts": len(records), "model": str(subject.model),
+                              "adapter": str(subject.adapter) if subject.adapter else None, "data": str(data),
+                              "temperature": temperature}
+    with adapters_disabled(model):
+        result["base"] = _figures(model, tokenizer, prompts.examples, records, functions, max_new_tokens,
+                                  batch_size, temperature, seed, data)
+    if subject.adapter:
+        result["adapter_figures"] = _figures(model, tokenizer, prompts.examples, records, functions,
+                                             max_new_tokens, batch_size, temperature, seed, data)
+    return result
+
+
+@torch.no_grad()
+def _figures(model, tokenizer, examples, records, functions: list[RewardFunction], max_new_tokens: int,
+             batch_size: int, temperature: float, seed: int, data: str | Path) -> dict[str, Any]:
+    from shardtune.train.data.batch import pad_id
+    from shardtune.train.data.prompts import fields_of, prompt_of
+    from shardtune.train.data.sources import location
+    from shardtune.train.rewards import completions_for, score, weights_of
+    from shardtune.train.sampling import SamplingSettings, hf_cache, hf_next_logits, sample, stop_ids
+
+    settings = SamplingSettings(max_new_tokens, tuple(stop_ids(model, tokenizer)), pad_id(tokenizer), temperature)
+    device = next(model.parameters()).device
+    done = []
+    for start in range(0, len(examples), batch_size):
+        rows = list(range(start, min(len(examples), start + batch_size)))
+        done += sample(hf_next_logits(model), [examples[i].input_ids for i in rows], [(i, 0) for i in rows],
+                       settings, seed, 0, hf_cache(model), device)
+    ids = [c.ids for c in done]
+    texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
+    recs = [r for _, r in records]
+    prompts = [prompt_of(r) for r in recs]
+    fields = [fields_of(r) for r in recs]
+    keys = sorted({k for f in fields for k in f})
+    table = score(functions, prompts, completions_for(prompts, texts), ids, {k: [f.get(k) for f in fields]
+                                                                             for k in keys},
+                  sources=[location(data, n) for n, _ in records])
+    total = (table * weights_of(functions)).nansum(dim=1)
+    total[torch.isnan(table).all(dim=1)] = math.nan
+    out: dict[str, Any] = {"reward": _mean(total)}
+    for j, fn in enumerate(functions):
+        out[f"rewards/{fn.name}/mean"] = _mean(table[:, j])
+    out["completions/clipped_ratio"] = sum(c.truncated for c in done) / max(1, len(done))
+    out["completions/mean_length"] = sum(len(i) for i in ids) / max(1, len(ids))
+    out["samples"] = [{"prompt": p, "completion": t, "reward": None if math.isnan(r) else float(r)}
+                      for p, t, r in list(zip(prompts, texts, total.tolist()))[:SAMPLES]]
+    return out
+
+
+def _mean(x: torch.Tensor) -> float | None:
+    value = torch.nanmean(x).item()
+    return None if math.isnan(value) else value
+
+
+def table(result: dict[str, Any]) -> str:
+    """The result side by side, for the terminal."""
+    base, tuned = result["base"], result.get("adapter_figures")
+    keys = [k for k in base if k != "samples"]
+    rows = [("prompts", str(result["prompts"]), "")]
+    for k in keys:
+        rows.append((k, _fmt(base[k]), _fmt(tuned[k]) if tuned else ""))
+    width = max(len(r[0]) for r in rows)
+    head = f"{'':<{width}}  {'base':>10}  {'+ adapter' if tuned else '':>10}"
+    lines = [head, *(f"{a:<{width}}  {b:>10}  {c:>10}" for a, b, c in rows)]
+    for name, figures in (("base", base), ("+ adapter", tuned)):
+        for s in (figures or {}).get("samples", []):
+            lines.append(f"\n[{name}] {s['prompt']!s:.120}\n    reward {_fmt(s['reward'])}: {s['completion']!s:.200}")
+    return "\n".join(lines)
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"

@@ -1,0 +1,67 @@
+"""Completions sampled by the policy itself, as it is spread over the ranks (GRPO's rollouts).
+
+The model generates as it trains: the adapter on, each rank its own rows of the generation batch, a KV
+cache (train/sampling.py: each completion seeded by its prompt and index, so the rows a rank gets change
+nothing). How the weights are spread decides only how a forward runs:
+
+* FSDP2: every forward gathers each unit's weights as in training, so every rank runs a forward per token
+  while any rank has an unfinished row (``keep_going``: an all-reduce per token), feeding padding once its
+  own rows are done;
+* DDP and single: each rank holds the whole model and generates on its own, without collectives (DDP's
+  wrapper, which would broadcast buffers in every forward, is left out).
+
+The attention is switched to transformers' ``sdpa`` while generating (left-padded prompts need the padding
+mask that the training attention never builds), the model is in eval mode, and the loss head returns
+logits (it scores only inside ``score``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch import nn
+
+from shardtune.config import traits
+from shardtune.model.attention import sdpa_attention
+from shardtune.parallel import Strategy
+from shardtune.runtime.distributed import Worker
+from shardtune.train.sampling import Completion, SamplingSettings, hf_cache, hf_next_logits, sample
+
+
+@contextlib.contextmanager
+def inference(model: nn.Module, strategy: Strategy) -> Iterator[None]:
+    """Eval mode and no gradients for the forwards inside; after them, what the strategy keeps gathered for a
+    backward that will not come is let go, and the mode is restored."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        strategy.after_inference(model)
+        model.train(was_training)
+
+
+def lockstep(worker: Worker, strategy: Strategy):
+    """``keep_going`` for ``sample``: under a sharded strategy every forward is a collective, so all ranks
+    step while any has an unfinished row; otherwise None (each rank stops when its own rows are done)."""
+    if worker.world_size == 1 or not traits(strategy.name).shards:
+        return None
+
+    def keep_going(unfinished: bool) -> bool:
+        flag = torch.tensor([1.0 if unfinished else 0.0], device=worker.device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return bool(flag.item())
+    return keep_going
+
+
+def generate(model: nn.Module, strategy: Strategy, worker: Worker, prompts: Sequence[Sequence[int]],
+             keys: Sequence[tuple[int, int]], settings: SamplingSettings, seed: int, step: int) -> list[Completion]:
+    """This rank's completions of ``prompts`` (token ids), row i seeded by ``keys[i]`` = (prompt index, completion
+    index) and ``step`` (the generation batch); every rank calls it with as many rows."""
+    inner = strategy.unwrap(model)  # the peft model: FSDP2's units are inside it, DDP's wrapper outside
+    with inference(model, strategy), sdpa_attention(inner):
+        return sample(hf_next_logits(inner), prompts, keys, settings, seed, step, hf_cache(inner), worker.device,
+                      keep_going=lockstep(worker, strategy))

@@ -1,0 +1,228 @@
+"""GRPO's rollouts: each generation batch sampled by the policy, scored, and made into a step's items.
+
+Generation batch ``k`` serves optimizer steps k·μ … k·μ + μ − 1 (μ = --num-iterations). Made before its
+first step, on every rank together:
+
+1. its prompts: batch k of a seeded sampler over the prompts (--batch-size / G of them), each repeated for
+   its G completions: rows group-major, so row r is completion r mod G of prompt r div G;
+2. each rank samples its own rows (the rows a step will train on it), seeded by (prompt, completion index,
+   k): the completions are the same however many ranks there are (train/generation.py);
+3. each rank scores its rows with the reward functions; rows, rewards (or a reward function's failure,
+   raised on every rank) are exchanged, so every rank holds the whole batch;
+4. the advantages over each prompt's whole group (grpo_advantages.py), the same numbers on every rank;
+5. with μ > 1 the policy's log-probs now (the "old" policy of the ratio), with β > 0 the reference's (the
+   base with the adapter off, or the --init-adapter weights swapped in): no_grad forwards of the rows a step
+   will train, exchanged too.
+
+The batch is kept in the resumable checkpoint (``state_dict``): a run stopped mid-batch resumes on the same
+completions. A few completions with their rewards go to ``OUT/completions.jsonl`` per generation batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from shardtune.config import Config
+from shardtune.runplan import BatchSplit
+from shardtune.runtime import distributed
+from shardtune.runtime.compat import adapters_disabled
+from shardtune.train.data.batch import Batcher, Layout, Sampler, pad_id
+from shardtune.train.data.prompts import fields_of, prompt_of
+from shardtune.train.data.records import IGNORE, Example
+from shardtune.train.data.sources import location
+from shardtune.train.generation import generate, inference
+from shardtune.train.grpo_advantages import completion_metrics, group_advantages
+from shardtune.train.loss_head import score
+from shardtune.train.objectives.grpo import Grpo, Rollout, make_mask, per_sequence
+from shardtune.train.rewards import RewardError, RewardFunction, completions_for, weights_of
+from shardtune.train.rewards import score as rewards_of
+from shardtune.train.sampling import SamplingSettings, stop_ids
+from shardtune.train.step import Trainee
+
+log = logging.getLogger("shardtune")
+
+#: completions written to OUT/completions.jsonl per generation batch
+SAMPLES = 4
+COMPLETIONS = "completions.jsonl"
+
+
+class Rollouts:
+    """The generation batches of a GRPO run, made as the steps need them (module doc)."""
+
+    def __init__(self, cfg: Config, trainee: Trainee, tokenizer, prompts: list[Example],
+                 records: list[tuple[int, dict]], split: BatchSplit, rewards: list[RewardFunction], attention: str,
+                 dtype: torch.dtype) -> None:
+        assert isinstance(trainee.objective, Grpo)
+        self.cfg, self.t, self.tokenizer, self.split, self.rewards = cfg, trainee, tokenizer, split, rewards
+        self.objective: Grpo = trainee.objective
+        self.prompts, self.records = prompts, records
+        g = cfg.grpo
+        self.G, self.mu = g.num_generations, g.num_iterations
+        self.sampler = Sampler(len(prompts), BatchSplit(split.batch_size // self.G, 1, 1), cfg.train.seed)
+        model = trainee.strategy.unwrap(trainee.model)
+        self.settings = SamplingSettings(g.max_completion_length, tuple(stop_ids(model, tokenizer)), pad_id(tokenizer),
+                                         g.temperature, g.top_p, g.top_k)
+        self.layout = (pad_id(tokenizer), attention, dtype)
+        self.out = Path(cfg.output.out)
+        self.trimmed = False
+        # β > 0 against --init-adapter: its weights, kept to swap in for the reference's forwards
+        self.initial = ({n: p.detach().clone() for n, p in trainee.strategy.trainable(trainee.model).items()}
+                        if g.beta > 0 and cfg.lora.init_adapter else None)
+        self.batcher: Batcher | None = None
+
+    # ------------------------------------------------------------------------------------------ a step's items
+
+    def batch(self, step: int) -> tuple[Batcher, list[int], BatchSplit]:
+        """The batcher of step ``step``'s generation batch (made first when the step starts a new one), its
+        items (every row) and how they split over ranks."""
+        index = step // self.mu
+        if self.objective.rollout is None or self.objective.rollout.index != index:
+            self._make(index, step)
+        assert self.batcher is not None
+        return self.batcher, list(range(self.split.batch_size)), self.split
+
+    def _make(self, index: int, step: int) -> None:
+        w = self.t.worker
+        prompts = self.sampler.global_batch(index)
+        rows = [(p, c) for p in prompts for c in range(self.G)]
+        per_rank = len(rows) // w.world_size
+        mine = rows[w.rank * per_rank:(w.rank + 1) * per_rank]
+        done = generate(self.t.model, self.t.strategy, w, [self.prompts[p].input_ids for p, _ in mine], mine,
+                        self.settings, self.cfg.train.seed, index)
+        ids = [c.ids for c in done]
+        try:
+            found: object = self._score(mine, ids, step)
+        except RewardError as err:
+            found = err
+        shares = distributed.all_gather_object((ids, [c.truncated for c in done], found)) if w.world_size > 1 \
+            else [(ids, [c.truncated for c in done], found)]
+        failed = next((s[2] for s in shares if isinstance(s[2], RewardError)), None)
+        if failed is not None:
+            raise failed
+        completions = [c for s in shares for c in s[0]]
+        truncated = [t for s in shares for t in s[1]]
+        scores = torch.cat([s[2] for s in shares])  # type: ignore[misc]
+        names = [r.name for r in self.rewards]
+        adv = group_advantages(scores, weights_of(self.rewards), self.G, self.cfg.grpo.scale_rewards, names=names)
+        metrics = {**adv.metrics, **completion_metrics([len(c) for c in completions], truncated)}
+        rollout = Rollout(index, prompts, completions, truncated, scores, adv.advantages,
+                          make_mask(completions, truncated, self.cfg.grpo.mask_truncated_completions), metrics,
+                          self._micro_batches())
+        self._install(rollout)
+        if self.mu > 1:
+            rollout.old = self._logps(contextlib.nullcontext)
+        if self.cfg.grpo.beta > 0:
+            rollout.ref = self._logps(self._reference)
+        self._write_samples(rollout, adv.rewards, step)
+
+    def _micro_batches(self) -> int:
+        s = self.split
+        return s.world_size * max(1, -(-s.per_rank // s.micro_batch_size))
+
+    def _install(self, rollout: Rollout) -> None:
+        """``rollout`` as the objective's current batch, with the batcher of its prompt + completion rows."""
+        examples = []
+        for r, ids in enumerate(rollout.completions):
+            prompt = list(self.prompts[rollout.prompts[r // self.G]].input_ids)
+            examples.append(Example(prompt + ids, [IGNORE] * len(prompt) + ids))
+        pad, attention, dtype = self.layout
+        seq_len = self.cfg.data.seq_len + self.cfg.grpo.max_completion_length
+        self.batcher = Batcher(Layout(examples, 1, seq_len, pad, self.t.worker.device, attention, dtype))
+        self.objective.rollout = rollout
+
+    # ------------------------------------------------------------------------------------------ scoring
+
+    def _score(self, mine: list[tuple[int, int]], ids: list[list[int]], step: int) -> torch.Tensor:
+        """(rows, functions) rewards of this rank's rows."""
+        records = [self.records[p][1] for p, _ in mine]
+        prompts = [prompt_of(r) for r in records]
+        texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
+        fields = [fields_of(r) for r in records]
+        keys = sorted({k for f in fields for k in f})
+        sources = [location(self.cfg.data.train, self.records[p][0]) for p, _ in mine]
+        return rewards_of(self.rewards, prompts, completions_for(prompts, texts), ids,
+                          {k: [f.get(k) for f in fields] for k in keys}, step=step, sources=sources)
+
+    # ------------------------------------------------------------------------------------------ log-probs
+
+    def _logps(self, context) -> torch.Tensor:
+        """(rows, width) log-probs of every row's completion tokens under the model in ``context``: each rank
+        scores the rows it trains, in the forwards it trains them in; the rows are exchanged."""
+        assert self.batcher is not None and self.objective.rollout is not None
+        w, t = self.t.worker, self.t
+        width = self.objective.rollout.width
+        mine: dict[int, torch.Tensor] = {}
+        forwards = self.batcher.step(list(range(self.split.batch_size)), self.split, w.rank, self.cfg.data.packing)
+        with inference(t.model, t.strategy), context():
+            for fwd in forwards:
+                scores = score(t.model, fwd.inputs, fwd.targets, self.objective.temperature)
+                seq = per_sequence(scores.logps, fwd, width).cpu()
+                mine.update(zip(fwd.items, seq[:len(fwd.items)]))
+        shares = distributed.all_gather_object(mine) if w.world_size > 1 else [mine]
+        found = {i: v for share in shares for i, v in share.items()}
+        return torch.stack([found[i] for i in range(self.split.batch_size)])
+
+    @contextlib.contextmanager
+    def _reference(self) -> Iterator[None]:
+        """The reference model: the base with every adapter layer off, or the --init-adapter weights in place
+        of the trained ones (restored after)."""
+        if self.initial is None:
+            with adapters_disabled(self.t.model):
+                yield
+            return
+        params = self.t.strategy.trainable(self.t.model)
+        trained = {n: p.detach().clone() for n, p in params.items()}
+        self.t.strategy.after_inference(self.t.model)  # no unit keeps a gathered copy of the trained weights
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(self.initial[n])
+        try:
+            yield
+        finally:
+            self.t.strategy.after_inference(self.t.model)
+            with torch.no_grad():
+                for n, p in params.items():
+                    p.copy_(trained[n])
+
+    # ------------------------------------------------------------------------------------------ output, resume
+
+    def _write_samples(self, rollout: Rollout, rewards: torch.Tensor, step: int) -> None:
+        """A few completions with their rewards, to OUT/completions.jsonl (rank 0); lines of steps after ``step``
+        (a run resumed from an earlier checkpoint, or an older run's) are dropped first."""
+        if not self.t.worker.is_main:
+            return
+        file = self.out / COMPLETIONS
+        if not self.trimmed:
+            self.trimmed = True
+            kept = [line for line in (file.read_text().splitlines() if file.is_file() else [])
+                    if line.strip() and json.loads(line).get("step", 0) <= step]
+            file.write_text("".join(line + "\n" for line in kept))
+        texts = self.tokenizer.batch_decode(rollout.completions[:SAMPLES], skip_special_tokens=True)
+        with open(file, "a") as f:
+            for r, text in enumerate(texts):
+                record = self.records[rollout.prompts[r // self.G]][1]
+                line = {"step": step + 1, "prompt": prompt_of(record),
+                        "completion": text, "reward": _number(rewards[r]),
+                        "rewards": {fn.name: _number(rollout.rewards[r, j]) for j, fn in enumerate(self.rewards)},
+                        "advantage": _number(rollout.advantages[r]), "truncated": rollout.truncated[r]}
+                f.write(json.dumps(line) + "\n")
+
+    def state_dict(self) -> dict | None:
+        """The current generation batch (what a checkpoint keeps), or None."""
+        return self.objective.rollout.state() if self.objective.rollout is not None else None
+
+    def load_state_dict(self, state: dict | None) -> None:
+        if state is not None:
+            self._install(Rollout(**state))
+
+
+def _number(x: torch.Tensor) -> float | None:
+    v = float(x)
+    return None if math.isnan(v) else v

@@ -1,0 +1,236 @@
+"""GRPO runs as a user starts them (``shardtune finetune --objective grpo``): N ranks train like one, a run
+stopped mid generation batch resumes on the same completions, and bad reward functions and options stop the
+run with exit 2 naming them.
+
+One 1-rank run (num_iterations 2 and β > 0, so that the old policy's and the reference's log-probs are used,
+a checkpoint after each step) is the baseline of the module; the 2-rank FSDP2 run reads the same prompts
+from a ``datasets`` folder.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from shardtune.cli import main
+
+from tiny import write_jsonl
+
+G = 4
+REWARD_FILE = '''
+def digits(prompts, completions, completion_ids, answer, **fields):
+    """Varies within a group: digits in the completion, and the ids' sum."""
+    text = [c if isinstance(c, str) else c[0]["content"] for c in completions]
+    return [sum(ch.isdigit() for ch in t) / 4 + (sum(ids) % 7) / 7 for t, ids in zip(text, completion_ids)]
+
+
+def picky(prompts, completions, answer, **fields):
+    if any(a == "6" for a in answer):
+        raise ValueError("no sixes")
+    return [0.0] * len(completions)
+
+
+def short(prompts, completions, **fields):
+    return [0.0]
+
+
+def first_step_only(prompts, completions, trainer_state, **fields):
+    """Tells completions apart at the first step only: then nothing is left to learn."""
+    return [float(i % 2) if trainer_state.global_step == 0 else 0.0 for i in range(len(completions))]
+'''
+
+
+def prompt_records() -> list[dict]:
+    strings = [{"prompt": f"Question {i}: what is {i}+{i}?", "answer": str(2 * i)} for i in range(6)]
+    chats = [{"prompt": [{"role": "user", "content": f"say {i}"}], "answer": str(i)} for i in range(2)]
+    return strings + chats
+
+
+@pytest.fixture(scope="module")
+def grpo_root(tmp_path_factory, tiny_llama) -> Path:
+    from datasets import Dataset
+
+    root = tmp_path_factory.mktemp("grpo")
+    write_jsonl(root / "prompts.jsonl", prompt_records())
+    Dataset.from_list(prompt_records()[:6]).save_to_disk(root / "hub")  # the string prompts
+    (root / "rewards.py").write_text(REWARD_FILE)
+    (root / "model").symlink_to(tiny_llama, target_is_directory=True)
+    return root
+
+
+def argv(root: Path, out: str, *extra: str, data: str = "prompts.jsonl") -> list[str]:
+    return ["finetune", "--model", str(root / "model"), "--data", str(root / data), "--out", str(root / out),
+            "--objective", "grpo", "--reward", f"{root / 'rewards.py'}:digits", "--reward", "format=[0-9]",
+            "--reward-weights", "1,0.5", "--num-generations", str(G), "--batch-size", "8",
+            "--max-completion-length", "6", "--seq-len", "48", "--num-iterations", "2", "--grpo-beta", "0.05",
+            "--dtype", "fp32", "--lr", "3e-2", "--warmup-steps", "0", "--seed", "3", *extra]
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def completions(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
+
+
+def same_training(a: Path, b: Path, steps: int) -> None:
+    ma, mb = metrics(a), metrics(b)
+    assert [m["step"] for m in ma] == [m["step"] for m in mb] == list(range(1, steps + 1))
+    for key in ("loss", "grad_norm", "reward", "reward_std", "rewards/digits/mean", "rewards/format/mean", "kl",
+                "clip_ratio/region_mean", "completions/mean_length", "completions/clipped_ratio"):
+        torch.testing.assert_close(torch.tensor([m[key] for m in mb], dtype=torch.float64),
+                                   torch.tensor([m[key] for m in ma], dtype=torch.float64), rtol=1e-5, atol=1e-6,
+                                   msg=key)
+    # the same completions, rewards and advantages, sample by sample
+    ca, cb = completions(a), completions(b)
+    assert [(c["step"], c["prompt"], c["completion"], c["rewards"]) for c in ca] == \
+        [(c["step"], c["prompt"], c["completion"], c["rewards"]) for c in cb]
+    torch.testing.assert_close(torch.tensor([c["advantage"] for c in cb]), torch.tensor([c["advantage"] for c in ca]),
+                               rtol=1e-5, atol=1e-6)
+    wa, wb = (load_file(out / "adapter" / "adapter_model.safetensors") for out in (a, b))
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        torch.testing.assert_close(wb[k], wa[k], rtol=1e-5, atol=1e-5, msg=k)  # Adam: g/√v of tiny gradients
+
+
+@pytest.fixture(scope="module")
+def one_rank(grpo_root) -> Path:
+    code = main(argv(grpo_root, "one", "--strategy", "single", "--steps", "4", "--save-every", "1",
+                     "--keep-last", "4"))
+    assert code == 0
+    return grpo_root / "one"
+
+
+def test_a_run_trains_and_logs_trl_metrics(one_rank):
+    rows = metrics(one_rank)
+    assert len(rows) == 4
+    first, last = rows[0], rows[-1]
+    for key in ("reward", "reward_std", "rewards/digits/mean", "rewards/format/mean", "completions/mean_length",
+                "completions/clipped_ratio", "kl", "clip_ratio/low_mean", "clip_ratio/high_mean",
+                "clip_ratio/region_mean", "frac_reward_zero_std"):
+        assert key in last, key
+    assert first["kl"] == 0.0  # the adapter starts as the base: policy = reference
+    assert last["kl"] > 0  # and has moved away from it
+    # num_iterations 2: steps 1-2 train on one generation batch, steps 3-4 on the next
+    assert rows[0]["reward"] == rows[1]["reward"] and rows[2]["reward"] == rows[3]["reward"]
+    samples = completions(one_rank)
+    assert {s["step"] for s in samples} == {1, 3} and all(isinstance(s["completion"], str) for s in samples)
+    assert json.loads((one_rank / "summary.json").read_text())["objective"] == "grpo"
+
+
+def test_two_fsdp2_ranks_train_like_one(grpo_root, one_rank):
+    """2 FSDP2 ranks, each generating and training its half of every batch, two completions per forward."""
+    code = main(argv(grpo_root, "two", "--strategy", "fsdp2", "--nproc", "2", "--steps", "4",
+                     "--micro-batch-size", "2"))
+    assert code == 0
+    same_training(one_rank, grpo_root / "two", 4)
+
+
+def test_a_run_stopped_mid_generation_batch_resumes_on_the_same_completions(grpo_root, one_rank):
+    part = grpo_root / "part"
+    shutil.copytree(one_rank, part)
+    # as if stopped after step 3: the second generation batch is half used (num_iterations 2)
+    shutil.rmtree(part / "checkpoints" / "step-4")
+    (part / "summary.json").unlink()
+    shutil.rmtree(part / "adapter")
+    assert (part / "checkpoints" / "step-3" / "extra.pt").is_file()
+    code = main(argv(grpo_root, "part", "--strategy", "single", "--steps", "4", "--save-every", "1",
+                     "--keep-last", "4", "--resume"))
+    assert code == 0
+    same_training(one_rank, part, 4)
+
+
+def _fails(capsys, code: int, *expected: str) -> None:
+    err = capsys.readouterr().err
+    assert code == 2, err
+    for text in expected:
+        assert text in err, err
+
+
+def test_reward_problems_found_before_workers_start(grpo_root, capsys, no_workers):
+    root = grpo_root
+    base = argv(root, "bad")
+    swap = base.index(f"{root / 'rewards.py'}:digits")
+
+    def with_reward(spec: str) -> list[str]:
+        return [*base[:swap], spec, *base[swap + 1:]]
+
+    _fails(capsys, main(with_reward(f"{root / 'missing.py'}:digits")), "missing.py", "--reward")
+    _fails(capsys, main(with_reward(f"{root / 'rewards.py'}:nothing")), "has no 'nothing'",
+           "digits, first_step_only, picky, short")
+    _fails(capsys, main(with_reward("no_such_module_here:fn")), "no_such_module_here")
+    _fails(capsys, main([*base, "--batch-size", "6"]), "option 'batch-size' (6)", "--num-generations 4")
+    _fails(capsys, main([*base, "--reward-weights", "1,x"]), "option 'reward-weights'")
+    _fails(capsys, main([*base, "--strategy", "fsdp1", "--nproc", "2"]), "fsdp1", "use fsdp2")
+    sft = ["finetune", "--model", str(root / "model"), "--data", str(root / "prompts.jsonl"), "--out",
+           str(root / "bad"), "--num-generations", "4"]
+    _fails(capsys, main(sft), "option 'num-generations' applies to --objective grpo only")
+    _fails(capsys, main([*base, "--top-p", "0"]), "option 'top-p'")
+
+
+def test_a_reward_function_that_raises_stops_the_run_naming_it_and_the_prompt(grpo_root, capsys):
+    """The prompts from a ``datasets`` folder (save_to_disk) this time."""
+    base = argv(grpo_root, "raises", "--strategy", "single", "--steps", "1", "--num-iterations", "1",
+                "--grpo-beta", "0", "--batch-size", "24", data="hub")  # every prompt in the first batch
+    swap = base.index(f"{grpo_root / 'rewards.py'}:digits")
+    base[swap] = f"{grpo_root / 'rewards.py'}:picky"
+    i = base.index("--reward-weights")
+    del base[i:i + 2]
+    del base[base.index("format=[0-9]") - 1:base.index("format=[0-9]") + 1]
+    _fails(capsys, main(base), "reward function 'picky'", "ValueError: no sixes", "what is 3+3?")
+
+
+def test_the_planner_counts_generation(grpo_root, capsys):
+    """`shardtune plan` adds generation's moment: a KV cache for every completion a rank samples at once."""
+    def kv_cache(batch: int) -> dict:
+        code = main(["plan", *argv(grpo_root, "plan")[1:], "--batch-size", str(batch), "--max-completion-length",
+                     "256", "--nproc", "2", "--strategy", "fsdp2", "--micro-batch-size", "1", "--json"])
+        assert code == 0
+        return json.loads(capsys.readouterr().out)["fsdp2"]
+
+    small, large = kv_cache(64), kv_cache(1024)
+    assert large["peak_at"] == "generation (KV cache)"
+    assert large["terms"]["kv_cache"] == pytest.approx(16 * small["terms"]["kv_cache"], rel=1e-3)  # rounded to kB
+    assert large["terms"]["grads"] == 0  # generation comes before the step's backward
+
+
+def test_steps_with_nothing_to_learn_are_no_divergence_under_ddp(grpo_root):
+    """After the first step every completion is rewarded alike: every advantage is 0, and so is the gradient,
+    right after a step whose gradient was not; the divergence guard must not take that for blown-up weights.
+    On 2 DDP ranks, which generate each on its own (no collective per token)."""
+    code = main(["finetune", "--model", str(grpo_root / "model"), "--data", str(grpo_root / "prompts.jsonl"),
+                 "--out", str(grpo_root / "flat"), "--objective", "grpo",
+                 "--reward", f"{grpo_root / 'rewards.py'}:first_step_only",
+                 "--num-generations", "2", "--batch-size", "4", "--max-completion-length", "6", "--seq-len", "48",
+                 "--steps", "3", "--dtype", "fp32", "--strategy", "ddp", "--nproc", "2"])
+    assert code == 0
+    rows = metrics(grpo_root / "flat")
+    assert rows[0]["grad_norm"] > 0 and rows[0]["frac_reward_zero_std"] == 0.0
+    assert [(m["grad_norm"], m["frac_reward_zero_std"], m["loss"]) for m in rows[1:]] == [(0.0, 1.0, 0.0)] * 2
+
+
+def test_eval_reward_scores_base_and_adapter_completions(grpo_root, one_rank, capsys):
+    """`shardtune eval --reward`: greedy completions of held-out prompts, scored by the reward functions, for the
+    base (the adapter switched off) and base + adapter."""
+    def evaluate(*extra: str) -> dict:
+        code = main(["eval", "--model", str(grpo_root / "model"), "--data", str(grpo_root / "prompts.jsonl"),
+                     "--reward", f"{grpo_root / 'rewards.py'}:digits", "--reward", "format=[0-9]",
+                     "--reward-weights", "1,0.5", "--max-new-tokens", "6", "--json", *extra])
+        assert code == 0
+        return json.loads(capsys.readouterr().out)
+
+    both = evaluate("--adapter", str(one_rank / "adapter"), "--out", str(grpo_root / "eval.json"))
+    base = evaluate()
+    assert both["prompts"] == base["prompts"] == len(prompt_records())
+    assert both["base"] == base["base"]  # the adapter switched off is the base
+    tuned = both["adapter_figures"]
+    assert {"reward", "rewards/digits/mean", "rewards/format/mean", "completions/clipped_ratio"} <= set(tuned)
+    assert tuned["reward"] == pytest.approx(tuned["rewards/digits/mean"] + 0.5 * tuned["rewards/format/mean"])
+    assert tuned["samples"] != both["base"]["samples"]  # the adapter's completions differ from the base's
+    assert json.loads((grpo_root / "eval.json").read_text()) == both
