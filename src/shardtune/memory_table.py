@@ -147,14 +147,14 @@ def show_longest(cfg: Config, budget: int | None, where: str, as_json_output: bo
     lines = [f"shardtune plan --seq-len max: {cfg.model.path} ({search.cfg.model.dtype}), LoRA r={cfg.lora.r} on "
              f"{cfg.lora.targets}, {micro} sequence{'s' * (micro > 1)} per forward, device {search.device}; memory "
              f"per rank {format_size(budget)} ({where})", "",
-             f"  {'strategy':<8} {'ranks':>5} {'as configured':>14} {'with flags':>11}  flags"]
+             f"  {'strategy':<10} {'ranks':>5} {'as configured':>14} {'with flags':>11}  flags"]
     for strategy, r in rows.items():
         if r.note:
-            lines.append(f"  {strategy:<8} {r.ranks:>5} {'-':>14} {'-':>11}  {r.note}")
+            lines.append(f"  {strategy:<10} {r.ranks:>5} {'-':>14} {'-':>11}  {r.note}")
             continue
-        lines.append(f"  {strategy:<8} {r.ranks:>5} {r.given:>14} {r.frugal:>11}  {' '.join(r.flags) or '-'}")
+        lines.append(f"  {strategy:<10} {r.ranks:>5} {r.given:>14} {r.frugal:>11}  {' '.join(r.flags) or '-'}")
     lines += ["", "tokens per sequence, whole multiples of 64; 0: not even 64 tokens fit. 'with flags': with the "
               "memory savers that apply and were not given (each costs speed: recomputation, or copies to host "
-              "memory)."]
+              "memory). 'cpN': --context-parallel N, each sequence cut over N ranks."]
     print("\n".join(lines))
     return 0

@@ -152,11 +152,11 @@ class Search:
             return [0, self.auto_tile]
         return [int(tile or 0)]
 
-    def context_sizes(self, ranks: int) -> list[int]:
-        """The --context-parallel sizes to weigh: the one given, or under 'auto' 1 and each that the ranks
-        (of each replica group), the batch and the model allow."""
+    def context_sizes(self, ranks: int, every: bool = False) -> list[int]:
+        """The --context-parallel sizes to weigh: the one given, or under 'auto' (or ``every``: ``plan
+        --seq-len max``) 1 and each that the ranks (of each replica group), the batch and the model allow."""
         p = self.cfg.parallel
-        if p.context_parallel != "auto":
+        if p.context_parallel != "auto" and not every:
             return [int(p.context_parallel)]
         sizes = [1]
         for n in range(2, ranks + 1):

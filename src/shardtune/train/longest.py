@@ -85,10 +85,12 @@ class Longest:
     frugal: int  # tokens, with ``flags`` added
     flags: tuple[str, ...]  # the flags (beyond those given) that make ``frugal`` fit
     note: str = ""  # why the strategy has no row (a combination rule)
+    context_parallel: int = 1  # ranks each sequence is cut over
 
     def as_dict(self) -> dict:
-        return {"ranks": self.ranks, "max_seq_len": self.given, "with_flags": {"seq_len": self.frugal,
-                "flags": " ".join(self.flags)}, **({"note": self.note} if self.note else {})}
+        return {"ranks": self.ranks, "context_parallel": self.context_parallel, "max_seq_len": self.given,
+                "with_flags": {"seq_len": self.frugal, "flags": " ".join(self.flags)},
+                **({"note": self.note} if self.note else {})}
 
 
 def frugal(setting: Setting, search: Search) -> tuple[Setting, tuple[str, ...]]:
@@ -101,7 +103,7 @@ def frugal(setting: Setting, search: Search) -> tuple[Setting, tuple[str, ...]]:
         fsdp_unit="part" if traits(setting.strategy).fsdp_unit else setting.fsdp_unit)
     flags = [flag for flag, before, after in (
         ("--activation-checkpointing", setting.activation_checkpointing, True),
-        ("--mlp-tile auto", bool(setting.mlp_tile), True),
+        ("--mlp-tile auto", bool(setting.mlp_tile) or search.cfg.parallel.mlp_tile == "auto", True),
         ("--activation-offload", setting.activation_offload, saver.activation_offload),
         ("--cpu-offload", setting.cpu_offload, saver.cpu_offload),
         ("--fsdp-unit part", setting.fsdp_unit == "part" or setting.strategy != "fsdp2", True)) if after and not before]
@@ -110,7 +112,8 @@ def frugal(setting: Setting, search: Search) -> tuple[Setting, tuple[str, ...]]:
 
 def longest_rows(cfg: Config, search: Search, budget: int) -> dict[str, Longest]:
     """{strategy: its longest row width at ``budget`` bytes per rank}, for ``cfg``'s micro-batch (or one
-    record per forward when the micro-batch is not given), on the ranks of ``cfg``."""
+    record per forward when the micro-batch is not given), on the ranks of ``cfg``; under a strategy that
+    carries context parallelism, a row ``"<strategy> cp<N>"`` too for each other size the ranks allow."""
     ranks = cfg.parallel.nproc * cfg.parallel.nnodes
     micro = cfg.train.micro_batch_size if isinstance(cfg.train.micro_batch_size, int) else 1
     facts = curve_facts(search.facts)
@@ -122,11 +125,21 @@ def longest_rows(cfg: Config, search: Search, budget: int) -> dict[str, Longest]
             out[strategy] = Longest(strategy, world, 0, 0, (), refused)
             continue
         setting = search.setting(strategy, world, micro)
-        saver, flags = frugal(setting, search)
-        given = _confirmed(search, setting, longest_width(facts, setting, search.device, budget), budget)
-        most = _confirmed(search, saver, longest_width(facts, saver, search.device, budget), budget)
-        out[strategy] = Longest(strategy, world, given, max(most, given), flags if most > given else ())
+        out[strategy] = _longest(search, facts, setting, budget)
+        if traits(strategy).context_parallel:
+            for cp in search.context_sizes(world, every=True):
+                if cp != setting.context_parallel:
+                    longest = _longest(search, facts, dataclasses.replace(setting, context_parallel=cp), budget)
+                    out[f"{strategy} cp{cp}" if cp > 1 else strategy] = longest
     return out
+
+
+def _longest(search: Search, facts: Facts, setting: Setting, budget: int) -> Longest:
+    saver, flags = frugal(setting, search)
+    given = _confirmed(search, setting, longest_width(facts, setting, search.device, budget), budget)
+    most = _confirmed(search, saver, longest_width(facts, saver, search.device, budget), budget)
+    return Longest(setting.strategy, setting.ranks, given, max(most, given), flags if most > given else (),
+                   context_parallel=setting.context_parallel)
 
 
 def _confirmed(search: Search, setting: Setting, width: int, budget: int) -> int:
