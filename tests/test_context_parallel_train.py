@@ -4,7 +4,10 @@ objective's metrics, the adapter after a few steps), for SFT on packed rows of r
 (their reference is the *unpacked* one-process run: a record that saw another would change the loss,
 axolotl #3608), SFT on unpacked rows whose width the pieces do not divide (padded, never counted), DPO
 (the pair's log-probabilities summed over the pieces), and nf4. Each launch runs every case in turn, to
-keep process starts few; then the bad input, refused before loading (exit 2)."""
+keep process starts few. The cases validate every 2 steps (--eval-every) and at the end, and the 4-process
+launch also runs CP = 2 under HSDP (--replicate-groups 2: each replica group is one CP group). Runs checkpointed
+at CP = 2 resume on one process, and one process's at CP = 2 (another CP size and world size both ways), and end
+with the uninterrupted run's adapter. Then the bad input, refused before loading (exit 2)."""
 
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ import torch
 
 from test_preference_ranks import preference_pairs
 
-from dist_utils import run_ranks
+from dist_utils import finetune_on_ranks, run_ranks
 from tiny import instruction_records, make_model, write_jsonl
 
 TOL = 1e-5
@@ -37,7 +40,7 @@ def _case(root: Path, name: str, world: str, **extra) -> tuple[str, dict]:
     data = "pairs.jsonl" if extra.get("objective") == "dpo" else "train.jsonl"
     options = {"model": str(root / "model"), "data": str(root / data), "val-data": str(root / data),
                "out": str(root / f"{name}-{world}"), "dtype": "fp32", "steps": 3, "batch-size": 4, "lr": 1e-2,
-               "warmup-steps": 1, "seed": 2, **extra}
+               "warmup-steps": 1, "seed": 2, "eval-every": 2, **extra}
     return name, options
 
 
@@ -80,7 +83,8 @@ def train_cases(rank: int, world_size: int, cases: list[tuple[str, dict]]) -> di
         memory.close()
         metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()] if rank == 0 else []
         results[name] = {"loss": first.loss, "grads": grads, "metrics": metrics, "layouts": layouts,
-                         "context": job.strategy.context.size}
+                         "context": job.strategy.context.size, "mesh": tuple(job.strategy.mesh.shape)
+                         if hasattr(job.strategy, "mesh") else None}
     return results
 
 
@@ -106,36 +110,82 @@ def _assert_adapters(a: Path, b: Path) -> None:
         assert (ta[k] - tb[k]).abs().max() < 1e-4, (a, b, k)  # after 3 AdamW steps at lr 1e-2
 
 
-def test_context_parallel_trains_like_one_process(cp_root):
-    sft, dpo = {}, {"objective": "dpo"}
+@pytest.fixture(scope="module")
+def cp_runs(cp_root) -> tuple[dict, list, list]:
+    """The cases on 1 process (the references), CP = 2 on 2 and CP = 2 × DP = 2 on 4 (plain and HSDP); both
+    SFT runs on unpacked rows also save a checkpoint at step 2, for the resume test."""
+    sft, dpo = {"save-every": 2}, {"objective": "dpo"}
     nf4 = {"quantize": "nf4"}
     refs = dict(run_ranks(train_cases, 1, [
-        _case(cp_root, "sft", "one", strategy="single"),
+        _case(cp_root, "sft", "one", strategy="single", **sft),
         _case(cp_root, "dpo", "one", strategy="single", **dpo),
         _case(cp_root, "nf4", "one", strategy="single", **nf4),
     ], timeout=900)[0])
     cp = {"strategy": "fsdp2", "context-parallel": 2}
     two = run_ranks(train_cases, 2, [
-        _case(cp_root, "sft-packed", "cp2", packing=True, **cp, **sft),
+        _case(cp_root, "sft-packed", "cp2", packing=True, **cp),
         _case(cp_root, "sft", "cp2", **{"micro-batch-size": 2}, **cp, **sft),
         _case(cp_root, "dpo", "cp2", **{"activation-checkpointing": True}, **cp, **dpo),
         _case(cp_root, "nf4", "cp2", **cp, **nf4),
     ], timeout=900)
     four = run_ranks(train_cases, 4, [
-        _case(cp_root, "sft-packed", "cp2dp2", packing=True, **cp, **sft),
+        _case(cp_root, "sft-packed", "cp2dp2", packing=True, **cp),
         _case(cp_root, "dpo", "cp2dp2", **cp, **dpo),
+        _case(cp_root, "sft-hsdp", "cp2dp2", **{"replicate-groups": 2}, **cp),
     ], timeout=900)
+    return refs, two, four
+
+
+def test_context_parallel_trains_like_one_process(cp_root, cp_runs):
+    refs, two, four = cp_runs
+    for ref in refs.values():  # validated at step 2 (--eval-every 2) and at the end, compared below
+        assert [m["step"] for m in ref["metrics"] if "val_loss" in m] == [2, 3]
+    assert set(four[0]) == {"sft-packed", "dpo", "sft-hsdp"}
+    assert four[0]["sft-hsdp"]["mesh"] == (2, 2) and four[0]["dpo"]["mesh"] == (4,)  # HSDP: replicate × shard
     for world, ranks in (("cp2", two), ("cp2dp2", four)):
         for name, got in ranks[0].items():
-            ref = refs[name.removesuffix("-packed")]
+            ref = refs[name.split("-")[0]]
             assert got["context"] == 2
             _assert_same(ref, got, f"{name} {world}")
             for other in ranks[1:]:  # every rank computed the same loss and holds the same full gradients
                 assert other[name]["loss"] == pytest.approx(got["loss"], abs=1e-6)
-            _assert_adapters(cp_root / f"{name.removesuffix('-packed')}-one", cp_root / f"{name}-{world}")
+            _assert_adapters(cp_root / f"{name.split('-')[0]}-one", cp_root / f"{name}-{world}")
     # the pieces do not divide some rows: they were padded (and the padding counted nothing, above)
     assert any(length > width for name in ("sft", "dpo") for length, width in two[0][name]["layouts"])
     assert all(length % 2 == 0 for r in two for case in r.values() for length, _ in case["layouts"])
+
+
+def _resumed(cp_root: Path, source: str, out: str, nproc: int, **extra) -> dict:
+    """``out`` as a run stopped right after ``source``'s checkpoint of step 2, resumed through ``finetune`` on
+    ``nproc`` ranks with ``extra`` (another strategy, CP size, world size)."""
+    import shutil
+
+    (cp_root / out / "checkpoints").mkdir(parents=True)
+    shutil.copytree(cp_root / source / "checkpoints" / "step-2", cp_root / out / "checkpoints" / "step-2")
+    lines = (cp_root / source / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (cp_root / out / "metrics.jsonl").write_text("".join(lines[:2]))
+    _, options = _case(cp_root, "sft", "unused", resume=True, **{"save-every": 2}, **extra)
+    summary = finetune_on_ranks({**options, "out": str(cp_root / out)}, nproc)
+    assert summary["resumed_from_step"] == 2 and summary["world_size"] == nproc, summary
+    return summary
+
+
+def test_a_checkpoint_resumes_onto_another_context_parallel_size(cp_root, cp_runs):
+    """CP = 2 on 2 processes → 1 process, and 1 process → CP = 2 on 2: a checkpoint holds the LoRA weights and
+    the optimizer state, not the sequence split; both end as the uninterrupted run (its step 3, its validation,
+    its adapter). (The test's B was set non-zero before step 1, so a resume that lost the checkpoint's weights
+    or optimizer state would end far off.)"""
+    refs, _, _ = cp_runs
+    down = _resumed(cp_root, "sft-cp2", "sft-cp2-to-one", 1, strategy="single")
+    up = _resumed(cp_root, "sft-one", "sft-one-to-cp2", 2, strategy="fsdp2", **{"context-parallel": 2})
+    assert (down["context_parallel"], up["context_parallel"]) == (1, 2)
+    ref = refs["sft"]["metrics"]
+    for out in ("sft-cp2-to-one", "sft-one-to-cp2"):
+        metrics = [json.loads(line) for line in (cp_root / out / "metrics.jsonl").read_text().splitlines()]
+        assert [m["step"] for m in metrics] == [1, 2, 3], out
+        for key in ("loss", "grad_norm", "val_loss"):
+            assert abs(metrics[2][key] - ref[2][key]) < 1e-4 * max(1.0, abs(ref[2][key])), (out, key)
+        _assert_adapters(cp_root / "sft-one", cp_root / out)
 
 
 # --- bad input: refused before loading, naming the flags --------------------------------------------------
