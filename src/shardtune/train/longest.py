@@ -122,11 +122,21 @@ def longest_rows(cfg: Config, search: Search, budget: int) -> dict[str, Longest]
             out[strategy] = Longest(strategy, world, 0, 0, (), refused)
             continue
         setting = search.setting(strategy, world, micro)
+        given, setting = _as_configured(search, facts, setting, budget)
         saver, flags = frugal(setting, search)
-        given = _confirmed(search, setting, longest_width(facts, setting, search.device, budget), budget)
         most = _confirmed(search, saver, longest_width(facts, saver, search.device, budget), budget)
         out[strategy] = Longest(strategy, world, given, max(most, given), flags if most > given else ())
     return out
+
+
+def _as_configured(search: Search, facts: Facts, setting: Setting, budget: int) -> tuple[int, Setting]:
+    """The longest width ``setting`` fits as configured, and the setting that fits it: under --mlp-tile auto
+    (the default) finetune tiles whenever the untiled run does not fit, so the longer of the two (and
+    "--mlp-tile auto" is then no flag to add)."""
+    tried = [dataclasses.replace(setting, mlp_tile=tile) for tile in search.tiles_to_try()]
+    widths = [_confirmed(search, s, longest_width(facts, s, search.device, budget), budget) for s in tried]
+    best = max(range(len(tried)), key=lambda i: widths[i])
+    return widths[best], tried[best]
 
 
 def _confirmed(search: Search, setting: Setting, width: int, budget: int) -> int:
