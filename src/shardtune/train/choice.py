@@ -120,7 +120,7 @@ class Search:
         p = self.cfg.parallel
         return Setting(strategy, ranks, objective_of(self.cfg).rows_per_forward(micro_batch_size), self.width,
                        p.activation_checkpointing, p.cpu_offload, p.replicate_groups, unit_of(strategy, p.fsdp_unit),
-                       mlp_tile=0 if p.mlp_tile in (None, "auto") else int(p.mlp_tile), loss_chunk=p.loss_chunk or 0,
+                       mlp_tile=tile_of(self.cfg), loss_chunk=p.loss_chunk or 0,
                        activation_offload=p.activation_offload)
 
     @property
@@ -136,6 +136,12 @@ class Search:
 
     def predict(self, setting: Setting) -> Prediction:
         return predict(self.facts, setting, self.device)
+
+
+def tile_of(cfg: Config) -> int:
+    """Tokens per MLP tile of ``cfg`` as decided (0: untiled; 'auto' before the choice counts as untiled)."""
+    tile = cfg.parallel.mlp_tile
+    return 0 if tile in (None, "auto") else int(tile)
 
 
 def auto_mlp_tile(facts: Facts) -> int:
@@ -307,7 +313,8 @@ def strategy_rows(cfg: Config, memory_per_rank: int | None = None, run: RunPlan 
                 continue
             setting = dataclasses.replace(search.setting(strategy, world, batch.micro_batch_size),
                                           activation_checkpointing=ac, cpu_offload=off,
-                                          fsdp_unit=unit_of(strategy, cfg.parallel.fsdp_unit))
+                                          fsdp_unit=unit_of(strategy, cfg.parallel.fsdp_unit),
+                                          mlp_tile=tile_of(cfg))  # the search's cfg is from before the choice
             p = search.predict(setting)
             p.fits = None if budget is None else p.peak_mb * MB <= budget
             p.runs = run is not None and (run.strategy, run.activation_checkpointing, run.cpu_offload) == \
