@@ -161,6 +161,16 @@ def _asks_choice(cfg: Config) -> bool:
     return needs_choice(dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, mlp_tile=None)))
 
 
+class NothingFits(ConfigError):
+    """No setting fits an explicit budget (or a GPU's): ``resolve`` words it with the longest --seq-len that
+    would fit (train/longest.py, which reads this module: the search stays one-way)."""
+
+    def __init__(self, cfg: Config, search: Search, best: Candidate, budget: int, where: str) -> None:
+        super().__init__(f"option 'memory-per-rank': no setting fits {format_size(budget)} per rank; the smallest "
+                         f"predicted peak is {format_size(best.peak_mb * MB)} ({best.describe()})")
+        self.cfg, self.search, self.best, self.budget, self.where = cfg, search, best, budget, where
+
+
 def budget_of(cfg: Config) -> tuple[int | None, str]:
     """Bytes per rank, and where that number came from (None: planning for GPUs on a machine without one)."""
     if cfg.parallel.memory_per_rank:
@@ -185,6 +195,13 @@ def _micro_sizes(cfg: Config, rows: int) -> list[int]:
     return [m for m in range(1, rows + 1) if rows % m == 0 or cfg.data.packing]
 
 
+def checkpointing_to_try(cfg: Config) -> list[bool]:
+    """--activation-checkpointing's values the choice weighs: both when the strategy or the micro-batch is
+    left to it (it turns checkpointing on when nothing fits without), else the one given."""
+    auto = cfg.parallel.strategy == "auto" or cfg.train.micro_batch_size == "auto"
+    return [True] if cfg.parallel.activation_checkpointing else ([False, True] if auto else [False])
+
+
 def candidates(cfg: Config, budget: int, lengths: Lengths | None = None,
                search: Search | None = None) -> list[tuple[Candidate, bool]]:
     """Every setting the auto options allow, with its predicted peak and whether it fits.
@@ -202,8 +219,7 @@ def candidates(cfg: Config, budget: int, lengths: Lengths | None = None,
     else:  # what auto may pick: those the combination rules allow
         strategies = [s for s, t in STRATEGIES.items() if t.auto and combination_refusal(cfg, s) is None]
     rows = rows_per_rank(cfg, ranks, lengths)
-    auto = cfg.parallel.strategy == "auto" or cfg.train.micro_batch_size == "auto"
-    acs = [True] if cfg.parallel.activation_checkpointing else ([False, True] if auto else [False])
+    acs = checkpointing_to_try(cfg)
     out = []
     for strategy in strategies:
         for micro in _micro_sizes(cfg, rows):
@@ -256,9 +272,7 @@ def choose(cfg: Config, lengths: Lengths | None = None,
     else:
         best = min((c for c, _ in found), key=lambda c: c.peak_mb)
         if cfg.parallel.memory_per_rank or search.device == "cuda":
-            from shardtune.train.longest import too_long
-
-            raise ConfigError(too_long(cfg, search, best, budget, where))
+            raise NothingFits(cfg, search, best, budget, where)
         why = (f"nothing fits {format_size(budget)} per rank ({where}); the smallest predicted peak: "
                f"{best.describe()}, {format_size(best.peak_mb * MB)}") if asked else ""
     tile = best.mlp_tile or None if cfg.parallel.mlp_tile == "auto" else cfg.parallel.mlp_tile

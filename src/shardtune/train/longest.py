@@ -11,15 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from shardtune.config import STRATEGIES, Config, combination_refusal, ranks_of, traits
 from shardtune.model.footprint import Facts, Saved
 from shardtune.runtime.memory import MB, format_size
+from shardtune.train.choice import Candidate, Search, checkpointing_to_try
 from shardtune.train.memory_model import Setting, predict
-
-if TYPE_CHECKING:
-    from shardtune.train.choice import Candidate, Search
 
 #: widths of the three fake passes the curve goes through
 TRACE_WIDTHS = (1024, 2048, 4096)
@@ -130,10 +127,11 @@ def longest_rows(cfg: Config, search: Search, budget: int) -> dict[str, Longest]
 
 
 def _as_configured(search: Search, facts: Facts, setting: Setting, budget: int) -> tuple[int, Setting]:
-    """The longest width ``setting`` fits as configured, and the setting that fits it: under --mlp-tile auto
-    (the default) finetune tiles whenever the untiled run does not fit, so the longer of the two (and
-    "--mlp-tile auto" is then no flag to add)."""
-    tried = [dataclasses.replace(setting, mlp_tile=tile) for tile in search.tiles_to_try()]
+    """The longest width ``setting`` fits as configured, and the setting that fits it: what finetune's choice
+    may turn on by itself counts (--mlp-tile auto, the default, tiles whenever the untiled run does not fit;
+    --strategy auto turns activation checkpointing on likewise), and is then no flag to add."""
+    tried = [dataclasses.replace(setting, mlp_tile=tile, activation_checkpointing=ac)
+             for tile in search.tiles_to_try() for ac in checkpointing_to_try(search.cfg)]
     widths = [_confirmed(search, s, longest_width(facts, s, search.device, budget), budget) for s in tried]
     best = max(range(len(tried)), key=lambda i: widths[i])
     return widths[best], tried[best]

@@ -14,12 +14,13 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from shardtune.config import Config
+from shardtune.config import Config, ConfigError
 from shardtune.model import quantize
 from shardtune.runplan import BatchSplit, RunPlan
 from shardtune.runtime.device import backend, decide_dtype, planned_device_type
 from shardtune.runtime.distributed import Worker
-from shardtune.train.choice import Candidate, Search, choose
+from shardtune.train.choice import Candidate, NothingFits, Search, choose
+from shardtune.train.longest import too_long
 
 if TYPE_CHECKING:
     from shardtune.train.data.records import Lengths
@@ -44,7 +45,10 @@ def resolve(cfg: Config, lengths: Lengths | None = None, model: nn.Module | None
     if cfg.train.micro_batch_size != "auto":  # before the choice: the error names the user's value
         BatchSplit.of(cfg.train.batch_size, cfg.train.micro_batch_size, ranks, cfg.data.packing)
     search = search or Search(cfg, lengths, model)
-    cfg, chosen, why = choose(cfg, lengths, search)
+    try:
+        cfg, chosen, why = choose(cfg, lengths, search)
+    except NothingFits as refused:  # worded here, with the longest --seq-len that fits (train/longest.py)
+        raise ConfigError(too_long(refused.cfg, search, refused.best, refused.budget, refused.where)) from None
     if cfg.parallel.strategy == "auto":
         return cfg, None, chosen
     kind = planned_device_type(cfg.parallel.device)
