@@ -28,6 +28,7 @@ ONE = ["--dtype", "fp32", "--strategy", "single", "--batch-size", "1"]
 
 
 def _plan(capsys: pytest.CaptureFixture, *args: str) -> dict:
+    """``plan ARGS --json``'s object (``capsys``: or ``capfd``)."""
     capsys.readouterr()
     assert main(["plan", *args, "--json"]) == 0
     return json.loads(capsys.readouterr().out)
@@ -192,11 +193,11 @@ def _run(out: Path) -> tuple[list[float], dict[str, torch.Tensor]]:
 
 @pytest.mark.parametrize("flags", [["--mlp-tile", "16"], ["--loss-chunk", "8"], ["--activation-offload"]],
                          ids=["mlp-tile", "loss-chunk", "activation-offload"])
-def test_long_context_options_leave_the_run_unchanged(trained_run, tiny_llama, train_jsonl, tmp_path, caplog,
-                                                      flags, capsys):
+def test_long_context_options_leave_the_run_unchanged(trained_run, tiny_llama, train_jsonl, tmp_path, flags,
+                                                      capfd):
     """The options against the shared fine-tune (``trained_run``: untiled, default chunk): same losses, same
-    adapter. On CPU --activation-offload says it changes nothing, in finetune and in plan."""
-    caplog.set_level(logging.INFO, logger="shardtune")
+    adapter. On CPU --activation-offload says it changes nothing, in finetune (what the user sees: the
+    process's stderr) and in plan."""
     out = tmp_path / "run"
     assert main(["finetune", "--model", str(tiny_llama), "--data", str(train_jsonl), "--out", str(out),
                  "--dtype", "fp32", "--steps", "3", "--batch-size", "4", "--seq-len", "64", "--strategy", "single",
@@ -210,7 +211,8 @@ def test_long_context_options_leave_the_run_unchanged(trained_run, tiny_llama, t
     assert adapter.keys() == base_adapter.keys()
     for key, tensor in base_adapter.items():
         torch.testing.assert_close(adapter[key], tensor, rtol=1e-5, atol=1e-5, msg=key)
+    said = capfd.readouterr().err
+    assert ("--activation-offload: on CPU it changes nothing" in said) == (flags[0] == "--activation-offload"), said
     if flags[0] == "--activation-offload":
-        assert "--activation-offload: on CPU it changes nothing" in caplog.text
-        doc = _plan(capsys, "--model", str(tiny_llama), *ONE, "--seq-len", "64", "--activation-offload")
+        doc = _plan(capfd, "--model", str(tiny_llama), *ONE, "--seq-len", "64", "--activation-offload")
         assert "on CPU, offloading changes nothing" in doc["single"]["note"]
