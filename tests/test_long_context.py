@@ -216,3 +216,18 @@ def test_long_context_options_leave_the_run_unchanged(trained_run, tiny_llama, t
     if flags[0] == "--activation-offload":
         doc = _plan(capfd, "--model", str(tiny_llama), *ONE, "--seq-len", "64", "--activation-offload")
         assert "on CPU, offloading changes nothing" in doc["single"]["note"]
+
+
+def test_two_fsdp2_ranks_with_tiles_and_chunks_equal_one_rank(trained_run, tiny_llama, train_jsonl, tmp_path):
+    """N ranks = 1 rank with the long-context options on: tiles and chunks under FSDP2's sharded MLPs and
+    row-sharded head give the shared single-process run's losses and adapter."""
+    out = tmp_path / "run"
+    assert main(["finetune", "--model", str(tiny_llama), "--data", str(train_jsonl), "--out", str(out),
+                 "--dtype", "fp32", "--steps", "3", "--batch-size", "4", "--seq-len", "64", "--strategy", "fsdp2",
+                 "--nproc", "2", "--lr", "1e-3", "--mlp-tile", "16", "--loss-chunk", "8"]) == 0
+    losses, adapter = _run(out)
+    base_losses, base_adapter = _run(trained_run)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(base_losses), rtol=1e-5, atol=1e-6)
+    assert adapter.keys() == base_adapter.keys()
+    for key, tensor in base_adapter.items():
+        torch.testing.assert_close(adapter[key], tensor, rtol=1e-4, atol=1e-6, msg=key)
