@@ -68,8 +68,6 @@ def preflight(cfg: Config) -> tuple[Config, RunPlan]:
     tokenizer = load_tokenizer(model_dir)
     if (warning := context_warning(model_dir, cfg.data.seq_len)) is not None:
         log.warning("%s", warning)
-    if cfg.parallel.activation_offload and device_type(cfg.parallel.device) == "cpu":
-        log.info("--activation-offload: on CPU it changes nothing (what it would move is in host memory already)")
     vocab = vocab_size(model_dir)
     check_tokenizer_fits(tokenizer, vocab, model_dir)
     # Tokenized once, here: the workers map the cache instead of each tokenizing every record again.

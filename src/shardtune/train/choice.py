@@ -62,15 +62,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("shardtune")
 
 
-class NothingFits(ConfigError):
-    """No setting fits the budget (an explicit one, or a GPU's): ``resolve`` words the refusal with the longest
-    --seq-len that fits (train/longest.py), from this search and its smallest candidate."""
-
-    def __init__(self, search: Search, best: Candidate, budget: int, where: str) -> None:
-        super().__init__(f"no setting fits {format_size(budget)} per rank ({where})")
-        self.search, self.best, self.budget, self.where = search, best, budget, where
-
-
 @dataclass(frozen=True)
 class Candidate:
     strategy: str
@@ -137,7 +128,7 @@ class Search:
         generation = (self.cfg.train.batch_size // ranks, self.width) if objective.generates else (0, 0)
         return Setting(strategy, ranks, objective.rows_per_forward(micro_batch_size), self.width,
                        p.activation_checkpointing, p.cpu_offload, p.replicate_groups, unit_of(strategy, p.fsdp_unit),
-                       mlp_tile=0 if p.mlp_tile in (None, "auto") else int(p.mlp_tile), loss_chunk=p.loss_chunk or 0,
+                       mlp_tile=tile_of(self.cfg), loss_chunk=p.loss_chunk or 0,
                        activation_offload=p.activation_offload, context_parallel=cp,
                        generation_rows=generation[0], generation_tokens=generation[1])
 
@@ -171,6 +162,12 @@ class Search:
         return predict(self.facts, setting, self.device)
 
 
+def tile_of(cfg: Config) -> int:
+    """Tokens per MLP tile of ``cfg`` as decided (0: untiled; 'auto' before the choice counts as untiled)."""
+    tile = cfg.parallel.mlp_tile
+    return 0 if tile in (None, "auto") else int(tile)
+
+
 def auto_mlp_tile(facts: Facts) -> int:
     """``--mlp-tile auto``'s tile when the run needs one: hidden-size tokens (as ALST tiles), so a tile's MLP
     set is about a layer's weights' size whatever the context."""
@@ -187,6 +184,16 @@ def needs_choice(cfg: Config) -> bool:
 def _asks_choice(cfg: Config) -> bool:
     """Whether the user left the setting itself to the planner (not only --mlp-tile, which it settles quietly)."""
     return needs_choice(dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, mlp_tile=None)))
+
+
+class NothingFits(ConfigError):
+    """No setting fits an explicit budget (or a GPU's): ``resolve`` words it with the longest --seq-len that
+    would fit (train/longest.py, which reads this module: the search stays one-way)."""
+
+    def __init__(self, cfg: Config, search: Search, best: Candidate, budget: int, where: str) -> None:
+        super().__init__(f"option 'memory-per-rank': no setting fits {format_size(budget)} per rank; the smallest "
+                         f"predicted peak is {format_size(best.peak_mb * MB)} ({best.describe()})")
+        self.cfg, self.search, self.best, self.budget, self.where = cfg, search, best, budget, where
 
 
 def budget_of(cfg: Config) -> tuple[int | None, str]:
@@ -213,6 +220,13 @@ def _micro_sizes(cfg: Config, rows: int) -> list[int]:
     return [m for m in range(1, rows + 1) if rows % m == 0 or cfg.data.packing]
 
 
+def checkpointing_to_try(cfg: Config) -> list[bool]:
+    """--activation-checkpointing's values the choice weighs: both when the strategy or the micro-batch is
+    left to it (it turns checkpointing on when nothing fits without), else the one given."""
+    auto = "auto" in (cfg.parallel.strategy, cfg.train.micro_batch_size, cfg.parallel.context_parallel)
+    return [True] if cfg.parallel.activation_checkpointing else ([False, True] if auto else [False])
+
+
 def candidates(cfg: Config, budget: int, lengths: Lengths | None = None,
                search: Search | None = None) -> list[tuple[Candidate, bool]]:
     """Every setting the auto options allow, with its predicted peak and whether it fits.
@@ -229,8 +243,7 @@ def candidates(cfg: Config, budget: int, lengths: Lengths | None = None,
         strategies = [s for s, t in STRATEGIES.items() if t.one_process]
     else:  # what auto may pick: those the combination rules allow
         strategies = [s for s, t in STRATEGIES.items() if t.auto and combination_refusal(cfg, s) is None]
-    auto = "auto" in (cfg.parallel.strategy, cfg.train.micro_batch_size, cfg.parallel.context_parallel)
-    acs = [True] if cfg.parallel.activation_checkpointing else ([False, True] if auto else [False])
+    acs = checkpointing_to_try(cfg)
     out = []
     for cp in search.context_sizes(ranks):
         rows = rows_per_rank(cfg, ranks // cp, lengths)  # a CP group's ranks share their rows
@@ -288,7 +301,7 @@ def choose(cfg: Config, lengths: Lengths | None = None,
     else:
         best = min((c for c, _ in found), key=lambda c: c.peak_mb)
         if cfg.parallel.memory_per_rank or search.device == "cuda":
-            raise NothingFits(search, best, budget, where)
+            raise NothingFits(cfg, search, best, budget, where)
         why = (f"nothing fits {format_size(budget)} per rank ({where}); the smallest predicted peak: "
                f"{best.describe()}, {format_size(best.peak_mb * MB)}") if asked else ""
     tile = best.mlp_tile or None if cfg.parallel.mlp_tile == "auto" else cfg.parallel.mlp_tile
@@ -346,7 +359,8 @@ def strategy_rows(cfg: Config, memory_per_rank: int | None = None, run: RunPlan 
                 continue
             setting = dataclasses.replace(search.setting(strategy, world, batch.micro_batch_size),
                                           activation_checkpointing=ac, cpu_offload=off,
-                                          fsdp_unit=unit_of(strategy, cfg.parallel.fsdp_unit))
+                                          fsdp_unit=unit_of(strategy, cfg.parallel.fsdp_unit),
+                                          mlp_tile=tile_of(cfg))  # the search's cfg is from before the choice
             p = search.predict(setting)
             p.fits = None if budget is None else p.peak_mb * MB <= budget
             p.runs = run is not None and (run.strategy, run.activation_checkpointing, run.cpu_offload) == \

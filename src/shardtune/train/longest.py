@@ -11,15 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from shardtune.config import STRATEGIES, Config, combination_refusal, ranks_of, traits
 from shardtune.model.footprint import Facts, Saved
 from shardtune.runtime.memory import MB, format_size
+from shardtune.train.choice import Candidate, Search, checkpointing_to_try
 from shardtune.train.memory_model import Setting, predict
-
-if TYPE_CHECKING:
-    from shardtune.train.choice import Candidate, Search
 
 #: widths of the three fake passes the curve goes through
 TRACE_WIDTHS = (1024, 2048, 4096)
@@ -106,7 +103,8 @@ def frugal(setting: Setting, search: Search) -> tuple[Setting, tuple[str, ...]]:
         ("--mlp-tile auto", bool(setting.mlp_tile) or search.cfg.parallel.mlp_tile == "auto", True),
         ("--activation-offload", setting.activation_offload, saver.activation_offload),
         ("--cpu-offload", setting.cpu_offload, saver.cpu_offload),
-        ("--fsdp-unit part", setting.fsdp_unit == "part" or setting.strategy != "fsdp2", True)) if after and not before]
+        ("--fsdp-unit part", setting.fsdp_unit == "part" or not traits(setting.strategy).fsdp_unit, True))
+        if after and not before]
     return saver, tuple(flags)
 
 
@@ -135,11 +133,22 @@ def longest_rows(cfg: Config, search: Search, budget: int) -> dict[str, Longest]
 
 
 def _longest(search: Search, facts: Facts, setting: Setting, budget: int) -> Longest:
+    given, setting = _as_configured(search, facts, setting, budget)
     saver, flags = frugal(setting, search)
-    given = _confirmed(search, setting, longest_width(facts, setting, search.device, budget), budget)
     most = _confirmed(search, saver, longest_width(facts, saver, search.device, budget), budget)
     return Longest(setting.strategy, setting.ranks, given, max(most, given), flags if most > given else (),
                    context_parallel=setting.context_parallel)
+
+
+def _as_configured(search: Search, facts: Facts, setting: Setting, budget: int) -> tuple[int, Setting]:
+    """The longest width ``setting`` fits as configured, and the setting that fits it: what finetune's choice
+    may turn on by itself counts (--mlp-tile auto, the default, tiles whenever the untiled run does not fit;
+    --strategy auto turns activation checkpointing on likewise), and is then no flag to add."""
+    tried = [dataclasses.replace(setting, mlp_tile=tile, activation_checkpointing=ac)
+             for tile in search.tiles_to_try() for ac in checkpointing_to_try(search.cfg)]
+    widths = [_confirmed(search, s, longest_width(facts, s, search.device, budget), budget) for s in tried]
+    best = max(range(len(tried)), key=lambda i: widths[i])
+    return widths[best], tried[best]
 
 
 def _confirmed(search: Search, setting: Setting, width: int, budget: int) -> int:

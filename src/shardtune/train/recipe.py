@@ -116,6 +116,8 @@ def run(cfg: Config, plan: RunPlan | None = None) -> dict:
     setup_logging(worker.rank, cfg.output.log_file)
     if worker.is_main and plan.why:
         log.info("configuration: %s", plan.why)
+    if worker.is_main and plan.activation_offload and worker.device.type == "cpu":  # the launcher shows warnings only
+        log.info("--activation-offload: on CPU it changes nothing (what it would move is in host memory already)")
     memory = MemoryMonitor(worker.device)
     try:
         load_started = time.perf_counter()

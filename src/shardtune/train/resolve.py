@@ -47,8 +47,8 @@ def resolve(cfg: Config, lengths: Lengths | None = None, model: nn.Module | None
     search = search or Search(cfg, lengths, model)
     try:
         cfg, chosen, why = choose(cfg, lengths, search)
-    except NothingFits as refused:
-        raise ConfigError(too_long(cfg, refused.search, refused.best, refused.budget, refused.where)) from None
+    except NothingFits as refused:  # worded here, with the longest --seq-len that fits (train/longest.py)
+        raise ConfigError(too_long(refused.cfg, search, refused.best, refused.budget, refused.where)) from None
     if cfg.parallel.strategy == "auto":
         return cfg, None, chosen
     kind = planned_device_type(cfg.parallel.device)
