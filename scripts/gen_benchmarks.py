@@ -279,6 +279,31 @@ def dpo_speed(name: str, data: Result) -> list[str]:
     return lines + ["", "Targets, as the bench judged them:", ""] + [f"- {t}" for t in data.get("targets", [])]
 
 
+def _signed_pct(value: Any) -> str:
+    return f"{value:+.1%}" if isinstance(value, float) else "–"
+
+
+def grpo_vs_trl(name: str, data: Result) -> list[str]:
+    lines = header(name, data, data.get("dtype", NOT_RECORDED), "python bench/grpo_vs_trl.py")
+    lines += [f"{data.get('model')}, LoRA r{(data.get('lora') or {}).get('r')} all-linear, {data.get('nproc')} ranks, "
+              f"G = {data.get('generations')}, {data.get('global_batch')} completions a step of "
+              f"{data.get('prompt_tokens')} prompt + {data.get('completion_tokens')} completion tokens (fixed), "
+              f"{data.get('steps')} steps (the first is warm-up). TRL: `GRPOTrainer` + peft under `accelerate "
+              "launch` (DDP, transformers' `generate`, GRPOConfig's default gradient checkpointing); shardtune: "
+              "`--strategy fsdp2 --activation-checkpointing`. Peak: the ranks' RssAnon + RssShmem sampled from "
+              "outside; generation: each tool's generation call timed on every rank (the slowest rank), training: "
+              "the rest of the step. nf4 has no TRL counterpart on CPU (bitsandbytes), so its ratio is to TRL's "
+              "fp32 row.", ""]
+    rows = [[r["name"], job_error(r) or max(r["peak_mb"]), r.get("step_seconds_mean"),
+             r.get("generation_seconds_mean"), r.get("generation_tokens_per_second"),
+             r.get("train_tokens_per_second"), (r.get("plan") or {}).get("peak_mb"),
+             _signed_pct((r.get("plan") or {}).get("error")),
+             " ".join((r.get("loadavg_before") or [])[:1]) or NOT_RECORDED] for r in data["rows"]]
+    lines += table(["row", "peak MB per rank", "s per step", "generation s per step", "generation tokens/s",
+                    "training tokens/s", "planner MB", "planner error", "load average before"], rows)
+    return lines + ["", "Targets, as the bench judged them:", ""] + [f"- {t}" for t in data.get("targets", [])]
+
+
 def planner_check(name: str, data: Result) -> list[str]:
     rows = [r for r in data["rows"] if not isinstance(r.get("error"), str)]
     dtypes = sorted({r["dtype"] for r in rows}) or [NOT_RECORDED]
@@ -439,6 +464,7 @@ KINDS: list[tuple[str, str, Callable[[str, Any], list[str]]]] = [
     ("qlora-quality", "How far 4-bit weights move the logits: bench/qlora_quality.py", qlora_quality),
     ("preference-demo", "Preference tuning: the DPO demo", preference_demo),
     ("dpo-", "Preference tuning against TRL: bench/dpo_speed.py", dpo_speed),
+    ("grpo-vs-trl", "GRPO against TRL: bench/grpo_vs_trl.py", grpo_vs_trl),
     ("planner-", "The planner against measured peaks: bench/planner_check.py", planner_check),
     ("hostile-sweep", "Bad input and faults, as a hostile new user: bench/hostile_sweep.py", hostile_sweep),
     ("export-", "GGUF export against merge: bench/export_bench.py", export_cost),

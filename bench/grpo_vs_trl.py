@@ -1,0 +1,414 @@
+"""GRPO with LoRA: shardtune against TRL's GRPOTrainer + peft, side by side in one run (issue 34's "Measure").
+
+    nice -n 10 python bench/grpo_vs_trl.py            # 4 layers, 2 ranks, G 4, 8 completions a step, 4 steps
+    nice -n 10 python bench/grpo_vs_trl.py --quick    # 2 layers, short prompts and completions: the pipeline
+
+The model is bench/long_context.py's random Llama of SmolLM2-135M-Instruct's shape (hidden 576, MLP 1536, 9
+heads, 3 key/value heads, the real 49,152-token vocabulary, tied embeddings) with ``--layers`` decoder layers
+(default 4: the real width and vocabulary, shallower so that the run fits two shared cores), fp32, with the
+tests' byte-level tokenizer. Every row: LoRA r16 (alpha 32) on all linear layers, G = ``--generations``
+completions per prompt, ``--batch`` completions per optimizer step over both ranks (batch / G prompts), one
+generation batch per step (num_iterations 1, β 0, TRL's default loss ``dapo``), temperature 1, the same prompts
+of exactly ``--prompt-tokens`` tokens and the same reward function (``token_reward`` below, computed from the
+completion's token ids, so it varies within each group and every step has a gradient).
+
+Fixed completion lengths: TRL gets ``generation_kwargs={"min_new_tokens": N}`` (EOS suppressed until N
+tokens); shardtune has no such knob, but the random model puts ~1/49,152 of its probability on EOS, so its
+completions run to the limit too: each row reports ``completions/mean_length`` and the bench says so when a
+completion ended early.
+
+Rows (``--rows``):
+  fsdp2      ``shardtune finetune --objective grpo --strategy fsdp2 --activation-checkpointing`` on 2 ranks
+             (TRL's GRPOConfig turns gradient checkpointing on by default)
+  fsdp2-nf4  the same with ``--quantize nf4`` (no TRL counterpart here: bitsandbytes has no CPU backend)
+  trl        TRL ``GRPOTrainer`` + peft ``LoraConfig`` under ``accelerate launch --num_processes 2`` (multi-CPU
+             DDP, gloo, every rank holding the whole model), transformers' ``generate`` (no vLLM)
+
+Per row: peak RssAnon+RssShmem of each rank, sampled from outside (the two largest processes of the job; the
+same for every recipe); seconds per optimizer step (step 1 left out as warm-up), from shardtune's
+metrics.jsonl and a TRL callback; generation time per step, timed around each tool's generation call on every
+rank (TRL: ``GRPOTrainer._generate_single_turn`` wrapped in the worker; shardtune: the rollout's ``generate``
+wrapped by an import hook this bench puts on the workers' path, so shardtune itself is unchanged), giving
+generation tokens/s (completion tokens of the batch / the slowest rank's generation time) and training
+tokens/s (prompt + completion tokens / the rest of the step); for shardtune rows ``shardtune plan --objective
+grpo ... --json``'s predicted peak against the measured one. Ratios ours/TRL. Writes
+bench/results/grpo-vs-trl.json (``--quick``: bench/.cache/grpo-vs-trl-quick.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+LORA = {"r": 16, "alpha": 32}
+LR = 1e-5
+
+
+def token_reward(prompts, completions, completion_ids, **kwargs) -> list[float]:
+    """The reward both tools get (TRL's calling convention): a fixed function of the completion's token ids."""
+    return [(sum(ids) % 97) / 97 for ids in completion_ids]
+
+
+# ---- shardtune's generation time, without touching shardtune: an import hook on the workers' path -----------
+
+HOOK = '''
+import importlib.abc, importlib.machinery, json, os, sys, time
+
+class _Finder(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != "shardtune.train.rollout":
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            inner = module.generate
+
+            def generate(*args, **kwargs):
+                started = time.perf_counter()
+                done = inner(*args, **kwargs)
+                line = {"rank": int(os.environ.get("RANK", "0")), "seconds": time.perf_counter() - started,
+                        "rows": len(done), "tokens": sum(len(c.ids) for c in done)}
+                with open(os.environ["GRPO_BENCH_GEN_LOG"], "a") as f:
+                    f.write(json.dumps(line) + "\\n")
+                return done
+            module.generate = generate
+        spec.loader.exec_module = exec_module
+        return spec
+
+if os.environ.get("GRPO_BENCH_GEN_LOG"):
+    sys.meta_path.insert(0, _Finder())
+'''
+
+
+def hook_dir(cache: Path) -> Path:
+    path = cache / "grpo-bench-hook"
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "sitecustomize.py").write_text(HOOK)
+    return path
+
+
+# ---- data -------------------------------------------------------------------------------------------------
+
+def make_prompts(cache: Path, tokens: int, n: int) -> Path:
+    """``n`` prompts of exactly ``tokens`` characters (the byte-level tokenizer: one token each, no specials)."""
+    from dpo_speed import WORDS
+
+    path = cache / f"grpo-prompts-{tokens}x{n}.jsonl"
+    rng = random.Random(tokens)
+    lines = []
+    for i in range(n):
+        words = [f"Q{i}:"]
+        while len(" ".join(words)) < tokens:
+            words.append(rng.choice(WORDS))
+        lines.append(json.dumps({"prompt": " ".join(words)[:tokens]}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def check_prompts(model: Path, data: Path, tokens: int) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    for line in data.read_text().splitlines():
+        n = len(tok(json.loads(line)["prompt"])["input_ids"])
+        if n != tokens:
+            raise SystemExit(f"{data}: a prompt is {n} tokens, not {tokens}")
+
+
+# ---- the rows ---------------------------------------------------------------------------------------------
+
+def timed_steps(seconds: list[float]) -> list[float]:
+    return seconds[1:] if len(seconds) > 1 else seconds  # step 1: warm-up (allocator, first gloo calls)
+
+
+def speeds(step_seconds: list[float], gen: list[dict], args: argparse.Namespace) -> dict:
+    """Per step (after the first): seconds, generation seconds (slowest rank), generation and training tokens/s."""
+    steps = timed_steps(step_seconds)
+    gen_steps = timed_steps([max(g["seconds"]) for g in gen]) if gen else []
+    out = {"step_seconds_mean": round(sum(steps) / len(steps), 3)}
+    if len(gen_steps) == len(steps) and gen:
+        tokens = timed_steps([sum(g["tokens"]) for g in gen])
+        train_s = [s - g for s, g in zip(steps, gen_steps)]
+        out.update(generation_seconds_mean=round(sum(gen_steps) / len(gen_steps), 3),
+                   generation_tokens_per_second=round(sum(tokens) / sum(gen_steps), 2),
+                   train_seconds_mean=round(sum(train_s) / len(train_s), 3),
+                   train_tokens_per_second=round(args.batch * (args.prompt_tokens + args.completion_tokens)
+                                                 * len(train_s) / sum(train_s), 2))
+    return out
+
+
+def per_step(lines: list[dict], nproc: int) -> list[dict]:
+    """Generation records (one per rank per generation batch, in order) grouped by batch."""
+    by_rank: dict[int, list[dict]] = {}
+    for line in lines:
+        by_rank.setdefault(line["rank"], []).append(line)
+    n = min((len(v) for v in by_rank.values()), default=0)
+    if len(by_rank) != nproc:
+        return []
+    return [{"seconds": [by_rank[r][i]["seconds"] for r in sorted(by_rank)],
+             "tokens": [by_rank[r][i]["tokens"] for r in sorted(by_rank)]} for i in range(n)]
+
+
+def shardtune_flags(model: Path, args: argparse.Namespace, extra: list[str]) -> list[str]:
+    return ["--model", str(model), "--nproc", str(args.nproc), "--objective", "grpo", "--strategy", "fsdp2",
+            "--reward", f"{Path(__file__).resolve()}:token_reward", "--num-generations", str(args.generations),
+            "--max-completion-length", str(args.completion_tokens), "--batch-size", str(args.batch),
+            "--micro-batch-size", str(args.batch // args.nproc), "--seq-len", str(args.prompt_tokens),
+            "--lora-r", str(LORA["r"]), "--lora-alpha", str(LORA["alpha"]), "--lora-targets", "all-linear",
+            "--dtype", "fp32", "--lr", str(LR), "--activation-checkpointing", *extra]
+
+
+def run_shardtune(name: str, extra: list[str], model: Path, data: Path, args: argparse.Namespace) -> dict:
+    from dpo_speed import loadavg, run_sampled
+
+    out = Path(tempfile.mkdtemp(prefix=f"grpo-{name}-", dir=args.cache))
+    flags = shardtune_flags(model, args, extra)
+    cmd = [sys.executable, "-m", "shardtune", "finetune", *flags, "--data", str(data), "--out", str(out / "run"),
+           "--steps", str(args.steps), "--warmup-steps", "0", "--seed", "0"]
+    gen_log = out / "generation.jsonl"
+    os.environ["GRPO_BENCH_GEN_LOG"] = str(gen_log)
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(hook_dir(args.cache)), str(ROOT / "src"),
+                                                os.environ.get("PYTHONPATH", "")])
+    load = loadavg()
+    try:
+        rc, peaks, wall = run_sampled(cmd, out / "log.txt", args.timeout, args.nproc)
+    finally:
+        del os.environ["GRPO_BENCH_GEN_LOG"]
+    row = {"name": name, "command": shlex.join(["shardtune", "finetune", *flags, "--steps", str(args.steps)]),
+           "wall_seconds": wall, "log": str(out / "log.txt"), "loadavg_before": load}
+    metrics = out / "run" / "metrics.jsonl"
+    if rc or not metrics.exists():
+        return {**row, "error": (out / "log.txt").read_text()[-2000:]}
+    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    summary = json.loads((out / "run" / "summary.json").read_text())
+    gen = per_step([json.loads(x) for x in gen_log.read_text().splitlines()] if gen_log.exists() else [],
+                   args.nproc)
+    row.update(peak_mb=peaks, summary_peak_mb=summary.get("train_peak_mb"),
+               step_seconds=[round(r["seconds"], 2) for r in records], generation=gen,
+               completion_mean_length=[r.get("completions/mean_length") for r in records],
+               reward=[r.get("reward") for r in records], loss=[r["loss"] for r in records],
+               **speeds([r["seconds"] for r in records], gen, args))
+    row["plan"] = plan(flags, row)
+    return row
+
+
+def plan(flags: list[str], row: dict) -> dict:
+    """``shardtune plan --json`` with the run's flags: fsdp2's predicted peak against the measured one."""
+    proc = subprocess.run([sys.executable, "-m", "shardtune", "plan", *flags, "--json"], capture_output=True,
+                          text=True, cwd=ROOT)
+    if proc.returncode:
+        return {"error": proc.stderr[-1000:]}
+    preds = json.loads(proc.stdout).get("fsdp2")
+    pred = preds[0] if isinstance(preds, list) else preds
+    if not isinstance(pred, dict) or "peak_mb" not in pred:
+        return {"strategy": "fsdp2", "raw": preds}
+    err = (pred["peak_mb"] - max(row["peak_mb"])) / max(row["peak_mb"])
+    return {"strategy": "fsdp2", "peak_mb": round(pred["peak_mb"], 1), "error": round(err, 4)}
+
+
+def run_trl(model: Path, data: Path, args: argparse.Namespace) -> dict:
+    from dpo_speed import loadavg, run_sampled
+
+    out = Path(tempfile.mkdtemp(prefix="grpo-trl-", dir=args.cache))
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(args.nproc), "--multi_gpu",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(Path(__file__).resolve()),
+           "--trl-worker", "--model", str(model), "--data", str(data), "--work", str(out), "--steps",
+           str(args.steps), "--batch", str(args.batch), "--nproc", str(args.nproc), "--generations",
+           str(args.generations), "--completion-tokens", str(args.completion_tokens)]
+    load = loadavg()
+    rc, peaks, wall = run_sampled(cmd, out / "log.txt", args.timeout, args.nproc)
+    row = {"name": "trl", "command": shlex.join(["accelerate", "launch", *cmd[3:]]), "wall_seconds": wall,
+           "log": str(out / "log.txt"), "loadavg_before": load}
+    results = sorted(out.glob("trl-rank*.json"))
+    if rc or len(results) != args.nproc:
+        return {**row, "error": (out / "log.txt").read_text()[-2000:]}
+    ranks = [json.loads(p.read_text()) for p in results]
+    gen = [{"seconds": [r["generation"][i]["seconds"] for r in ranks],
+            "tokens": [r["generation"][i]["tokens"] for r in ranks]}
+           for i in range(min(len(r["generation"]) for r in ranks))]
+    main = ranks[0]
+    return {**row, "peak_mb": peaks, "step_seconds": [round(s, 2) for s in main["seconds"]], "generation": gen,
+            "completion_mean_length": main["mean_length"], "reward": main["reward"], "loss": main["loss"],
+            **speeds(main["seconds"], gen, args)}
+
+
+def trl_worker(args: argparse.Namespace) -> None:
+    """One rank of the peer as TRL's docs show it: GRPOTrainer + a peft LoraConfig, the whole model per rank."""
+    import torch
+    from datasets import load_dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    torch.set_num_threads(1)  # 2 ranks on 2 cores: as shardtune's workers
+    rank = int(os.environ.get("RANK", "0"))
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(args.model)
+    seconds: list[float] = []
+    logged: dict[str, list] = {"loss": [], "reward": [], "mean_length": []}
+    generation: list[dict] = []
+
+    class StepTimes(TrainerCallback):
+        def on_step_begin(self, a, state, control, **kw):
+            self.t = time.perf_counter()
+
+        def on_step_end(self, a, state, control, **kw):
+            seconds.append(time.perf_counter() - self.t)
+
+        def on_log(self, a, state, control, logs=None, **kw):
+            if logs and "loss" in logs:
+                logged["loss"].append(logs["loss"])
+                logged["reward"].append(logs.get("reward"))
+                logged["mean_length"].append(logs.get("completions/mean_length"))
+
+    n = args.completion_tokens
+    config = GRPOConfig(output_dir=str(Path(args.work) / "trl"), per_device_train_batch_size=args.batch // args.nproc,
+                        gradient_accumulation_steps=1, num_generations=args.generations, max_completion_length=n,
+                        generation_kwargs={"min_new_tokens": n}, max_steps=args.steps, learning_rate=LR,
+                        lr_scheduler_type="constant", warmup_steps=0, logging_steps=1, save_strategy="no",
+                        report_to="none", use_cpu=True, bf16=False, fp16=False, seed=0, dataloader_num_workers=0)
+    lora = LoraConfig(r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=0.0, target_modules="all-linear",
+                      task_type="CAUSAL_LM")
+    dataset = load_dataset("json", data_files=args.data, split="train")
+    trainer = GRPOTrainer(model=model, reward_funcs=[token_reward], args=config, train_dataset=dataset,
+                          processing_class=tok, peft_config=lora, callbacks=[StepTimes()])
+    inner = trainer._generate_single_turn
+
+    def timed_generation(*a, **kw):
+        started = time.perf_counter()
+        done = inner(*a, **kw)
+        generation.append({"seconds": time.perf_counter() - started, "tokens": sum(len(c) for c in done[0])})
+        return done
+
+    trainer._generate_single_turn = timed_generation
+    trainer.train()
+    (Path(args.work) / f"trl-rank{rank}.json").write_text(json.dumps({"seconds": seconds, "generation": generation,
+                                                                      **logged}))
+
+
+# ---- report -----------------------------------------------------------------------------------------------
+
+def table(rows: list[dict]) -> str:
+    trl = next((r for r in rows if r["name"] == "trl" and "error" not in r), None)
+    head = (f"{'row':<10} {'peak/rank MB':>13} {'s/step':>7} {'gen s':>6} {'gen tok/s':>9} {'train tok/s':>11} "
+            f"{'peak/TRL':>8} {'step/TRL':>8} {'gen/TRL':>7} {'planner MB':>10} {'err':>7}")
+    lines = [head]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"{r['name']:<10} FAILED: {r['error'].strip().splitlines()[-1][:90]}")
+            continue
+        peak = max(r["peak_mb"])
+
+        def ratio(key: str, row: dict = r) -> str:
+            return f"{row[key] / trl[key]:.2f}" if trl and row.get(key) and trl.get(key) else "-"
+        pr = f"{peak / max(trl['peak_mb']):.2f}" if trl else "-"
+        p = r.get("plan", {})
+        pm = f"{p['peak_mb']:.0f}" if "peak_mb" in p else "-"
+        pe = f"{p['error']:+.1%}" if isinstance(p.get("error"), float) else "-"
+        gs = r.get("generation_seconds_mean")
+        lines.append(f"{r['name']:<10} {peak:>13.0f} {r['step_seconds_mean']:>7.2f} {gs if gs else '-':>6} "
+                     f"{r.get('generation_tokens_per_second', '-'):>9} {r.get('train_tokens_per_second', '-'):>11} "
+                     f"{pr:>8} {ratio('step_seconds_mean'):>8} {ratio('generation_tokens_per_second'):>7} "
+                     f"{pm:>10} {pe:>7}")
+    return "\n".join(lines)
+
+
+def verdicts(rows: list[dict], args: argparse.Namespace) -> list[str]:
+    by = {r["name"]: r for r in rows if "error" not in r}
+    trl, lines = by.get("trl"), []
+
+    def check(what: str, value: float, target: float) -> None:
+        lines.append(f"{what}: {value:.2f} <= {target}: {'met' if value <= target else 'NOT met'}")
+
+    if trl:
+        if "fsdp2" in by:
+            check("peak fsdp2 / TRL", max(by["fsdp2"]["peak_mb"]) / max(trl["peak_mb"]), 0.6)
+            check("s/step fsdp2 / TRL", by["fsdp2"]["step_seconds_mean"] / trl["step_seconds_mean"], 1.0)
+        if "fsdp2-nf4" in by:
+            check("peak fsdp2-nf4 / TRL (unquantized: no 4-bit TRL on CPU)",
+                  max(by["fsdp2-nf4"]["peak_mb"]) / max(trl["peak_mb"]), 0.35)
+    for r in by.values():
+        p = r.get("plan", {})
+        if isinstance(p.get("error"), float):
+            ok = abs(p["error"]) <= 0.10
+            lines.append(f"planner {r['name']}: {p['peak_mb']:.0f} vs measured {max(r['peak_mb']):.0f} "
+                         f"({p['error']:+.1%}) within 10%: {'met' if ok else 'NOT met'}")
+        short = [x for x in r.get("completion_mean_length", []) if x is not None and x < args.completion_tokens]
+        if short:
+            lines.append(f"{r['name']}: a completion ended before {args.completion_tokens} tokens "
+                         f"(mean lengths {r['completion_mean_length']})")
+    return lines
+
+
+ROWS: dict[str, list[str]] = {"fsdp2": [], "fsdp2-nf4": ["--quantize", "nf4"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    names = [*ROWS, "trl"]
+    parser.add_argument("--rows", default=",".join(names), help="comma-separated: " + ", ".join(names))
+    parser.add_argument("--layers", type=int, default=4, help="decoder layers of the SmolLM2-135M-shaped model")
+    parser.add_argument("--steps", type=int, default=4, help="optimizer steps (the first is warm-up)")
+    parser.add_argument("--batch", type=int, default=8, help="completions per optimizer step over all ranks")
+    parser.add_argument("--generations", type=int, default=4, help="completions per prompt (G)")
+    parser.add_argument("--prompt-tokens", type=int, default=32)
+    parser.add_argument("--completion-tokens", type=int, default=32)
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--timeout", type=int, default=900, help="seconds per row")
+    parser.add_argument("--quick", action="store_true", help="2 layers, 16 + 8 tokens, 2 steps: the pipeline")
+    parser.add_argument("--cache", type=Path, default=HERE / ".cache")
+    parser.add_argument("--out", type=Path, default=None, help="default: bench/results/grpo-vs-trl.json")
+    parser.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    parser.add_argument("--data", help=argparse.SUPPRESS)
+    parser.add_argument("--work", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    sys.path[:0] = [str(HERE), str(ROOT / "src"), str(ROOT / "tests")]
+    if args.trl_worker:
+        trl_worker(args)
+        return
+    if args.quick:
+        args.layers, args.prompt_tokens, args.completion_tokens, args.steps = 2, 16, 8, 2
+    if args.batch % (args.generations * 1) or args.batch % args.nproc:
+        parser.error("--batch must be a multiple of --generations and of --nproc")
+    from long_context import make_model
+    from record import run_record
+
+    args.cache.mkdir(parents=True, exist_ok=True)
+    model = make_model(args.layers, args.cache)
+    data = make_prompts(args.cache, args.prompt_tokens, args.batch // args.generations * args.steps * 2)
+    check_prompts(model, data, args.prompt_tokens)
+    rows = []
+    for name in args.rows.split(","):
+        print(f"running {name} ...", flush=True)
+        row = run_trl(model, data, args) if name == "trl" else run_shardtune(name, ROWS[name], model, data, args)
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k not in ("command", "generation")})[:800], flush=True)
+    text, lines = table(rows), verdicts(rows, args)
+    print(text + "\n\n" + "\n".join(lines))
+    from dpo_speed import loadavg
+
+    result = {**run_record(), "model": f"SmolLM2-135M shape, {args.layers} layers, random", "layers": args.layers,
+              "dtype": "fp32", "nproc": args.nproc, "steps": args.steps, "global_batch": args.batch,
+              "generations": args.generations, "prompt_tokens": args.prompt_tokens,
+              "completion_tokens": args.completion_tokens, "lora": LORA, "loadavg_end": loadavg(), "rows": rows,
+              "table": text + "\n\n" + "\n".join(lines), "targets": lines}
+    out = args.out or (args.cache / "grpo-vs-trl-quick.json" if args.quick else HERE / "results" / "grpo-vs-trl.json")
+    out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
