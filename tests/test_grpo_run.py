@@ -129,6 +129,8 @@ def test_two_fsdp2_ranks_train_like_one(grpo_root, one_rank):
     code = main(argv(grpo_root, "two", "--strategy", "fsdp2", "--nproc", "2", "--steps", "4",
                      "--micro-batch-size", "2"))
     assert code == 0
+    # the tiny model fits gathered: generation keeps its weights gathered (one gather, not one per token)
+    assert json.loads((grpo_root / "two" / "summary.json").read_text())["run_plan"]["generation_gathered"] is True
     same_training(one_rank, grpo_root / "two", 4)
 
 
@@ -234,3 +236,4 @@ def test_eval_reward_scores_base_and_adapter_completions(grpo_root, one_rank, ca
     assert tuned["reward"] == pytest.approx(tuned["rewards/digits/mean"] + 0.5 * tuned["rewards/format/mean"])
     assert tuned["samples"] != both["base"]["samples"]  # the adapter's completions differ from the base's
     assert json.loads((grpo_root / "eval.json").read_text()) == both
+

@@ -87,6 +87,9 @@ class RunPlan:
     #: ranks per context-parallel group: each sequence is cut into this many pieces; ``batch`` is split over
     #: the world size / this many data-parallel groups (the ranks of a group share their micro-batches)
     context_parallel: int = 1
+    #: GRPO under a sharded strategy: the weights stay gathered for a whole generation instead of being
+    #: gathered again by every token's forward; decided by ``resolve`` from the predicted peak and the budget
+    generation_gathered: bool = False
     why: str = ""  # what the automatic choice picked and why; "" when nothing was left to choose
 
     @property
@@ -109,7 +112,9 @@ class RunPlan:
                 cfg.train, batch_size=self.batch.batch_size, micro_batch_size=self.batch.micro_batch_size))
         if cfg.parallel.mlp_tile == "auto":  # decided by the planner, from the memory a rank may use
             cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, mlp_tile=self.mlp_tile or None))
-        expected = RunPlan.of(cfg, world_size, device, self.backend, self.why)
+        # decided from the memory a rank may use, as the automatic choice is: carried, not re-decided
+        expected = dataclasses.replace(RunPlan.of(cfg, world_size, device, self.backend, self.why),
+                                       generation_gathered=self.generation_gathered)
         if expected != self:
             diff = {k: (v, getattr(self, k)) for k, v in dataclasses.asdict(expected).items()
                     if getattr(self, k) != (BatchSplit(**v) if k == "batch" else v)}

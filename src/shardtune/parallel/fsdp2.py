@@ -124,6 +124,27 @@ class FSDP2(Strategy):
             return contextlib.nullcontext()
         return self._reduced(model)
 
+    @contextlib.contextmanager
+    def gathered_for_generation(self, model: nn.Module, keep: bool) -> Iterator[None]:
+        # Every unit keeps what its first forward gathers (reshard_after_forward off: the no_grad forwards
+        # then skip the all-gather, the hooks still run), and the row-sharded tables are gathered once;
+        # after, each unit's own setting is back and every unit is sharded again, before any backward
+        # or optimizer step, even when generation failed.
+        if not keep:
+            yield
+            return
+        units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        before = [compat.fsdp2_reshards_after_forward(unit) for unit in units]
+        try:
+            for unit in units:
+                unit.set_reshard_after_forward(False, recurse=False)
+            with sharded_embeddings.kept_whole(model):
+                yield
+        finally:
+            for unit, reshard in zip(units, before):
+                unit.set_reshard_after_forward(reshard, recurse=False)
+                unit.reshard()
+
     def after_inference(self, model: nn.Module) -> None:
         # Units that keep their parameters gathered after forward (the last layer, the head) reshard in
         # backward; after a no_grad forward none comes, and the gathered copy would outlive the next

@@ -9,10 +9,16 @@ through the ranks' rows in turn, each broadcast into one reused buffer: the look
 that fall in those rows, the output projection computes that slice of the logits, and its backward
 (the hidden states' gradient) broadcasts the rows again. Held at once: one rank's rows; moved: the
 same bytes as FSDP's all-gather. Tied embeddings share one sharded weight.
+
+Generating token by token, every forward would move the whole table again (twice when tied: the
+lookup and the logits); ``kept_whole`` gathers each table once for a while (GRPO's generation, when
+the planner finds it fits) and the modules read their rows from that copy, in the same blocks and
+the same order, so the numbers are the same bits.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 
 import torch
@@ -53,6 +59,7 @@ class ShardedEmbedding(nn.Module):
         self.padding_idx = embed.padding_idx
         self.weight, self.group = weight, group
         self.rows = row_counts(self.num_embeddings, group.size())
+        self.whole: torch.Tensor | None = None  # the gathered table while ``kept_whole`` holds it
 
     @torch.no_grad()
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -62,7 +69,7 @@ class ShardedEmbedding(nn.Module):
         # would give zeros here, not an error.
         local = self.weight.to_local()
         out = local.new_zeros(*ids.shape, self.embedding_dim)
-        for start, rows in _each_owners_rows(local, self.rows, self.group):
+        for start, rows in _blocks(self):
             shifted = ids - start
             mine = (shifted >= 0) & (shifted < len(rows))
             picked = nn.functional.embedding(shifted.clamp(0, len(rows) - 1), rows)
@@ -81,17 +88,50 @@ class ShardedHead(nn.Module):
         self.in_features, self.out_features = head.in_features, head.out_features
         self.weight, self.group = weight, group
         self.rows = row_counts(self.out_features, group.size())
+        self.whole: torch.Tensor | None = None  # the gathered table while ``kept_whole`` holds it
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.whole is not None and not torch.is_grad_enabled():  # generating: no backward to prepare
+            return _logits(hidden.to(self.whole.dtype), _blocks(self), self.rows)
         return _ShardedLinear.apply(hidden, self.weight.to_local(), self.rows, self.group)
 
     def blocks(self) -> Iterator[tuple[int, torch.Tensor]]:
         """(first row, rows) of each rank's block of the vocabulary in turn; a collective (see
         ``_each_owners_rows``): for the loss head (train/loss_head.py), which never makes all the logits."""
-        return _each_owners_rows(self.weight.to_local(), self.rows, self.group)
+        return _blocks(self)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, rows per rank={self.rows}"
+
+
+@contextlib.contextmanager
+def kept_whole(model: nn.Module) -> Iterator[None]:
+    """Each row-sharded table of ``model`` gathered once (a collective: every rank enters together) and
+    used whole by its modules until the block ends; a tied table is gathered once for both."""
+    modules = [m for m in model.modules() if isinstance(m, (ShardedEmbedding, ShardedHead))]
+    tables: dict[int, torch.Tensor] = {}
+    try:
+        for m in modules:
+            if id(m.weight) not in tables:
+                local = m.weight.to_local()
+                whole = local.new_empty(sum(m.rows), local.size(-1))
+                for start, rows in _each_owners_rows(local, m.rows, m.group):
+                    whole[start:start + len(rows)].copy_(rows)
+                tables[id(m.weight)] = whole
+            m.whole = tables[id(m.weight)]
+        yield
+    finally:
+        for m in modules:
+            m.whole = None
+
+
+def _blocks(module: ShardedEmbedding | ShardedHead) -> Iterator[tuple[int, torch.Tensor]]:
+    """(first row, rows) of each rank's block in turn: from the gathered table while ``kept_whole`` holds
+    one (no collective), else broadcast from their owners (``_each_owners_rows``, a collective)."""
+    if module.whole is None:
+        return _each_owners_rows(module.weight.to_local(), module.rows, module.group)
+    starts = [sum(module.rows[:r]) for r in range(len(module.rows))]
+    return iter([(start, module.whole[start:start + n]) for start, n in zip(starts, module.rows) if n])
 
 
 def _each_owners_rows(local: torch.Tensor, rows: list[int],
@@ -119,15 +159,7 @@ class _ShardedLinear(torch.autograd.Function):
                 group: dist.ProcessGroup) -> torch.Tensor:
         ctx.save_for_backward(local)
         ctx.rows, ctx.group, ctx.hidden_dtype = rows, group, hidden.dtype
-        x = hidden.to(local.dtype)
-        # Each owner's logits go straight into their columns of the output (a strided out= that BLAS
-        # writes through its leading dimension): a temporary of one owner's logits, copied there, was the
-        # largest transient at the logits (2048 tokens x 64k rows of a 128k vocabulary: 512 MB fp32).
-        flat = x.reshape(-1, x.size(-1))
-        out = x.new_empty(flat.size(0), sum(rows))
-        for start, owned in _each_owners_rows(local, rows, group):
-            torch.mm(flat, owned.T, out=out[:, start:start + len(owned)])
-        return out.view(*x.shape[:-1], sum(rows))
+        return _logits(hidden.to(local.dtype), _each_owners_rows(local, rows, group), rows)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
@@ -139,3 +171,15 @@ class _ShardedLinear(torch.autograd.Function):
         for start, owned in _each_owners_rows(local, rows, group):
             grad.addmm_(flat[:, start:start + len(owned)], owned)  # accumulates in place: no temporary
         return grad.view(*grad_out.shape[:-1], local.size(-1)).to(ctx.hidden_dtype), None, None, None
+
+
+def _logits(x: torch.Tensor, blocks: Iterator[tuple[int, torch.Tensor]], rows: list[int]) -> torch.Tensor:
+    """``x`` times the table's rows, given as ``blocks``: each block's logits go straight into their columns
+    of the output (a strided out= that BLAS writes through its leading dimension): a temporary of one
+    block's logits, copied there, was the largest transient at the logits (2048 tokens x 64k rows of a
+    128k vocabulary: 512 MB fp32)."""
+    flat = x.reshape(-1, x.size(-1))
+    out = x.new_empty(flat.size(0), sum(rows))
+    for start, owned in blocks:
+        torch.mm(flat, owned.T, out=out[:, start:start + len(owned)])
+    return out.view(*x.shape[:-1], sum(rows))

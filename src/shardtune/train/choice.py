@@ -203,6 +203,19 @@ def budget_of(cfg: Config) -> tuple[int | None, str]:
     return default_budget(cfg.parallel.nproc, planned_device_type(cfg.parallel.device))
 
 
+def generation_gathered(search: Search, setting: Setting, budget: int | None) -> tuple[bool, Prediction]:
+    """Whether GRPO's generation keeps the weights gathered in ``setting``, and the prediction it runs by:
+    kept when the predicted peak with the whole model gathered fits ``budget`` (bytes per rank; None:
+    nothing to judge by, not kept). A setting that does not generate, or whose strategy gathers nothing
+    for a forward, is returned unchanged."""
+    if not setting.generation_rows or not traits(setting.strategy).fsdp_unit or setting.ranks < 2:
+        return False, search.predict(setting)
+    kept = search.predict(dataclasses.replace(setting, generation_gathered=True))
+    if budget is not None and kept.peak_mb * MB <= budget:
+        return True, kept
+    return False, search.predict(setting)
+
+
 def rows_per_rank(cfg: Config, world: int, lengths: Lengths | None) -> int:
     """Sequences a rank runs per step: its records, or under --packing about as many packed rows as its
     records' tokens fill (``lengths``: the data's; unknown: one row per record)."""
@@ -361,7 +374,7 @@ def strategy_rows(cfg: Config, memory_per_rank: int | None = None, run: RunPlan 
                                           activation_checkpointing=ac, cpu_offload=off,
                                           fsdp_unit=unit_of(strategy, cfg.parallel.fsdp_unit),
                                           mlp_tile=tile_of(cfg))  # the search's cfg is from before the choice
-            p = search.predict(setting)
+            p = generation_gathered(search, setting, budget)[1]
             p.fits = None if budget is None else p.peak_mb * MB <= budget
             p.runs = run is not None and (run.strategy, run.activation_checkpointing, run.cpu_offload) == \
                 (strategy, ac, off)

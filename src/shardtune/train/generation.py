@@ -6,7 +6,9 @@ nothing). How the weights are spread decides only how a forward runs:
 
 * FSDP2: every forward gathers each unit's weights as in training, so every rank runs a forward per token
   while any rank has an unfinished row (``keep_going``: an all-reduce per token), feeding padding once its
-  own rows are done;
+  own rows are done; when the planner found that they fit (``RunPlan.generation_gathered``: ``keep``), the
+  weights and the row-sharded tables are gathered once and kept for the whole generation
+  (``Strategy.gathered_for_generation``), the same numbers without a gather per token;
 * DDP and single: each rank holds the whole model and generates on its own, without collectives (DDP's
   wrapper, which would broadcast buffers in every forward, is left out).
 
@@ -58,10 +60,12 @@ def lockstep(worker: Worker, strategy: Strategy):
 
 
 def generate(model: nn.Module, strategy: Strategy, worker: Worker, prompts: Sequence[Sequence[int]],
-             keys: Sequence[tuple[int, int]], settings: SamplingSettings, seed: int, step: int) -> list[Completion]:
+             keys: Sequence[tuple[int, int]], settings: SamplingSettings, seed: int, step: int,
+             keep: bool = False) -> list[Completion]:
     """This rank's completions of ``prompts`` (token ids), row i seeded by ``keys[i]`` = (prompt index, completion
-    index) and ``step`` (the generation batch); every rank calls it with as many rows."""
+    index) and ``step`` (the generation batch); every rank calls it with as many rows. ``keep``: the weights
+    stay gathered for the whole generation (module doc)."""
     inner = strategy.unwrap(model)  # the peft model: FSDP2's units are inside it, DDP's wrapper outside
-    with inference(model, strategy), sdpa_attention(inner):
+    with inference(model, strategy), strategy.gathered_for_generation(model, keep), sdpa_attention(inner):
         return sample(hf_next_logits(inner), prompts, keys, settings, seed, step, hf_cache(inner), worker.device,
                       keep_going=lockstep(worker, strategy))

@@ -232,6 +232,8 @@ class Setting:
     #: GRPO: completions a rank samples at once, and their prompt + completion tokens (0: no generation)
     generation_rows: int = 0
     generation_tokens: int = 0
+    #: GRPO under FSDP2: the whole model stays gathered for the generation (``RunPlan.generation_gathered``)
+    generation_gathered: bool = False
 
 
 def predict(f: Facts, s: Setting, device: str) -> Prediction:
@@ -342,10 +344,15 @@ def exchange_bytes(f: Facts, rows: int, piece: int, cp: int) -> float:
 
 def _generation_terms(f: Facts, s: Setting, n: int, vocab: int, kept: dict[str, float]) -> dict[str, float]:
     """GRPO's generation, before the step's backward (no gradients yet): the KV cache of the rank's rows,
-    the weights a forward gathers (a layer at a time under FSDP), one layer's prefill activations (no_grad)
-    and the last position's logits with the sampler's fp64 softmax and cumulative sum."""
+    the weights a forward gathers (a layer at a time under FSDP; kept gathered, the whole model in the
+    compute dtype, row-sharded tables included, next to the shards, plus one unit's gather buffer), one
+    layer's prefill activations (no_grad) and the last position's logits with the sampler's fp64 softmax
+    and cumulative sum."""
     rows, tokens = s.generation_rows, s.generation_tokens
-    gathered = GATHER_COPIES.get((s.strategy, "cuda"), 0) * f.block_bytes if n > 1 else 0.0
+    copies = GATHER_COPIES.get((s.strategy, "cuda"), 0)
+    gathered = copies * f.block_bytes if n > 1 else 0.0
+    if s.generation_gathered and n > 1 and traits(s.strategy).fsdp_unit:
+        gathered = f.layers * f.block_bytes + f.root_bytes + max(0, copies - 1) * f.block_bytes
     prefill = 8 * rows * tokens * f.hidden * f.compute_itemsize
     return {"kv_cache": rows * tokens * f.kv_bytes_per_token + rows * vocab * (f.compute_itemsize + 4 + 16),
             "blocks": gathered, "activations": prefill, "grads": -kept["grads"]}

@@ -10,20 +10,25 @@ plan of their ranks from ``resolve_on``.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import TYPE_CHECKING
 
 from torch import nn
 
-from shardtune.config import Config, ConfigError
+from shardtune.config import Config, ConfigError, traits
 from shardtune.model import quantize
 from shardtune.runplan import RunPlan, batch_split
 from shardtune.runtime.device import backend, decide_dtype, planned_device_type
 from shardtune.runtime.distributed import Worker
-from shardtune.train.choice import Candidate, NothingFits, Search, choose
+from shardtune.runtime.memory import MB, format_size
+from shardtune.train.choice import Candidate, NothingFits, Search, budget_of, choose, generation_gathered
 from shardtune.train.longest import too_long
+from shardtune.train.objectives import objective_of
 
 if TYPE_CHECKING:
     from shardtune.train.data.records import Lengths
+
+log = logging.getLogger("shardtune")
 
 
 def resolve(cfg: Config, lengths: Lengths | None = None, model: nn.Module | None = None,
@@ -55,7 +60,27 @@ def resolve(cfg: Config, lengths: Lengths | None = None, model: nn.Module | None
     plan = RunPlan.of(cfg, ranks, kind, backend(kind, cfg.parallel.cpu_offload), why)
     if cfg.model.quantize == "nf4":
         quantize.check_sharding(quantize.select(search.model), plan)
-    return cfg, plan, chosen
+    return cfg, _generation(cfg, plan, search), chosen
+
+
+def _generation(cfg: Config, plan: RunPlan, search: Search) -> RunPlan:
+    """``plan`` with ``generation_gathered`` decided: GRPO under FSDP2 on several ranks keeps the weights
+    gathered for a whole generation when the predicted peak with them fits the memory a rank may use."""
+    if not traits(plan.strategy).fsdp_unit or plan.world_size < 2 or not objective_of(cfg).generates:
+        return plan
+    budget, where = budget_of(cfg)
+    setting = dataclasses.replace(
+        search.setting(plan.strategy, plan.world_size, plan.batch.micro_batch_size),
+        activation_checkpointing=plan.activation_checkpointing, cpu_offload=plan.cpu_offload,
+        fsdp_unit=plan.fsdp_unit, mlp_tile=plan.mlp_tile, context_parallel=plan.context_parallel)
+    keep = generation_gathered(search, setting, budget)[0]
+    if budget is not None:
+        peak = format_size(search.predict(dataclasses.replace(setting, generation_gathered=True)).peak_mb * MB)
+        said = ("generation keeps the weights gathered: predicted peak %s of %s per rank (%s)" if keep else
+                "generation gathers the weights again for every token: kept gathered, the predicted peak %s "
+                "exceeds %s per rank (%s)")
+        log.info(said, peak, format_size(budget), where)
+    return dataclasses.replace(plan, generation_gathered=keep)
 
 
 def resolve_on(worker: Worker, cfg: Config, batches: bool = True) -> RunPlan:

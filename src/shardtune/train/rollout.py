@@ -58,7 +58,7 @@ class Rollouts:
 
     def __init__(self, cfg: Config, trainee: Trainee, tokenizer, prompts: list[Example],
                  records: list[tuple[int, dict]], split: BatchSplit, rewards: list[RewardFunction], attention: str,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, gathered: bool = False) -> None:
         assert isinstance(trainee.objective, Grpo)
         self.cfg, self.t, self.tokenizer, self.split, self.rewards = cfg, trainee, tokenizer, split, rewards
         self.objective: Grpo = trainee.objective
@@ -76,6 +76,7 @@ class Rollouts:
         self.initial = ({n: p.detach().clone() for n, p in trainee.strategy.trainable(trainee.model).items()}
                         if g.beta > 0 and cfg.lora.init_adapter else None)
         self.batcher: Batcher | None = None
+        self.gathered = gathered  # the weights stay gathered while generating (RunPlan.generation_gathered)
 
     # ------------------------------------------------------------------------------------------ a step's items
 
@@ -95,7 +96,7 @@ class Rollouts:
         per_rank = len(rows) // w.world_size
         mine = rows[w.rank * per_rank:(w.rank + 1) * per_rank]
         done = generate(self.t.model, self.t.strategy, w, [self.prompts[p].input_ids for p, _ in mine], mine,
-                        self.settings, self.cfg.train.seed, index)
+                        self.settings, self.cfg.train.seed, index, keep=self.gathered)
         ids = [c.ids for c in done]
         try:
             found: object = self._score(mine, ids, step)
