@@ -208,7 +208,7 @@ def generation_gathered(search: Search, setting: Setting, budget: int | None) ->
     kept when the predicted peak with the whole model gathered fits ``budget`` (bytes per rank; None:
     nothing to judge by, not kept). A setting that does not generate, or whose strategy gathers nothing
     for a forward, is returned unchanged."""
-    if not setting.generation_rows or not traits(setting.strategy).fsdp_unit or setting.ranks < 2:
+    if not setting.generation_rows or not traits(setting.strategy).shards or setting.ranks < 2:
         return False, search.predict(setting)
     kept = search.predict(dataclasses.replace(setting, generation_gathered=True))
     if budget is not None and kept.peak_mb * MB <= budget:

@@ -66,7 +66,7 @@ def resolve(cfg: Config, lengths: Lengths | None = None, model: nn.Module | None
 def _generation(cfg: Config, plan: RunPlan, search: Search) -> RunPlan:
     """``plan`` with ``generation_gathered`` decided: GRPO under FSDP2 on several ranks keeps the weights
     gathered for a whole generation when the predicted peak with them fits the memory a rank may use."""
-    if not traits(plan.strategy).fsdp_unit or plan.world_size < 2 or not objective_of(cfg).generates:
+    if not traits(plan.strategy).shards or plan.world_size < 2 or not objective_of(cfg).generates:
         return plan
     budget, where = budget_of(cfg)
     setting = dataclasses.replace(
