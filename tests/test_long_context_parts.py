@@ -77,7 +77,8 @@ def test_offloaded_saves_come_back_unchanged_once_each():
     torch.testing.assert_close(loss.detach(), want)
     for n, p in model.named_parameters():
         if n in want_grads:
-            torch.testing.assert_close(p.grad, want_grads[n], rtol=1e-5, atol=1e-7, msg=n)
+            # fp32 sums over 128 tokens: the clones' alignment may pick another SIMD path (seen once in 20 runs)
+            torch.testing.assert_close(p.grad, want_grads[n], rtol=1e-4, atol=1e-6, msg=n)
     assert not offloader.host and not offloader.back  # nothing outlives its use in backward
     assert len(copies) == 2 * saved  # out once and back once each, shared tensors included
 
