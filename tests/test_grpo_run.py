@@ -202,6 +202,27 @@ def test_the_planner_counts_generation(grpo_root, capsys):
     assert large["terms"]["grads"] == 0  # generation comes before the step's backward
 
 
+def test_generation_keeps_the_weights_gathered_only_where_they_fit(grpo_root, capsys):
+    """Under fsdp2 the run plan keeps the weights gathered for a whole generation (no gather per token) when the
+    predicted peak with them fits --memory-per-rank; just below it, generation gathers per token again, and the
+    prediction counts only one unit's gathered copy."""
+    from shardtune.runtime.memory import MB
+
+    def plan(budget: str) -> dict:
+        code = main(["plan", *argv(grpo_root, "plan")[1:], "--batch-size", "1024", "--max-completion-length", "256",
+                     "--nproc", "2", "--strategy", "fsdp2", "--micro-batch-size", "1", "--memory-per-rank", budget,
+                     "--json"])
+        assert code == 0
+        return json.loads(capsys.readouterr().out)
+
+    kept = plan("1TiB")
+    assert kept["run_plan"]["generation_gathered"] is True and kept["fsdp2"]["peak_at"] == "generation (KV cache)"
+    tight = plan(f"{int((kept['fsdp2']['peak_mb'] - 0.05) * MB)}B")
+    assert tight["run_plan"]["generation_gathered"] is False
+    assert tight["fsdp2"]["terms"]["blocks"] < kept["fsdp2"]["terms"]["blocks"]
+    assert tight["fsdp2"]["peak_mb"] < kept["fsdp2"]["peak_mb"] - 0.05
+
+
 def test_steps_with_nothing_to_learn_are_no_divergence_under_ddp(grpo_root):
     """After the first step every completion is rewarded alike: every advantage is 0, and so is the gradient,
     right after a step whose gradient was not; the divergence guard must not take that for blown-up weights.
