@@ -44,12 +44,9 @@ done
 
 QUICK_ROWS="env sft-val fp16 dtype-auto nf4 dpo-precomputed eval generate torchrun two-ranks-one-gpu"
 ALL_ROWS="env sft-val fp16 dtype-auto nf4 dpo-precomputed orpo-dora simpo-packed varlen eval eval-nf4 generate
-harness torchrun two-ranks-one-gpu plan-fsdp2 plan-fsdp1 plan-ddp plan-single offload ac nf4-big auto-limit tests"
-# Placeholders for the paths the lead is adding; each becomes a row like the ones below when it lands:
-#   long-context     --seq-len 32768 on the 1.1B model, activation checkpointing, planner row as plan-fsdp2
-#   context-parallel --context-parallel 2 (two GPUs), loss equal to the one-rank run's
-#   grpo             --objective grpo on the tiny model (fsdp2, 2 ranks and nf4), generation on the GPU, rewards
-#                    finite, completions.jsonl written; planner row as plan-fsdp2 with its "generation (KV cache)"
+harness torchrun two-ranks-one-gpu plan-fsdp2 plan-fsdp1 plan-ddp plan-single offload ac nf4-big auto-limit
+long-context long-offload context-parallel grpo grpo-nf4 tests"
+# Not yet a row:
 #   vllm-sync        a real vLLM server (VLLM_ALLOW_RUNTIME_LORA_UPDATING=True vllm serve BASE --enable-lora) and
 #                    train/generator_client.py: sync two adapter versions, /v1/models lists each from its folder,
 #                    the greedy completions of version 2 equal `shardtune generate --adapter` (tests/
@@ -249,6 +246,25 @@ row_auto-limit() {  # the automatic choice against the device's real limit: a ba
   fi
   finetune auto-limit "${BIG_RUN[@]}" --micro-batch-size auto --strategy auto -- --budget-gib $leave --loss-down
   [ $DRY = 1 ] || kill "$ballast" 2>/dev/null
+}
+# Long context on the 1.1B model: packed rows of 16k tokens, the loss head in chunks, MLPs tiled where the
+# planner says so; then with the checkpointed layer inputs in pinned host memory (a side stream on CUDA)
+LONG_RUN=(--seq-len 16384 --packing --micro-batch-size 1 --batch-size "$N" --strategy fsdp2 --activation-checkpointing)
+row_long-context() { planned long-context "${BIG_RUN[@]}" "${LONG_RUN[@]}" -- --expect activation_offload=False; }
+row_long-offload() {
+  planned long-offload "${BIG_RUN[@]}" "${LONG_RUN[@]}" --activation-offload -- --expect activation_offload=True
+}
+row_context-parallel() {  # the sequence cut over two GPUs: NCCL's all-to-all
+  if [ "$N" -lt 2 ]; then skip context-parallel "one GPU: --context-parallel 2 needs two"; return; fi
+  finetune context-parallel "${TINY_RUN[@]}" --strategy fsdp2 --context-parallel 2 -- --expect context_parallel=2
+}
+# GRPO on the tiny model: generation on the GPU with the weights gathered, rewards from a Python file
+GRPO_RUN=(--data examples/arithmetic_train.jsonl --objective grpo --reward examples/grpo_rewards.py:correct_answer
+          --reward examples/grpo_rewards.py:number_only --num-generations 4 --batch-size $((4 * N))
+          --max-completion-length 16 --strategy fsdp2)
+row_grpo() { finetune grpo "${TINY_RUN[@]}" "${GRPO_RUN[@]}" -- --metric reward --expect objective=grpo; }
+row_grpo-nf4() {
+  finetune grpo-nf4 "${TINY_RUN[@]}" "${GRPO_RUN[@]}" --quantize nf4 -- --metric reward --expect quantize=nf4
 }
 row_tests() {  # the pytest rows that ask for CUDA (two-GPU ones skip on one GPU, saying why)
   if [ $TESTS = 0 ]; then skip tests "not asked for (--with-tests)"; return; fi
