@@ -134,7 +134,7 @@ def floor(model: Path, lengths: tuple[int, int]) -> dict:
                         "lora-targets": "all-linear"})
     meta, _ = inject_lora(build_meta_model(model_dir_for_plan(model), torch.float32), cfg.lora, 0)
     attention = use_shardtune_attention(meta)
-    saved = [max(_saved_bytes(meta, 1, n, torch.float32, torch.device("cpu"))[0]) for n in lengths]
+    saved = [max(_saved_bytes(meta, 1, n, torch.float32, torch.device("cpu")).per_layer) for n in lengths]
     layer = (saved[1] - saved[0]) / (lengths[1] - lengths[0])
     base = meta.get_base_model().config
     layers, hidden = base.num_hidden_layers, base.hidden_size

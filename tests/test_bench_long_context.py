@@ -52,8 +52,23 @@ def test_slopes_fits_and_verdicts():
 def test_the_planner_answer_wins_and_a_flat_line_fits_anything():
     fig = lcf.derive(ROWS, FLOOR, 4096.0, 4096, plan_longest={"tokens": 20000, "key": "max_seq_len"})
     assert fig["longest_fit"]["shardtune"]["tokens"] == 20000 and fig["longest_ratio_vs_trl"] == 20000 / 4292
+    line_fit = 4096 + int(2996 * 1024 / 50)  # the measured line's answer stays beside the plan's, judged too
+    assert fig["longest_fit"]["shardtune"]["measured_line_tokens"] == line_fit
+    assert fig["measured_line_ratio_vs_trl"] == line_fit / 4292
+    assert any(f"both from their measured lines, shardtune ({line_fit}) / TRL (4292)" in t and t.endswith(": met")
+               for t in lcf.verdicts(fig, FLOOR, 4, "fp32"))
     flat = [row("hf", 2048, 900.0), row("hf", 4096, 900.0)]
     assert lcf.derive(flat, None, 4096.0, 4096)["longest_fit"]["hf"]["tokens"] is None
+
+
+def test_a_budget_between_two_rows_is_read_between_them_not_off_the_last_two():
+    # TRL's peak at 4k and 8k both exceed 4 GiB and barely differ: the line through them would land far
+    # below 2k, a length that fitted; the answer lies between the rows that straddle the budget
+    rows = [row("trl", 2048, 3072.0), row("trl", 4096, 5120.0), row("trl", 8192, 5200.0)]
+    fit = lcf.derive(rows, None, 4096.0, 8192)["longest_fit"]["trl"]
+    assert fit == {"tokens": 3072, "from": "between the measured rows of 2048 and 4096 tokens"}
+    too_big = lcf.derive([row("hf", 2048, 5000.0), row("hf", 4096, 6000.0)], None, 4096.0, 8192)
+    assert too_big["longest_fit"]["hf"]["tokens"] is None
 
 
 def test_the_benchmarks_page_shows_the_rows_and_the_targets(tmp_path):
