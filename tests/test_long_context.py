@@ -99,7 +99,7 @@ def test_seq_len_max_agrees_with_plan_at_that_length(tiny_llama, peaks_at_2048, 
            f"--activation-checkpointing" in capsys.readouterr().err
     # --strategy auto turns checkpointing on by itself when nothing fits without: then it is as configured
     auto = _plan(capsys, *[a for a in common if a not in ("--strategy", "single")], "--seq-len", "max")
-    assert auto["longest"]["single"] == {"ranks": 1, "max_seq_len": frugal["seq_len"],
+    assert auto["longest"]["single"] == {"ranks": 1, "context_parallel": 1, "max_seq_len": frugal["seq_len"],
                                          "with_flags": {"seq_len": frugal["seq_len"], "flags": ""}}
 
 

@@ -139,7 +139,7 @@ class RunPlan:
         return cls(p.strategy, unit_of(p.strategy, p.fsdp_unit), batch, cfg.data.seq_len, cfg.model.dtype, device,
                    backend, p.activation_checkpointing, p.cpu_offload, p.replicate_groups, cfg.model.quantize,
                    cfg.lora.variant, int(p.mlp_tile or 0), p.loss_chunk or 0, p.activation_offload,
-                   p.context_parallel, why)
+                   p.context_parallel, why=why)
 
 
 def batch_split(cfg: Config, ranks: int) -> BatchSplit:
