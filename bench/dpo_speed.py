@@ -26,6 +26,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -203,22 +204,13 @@ def run_trl(model: Path, data: Path, args: argparse.Namespace) -> dict:
             "pairs_per_second": round(step_speed(steps["seconds"], args.batch), 4), "loss_first": steps["loss_first"]}
 
 
-def trl_worker(args: argparse.Namespace) -> None:
-    """One rank of the peer, as TRL's docs show it: DPOTrainer + a peft LoraConfig, the whole model per rank."""
-    import torch
-    from datasets import load_dataset
-    from peft import LoraConfig
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import DPOConfig, DPOTrainer
+def trainer_step_times() -> tuple[Any, list[float], list[dict]]:
+    """A transformers ``TrainerCallback`` for a peer's trainer, with the lists it fills: each optimizer step's
+    seconds, and each logged line that has a loss (TRL's metrics of that step)."""
+    from transformers import TrainerCallback
 
-    torch.set_num_threads(1)  # 2 ranks on 2 cores: as shardtune's workers
-    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
-    tok = AutoTokenizer.from_pretrained(args.model)
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
     seconds: list[float] = []
-    losses: list[float] = []
+    logged: list[dict] = []
 
     class StepTimes(TrainerCallback):
         def on_step_begin(self, a, state, control, **kw):
@@ -229,7 +221,26 @@ def trl_worker(args: argparse.Namespace) -> None:
 
         def on_log(self, a, state, control, logs=None, **kw):
             if logs and "loss" in logs:
-                losses.append(logs["loss"])
+                logged.append(dict(logs))
+
+    return StepTimes(), seconds, logged
+
+
+def trl_worker(args: argparse.Namespace) -> None:
+    """One rank of the peer, as TRL's docs show it: DPOTrainer + a peft LoraConfig, the whole model per rank."""
+    import torch
+    from datasets import load_dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import DPOConfig, DPOTrainer
+
+    torch.set_num_threads(1)  # 2 ranks on 2 cores: as shardtune's workers
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
+    tok = AutoTokenizer.from_pretrained(args.model)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    step_times, seconds, logged = trainer_step_times()
 
     config = DPOConfig(output_dir=str(Path(args.out) / "trl"), per_device_train_batch_size=args.batch // args.nproc,
                        gradient_accumulation_steps=1, max_steps=args.steps, max_length=args.seq_len,
@@ -239,11 +250,11 @@ def trl_worker(args: argparse.Namespace) -> None:
     lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
     dataset = load_dataset("json", data_files=args.data, split="train")
     trainer = DPOTrainer(model=model, args=config, train_dataset=dataset, processing_class=tok, peft_config=lora,
-                         callbacks=[StepTimes()])
+                         callbacks=[step_times])
     trainer.train()
     if int(os.environ.get("RANK", "0")) == 0:
         (Path(args.out) / "trl.json").write_text(json.dumps({"seconds": seconds,
-                                                             "loss_first": losses[0] if losses else None}))
+                                                             "loss_first": logged[0]["loss"] if logged else None}))
 
 
 def machine(args: argparse.Namespace) -> dict:

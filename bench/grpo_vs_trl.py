@@ -249,29 +249,17 @@ def trl_worker(args: argparse.Namespace) -> None:
     import torch
     from datasets import load_dataset
     from peft import LoraConfig
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
+
+    from dpo_speed import trainer_step_times
 
     torch.set_num_threads(1)  # 2 ranks on 2 cores: as shardtune's workers
     rank = int(os.environ.get("RANK", "0"))
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(args.model)
-    seconds: list[float] = []
-    logged: dict[str, list] = {"loss": [], "reward": [], "mean_length": []}
+    step_times, seconds, logged = trainer_step_times()
     generation: list[dict] = []
-
-    class StepTimes(TrainerCallback):
-        def on_step_begin(self, a, state, control, **kw):
-            self.t = time.perf_counter()
-
-        def on_step_end(self, a, state, control, **kw):
-            seconds.append(time.perf_counter() - self.t)
-
-        def on_log(self, a, state, control, logs=None, **kw):
-            if logs and "loss" in logs:
-                logged["loss"].append(logs["loss"])
-                logged["reward"].append(logs.get("reward"))
-                logged["mean_length"].append(logs.get("completions/mean_length"))
 
     n = args.completion_tokens
     config = GRPOConfig(output_dir=str(Path(args.work) / "trl"), per_device_train_batch_size=args.batch // args.nproc,
@@ -283,7 +271,7 @@ def trl_worker(args: argparse.Namespace) -> None:
                       task_type="CAUSAL_LM")
     dataset = load_dataset("json", data_files=args.data, split="train")
     trainer = GRPOTrainer(model=model, reward_funcs=[token_reward], args=config, train_dataset=dataset,
-                          processing_class=tok, peft_config=lora, callbacks=[StepTimes()])
+                          processing_class=tok, peft_config=lora, callbacks=[step_times])
     inner = trainer._generate_single_turn
 
     def timed_generation(*a, **kw):
@@ -294,8 +282,10 @@ def trl_worker(args: argparse.Namespace) -> None:
 
     trainer._generate_single_turn = timed_generation
     trainer.train()
-    (Path(args.work) / f"trl-rank{rank}.json").write_text(json.dumps({"seconds": seconds, "generation": generation,
-                                                                      **logged}))
+    (Path(args.work) / f"trl-rank{rank}.json").write_text(json.dumps({
+        "seconds": seconds, "generation": generation, "loss": [line["loss"] for line in logged],
+        "reward": [line.get("reward") for line in logged],
+        "mean_length": [line.get("completions/mean_length") for line in logged]}))
 
 
 # ---- report -----------------------------------------------------------------------------------------------

@@ -53,7 +53,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path[:0] = [str(HERE), str(ROOT / "src"), str(ROOT / "tests")]
-from dpo_speed import WORDS, TreeSampler, loadavg  # noqa: E402
+from dpo_speed import WORDS, TreeSampler, loadavg, trainer_step_times  # noqa: E402
 from long_context_figures import RECIPES as ROWS  # noqa: E402
 from long_context_figures import derive, figure_lines, order, table, verdicts  # noqa: E402
 from record import git_commit, run_record  # noqa: E402
@@ -341,32 +341,19 @@ def peer_worker(args: argparse.Namespace) -> None:
 def trl_train(model, tok, lora, texts: list[str], args: argparse.Namespace) -> tuple[list[float], list[int], float]:
     """TRL's SFTTrainer + a peft LoraConfig, its defaults (gradient checkpointing on, its "nll" loss)."""
     from datasets import Dataset
-    from transformers import TrainerCallback
     from trl import SFTConfig, SFTTrainer
 
-    seconds: list[float] = []
-    losses: list[float] = []
-
-    class StepTimes(TrainerCallback):
-        def on_step_begin(self, a, state, control, **kw):
-            self.t = time.perf_counter()
-
-        def on_step_end(self, a, state, control, **kw):
-            seconds.append(time.perf_counter() - self.t)
-
-        def on_log(self, a, state, control, logs=None, **kw):
-            if logs and "loss" in logs:
-                losses.append(logs["loss"])
+    step_times, seconds, logged = trainer_step_times()
 
     config = SFTConfig(output_dir=str(Path(args.out) / "trl"), per_device_train_batch_size=1,
                        gradient_accumulation_steps=1, max_steps=args.steps, max_length=args.seq_len,
                        learning_rate=2e-4, lr_scheduler_type="constant", warmup_steps=0, logging_steps=1,
                        save_strategy="no", report_to="none", use_cpu=True, bf16=False, dataloader_num_workers=0)
     trainer = SFTTrainer(model=model, args=config, train_dataset=Dataset.from_dict({"text": texts}),
-                         processing_class=tok, peft_config=lora, callbacks=[StepTimes()])
+                         processing_class=tok, peft_config=lora, callbacks=[step_times])
     tokens = [len(trainer.train_dataset[i % len(texts)]["input_ids"]) for i in range(args.steps)]
     trainer.train()
-    return seconds, tokens, losses[0] if losses else None
+    return seconds, tokens, logged[0]["loss"] if logged else None
 
 
 def hf_train(model, tok, lora, texts: list[str], args: argparse.Namespace) -> tuple[list[float], list[int], float]:
