@@ -191,6 +191,23 @@ def _run(out: Path) -> tuple[list[float], dict[str, torch.Tensor]]:
     return losses, load_file(out / "adapter" / "adapter_model.safetensors")
 
 
+def _finetune_like_trained_run(tiny_llama: Path, train_jsonl: Path, out: Path, *flags: str) -> None:
+    """The shared ``trained_run``'s fine-tune (conftest.py), with ``flags`` added (a later flag wins)."""
+    assert main(["finetune", "--model", str(tiny_llama), "--data", str(train_jsonl), "--out", str(out),
+                 "--dtype", "fp32", "--steps", "3", "--batch-size", "4", "--seq-len", "64", "--strategy", "single",
+                 "--lr", "1e-3", *flags]) == 0
+
+
+def _assert_same_run(out: Path, base: Path, loss_atol: float, adapter_rtol: float, adapter_atol: float) -> None:
+    """``out``'s losses and adapter are ``base``'s (rtol 1e-5 on the losses)."""
+    losses, adapter = _run(out)
+    base_losses, base_adapter = _run(base)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(base_losses), rtol=1e-5, atol=loss_atol)
+    assert adapter.keys() == base_adapter.keys()
+    for key, tensor in base_adapter.items():
+        torch.testing.assert_close(adapter[key], tensor, rtol=adapter_rtol, atol=adapter_atol, msg=key)
+
+
 @pytest.mark.parametrize("flags", [["--mlp-tile", "16"], ["--loss-chunk", "8"], ["--activation-offload"]],
                          ids=["mlp-tile", "loss-chunk", "activation-offload"])
 def test_long_context_options_leave_the_run_unchanged(trained_run, tiny_llama, train_jsonl, tmp_path, flags,
@@ -199,18 +216,11 @@ def test_long_context_options_leave_the_run_unchanged(trained_run, tiny_llama, t
     adapter. On CPU --activation-offload says it changes nothing, in finetune (what the user sees: the
     process's stderr) and in plan."""
     out = tmp_path / "run"
-    assert main(["finetune", "--model", str(tiny_llama), "--data", str(train_jsonl), "--out", str(out),
-                 "--dtype", "fp32", "--steps", "3", "--batch-size", "4", "--seq-len", "64", "--strategy", "single",
-                 "--lr", "1e-3", *flags]) == 0
+    _finetune_like_trained_run(tiny_llama, train_jsonl, out, *flags)
     summary = json.loads((out / "summary.json").read_text())["run_plan"]
     assert (summary["mlp_tile"], summary["loss_chunk"], summary["activation_offload"]) == {
         "--mlp-tile": (16, 0, False), "--loss-chunk": (0, 8, False), "--activation-offload": (0, 0, True)}[flags[0]]
-    losses, adapter = _run(out)
-    base_losses, base_adapter = _run(trained_run)
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(base_losses), rtol=1e-5, atol=1e-5)
-    assert adapter.keys() == base_adapter.keys()
-    for key, tensor in base_adapter.items():
-        torch.testing.assert_close(adapter[key], tensor, rtol=1e-5, atol=1e-5, msg=key)
+    _assert_same_run(out, trained_run, loss_atol=1e-5, adapter_rtol=1e-5, adapter_atol=1e-5)
     said = capfd.readouterr().err
     assert ("--activation-offload: on CPU it changes nothing" in said) == (flags[0] == "--activation-offload"), said
     if flags[0] == "--activation-offload":
@@ -222,12 +232,6 @@ def test_two_fsdp2_ranks_with_tiles_and_chunks_equal_one_rank(trained_run, tiny_
     """N ranks = 1 rank with the long-context options on: tiles and chunks under FSDP2's sharded MLPs and
     row-sharded head give the shared single-process run's losses and adapter."""
     out = tmp_path / "run"
-    assert main(["finetune", "--model", str(tiny_llama), "--data", str(train_jsonl), "--out", str(out),
-                 "--dtype", "fp32", "--steps", "3", "--batch-size", "4", "--seq-len", "64", "--strategy", "fsdp2",
-                 "--nproc", "2", "--lr", "1e-3", "--mlp-tile", "16", "--loss-chunk", "8"]) == 0
-    losses, adapter = _run(out)
-    base_losses, base_adapter = _run(trained_run)
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(base_losses), rtol=1e-5, atol=1e-6)
-    assert adapter.keys() == base_adapter.keys()
-    for key, tensor in base_adapter.items():
-        torch.testing.assert_close(adapter[key], tensor, rtol=1e-4, atol=1e-6, msg=key)
+    _finetune_like_trained_run(tiny_llama, train_jsonl, out, "--strategy", "fsdp2", "--nproc", "2",
+                               "--mlp-tile", "16", "--loss-chunk", "8")
+    _assert_same_run(out, trained_run, loss_atol=1e-6, adapter_rtol=1e-4, adapter_atol=1e-6)
