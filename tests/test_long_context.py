@@ -103,6 +103,18 @@ def test_seq_len_max_agrees_with_plan_at_that_length(tiny_llama, peaks_at_2048, 
                                          "with_flags": {"seq_len": frugal["seq_len"], "flags": ""}}
 
 
+def test_seq_len_max_has_a_row_per_context_parallel_size_given_or_not(tiny_llama, capsys):
+    """Each --context-parallel size the ranks allow has its own row, the one given included: the given size's
+    row is not replaced by CP 1's, and more pieces of a sequence fit a longer one."""
+    common = ["--model", str(tiny_llama), "--dtype", "fp32", "--nproc", "2", "--batch-size", "2",
+              "--memory-per-rank", "400MB", "--seq-len", "max"]
+    rows = [_plan(capsys, *common, *extra)["longest"] for extra in ([], ["--context-parallel", "2"])]
+    for longest in rows:
+        assert (longest["fsdp2"]["context_parallel"], longest["fsdp2 cp2"]["context_parallel"]) == (1, 2)
+        assert longest["fsdp2 cp2"]["max_seq_len"] > longest["fsdp2"]["max_seq_len"] > 0
+    assert rows[0]["fsdp2"] == rows[1]["fsdp2"] and rows[0]["fsdp2 cp2"] == rows[1]["fsdp2 cp2"]
+
+
 def test_seq_len_max_without_a_known_budget_is_refused(tiny_llama, capsys):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU: its memory is the budget")

@@ -123,21 +123,29 @@ def longest_rows(cfg: Config, search: Search, budget: int) -> dict[str, Longest]
             out[strategy] = Longest(strategy, world, 0, 0, (), refused)
             continue
         setting = search.setting(strategy, world, micro)
-        out[strategy] = _longest(search, facts, setting, budget)
-        if traits(strategy).context_parallel:
-            for cp in search.context_sizes(world, every=True):
-                if cp != setting.context_parallel:
-                    longest = _longest(search, facts, dataclasses.replace(setting, context_parallel=cp), budget)
-                    out[f"{strategy} cp{cp}" if cp > 1 else strategy] = longest
+        sizes = search.context_sizes(world, every=True) if traits(strategy).context_parallel else []
+        for cp in [setting.context_parallel, *(n for n in sizes if n != setting.context_parallel)]:
+            longest = _longest(search, facts, dataclasses.replace(setting, context_parallel=cp), budget)
+            out[f"{strategy} cp{cp}" if cp > 1 else strategy] = longest
     return out
 
 
 def _longest(search: Search, facts: Facts, setting: Setting, budget: int) -> Longest:
     given, setting = _as_configured(search, facts, setting, budget)
-    saver, flags = frugal(setting, search)
-    most = _confirmed(search, saver, longest_width(facts, saver, search.device, budget), budget)
+    most, flags = _with_savers(search, facts, setting, budget)
     return Longest(setting.strategy, setting.ranks, given, max(most, given), flags if most > given else (),
                    context_parallel=setting.context_parallel)
+
+
+def _fitting_width(search: Search, facts: Facts, setting: Setting, budget: int) -> int:
+    """The longest width ``setting`` fits in ``budget``: searched on the curve, confirmed by a fake pass."""
+    return _confirmed(search, setting, longest_width(facts, setting, search.device, budget), budget)
+
+
+def _with_savers(search: Search, facts: Facts, setting: Setting, budget: int) -> tuple[int, tuple[str, ...]]:
+    """The longest width ``setting`` fits with every memory saver that applies, and the flags that add them."""
+    saver, flags = frugal(setting, search)
+    return _fitting_width(search, facts, saver, budget), flags
 
 
 def _as_configured(search: Search, facts: Facts, setting: Setting, budget: int) -> tuple[int, Setting]:
@@ -146,7 +154,7 @@ def _as_configured(search: Search, facts: Facts, setting: Setting, budget: int) 
     --strategy auto turns activation checkpointing on likewise), and is then no flag to add."""
     tried = [dataclasses.replace(setting, mlp_tile=tile, activation_checkpointing=ac)
              for tile in search.tiles_to_try() for ac in checkpointing_to_try(search.cfg)]
-    widths = [_confirmed(search, s, longest_width(facts, s, search.device, budget), budget) for s in tried]
+    widths = [_fitting_width(search, facts, s, budget) for s in tried]
     best = max(range(len(tried)), key=lambda i: widths[i])
     return widths[best], tried[best]
 
@@ -168,9 +176,8 @@ def too_long(cfg: Config, search: Search, best: Candidate, budget: int, where: s
                                   activation_checkpointing=best.activation_checkpointing, fsdp_unit=best.fsdp_unit,
                                   mlp_tile=best.mlp_tile)
     facts = curve_facts(search.facts)
-    given = _confirmed(search, setting, longest_width(facts, setting, search.device, budget), budget)
-    saver, flags = frugal(setting, search)
-    most = _confirmed(search, saver, longest_width(facts, saver, search.device, budget), budget)
+    given = _fitting_width(search, facts, setting, budget)
+    most, flags = _with_savers(search, facts, setting, budget)
     text = (f"option 'memory-per-rank': no setting fits {format_size(budget)} per rank; the smallest predicted "
             f"peak is {format_size(best.peak_mb * MB)} ({best.describe()}) at --seq-len {cfg.data.seq_len}, "
             f"budget from {where}. ")
