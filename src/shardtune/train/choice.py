@@ -203,12 +203,17 @@ def budget_of(cfg: Config) -> tuple[int | None, str]:
     return default_budget(cfg.parallel.nproc, planned_device_type(cfg.parallel.device))
 
 
+def gathers_to_generate(setting: Setting) -> bool:
+    """Whether ``setting`` generates (GRPO) with weights its forwards gather: sharded over several ranks."""
+    return bool(setting.generation_rows) and traits(setting.strategy).shards and setting.ranks > 1
+
+
 def generation_gathered(search: Search, setting: Setting, budget: int | None) -> tuple[bool, Prediction]:
     """Whether GRPO's generation keeps the weights gathered in ``setting``, and the prediction it runs by:
     kept when the predicted peak with the whole model gathered fits ``budget`` (bytes per rank; None:
     nothing to judge by, not kept). A setting that does not generate, or whose strategy gathers nothing
-    for a forward, is returned unchanged."""
-    if not setting.generation_rows or not traits(setting.strategy).shards or setting.ranks < 2:
+    for a forward (``gathers_to_generate``), is returned unchanged."""
+    if not gathers_to_generate(setting):
         return False, search.predict(setting)
     kept = search.predict(dataclasses.replace(setting, generation_gathered=True))
     if budget is not None and kept.peak_mb * MB <= budget:
@@ -297,7 +302,7 @@ def choose(cfg: Config, lengths: Lengths | None = None,
         if cfg.train.micro_batch_size == "auto":
             raise ConfigError("option 'micro-batch-size': 'auto' needs --memory-per-rank when planning for GPUs "
                               "on a machine without one")
-        return _untiled(cfg), None, ""
+        return untiled(cfg), None, ""
     search = search or Search(cfg, lengths)
     found = candidates(cfg, budget, lengths, search)
     fitting = sorted((c for c, fits in found if fits), key=Candidate.key)
@@ -319,7 +324,7 @@ def choose(cfg: Config, lengths: Lengths | None = None,
                f"{best.describe()}, {format_size(best.peak_mb * MB)}") if asked else ""
     tile = best.mlp_tile or None if cfg.parallel.mlp_tile == "auto" else cfg.parallel.mlp_tile
     if not asked and not best.mlp_tile:  # nothing was open but --mlp-tile auto, and it stays untiled
-        return _untiled(cfg), None, ""
+        return untiled(cfg), None, ""
     parallel = dataclasses.replace(
         cfg.parallel, strategy=best.strategy, activation_checkpointing=best.activation_checkpointing, mlp_tile=tile,
         context_parallel=best.context_parallel,
@@ -328,7 +333,8 @@ def choose(cfg: Config, lengths: Lengths | None = None,
     return dataclasses.replace(cfg, parallel=parallel, train=train), best, why
 
 
-def _untiled(cfg: Config) -> Config:
+def untiled(cfg: Config) -> Config:
+    """``cfg`` with --mlp-tile auto settled as untiled (nothing, or no budget, asked for tiles)."""
     if cfg.parallel.mlp_tile != "auto":
         return cfg
     return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, mlp_tile=None))

@@ -15,15 +15,23 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from shardtune.config import Config, ConfigError, traits
+from shardtune.config import Config, ConfigError
 from shardtune.model import quantize
 from shardtune.runplan import RunPlan, batch_split
 from shardtune.runtime.device import backend, decide_dtype, planned_device_type
 from shardtune.runtime.distributed import Worker
 from shardtune.runtime.memory import MB, format_size
-from shardtune.train.choice import Candidate, NothingFits, Search, budget_of, choose, generation_gathered
+from shardtune.train.choice import (
+    Candidate,
+    NothingFits,
+    Search,
+    budget_of,
+    choose,
+    gathers_to_generate,
+    generation_gathered,
+    untiled,
+)
 from shardtune.train.longest import too_long
-from shardtune.train.objectives import objective_of
 
 if TYPE_CHECKING:
     from shardtune.train.data.records import Lengths
@@ -66,13 +74,13 @@ def resolve(cfg: Config, lengths: Lengths | None = None, model: nn.Module | None
 def _generation(cfg: Config, plan: RunPlan, search: Search) -> RunPlan:
     """``plan`` with ``generation_gathered`` decided: GRPO under FSDP2 on several ranks keeps the weights
     gathered for a whole generation when the predicted peak with them fits the memory a rank may use."""
-    if not traits(plan.strategy).shards or plan.world_size < 2 or not objective_of(cfg).generates:
-        return plan
-    budget, where = budget_of(cfg)
     setting = dataclasses.replace(
         search.setting(plan.strategy, plan.world_size, plan.batch.micro_batch_size),
         activation_checkpointing=plan.activation_checkpointing, cpu_offload=plan.cpu_offload,
         fsdp_unit=plan.fsdp_unit, mlp_tile=plan.mlp_tile, context_parallel=plan.context_parallel)
+    if not gathers_to_generate(setting):
+        return plan
+    budget, where = budget_of(cfg)
     keep = generation_gathered(search, setting, budget)[0]
     if budget is not None:
         peak = format_size(search.predict(dataclasses.replace(setting, generation_gathered=True)).peak_mb * MB)
@@ -89,8 +97,7 @@ def resolve_on(worker: Worker, cfg: Config, batches: bool = True) -> RunPlan:
     ``recipe.prepare`` without a plan). ``batches=False``: for building a model, which makes no
     batches (any batch that splits over these ranks)."""
     cfg = decide_dtype(cfg)
-    if cfg.parallel.mlp_tile == "auto":  # no budget to judge by: untiled
-        cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, mlp_tile=None))
+    cfg = untiled(cfg)  # no budget to judge by
     if not batches:
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=worker.world_size,
                                                                   micro_batch_size=None))
