@@ -116,3 +116,40 @@ def test_packed_records_attend_only_within_themselves(window):
         alone = model(input_ids=ids[:, :9]).logits  # no lengths: one causal sequence
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(alone, want[:, :9], rtol=1e-4, atol=1e-5)
+
+
+def test_live_bytes_counts_what_is_alive_at_once():
+    from shardtune.runtime.compat import LiveBytes
+
+    with LiveBytes() as live:
+        a = torch.ones(1024)  # 4 KiB
+        b = torch.ones(2048)  # 8 KiB: 12 KiB alive
+        del a
+        c = torch.ones(512)  # 2 KiB: 10 KiB alive
+    assert (live.peak, live.live) == (12288, 10240)
+    del b, c
+    assert live.live == 0
+
+
+@pytest.mark.parametrize("seq", [64, 256])
+def test_planned_recomputed_backward_is_what_a_real_layer_holds(seq):
+    """The planner's workspace under activation checkpointing: the most bytes one layer's recomputation and
+    backward hold at once, traced on fake tensors, equals that of the real layer on real tensors."""
+    from shardtune.model.footprint import _recomputed_backward_bytes, _saved_bytes
+    from shardtune.model.structure import decoder_layers
+
+    model = _model()
+    model.config.use_cache = False  # as training builds it (model/meta.py)
+    planned = _saved_bytes(model, 2, seq, torch.float32, torch.device("cpu")).backward
+    layers = decoder_layers(model)
+    inputs = {}
+    hooks = [layer.register_forward_pre_hook(lambda m, a, k, i=i: inputs.__setitem__(i, (a, k)), with_kwargs=True)
+             for i, layer in enumerate(layers)]
+    with attention.shardtune_attention(model):
+        model(input_ids=torch.randint(0, 100, (2, seq)))
+        for h in hooks:
+            h.remove()
+        tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+        real = [_recomputed_backward_bytes(model, layer, tensors, *inputs[i]) for i, layer in enumerate(layers)]
+    assert planned == max(real)
+    assert planned > 2 * seq * model.config.intermediate_size * 4  # at least the MLP's gate and up outputs

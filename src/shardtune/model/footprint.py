@@ -25,7 +25,7 @@ from shardtune.model.head import head_transform
 from shardtune.model.lora import inject_lora
 from shardtune.model.meta import build_meta_model, compute_dtype
 from shardtune.model.structure import decoder_layers, embedding_tables, layer_parts, mlp_of, tables_by_rows
-from shardtune.runtime.compat import fake_mode, storage_id
+from shardtune.runtime.compat import LiveBytes, fake_mode, storage_id
 from shardtune.runtime.safetensors_header import read_header
 
 
@@ -33,12 +33,15 @@ from shardtune.runtime.safetensors_header import read_header
 class Saved:
     """What one forward saves for backward: bytes per decoder layer, the part of each that its MLP saves
     (what tiling the MLP turns into one tile's worth, parallel/tiling.py), what the rest of the model
-    saves, and the vocabulary (the width of the logits)."""
+    saves, and the vocabulary (the width of the logits); and, under activation checkpointing, the most
+    bytes alive at once while backward recomputes the layer that saves the most and runs through it
+    (0: not traced)."""
 
     per_layer: list[int]
     mlp: list[int]
     outside: int
     vocab: int
+    backward: int = 0
 
 
 @dataclass
@@ -115,9 +118,14 @@ def _saved_bytes(model: nn.Module, batch: int, seq: int, lora_dtype: torch.dtype
 
     layers = decoder_layers(model)
     per_layer, mlp, other, where, in_mlp = [0] * len(layers), [0] * len(layers), [0], [-1], [False]
+    inputs: list[tuple[tuple, dict]] = [((), {})] * len(layers)
     hooks = []
+
+    def enter(i: int, args: tuple, kwargs: dict) -> None:
+        where[0], inputs[i] = i, (args, kwargs)
+
     for i, layer in enumerate(layers):
-        hooks.append(layer.register_forward_pre_hook(lambda m, a, i=i: where.__setitem__(0, i)))
+        hooks.append(layer.register_forward_pre_hook(lambda m, a, k, i=i: enter(i, a, k), with_kwargs=True))
         hooks.append(layer.register_forward_hook(lambda m, a, o: where.__setitem__(0, -1)))
         if (module := mlp_of(layer)) is not None:
             hooks.append(module.register_forward_pre_hook(lambda m, a: in_mlp.__setitem__(0, True)))
@@ -149,7 +157,40 @@ def _saved_bytes(model: nn.Module, batch: int, seq: int, lora_dtype: torch.dtype
         finally:
             for h in hooks:
                 h.remove()
-    return Saved(per_layer, mlp, other[0], int(logits.shape[-1]))
+        backward = 0
+        if layers:
+            heaviest = max(range(len(layers)), key=per_layer.__getitem__)
+            with shardtune_attention(model):
+                backward = _recomputed_backward_bytes(model, layers[heaviest], {**params, **buffers},
+                                                      *inputs[heaviest])
+    return Saved(per_layer, mlp, other[0], int(logits.shape[-1]), backward)
+
+
+def _recomputed_backward_bytes(model: nn.Module, layer: nn.Module, tensors: dict[str, torch.Tensor],
+                               args: tuple, kwargs: dict) -> int:
+    """The most bytes alive at once while backward recomputes ``layer`` (activation checkpointing, as
+    training runs it) and runs through it, on the fake inputs the traced forward gave it: its saved
+    set, the temporaries of its gradients (which outgrow what is freed as they are made) and the
+    gradient it passes down. Traced, not a factor: which tensors overlap depends on the layer's ops."""
+    from torch.func import functional_call
+    from torch.utils._pytree import tree_map
+    from torch.utils.checkpoint import checkpoint
+
+    prefix = next(name for name, module in model.named_modules() if module is layer) + "."
+    own = {name[len(prefix):]: t for name, t in tensors.items() if name.startswith(prefix)}
+    args, kwargs = tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, (args, kwargs))
+    hidden = (args[0] if args else kwargs["hidden_states"]).requires_grad_(True)
+
+    def forward(h: torch.Tensor) -> torch.Tensor:
+        out = (functional_call(layer, own, (h, *args[1:]), kwargs) if args else
+               functional_call(layer, own, (), {**kwargs, "hidden_states": h}))
+        return out[0] if isinstance(out, tuple) else out
+
+    out = checkpoint(forward, hidden, use_reentrant=False)
+    grad = torch.empty_like(out)
+    with LiveBytes() as live:
+        out.backward(grad)
+    return live.peak
 
 
 def _nbytes(p: torch.Tensor, dtype: torch.dtype, nf4: set[int]) -> int:

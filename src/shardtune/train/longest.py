@@ -50,7 +50,7 @@ def curve_facts(facts: Facts) -> Facts:
 
         layers = range(len(known[0][1].per_layer))
         return Saved([at(lambda s, i=i: s.per_layer[i]) for i in layers], [at(lambda s, i=i: s.mlp[i]) for i in layers],
-                     at(lambda s: s.outside), known[0][1].vocab)
+                     at(lambda s: s.outside), known[0][1].vocab, at(lambda s: s.backward))
 
     return dataclasses.replace(facts, saved={}, trace=trace)
 

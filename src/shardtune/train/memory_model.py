@@ -84,8 +84,9 @@ TERMS: dict[str, str] = {
     "lora": "the trainable LoRA weights, fp32 (1/N of them under FSDP)",
     "grads": "their fp32 gradients (1/N under FSDP; DDP also keeps a bucket copy for its all-reduce)",
     "optimizer": "AdamW state: 2 fp32 values per trainable weight (1/N under FSDP)",
-    "activations": "tensors saved for backward, all layers (with activation checkpointing: each layer's "
-                   "input, plus one layer's recomputed set), and the backward of one layer",
+    "activations": "tensors saved for backward, all layers, and the backward of one layer (with activation "
+                   "checkpointing: each layer's input, and the most one layer's recomputation and backward "
+                   "hold at once, traced on fake tensors)",
     "logits": "the loss head: one chunk of tokens' logits in fp32 at a time, and what it keeps per token for "
               "backward (tokens × hidden); without it (a trained head) the full logits and their gradient",
     "kv_cache": "GRPO's generation: the KV cache of the completions a rank samples at once (keys and values "
@@ -259,7 +260,7 @@ def predict(f: Facts, s: Setting, device: str) -> Prediction:
         if offloading:  # the inputs wait in host memory; two layers' are on the GPU (one in use, one coming)
             host_acts, inputs = inputs, min(f.layers, 2) * layer_input
         acts = inputs + saved.outside
-        workspace = 2 * max(recomputed, default=0)
+        workspace = _recomputed_backward(saved, recomputed) + layer_input  # + the gradient from above
     else:
         acts, workspace = sum(kept_by_layer) + saved.outside, max(recomputed, default=0)
         if offloading:
@@ -306,6 +307,16 @@ def predict(f: Facts, s: Setting, device: str) -> Prediction:
                       note=note)
 
 
+def _recomputed_backward(saved: Saved, recomputed: list[float]) -> float:
+    """What one checkpointed layer's backward holds at once: the traced peak of recomputing the layer
+    that saves the most and running backward through it (``Saved.backward``), in proportion to what is
+    recomputed here (a tiled MLP recomputes one tile's set); twice the recomputed set where untraced."""
+    heaviest = max(saved.per_layer, default=0)
+    if not saved.backward or not heaviest:
+        return 2 * max(recomputed, default=0)
+    return saved.backward / heaviest * max(recomputed, default=0)
+
+
 def _layer_sets(saved: Saved, tile: int, seq_len: int, layer_input: int) -> tuple[list[float], list[float]]:
     """Per decoder layer: what its forward keeps for backward, and what exists while backward recomputes
     it. Tiled (``tile`` tokens, parallel/tiling.py), an MLP keeps only its input (the tiles' checkpoints)
@@ -333,7 +344,8 @@ def context_parallel_terms(f: Facts, saved: Saved, rows: int, seq_len: int, cp: 
         most = head_shares(f.heads, f.kv_heads, cp).most_heads
         extra = max(0.0, most - held / cp) * rows * piece * cp * f.head_dim * f.compute_itemsize
     return replace(saved, per_layer=[b * scale + extra for b in saved.per_layer],
-                   mlp=[b * scale for b in saved.mlp], outside=saved.outside * scale), piece
+                   mlp=[b * scale for b in saved.mlp], outside=saved.outside * scale,
+                   backward=saved.backward * scale + extra), piece
 
 
 def exchange_bytes(f: Facts, rows: int, piece: int, cp: int) -> float:

@@ -13,7 +13,7 @@ instead of returning wrong slices or silently skipping work. Nothing outside thi
   ``ShardView``, a tensor made of rectangles of a parameter, which ``dcp.load`` fills.
 * ``peft_layers.py``: peft's per-adapter device move, wrapped to record LoRA's initial values
   (``record_lora_init``); the adapter layers' own switch (``adapters_disabled``).
-* ``tensors.py``: fake tensors for the planner's forward pass (``fake_mode``, ``storage_id``), oneDNN's
+* ``tensors.py``: fake tensors for the planner's passes (``fake_mode``, ``storage_id``, ``LiveBytes``), oneDNN's
   bf16 probe (``cpu_has_fast_bf16``), a DTensor's own local tensor (``dtensor_local``), and a module's
   parameter shadowed by a copy in the compute dtype (``shadow_parameter``: parallel/compute_dtype.py).
 * ``nf4.py``: torchao's NF4 tensor module and fields (``nf4_tensor_module``), and two of its methods
@@ -37,6 +37,7 @@ from shardtune.runtime.compat.fsdp import (
 from shardtune.runtime.compat.nf4 import nf4_tensor_module, route_nf4_method
 from shardtune.runtime.compat.peft_layers import adapters_disabled, record_lora_init
 from shardtune.runtime.compat.tensors import (
+    LiveBytes,
     check_parameter_shadowing,
     cpu_has_fast_bf16,
     dtensor_local,
@@ -47,7 +48,7 @@ from shardtune.runtime.compat.tensors import (
 )
 
 __all__ = [
-    "FSDP2_COMM_CALLS", "FlatLayout", "PrivateAPIChanged", "ShardView", "adapters_disabled",
+    "FSDP2_COMM_CALLS", "FlatLayout", "LiveBytes", "PrivateAPIChanged", "ShardView", "adapters_disabled",
     "check_fsdp2_comm_interface", "check_load_target_protocol", "check_parameter_shadowing", "cpu_has_fast_bf16",
     "dtensor_local", "fake_mode", "fsdp1_flat_param", "fsdp1_layout", "fsdp2_reshards_after_forward",
     "nf4_tensor_module", "piece_boxes", "record_lora_init", "route_nf4_method", "set_fsdp2_all_gather",

@@ -1,10 +1,11 @@
-"""torch's private tensor interfaces: fake tensors for the planner's forward pass, storage ids, the
+"""torch's private tensor interfaces: fake tensors for the planner's forward pass, storage ids, live bytes, the
 oneDNN bf16 probe, a DTensor's own local tensor, and a module's parameter shadowed by a cast copy."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 
 import torch
 from torch import nn
@@ -28,6 +29,53 @@ def storage_id(t: torch.Tensor) -> int:
     storage = t.untyped_storage()
     need(storage, "torch.UntypedStorage", "_cdata")
     return storage._cdata
+
+
+class LiveBytes:
+    """A dispatch mode counting the bytes of tensor storages alive at once while it is active, and the
+    most at any moment (``peak``): what an allocator would hold, found on fake tensors as on real ones.
+    A storage counts from the op that makes it until its last reference goes."""
+
+    def __init__(self) -> None:
+        try:
+            from torch.utils._python_dispatch import TorchDispatchMode
+            from torch.utils._pytree import tree_flatten
+        except ImportError as err:
+            raise PrivateAPIChanged("torch.utils._python_dispatch.TorchDispatchMode", str(err)) from err
+        counter = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN202
+                out = func(*args, **(kwargs or {}))
+                for t in tree_flatten(out)[0]:
+                    if isinstance(t, torch.Tensor):
+                        counter._made(t.untyped_storage())
+                return out
+
+        self.live = self.peak = 0
+        self._refs: dict[int, weakref.ref] = {}
+        self._mode = _Mode()
+
+    def _made(self, storage: torch.UntypedStorage) -> None:
+        key = storage._cdata
+        if key in self._refs:
+            return
+        size = storage.nbytes()
+        self.live += size
+        self.peak = max(self.peak, self.live)
+
+        def gone(_ref: weakref.ref, key: int = key, size: int = size) -> None:
+            self.live -= size
+            self._refs.pop(key, None)
+
+        self._refs[key] = weakref.ref(storage, gone)
+
+    def __enter__(self) -> LiveBytes:
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._mode.__exit__(*exc)
 
 
 def cpu_has_fast_bf16() -> bool:
