@@ -28,6 +28,9 @@ peak per extra token between the two longest lengths, as a multiple of the floor
 input + one layer's recomputed set, from shardtune's fake-tensor pass), the longest context within the budget
 and its ratio to TRL's, tokens/s against the reference, packed against unpacked; each target a verdict line.
 
+``--replan`` runs no job: it asks the planner as it is now for each measured shardtune row's prediction
+(recorded with the planner's commit beside the measurement's), then derives the figures again.
+
 Results merge into bench/results/long-context-<layers>l.json (a row replaces the one of the same recipe and
 length; ``--fresh`` starts over), so the rows can run in pieces; ``--quick`` writes under bench/.cache/.
 Extra shardtune flags for every shardtune row but ref (e.g. ``--shardtune-flags="--mlp-tile auto"``).
@@ -283,6 +286,24 @@ class Bench:
                     return {"tokens": value, "key": key}
         return {"error": "no longest sequence found in plan's JSON", "raw": json.dumps(out)[:2000]}
 
+    def replan(self, row: dict) -> dict:
+        """The prediction for a measured shardtune row from the planner as it is now: its own finetune flags,
+        the data left out (every record is exactly the row's length, so rows are --seq-len wide either way)
+        and the model rebuilt in this cache; the measurement keeps its own commit."""
+        words = shlex.split(row["command"])
+        flags, skip = [], {"--data", "--out", "--steps", "--warmup-steps"}
+        rest = iter(words[words.index("finetune") + 1:])
+        for word in rest:
+            if word in skip:
+                next(rest, None)
+            elif word == "--model":
+                next(rest, None)
+                flags += ["--model", str(self.model)]
+            else:
+                flags.append(word)
+        strategy = flags[flags.index("--strategy") + 1]
+        return {**self.plan(flags, strategy), "commit": git_commit()}
+
     # -- the peers' rows
 
     def peer(self, recipe: str, tokens: int) -> dict:
@@ -450,6 +471,8 @@ def main() -> None:
     parser.add_argument("--timeout", type=int, default=4 * 3600, help="seconds per job")
     parser.add_argument("--quick", action="store_true", help="lengths 128,256, packed and ref at 256, verify at 512")
     parser.add_argument("--fresh", action="store_true", help="drop the rows of an earlier run of this file")
+    parser.add_argument("--replan", action="store_true",
+                        help="run no job: predict the measured shardtune rows again with the planner as it is now")
     parser.add_argument("--cache", type=Path, default=HERE / ".cache")
     parser.add_argument("--out", type=Path, default=None,
                         help="default: bench/results/long-context-<layers>l.json (--quick: under --cache)")
@@ -474,15 +497,23 @@ def main() -> None:
     if torch.ops.mkldnn._is_mkldnn_bf16_supported():
         print("note: this CPU computes bf16 natively; the bench stays in fp32, as issue 32's table", flush=True)
     path = results_path(args)
-    rows = [] if args.fresh or not path.is_file() else json.loads(path.read_text()).get("rows", [])
+    earlier = {} if args.fresh or not path.is_file() else json.loads(path.read_text())
+    rows, note = earlier.get("rows", []), earlier.get("note")  # a note on how the rows were measured stays
     bench = Bench(args)
+    if args.replan:
+        for row in rows:
+            if row["recipe"] in ("shardtune", "packed", "fsdp2", "verify") and "plan" in row:
+                row["plan"] = bench.replan(row)
+                print(f"replanned {row['recipe']} at {row['tokens']} tokens: {row['plan'].get('peak_mb')} MB")
+        wanted = []
     longest = run_rows(bench, args, wanted, rows)
     lengths = sorted({r["tokens"] for r in rows if r["recipe"] == "shardtune"})[-2:]
     the_floor = floor(bench.model, (lengths[0], lengths[1]) if len(lengths) == 2 else (2048, 4096))
     figures = derive(rows, the_floor, bench.budget, args.speed_tokens, longest)
     lines = verdicts(figures, the_floor, args.layers, "fp32")
     print("\n".join(["", *table(rows), "", *figure_lines(figures, the_floor), "", *lines]))
-    save(args, rows, figures, {"floor": the_floor, "plan_longest": longest, "targets": lines})
+    save(args, rows, figures, {"floor": the_floor, "plan_longest": longest, "targets": lines,
+                               **({"note": note} if note else {})})
     print(f"wrote {path}")
 
 
