@@ -151,8 +151,7 @@ def test_two_fsdp2_ranks_train_like_one_on_a_4bit_base(grpo_root):
     runs = {"nf4-one": ("--strategy", "single"), "nf4-two": ("--strategy", "fsdp2", "--nproc", "2",
                                                              "--micro-batch-size", "2")}
     for out, extra in runs.items():
-        args = argv(grpo_root, out, "--quantize", "nf4", "--steps", "2", "--num-iterations", "1",
-                    "--lora-targets", "all-linear", *extra)
+        args = argv(grpo_root, out, "--quantize", "nf4", "--steps", "2", "--num-iterations", "1", *extra)
         args[args.index("--model") + 1] = str(model)
         assert main(args) == 0
     assert json.loads((grpo_root / "nf4-two" / "summary.json").read_text())["world_size"] == 2
