@@ -97,10 +97,11 @@ def test_rollouts_come_from_the_server_synced_with_each_steps_adapter(vllm_root)
 
 def test_a_server_that_keeps_serving_an_older_adapter_stops_the_run(vllm_root, capsys):
     """The second version's load answers success, but the server still lists only the first: the run must stop,
-    non-zero, rather than train on completions of an adapter it no longer has."""
+    non-zero, rather than train on completions of an adapter it no longer has; on 2 DDP ranks, where rank 1
+    waits for rank 0's answer and gets the failure instead."""
     stub = Stub("stale")
     with serve(stub) as url:
-        code = main(argv(vllm_root, "stale", url, "--strategy", "single", "--steps", "2"))
+        code = main(argv(vllm_root, "stale", url, "--strategy", "ddp", "--nproc", "2", "--steps", "2"))
     err = capsys.readouterr().err
     assert code != 0, err
     assert "after loading adapter version 1" in err and "rollouts would sample another policy" in err, err
