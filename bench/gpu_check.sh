@@ -48,9 +48,9 @@ harness torchrun two-ranks-one-gpu plan-fsdp2 plan-fsdp1 plan-ddp plan-single of
 long-context long-offload context-parallel grpo grpo-nf4 tests"
 # Not yet a row:
 #   vllm-sync        a real vLLM server (VLLM_ALLOW_RUNTIME_LORA_UPDATING=True vllm serve BASE --enable-lora) and
-#                    train/generator_client.py: sync two adapter versions, /v1/models lists each from its folder,
-#                    the greedy completions of version 2 equal `shardtune generate --adapter` (tests/
-#                    test_generator_client.py runs the protocol against a stub on CPU)
+#                    `finetune --objective grpo --vllm-url` for 3 steps: each version loaded and listed from its
+#                    folder, the greedy completions of the last equal `shardtune generate --adapter` of it (skipped
+#                    without vllm; tests/test_grpo_vllm.py runs it against a stub on CPU)
 ROWS=$([ $QUICK = 1 ] && [ -z "$ONLY" ] && echo $QUICK_ROWS || echo $ALL_ROWS)  # --only picks from all
 if [ $LIST = 1 ]; then echo $ROWS | tr ' ' '\n'; exit 0; fi
 for r in ${ONLY//,/ }; do

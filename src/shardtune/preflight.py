@@ -28,6 +28,7 @@ from shardtune.train.data.read import read_records
 from shardtune.train.data.records import DataError, lengths_of
 from shardtune.train.input_paths import check_input_paths
 from shardtune.train.objectives import objective_of
+from shardtune.train.remote_generation import check_server
 from shardtune.train.resolve import resolve
 from shardtune.train.resume_checks import resume_point
 from shardtune.train.rewards import load_rewards
@@ -55,6 +56,8 @@ def preflight(cfg: Config) -> tuple[Config, RunPlan]:
     check_installed(cfg.output.report_to)
     if cfg.train.objective == "grpo":  # every --reward imported now: a missing file or name stops here, named
         load_rewards(cfg.grpo.reward or [], reward_weights(cfg.grpo.reward_weights))
+        if cfg.grpo.vllm_url:  # the generator answers and takes adapters, before any model loads
+            check_server(cfg.grpo.vllm_url)
     out = Path(cfg.output.out)
     if out.exists() and not out.is_dir():
         raise OutputError(f"option 'out': {out} is an existing file, not a directory")

@@ -232,6 +232,10 @@ class GrpoConfig:
                               "(μ; > 1 keeps the old policy's log-probs for the ratio).", range=AT_LEAST_1)
     importance_sampling: str = opt("token", "importance-sampling", WARN, "GRPO: the ratio per token, or per "
                                    "sequence (GSPO).", ("token", "sequence"))
+    vllm_url: str | None = opt(
+        None, "vllm-url", WARN, "GRPO: sample the completions with a vLLM server at this URL (http://host:port) "
+        "instead of the policy itself; after each optimizer step only the adapter is written and loaded through "
+        "its runtime LoRA endpoint, checked served (docs/grpo.md).")
 
 
 @dataclass

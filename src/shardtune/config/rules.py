@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import re
+import urllib.parse
 
 from shardtune.config.options import FLAGS, OBJECTIVES, Config, ConfigError
 from shardtune.config.strategies import STRATEGIES, groups_refusal, traits
@@ -57,7 +58,7 @@ OBJECTIVE_OPTIONS = {"dpo-beta": ("dpo",), "dpo-loss": ("dpo",), "dpo-label-smoo
                                                      "max-completion-length", "temperature", "top-p", "top-k",
                                                      "mask-truncated-completions", "grpo-loss", "scale-rewards",
                                                      "epsilon", "epsilon-high", "grpo-beta", "num-iterations",
-                                                     "importance-sampling")}}
+                                                     "importance-sampling", "vllm-url")}}
 
 
 def validate_preference(cfg: Config) -> None:
@@ -89,9 +90,31 @@ def validate_grpo(cfg: Config) -> None:
         raise ConfigError(f"option 'batch-size' ({cfg.train.batch_size}) counts completions under --objective grpo "
                           f"and must hold whole groups of --num-generations {g.num_generations}: use a multiple of "
                           f"{g.num_generations}")
+    if g.vllm_url:
+        validate_vllm_url(cfg)
     if cfg.data.val:
         raise ConfigError("option 'val-data' does not apply to --objective grpo (a loss on held-out prompts means "
                           "little): measure held-out prompts with `shardtune eval --reward ...` instead")
+
+
+def validate_vllm_url(cfg: Config) -> None:
+    """--vllm-url's form, and the options its adapter-only sync cannot serve (whether the server answers is
+    preflight's check)."""
+    url = str(cfg.grpo.vllm_url)
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"option 'vllm-url': {url!r} is no server address: give http://HOST:PORT of a vLLM "
+                          "OpenAI-compatible server (vllm serve MODEL --enable-lora)")
+    lora = cfg.lora
+    # what vLLM's LoRA loader refuses (its PEFTHelper): the adapter would fail to load mid-run
+    unserved = [what for what, used in (("--lora-variant dora", lora.variant == "dora"),
+                                        (f"--lora-bias {lora.bias}", lora.bias != "none"),
+                                        ("--lora-modules-to-save", bool(lora.modules_to_save.strip())))
+                if used]
+    if unserved:
+        raise ConfigError(f"option 'vllm-url': vLLM's runtime LoRA loading does not take adapters with "
+                          f"{' or '.join(unserved)} (it serves plain LoRA A/B only): leave {unserved[0].split()[0]} "
+                          "out, or leave out --vllm-url for the policy to generate itself")
 
 
 def reward_weights(text: str | None) -> list[float] | None:

@@ -124,8 +124,10 @@ class Search:
         this configuration's rows and flags (``dataclasses.replace`` varies them)."""
         p, objective = self.cfg.parallel, objective_of(self.cfg)
         cp = p.context_parallel if p.context_parallel != "auto" and traits(strategy).context_parallel else 1
-        # an objective that generates samples all of a rank's completions of the batch at once
-        generation = (self.cfg.train.batch_size // ranks, self.width) if objective.generates else (0, 0)
+        # an objective that generates samples all of a rank's completions of the batch at once (unless a vLLM
+        # server samples them: --vllm-url)
+        sampled_here = objective.generates and not self.cfg.grpo.vllm_url
+        generation = (self.cfg.train.batch_size // ranks, self.width) if sampled_here else (0, 0)
         return Setting(strategy, ranks, objective.rows_per_forward(micro_batch_size), self.width,
                        p.activation_checkpointing, p.cpu_offload, p.replicate_groups, unit_of(strategy, p.fsdp_unit),
                        mlp_tile=tile_of(self.cfg), loss_chunk=p.loss_chunk or 0,

@@ -9,12 +9,14 @@ checks after each sync that the server serves exactly the version just written, 
     sync(folder, version)   POST /v1/load_lora_adapter {lora_name: NAME-vVERSION, lora_path: folder}
                             GET  /v1/models: an entry NAME-vVERSION whose root is that folder, or GeneratorError
                             POST /v1/unload_lora_adapter {lora_name: the previous version}; GET /v1/models: gone
-    generate(prompts, ...)  POST /v1/completions {model: NAME-vVERSION, prompt: token ids, n, seed,
-                            return_token_ids: true}: each choice's token ids and whether the length limit cut it
+    generate(prompts, ...)  POST /v1/completions {model: NAME-vVERSION, prompt: token ids, n, seed, the sampling
+                            options, stop_token_ids: the EOS ids, return_token_ids: true}: each choice's token ids
+                            and whether the length limit cut it
+    check()                 before training: GET /v1/models answers, POST /v1/load_lora_adapter exists
 
 The server must allow runtime LoRA updates (``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``, ``--enable-lora``,
-``--max-lora-rank`` at least the adapter's). Tested against a stub server (tests/test_generator_client.py);
-the real vLLM is a row of bench/gpu_check.sh.
+``--max-lora-rank`` at least the adapter's). Used by train/remote_generation.py (``--vllm-url``); tested
+against a stub server (tests/vllm_stub.py).
 """
 
 from __future__ import annotations
@@ -30,7 +32,12 @@ from shardtune.train.sampling import Completion, SamplingSettings
 
 
 class GeneratorError(ShardtuneError, RuntimeError):
-    """The generator server refused, failed, or serves another adapter than the one just synced."""
+    """The generator server refused, failed, or serves another adapter than the one just synced; ``status``: the
+    HTTP status it answered with (None: no answer)."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class GeneratorClient:
@@ -53,7 +60,8 @@ class GeneratorClient:
             detail = err.read().decode(errors="replace")[:300]
             hint = (" (is the server started with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True and --enable-lora?)"
                     if "lora" in path and err.code in (404, 405) else "")
-            raise GeneratorError(f"generator {self.url}: {method} {path} answered {err.code}: {detail}{hint}") from None
+            raise GeneratorError(f"generator {self.url}: {method} {path} answered {err.code}: {detail}{hint}",
+                                 err.code) from None
         except (urllib.error.URLError, OSError) as err:
             reason = getattr(err, "reason", err)
             raise GeneratorError(f"generator {self.url}: {method} {path} failed: {reason}") from None
@@ -70,6 +78,19 @@ class GeneratorClient:
         return {str(m.get("id")): m.get("root") for m in listing["data"] if isinstance(m, dict)}
 
     # ------------------------------------------------------------------------------------------ the protocol
+
+    def check(self) -> None:
+        """Before training: the server answers with a model list, and takes runtime LoRA updates. The probe is a
+        load request without a name, which vLLM refuses with 400 when the endpoint exists (404 otherwise)."""
+        self.served()
+        try:
+            self._request("POST", "/v1/load_lora_adapter", {"lora_name": "", "lora_path": ""})
+        except GeneratorError as err:
+            if err.status != 400:
+                raise
+            return
+        raise GeneratorError(f"generator {self.url}: POST /v1/load_lora_adapter took a request without a name: "
+                             "not vLLM's runtime LoRA endpoint")
 
     def version_name(self, version: int) -> str:
         return f"{self.name}-v{version}"
@@ -99,9 +120,10 @@ class GeneratorClient:
         if self.current is None:
             raise GeneratorError(f"generator {self.url}: generate before any adapter was synced")
         body = {"model": self.current, "prompt": [list(p) for p in prompts], "n": n,
-                "max_tokens": settings.max_new_tokens, "temperature": settings.temperature, "top_p": settings.top_p,
-                "top_k": settings.top_k or -1, "seed": seed, "return_token_ids": True,
-                "skip_special_tokens": False, "include_stop_str_in_output": True}
+                "max_tokens": settings.max_new_tokens, "stop_token_ids": list(settings.eos_ids),
+                "temperature": settings.temperature, "top_p": settings.top_p, "top_k": settings.top_k or -1,
+                "seed": seed, "return_token_ids": True, "skip_special_tokens": False,
+                "include_stop_str_in_output": True}
         answer = self._request("POST", "/v1/completions", body)
         choices = answer.get("choices") if isinstance(answer, dict) else None
         if not isinstance(choices, list) or len(choices) != n * len(prompts):

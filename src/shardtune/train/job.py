@@ -32,6 +32,7 @@ from shardtune.train.data.read import read_records
 from shardtune.train.data.records import Dataset
 from shardtune.train.objectives import Objective, objective_of
 from shardtune.train.reference import Reference, compute_reference, precomputed_reference, reference_key
+from shardtune.train.remote_generation import RemoteGenerator
 from shardtune.train.resolve import resolve_on
 from shardtune.train.rewards import load_rewards
 from shardtune.train.rollout import Rollouts
@@ -147,7 +148,9 @@ def setup(cfg: Config, worker: Worker | None = None, memory: MemoryMonitor | Non
         job.rollouts = Rollouts(cfg, job.trainee(None), tokenizer, list(train_data.examples),
                                 read_records(cfg.data.train, cfg.data.fields, objective.records.check), plan.batch,
                                 load_rewards(cfg.grpo.reward or [], reward_weights(cfg.grpo.reward_weights)), impl,
-                                compute_dtype(cfg), plan.generation_gathered)
+                                compute_dtype(cfg), plan.generation_gathered,
+                                RemoteGenerator(cfg, worker, built.strategy, built.adapter_keys, model_dir, vocab)
+                                if cfg.grpo.vllm_url else None)
     torch.manual_seed(cfg.train.seed + worker.rank)  # LoRA dropout differs per rank, reproducibly
     return job
 

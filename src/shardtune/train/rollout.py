@@ -6,7 +6,9 @@ first step, on every rank together:
 1. its prompts: batch k of a seeded sampler over the prompts (--batch-size / G of them), each repeated for
    its G completions: rows group-major, so row r is completion r mod G of prompt r div G;
 2. each rank samples its own rows (the rows a step will train on it), seeded by (prompt, completion index,
-   k): the completions are the same however many ranks there are (train/generation.py);
+   k): the completions are the same however many ranks there are (train/generation.py); or, with
+   --vllm-url, a vLLM server samples every row, synced first with the policy's adapter, and each rank keeps
+   its own rows (train/remote_generation.py);
 3. each rank scores its rows with the reward functions; rows, rewards (or a reward function's failure,
    raised on every rank) are exchanged, so every rank holds the whole batch;
 4. the advantages over each prompt's whole group (grpo_advantages.py), the same numbers on every rank;
@@ -41,6 +43,7 @@ from shardtune.train.generation import generate, inference
 from shardtune.train.grpo_advantages import completion_metrics, group_advantages
 from shardtune.train.loss_head import score
 from shardtune.train.objectives.grpo import Grpo, Rollout, make_mask, per_sequence
+from shardtune.train.remote_generation import RemoteGenerator
 from shardtune.train.rewards import RewardError, RewardFunction, completions_for, weights_of
 from shardtune.train.rewards import score as rewards_of
 from shardtune.train.sampling import SamplingSettings, stop_ids
@@ -58,7 +61,7 @@ class Rollouts:
 
     def __init__(self, cfg: Config, trainee: Trainee, tokenizer, prompts: list[Example],
                  records: list[tuple[int, dict]], split: BatchSplit, rewards: list[RewardFunction], attention: str,
-                 dtype: torch.dtype, gathered: bool = False) -> None:
+                 dtype: torch.dtype, gathered: bool = False, remote: RemoteGenerator | None = None) -> None:
         assert isinstance(trainee.objective, Grpo)
         self.cfg, self.t, self.tokenizer, self.split, self.rewards = cfg, trainee, tokenizer, split, rewards
         self.objective: Grpo = trainee.objective
@@ -77,6 +80,7 @@ class Rollouts:
                         if g.beta > 0 and cfg.lora.init_adapter else None)
         self.batcher: Batcher | None = None
         self.gathered = gathered  # the weights stay gathered while generating (RunPlan.generation_gathered)
+        self.remote = remote  # --vllm-url: the completions come from a vLLM server instead
 
     # ------------------------------------------------------------------------------------------ a step's items
 
@@ -95,8 +99,13 @@ class Rollouts:
         rows = [(p, c) for p in prompts for c in range(self.G)]
         per_rank = len(rows) // w.world_size
         mine = rows[w.rank * per_rank:(w.rank + 1) * per_rank]
-        done = generate(self.t.model, self.t.strategy, w, [self.prompts[p].input_ids for p, _ in mine], mine,
-                        self.settings, self.cfg.train.seed, index, keep=self.gathered)
+        if self.remote is not None:  # every row from the server, the same on every rank: this rank keeps its own
+            groups = self.remote.completions(self.t.model, [self.prompts[p].input_ids for p in prompts], self.G,
+                                             self.settings, step, index)
+            done = [c for group in groups for c in group][w.rank * per_rank:(w.rank + 1) * per_rank]
+        else:
+            done = generate(self.t.model, self.t.strategy, w, [self.prompts[p].input_ids for p, _ in mine], mine,
+                            self.settings, self.cfg.train.seed, index, keep=self.gathered)
         ids = [c.ids for c in done]
         try:
             found: object = self._score(mine, ids, step)
