@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from shardtune.cli import main
 from test_preference_ranks import preference_pairs
 
-from shardtune.cli import main
 from tiny import instruction_records, make_model, write_jsonl
 
 
