@@ -156,7 +156,8 @@ def table(rows: list[dict], figs: dict) -> str:
         planned = r.get("planned_mb")
         ratio = f"{planned / r['peak_mb']:.2f}" if planned else "-"
         lines.append(f"| {r['row']} | {r['ranks']} | {r['tokens']} | {r['peak_mb']:.0f} | "
-                     f"{planned or 0:.0f} | {ratio} | {r.get('tokens_per_second', 0):.0f} |")
+                     f"{planned or 0:.0f} | {ratio} | {r['tokens_per_second']:.0f} |" if "tokens_per_second" in r else
+                     f"{planned or 0:.0f} | {ratio} | - |")
     lines.append("")
     lines.append(f"budget per rank: {figs['budget_mib']:.0f} MiB" if figs["budget_mib"] else "budget: none")
     for cp, t in figs["longest_tokens"].items():
