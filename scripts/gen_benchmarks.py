@@ -428,19 +428,46 @@ def long_context(name: str, data: Result) -> list[str]:
 
 def context_parallel(name: str, data: Result) -> list[str]:
     lines = header(name, data, "fp32", f"python bench/context_parallel.py --layers {data.get('layers')}")
+    speed_rows = any("tokens_per_second" in r for r in data["rows"])
+    steps = data.get("steps")
     lines += [f"A random Llama of SmolLM2-135M's shape (576 hidden, 49,152-token vocabulary) with {data.get('layers')} "
               "layers, LoRA r16 all-linear, activation checkpointing, one record of the row's tokens per data-parallel "
-              "group and step. `cp N`: N processes with `--context-parallel N`; `dp 2`: 2 processes, a record each. "
+              "group and step" + (f", {steps} step(s) per row" if steps else "") + ". `cp N`: N processes with "
+              "`--context-parallel N` (`cp 1`: one process, `--strategy single`)"
+              + ("; `dp 2`: 2 processes, a record each" if speed_rows else "; peaks only, no speed") + ". "
               "Peak: the busiest rank's train peak (summary); planner: `shardtune plan --json`.", ""]
     rows = [[r["row"], r["ranks"], r["tokens"], job_error(r) or r.get("peak_mb"), r.get("planned_mb"),
-             r.get("tokens_per_second")] for r in data["rows"]]
-    lines += table(["row", "ranks", "tokens", "peak MB per rank", "planner MB", "tokens/s"], rows)
+             r["planned_mb"] / r["peak_mb"] if r.get("planned_mb") and r.get("peak_mb") else None]
+            + ([r.get("tokens_per_second")] if speed_rows else []) for r in data["rows"]]
+    lines += table(["row", "ranks", "tokens", "peak MB per rank", "planner MB", "planner / measured"]
+                   + (["tokens/s"] if speed_rows else []), rows)
     fig = data.get("figures") or {}
-    longest = [[f"CP {cp}", cell((fig.get("mb_per_token") or {}).get(cp)), t, (fig.get("longest_ratio") or {}).get(cp)]
-               for cp, t in (fig.get("longest_tokens") or {}).items()]
-    if longest:
-        lines += ["", f"Within {cell(fig.get('budget_mib'))} MiB per rank:", ""]
-        lines += table(["", "MB per token", "longest context", "× CP 1"], longest)
+    per_token = fig.get("mb_per_token") or {}
+    by_budget = fig.get("by_budget") or []
+    cps = sorted({cp for b in by_budget for cp in b["longest_tokens"] if cp != "1"}, key=int)
+    if by_budget and cps:
+        lines += ["", "The longest context within a per-rank budget, the budget being CP 1's measured peak at a "
+                  "length: read off each CP size's measured peaks joined point to point (interpolated between the "
+                  "two rows around the budget; 'beyond' says how far past its longest row the last two rows' line "
+                  "was carried):", ""]
+        budget_rows = []
+        for b in by_budget:
+            row: list[Any] = [f"{cell(b['budget_mib'])} (CP 1 at {b['cp1_tokens']})"]
+            for cp in cps:
+                tokens, beyond = b["longest_tokens"].get(cp), b["extrapolated"].get(cp, 1.0)
+                row += [tokens, b["longest_ratio"].get(cp), f"{beyond:.2f}×" if tokens and beyond > 1 else ""]
+            budget_rows.append(row)
+        lines += table(["budget MiB per rank"] + [h for cp in cps for h in (f"CP {cp} longest", "× CP 1", "beyond")],
+                       budget_rows)
+        if per_token:
+            lines += ["", "MB per token between each CP size's two longest rows: "
+                      + ", ".join(f"CP {cp} {cell(v)}" for cp, v in per_token.items())]
+    else:
+        longest = [[f"CP {cp}", cell(per_token.get(cp)), t, (fig.get("longest_ratio") or {}).get(cp)]
+                   for cp, t in (fig.get("longest_tokens") or {}).items()]
+        if longest:
+            lines += ["", f"Within {cell(fig.get('budget_mib'))} MiB per rank:", ""]
+            lines += table(["", "MB per token", "longest context", "× CP 1"], longest)
     speed = fig.get("cp2_over_dp2_tokens_per_second") or {}
     if speed:
         lines += ["", "Tokens/s of CP 2 over DP 2: " + ", ".join(f"{cell(v)} at {t} tokens" for t, v in speed.items())]

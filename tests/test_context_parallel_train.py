@@ -5,7 +5,8 @@ objective's metrics, the adapter after a few steps), for SFT on packed rows of r
 axolotl #3608), SFT on unpacked rows whose width the pieces do not divide (padded, never counted), DPO
 (the pair's log-probabilities summed over the pieces), and nf4. Each launch runs every case in turn, to
 keep process starts few. The cases validate every 2 steps (--eval-every) and at the end, and the 4-process
-launch also runs CP = 2 under HSDP (--replicate-groups 2: each replica group is one CP group). Runs checkpointed
+launch also runs CP = 2 under HSDP (--replicate-groups 2: each replica group is one CP group); 8 processes run
+one step with CP groups of 2 inside HSDP shard groups of 4. Runs checkpointed
 at CP = 2 resume on one process, and one process's at CP = 2 (another CP size and world size both ways), and end
 with the uninterrupted run's adapter. Then the bad input, refused before loading (exit 2)."""
 
@@ -153,6 +154,29 @@ def test_context_parallel_trains_like_one_process(cp_root, cp_runs):
     # the pieces do not divide some rows: they were padded (and the padding counted nothing, above)
     assert any(length > width for name in ("sft", "dpo") for length, width in two[0][name]["layouts"])
     assert all(length % 2 == 0 for r in two for case in r.values() for length, _ in case["layouts"])
+
+
+def test_context_parallel_groups_inside_larger_hsdp_shard_groups(cp_root, cp_runs):
+    """8 ranks, --replicate-groups 2 --context-parallel 2: two replica groups of 4 ranks each shard one copy of
+    the weights and hold two CP groups of 2 (the smallest mesh where a CP group is smaller than a shard group:
+    two replica groups, shard groups of twice the CP size). So the gradients of a piece are reduce-scattered
+    over ranks that hold other records' pieces too, then all-reduced across the replicas. One step (8
+    processes on a few cores: the fewest steps that show it) equals one process: its loss, every LoRA gradient,
+    the step's logged metrics."""
+    refs, _, _ = cp_runs
+    eight = run_ranks(train_cases, 8, [_case(cp_root, "sft-hsdp", "cp2r2", strategy="fsdp2", steps=1,
+                                             **{"context-parallel": 2, "replicate-groups": 2})], timeout=900)
+    ref, got = refs["sft"], eight[0]["sft-hsdp"]
+    assert (got["mesh"], got["context"]) == ((2, 4), 2)  # replicate × shard, CP groups of 2 inside each shard group
+    assert abs(got["loss"] - ref["loss"]) < TOL, (got["loss"], ref["loss"])
+    assert set(got["grads"]) == set(ref["grads"]) and any(g.abs().max() > 1e-3 for g in ref["grads"].values())
+    for name, g in ref["grads"].items():
+        assert (got["grads"][name] - g).abs().max() < TOL, name
+    for other in eight[1:]:
+        assert other["sft-hsdp"]["loss"] == pytest.approx(got["loss"], abs=1e-6)
+    (mine,), theirs = got["metrics"], ref["metrics"][0]
+    for key in ("loss", "grad_norm", "mean_token_accuracy"):
+        assert abs(mine[key] - theirs[key]) < 1e-4 * max(1.0, abs(theirs[key])), (key, mine, theirs)
 
 
 def _resumed(cp_root: Path, source: str, out: str, nproc: int, **extra) -> dict:

@@ -57,6 +57,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     quiet_libraries()
     if args.tasks:  # lm-evaluation-harness benchmarks (tools/harness.py)
+        _refuse_context_parallel(args, "--tasks")
         return _cmd_harness(args)
     if not args.data:
         from shardtune.errors import InputError
@@ -70,6 +71,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.reward:  # prompts: the mean reward of the model's own completions, base against adapter
         from shardtune.tools import reward_eval
 
+        _refuse_context_parallel(args, "--reward")
         result = reward_eval.evaluate_rewards(_subject(args), args.data, args.reward, args.reward_weights,
                                               args.max_new_tokens, args.batch_size, args.temperature, args.seed,
                                               args.seq_len, args.data_fields)
@@ -78,6 +80,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         print(json.dumps(result, indent=2) if args.json else reward_eval.table(result))
         return 0
     if is_preference_data(args.data, args.data_fields):  # pairs: preference accuracy, base against adapter
+        _refuse_context_parallel(args, f"preference pairs ({args.data})")
         result = evaluate_preferences(_subject(args), args.data, args.seq_len, args.batch_size, args.data_fields)
         if out is not None:
             results.write_json(out, result)
@@ -86,7 +89,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         return 0
     result = evaluate(args.model, args.data, args.adapter, args.nproc, args.seq_len, args.batch_size,
                       args.max_new_tokens, args.dtype, answers=args.answers, quantize=args.quantize,
-                      data_fields=args.data_fields, trust_remote_code=args.trust_remote_code)
+                      data_fields=args.data_fields, trust_remote_code=args.trust_remote_code,
+                      context_parallel=args.context_parallel)
     if out is not None:
         results.write_json(out, {"model": str(args.model), "adapter": args.adapter, "data": str(args.data), **result})
         results.send(args.report_to, out.parent, results.data_values(result, args.data, args.adapter))
@@ -105,6 +109,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
         mark = "=" if row["exact"] else ("~" if row["contains"] else "x")
         print(f"\n[{mark}] {row['question']}\n    expected: {row['expected']}\n    answer:   {row['answer']}")
     return 0
+
+
+def _refuse_context_parallel(args: argparse.Namespace, what: str) -> None:
+    """--context-parallel cuts the sequences of the loss on --data records; ``what`` runs in one process."""
+    if args.context_parallel != 1:
+        from shardtune.config import ConfigError
+
+        raise ConfigError(f"option 'context-parallel' ({args.context_parallel}) splits the loss of --data records "
+                          f"over --nproc ranks; {what} is evaluated in one process: leave --context-parallel out")
 
 
 def _subject(args: argparse.Namespace):
@@ -210,6 +223,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--answers", action="store_true",
                    help="also show every question with its expected and generated answer (key 'answers' in --json)")
     p.add_argument("--nproc", type=int, default=1, help="worker processes, one per GPU on GPU machines [default: 1]")
+    p.add_argument("--context-parallel", type=int, default=1, metavar="N", help="cut each sequence of the loss "
+                   "over N of the --nproc ranks, as finetune's --context-parallel (each rank still loads the "
+                   "whole model; the answers are generated whole) [default: 1]")
     p.add_argument("--seq-len", type=int, default=SEQ_LEN,
                    help=f"tokens per record; longer records are cut [default: {SEQ_LEN}]")
     p.add_argument("--batch-size", type=int, default=8, help="records per forward pass and per generation batch "

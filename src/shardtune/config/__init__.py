@@ -44,6 +44,7 @@ from shardtune.config.rules import (
     REFUSED_INITS,
     check_ranges,
     combination_refusal,
+    context_ranks_refusal,
     parse_fields,
     parse_size,
     reward_weights,
@@ -69,7 +70,7 @@ __all__ = [
     "SECTIONS", "WARN", "Config", "ConfigError", "DataConfig", "GrpoConfig", "LoraConfig", "ModelConfig",
     "OutputConfig",
     "ParallelConfig", "PreferenceConfig", "Range", "TrainConfig", "build_config", "check_ranges",
-    "combination_refusal", "field_type", "flatten", "opt", "parse_fields", "parse_size", "reward_weights",
-    "read_yaml",
+    "combination_refusal", "context_ranks_refusal", "field_type", "flatten", "opt", "parse_fields", "parse_size",
+    "reward_weights", "read_yaml",
     "validate", "validate_lora_init", "validate_preference", "write_yaml",
 ]

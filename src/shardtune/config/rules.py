@@ -188,16 +188,26 @@ def context_parallel_refusal(cfg: Config, strategy: str, ranks: int) -> str | No
         return (f"option 'context-parallel' ({n}) needs --strategy {able} (weights sharded over every rank, "
                 f"each sequence over a group of {n}); '{strategy}' cannot carry it: use --strategy {able}, "
                 "or leave --context-parallel out")
-    fits = [d for d in range(2, ranks + 1) if ranks % d == 0 and (ranks // groups) % d == 0]
-    hint = f"use one of {', '.join(map(str, fits))}" if fits else "use more ranks (--nproc)"
-    if ranks % n:
-        return f"option 'context-parallel': {n} does not divide the {ranks} ranks (--nproc × --nnodes); {hint}"
-    if groups > 1 and (ranks // groups) % n:
-        return (f"option 'context-parallel': {n} does not divide the {ranks // groups} ranks of each of the "
-                f"--replicate-groups {groups} groups (a sequence's pieces stay within a group); {hint}")
+    refused = context_ranks_refusal(n, ranks, groups)
+    if refused:
+        return refused
     if cfg.train.objective not in CP_OBJECTIVES:
         return (f"option 'context-parallel' does not split --objective {cfg.train.objective}; it splits "
                 f"{', '.join(CP_OBJECTIVES)}: leave --context-parallel out")
+    return None
+
+
+def context_ranks_refusal(n: int, ranks: int, groups: int = 1, flags: str = "--nproc × --nnodes") -> str | None:
+    """Why groups of ``n`` consecutive ranks cannot cut ``ranks`` ranks (``groups`` replica groups of them)
+    into context-parallel groups (None: they can): fine-tuning's rule and ``shardtune eval``'s (``flags``:
+    the options that gave the ranks)."""
+    fits = [d for d in range(2, ranks + 1) if ranks % d == 0 and (ranks // groups) % d == 0]
+    hint = f"use one of {', '.join(map(str, fits))}" if fits else "use more ranks (--nproc)"
+    if ranks % n:
+        return f"option 'context-parallel': {n} does not divide the {ranks} ranks ({flags}); {hint}"
+    if groups > 1 and (ranks // groups) % n:
+        return (f"option 'context-parallel': {n} does not divide the {ranks // groups} ranks of each of the "
+                f"--replicate-groups {groups} groups (a sequence's pieces stay within a group); {hint}")
     return None
 
 

@@ -14,6 +14,12 @@ On N processes evaluation is data-parallel: every rank loads the full model with
 ``from_pretrained`` (+ the adapter) on its own device, takes every N-th record, and rank 0 adds up
 the loss sums and gathers the answers. Simple and exact; it needs one model copy per device,
 which is what generation needs anyway. Run by the launcher as ``python -m shardtune.tools.evaluate SPEC.json``.
+
+``--context-parallel C`` cuts the loss's sequences as fine-tuning does (parallel/mesh.py's CP groups of C
+consecutive ranks, train/data/batch.py's pieces, Ulysses attention): the ranks of a group take the same
+records (every N/C-th), each scores its piece of every row, and the pieces' sums add up to the one-process
+loss. Only the activations shrink (each rank still holds the whole model); answers are generated whole,
+every N-th question a rank.
 """
 
 from __future__ import annotations
@@ -27,11 +33,14 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from shardtune.config import DataConfig
+
+if TYPE_CHECKING:
+    from shardtune.parallel.mesh import ContextGroup
 
 _DEFAULT_SEQ_LEN = DataConfig().seq_len
 _TRAILING_PUNCT = ".,;:!?。"
@@ -52,6 +61,7 @@ class EvalSpec:
     answers: bool = False  # include every record's answer in the result
     data_fields: str = ""  # --data-fields: column mapping onto the record fields
     trust_remote_code: bool = False
+    context_parallel: int = 1  # ranks each sequence of the loss is cut over
     result: str | None = None  # where rank 0 writes the result (worker processes only)
 
 
@@ -96,14 +106,16 @@ def _read(spec: EvalSpec, tokenizer) -> _Work:
 
 
 @torch.no_grad()
-def _evaluate_share(model, tokenizer, spec: EvalSpec, work: _Work, rank: int, world_size: int) -> dict:
-    """This rank's loss sum, target count and answers (by question index)."""
+def _evaluate_share(model, tokenizer, spec: EvalSpec, work: _Work, rank: int, world_size: int,
+                    context: ContextGroup | None = None) -> dict:
+    """This rank's loss sum, target count and answers (by question index). ``context``: its CP group."""
     from shardtune.runtime.progress import progress
     from shardtune.tools.generate import generate_answers
 
-    mine = len(range(rank, len(work.examples), world_size))  # every world_size-th record
+    group, groups = (context.data_rank, context.data_ranks) if context is not None else (rank, world_size)
+    mine = len(range(group, len(work.examples), groups))  # every groups-th record
     with progress("eval loss", mine, unit="record", enabled=rank == 0) as bar:
-        loss_sum, targets = _loss_share(model, tokenizer, spec, work, rank, world_size, bar.advance)
+        loss_sum, targets = _loss_share(model, tokenizer, spec, work, rank, world_size, bar.advance, context)
     asked = list(range(rank, len(work.questions), world_size)) if spec.max_new_tokens else []
     answers = []
     if asked:
@@ -113,11 +125,13 @@ def _evaluate_share(model, tokenizer, spec: EvalSpec, work: _Work, rank: int, wo
     return {"loss_sum": loss_sum, "targets": targets, "answers": dict(zip(asked, answers))}
 
 
-def _loss_share(model, tokenizer, spec: EvalSpec, work: _Work, rank: int, world_size: int, on_forward
-                ) -> tuple[float, int]:
+def _loss_share(model, tokenizer, spec: EvalSpec, work: _Work, rank: int, world_size: int, on_forward,
+                context: ContextGroup | None = None) -> tuple[float, int]:
     """This rank's summed token losses and target count (of its every world_size-th record), by the
     training's loss rule: the loss head (no full logits), attention without a square mask. Every rank
-    holds the whole model here: no rank waits for another's forward."""
+    holds the whole model here: no rank waits for another's forward, but the ranks of a CP group
+    (``context``) meet in every attention; they share their data-parallel group's records, each scoring
+    its piece, and the group's first rank counts their targets."""
     from shardtune.model import attention
     from shardtune.runtime.distributed import Worker
     from shardtune.train import loss_head
@@ -129,11 +143,13 @@ def _loss_share(model, tokenizer, spec: EvalSpec, work: _Work, rank: int, world_
     dtype = next(model.parameters()).dtype
     loss_head.install(model)
     with attention.shardtune_attention(model) as impl:
-        batcher = Batcher(Layout(work.examples, 1, spec.seq_len, pad_id(tokenizer), device, impl, dtype))
+        batcher = Batcher(Layout(work.examples, 1, spec.seq_len, pad_id(tokenizer), device, impl, dtype, context))
         trainee = Trainee(model, None, Sft(), None, Worker(rank, world_size, rank, device))
         sums, norms = evaluation_sums(trainee, batcher, len(work.examples), spec.batch_size, together=False,
                                       on_forward=on_forward)
-    mine = sum(work.examples[i].targets for i in range(rank, len(work.examples), world_size))
+    group, groups = batcher.data_rank(rank, world_size)
+    counts = context is None or context.rank == 0
+    mine = sum(work.examples[i].targets for i in range(group, len(work.examples), groups)) if counts else 0
     return sums[0].item() * norms["targets"], mine
 
 
@@ -147,7 +163,7 @@ def _combine(spec: EvalSpec, work: _Work, shares: list[dict], world_size: int, s
         "target_tokens": targets, "truncated_records": work.truncated, "records_without_targets": work.without_targets,
         "questions": len(work.questions), "exact_match": None, "contains_match": None,
         "model": spec.model, "adapter": spec.adapter, "quantize": spec.quantize, "data": spec.data,
-        "world_size": world_size,
+        "world_size": world_size, "context_parallel": spec.context_parallel,
         "seconds": round(seconds, 3),
     }
     answers = {i: a for s in shares for i, a in s["answers"].items()}
@@ -167,29 +183,48 @@ def _combine(spec: EvalSpec, work: _Work, shares: list[dict], world_size: int, s
 def evaluate(model_dir: str | Path, data: str | Path, adapter: str | Path | None = None, nproc: int = 1,
              seq_len: int = _DEFAULT_SEQ_LEN, batch_size: int = 8, max_new_tokens: int = 64, dtype: str = "auto",
              answers: bool = False, quantize: str = "none", data_fields: str = "",
-             trust_remote_code: bool = False) -> dict[str, Any]:
+             trust_remote_code: bool = False, context_parallel: int = 1) -> dict[str, Any]:
     """Loss, perplexity and answer accuracy of ``model_dir`` (+ ``adapter``) on ``data``; see the module doc.
 
     ``nproc`` > 1 starts that many worker processes (one per GPU on GPU machines); 1 runs here.
     ``max_new_tokens=0`` measures the loss only. ``answers=True`` adds every question's answer.
     ``data_fields``: column mapping as finetune's ``--data-fields`` (``prompt=question,response=answer``).
+    ``context_parallel``: ranks each sequence of the loss is cut over (a divisor of ``nproc``; see the module doc).
     """
     from shardtune.config import ConfigError
     from shardtune.model.directory import check_model_dir
     from shardtune.tools.generate import check_adapter_dir, resolve_quantize
 
-    for name, value in (("nproc", nproc), ("seq-len", seq_len), ("batch-size", batch_size)):
+    for name, value in (("nproc", nproc), ("seq-len", seq_len), ("batch-size", batch_size),
+                        ("context-parallel", context_parallel)):
         if value < 1:
             raise ConfigError(f"option '{name}' must be at least 1, got {value}")
     if max_new_tokens < 0:
         raise ConfigError(f"option 'max-new-tokens' must be at least 0, got {max_new_tokens}")
+    if context_parallel > 1:
+        _check_context_parallel(model_dir, context_parallel, nproc, trust_remote_code)
     # before any worker starts: the adapter whole, and made from this base (the workers do not check again)
     check_adapter_dir(adapter, check_model_dir(model_dir, trust_remote_code) if adapter is not None else None)
     spec = EvalSpec(str(model_dir), str(data), str(adapter) if adapter is not None else None, seq_len, batch_size,
-                    max_new_tokens, dtype, resolve_quantize(quantize, adapter), answers, data_fields, trust_remote_code)
+                    max_new_tokens, dtype, resolve_quantize(quantize, adapter), answers, data_fields, trust_remote_code,
+                    context_parallel)
     if nproc == 1:
         return _run_here(spec)
     return _run_workers(spec, nproc)
+
+
+def _check_context_parallel(model_dir: str | Path, size: int, nproc: int, trust_remote_code: bool) -> None:
+    """Fine-tuning's refusals of ``--context-parallel size``, before any weight is read: the ranks must form
+    CP groups of ``size``, and the model's attention must be one the pieces can meet in (its config alone)."""
+    from shardtune.config import ConfigError, context_ranks_refusal
+    from shardtune.model.attention import check_context_parallel
+    from shardtune.model.directory import check_model_dir
+    from shardtune.model.meta import build_meta_model
+
+    refused = context_ranks_refusal(size, nproc, flags="--nproc")
+    if refused:
+        raise ConfigError(refused)
+    check_context_parallel(build_meta_model(check_model_dir(model_dir, trust_remote_code), torch.float32), size)
 
 
 def _run_here(spec: EvalSpec) -> dict[str, Any]:
@@ -230,6 +265,7 @@ def _run_workers(spec: EvalSpec, nproc: int) -> dict[str, Any]:
 
 def worker(spec: EvalSpec) -> None:
     """One rank of a multi-process evaluation; rank 0 writes the result to ``spec.result``."""
+    from shardtune.parallel.mesh import context_group
     from shardtune.runtime import distributed
     from shardtune.runtime.logs import setup_logging
     from shardtune.runtime.progress import progress
@@ -240,12 +276,13 @@ def worker(spec: EvalSpec) -> None:
     worker = distributed.init_worker()
     setup_logging(worker.rank)
     try:
+        context = context_group(worker, spec.context_parallel) if spec.context_parallel > 1 else None
         with progress("loading model", 1, unit="model", enabled=worker.is_main, delay=1) as bar:
             model, tokenizer = load_model(spec.model, spec.adapter, spec.dtype, worker.device, spec.quantize,
                                           spec.trust_remote_code, check_base=False)
             bar.advance()
         work = _read(spec, tokenizer)
-        share = _evaluate_share(model, tokenizer, spec, work, worker.rank, worker.world_size)
+        share = _evaluate_share(model, tokenizer, spec, work, worker.rank, worker.world_size, context)
         shares = distributed.all_gather_object(share)
         if worker.is_main:
             result = _combine(spec, work, shares, worker.world_size, time.perf_counter() - started)
