@@ -49,7 +49,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path[:0] = [str(HERE), str(ROOT / "src"), str(ROOT / "tests")]
 from long_context import LORA, make_model, make_records  # noqa: E402
-from record import run_record  # noqa: E402
+from record import git_commit, plan_flags, run_record  # noqa: E402
 
 
 def flags(model: Path, data: Path, tokens: int, nproc: int, cp: int, steps: int) -> list[str]:
@@ -182,6 +182,14 @@ def grid(args: argparse.Namespace) -> list[tuple[int, str, int]]:
     return sorted(plan, key=lambda r: r[0])
 
 
+def save(target: Path, args: argparse.Namespace | dict, rows: list[dict], figs: dict, note: str | None) -> None:
+    """The result file: ``args`` gives layers and steps (or, on --replan, the earlier file's record)."""
+    head = ({**run_record(), "layers": args.layers, "model": "SmolLM2-135M shape", "steps": args.steps}
+            if isinstance(args, argparse.Namespace) else {k: args[k] for k in args if k not in ("rows", "figures")})
+    target.write_text(json.dumps({**head, "rows": rows, "figures": figs, **({"note": note} if note else {})},
+                                 indent=1) + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=2)
@@ -196,6 +204,8 @@ def main() -> None:
     parser.add_argument("--timeout", type=int, default=1800)
     parser.add_argument("--quick", action="store_true", help="lengths 256,512; results under bench/.cache/")
     parser.add_argument("--add", action="store_true", help="keep the result file's rows, add these")
+    parser.add_argument("--replan", action="store_true", help="run no job: predict the result file's rows again "
+                        "with the planner as it is now (with --memory-only: that file)")
     args = parser.parse_args()
     if args.steps is None:
         args.steps = 1 if args.memory_only else 2
@@ -206,13 +216,25 @@ def main() -> None:
     model = make_model(args.layers, cache)
     stem = f"context-parallel-{'memory-' if args.memory_only else ''}{args.layers}l.json"
     target = (cache if args.quick else HERE / "results") / stem
-    rows = json.loads(target.read_text())["rows"] if args.add and target.is_file() else []
-    for tokens, kind, n in grid(args):
+    earlier = json.loads(target.read_text()) if (args.add or args.replan) and target.is_file() else {}
+    rows, note = earlier.get("rows", []), earlier.get("note")  # a note on how the rows were measured stays
+    if args.replan:  # no job: each measured row predicted again by the planner as it is now
+        for r in rows:
+            flags = plan_flags(r["command"], model)
+            planned = shardtune("plan", *flags, "--json", timeout=args.timeout)
+            if planned.returncode:
+                r["plan_error"] = (planned.stderr or planned.stdout)[-500:]
+            else:
+                r["planned_mb"] = json.loads(planned.stdout)[flags[flags.index("--strategy") + 1]]["peak_mb"]
+                r["planned_at"] = git_commit()
+        figs = figures(rows, args.budget_mib)
+    for tokens, kind, n in ([] if args.replan else grid(args)):
         rows.append(row(kind, n, tokens, model, cache, args))
         print(json.dumps({k: v for k, v in rows[-1].items() if k != "command"}), flush=True)
         figs = figures(rows, args.budget_mib)
-        target.write_text(json.dumps({**run_record(), "layers": args.layers, "model": "SmolLM2-135M shape",
-                                      "steps": args.steps, "rows": rows, "figures": figs}, indent=1) + "\n")
+        save(target, args, rows, figs, note)
+    if args.replan:
+        save(target, earlier, rows, figs, note)  # the measurement's record; each row names its planner's commit
     print(table(rows, figs))
     print(f"wrote {target}")
 

@@ -59,7 +59,7 @@ sys.path[:0] = [str(HERE), str(ROOT / "src"), str(ROOT / "tests")]
 from dpo_speed import WORDS, TreeSampler, loadavg, trainer_step_times  # noqa: E402
 from long_context_figures import RECIPES as ROWS  # noqa: E402
 from long_context_figures import derive, figure_lines, order, table, verdicts  # noqa: E402
-from record import git_commit, run_record  # noqa: E402
+from record import git_commit, plan_flags, run_record  # noqa: E402
 
 SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
                vocab_size=49152, tie_word_embeddings=True, rms_norm_eps=1e-5, rope_theta=100000.0,
@@ -287,22 +287,10 @@ class Bench:
         return {"error": "no longest sequence found in plan's JSON", "raw": json.dumps(out)[:2000]}
 
     def replan(self, row: dict) -> dict:
-        """The prediction for a measured shardtune row from the planner as it is now: its own finetune flags,
-        the data left out (every record is exactly the row's length, so rows are --seq-len wide either way)
-        and the model rebuilt in this cache; the measurement keeps its own commit."""
-        words = shlex.split(row["command"])
-        flags, skip = [], {"--data", "--out", "--steps", "--warmup-steps"}
-        rest = iter(words[words.index("finetune") + 1:])
-        for word in rest:
-            if word in skip:
-                next(rest, None)
-            elif word == "--model":
-                next(rest, None)
-                flags += ["--model", str(self.model)]
-            else:
-                flags.append(word)
-        strategy = flags[flags.index("--strategy") + 1]
-        return {**self.plan(flags, strategy), "commit": git_commit()}
+        """The prediction for a measured shardtune row from the planner as it is now (the measurement keeps
+        its own commit)."""
+        flags = plan_flags(row["command"], self.model)
+        return {**self.plan(flags, flags[flags.index("--strategy") + 1]), "commit": git_commit()}
 
     # -- the peers' rows
 

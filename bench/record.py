@@ -70,3 +70,22 @@ def run_record(argv: list[str] | None = None) -> dict:
         "commit": git_commit(),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
     }
+
+
+def plan_flags(command: str, model: Path) -> list[str]:
+    """A measured row's ``shardtune finetune`` flags as ``shardtune plan`` takes them again: ``model``
+    (rebuilt in this checkout's cache) for --model, and without the data, output and step flags (the
+    benches' records are exactly a row long, so rows are --seq-len wide either way)."""
+    words = shlex.split(command)
+    flags, skip = [], {"--data", "--out", "--steps", "--warmup-steps"}
+    rest = iter(words[words.index("finetune") + 1:])
+    for word in rest:
+        if word in skip:
+            next(rest, None)
+        elif word == "--model":
+            next(rest, None)
+            flags += ["--model", str(model)]
+        else:
+            flags.append(word)
+    return flags
+

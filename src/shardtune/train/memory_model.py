@@ -265,8 +265,12 @@ def predict(f: Facts, s: Setting, device: str) -> Prediction:
         acts, workspace = sum(kept_by_layer) + saved.outside, max(recomputed, default=0)
         if offloading:
             host_acts, acts = sum(kept_by_layer), 2 * max(kept_by_layer, default=0) + saved.outside
-    if cp > 1:  # one layer's all-to-all buffers
-        workspace += exchange_bytes(f, micro_batch, seq_len, cp)
+    if cp > 1:
+        # One layer's all-to-all buffers exist inside its attention, in the recomputed forward and in
+        # backward once the MLP's gradients are done and its saved set freed: they add to the attention's
+        # share of the layer's set, not to the MLP's peak.
+        attention = max((p - m for p, m in zip(saved.per_layer, saved.mlp)), default=0)
+        workspace = max(workspace, attention + layer_input + exchange_bytes(f, micro_batch, seq_len, cp))
     by_rows = t.row_tables and f.tables_by_rows["head"]
     logits_fwd, logits_bwd = _head_terms(f, micro_tokens, saved.vocab, n if by_rows else 1, s.loss_chunk)
     lora = 4 * f.trainable_params / n
