@@ -360,6 +360,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="2 layers, 16 + 8 tokens, 2 steps: the pipeline")
     parser.add_argument("--cache", type=Path, default=HERE / ".cache")
     parser.add_argument("--out", type=Path, default=None, help="default: bench/results/grpo-vs-trl.json")
+    parser.add_argument("--replan", action="store_true",
+                        help="run no job: predict the result file's rows again with the planner as it is now")
     parser.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--data", help=argparse.SUPPRESS)
@@ -374,12 +376,24 @@ def main() -> None:
     if args.batch % (args.generations * 1) or args.batch % args.nproc:
         parser.error("--batch must be a multiple of --generations and of --nproc")
     from long_context import make_model
-    from record import run_record
+    from record import git_commit, plan_flags, run_record
 
     args.cache.mkdir(parents=True, exist_ok=True)
     model = make_model(args.layers, args.cache)
     data = make_prompts(args.cache, args.prompt_tokens, args.batch // args.generations * args.steps * 2)
     check_prompts(model, data, args.prompt_tokens)
+    out = args.out or (args.cache / "grpo-vs-trl-quick.json" if args.quick else HERE / "results" / "grpo-vs-trl.json")
+    if args.replan:  # no job: the measured rows predicted again by the planner as it is now
+        result = json.loads(out.read_text())
+        for row in result["rows"]:
+            if "plan" in row:
+                row["plan"] = {**plan(plan_flags(row["command"], model), row), "commit": git_commit()}
+        result["targets"] = verdicts(result["rows"], args)
+        result["table"] = table(result["rows"]) + "\n\n" + "\n".join(result["targets"])
+        print(result["table"])
+        out.write_text(json.dumps(result, indent=1))
+        print(f"wrote {out}")
+        return
     rows = []
     for name in args.rows.split(","):
         print(f"running {name} ...", flush=True)
@@ -395,7 +409,6 @@ def main() -> None:
               "generations": args.generations, "prompt_tokens": args.prompt_tokens,
               "completion_tokens": args.completion_tokens, "lora": LORA, "loadavg_end": loadavg(), "rows": rows,
               "table": text + "\n\n" + "\n".join(lines), "targets": lines}
-    out = args.out or (args.cache / "grpo-vs-trl-quick.json" if args.quick else HERE / "results" / "grpo-vs-trl.json")
     out.write_text(json.dumps(result, indent=1))
     print(f"wrote {out}")
 

@@ -299,7 +299,10 @@ def predict(f: Facts, s: Setting, device: str) -> Prediction:
             "dequant": QUANTIZE_SLICE_COPIES * f.quantize_slice_bytes / n,
             "grads": -kept["grads"], "optimizer": -kept["optimizer"]}
     if s.generation_rows:
-        moments["generation (KV cache)"] = _generation_terms(f, s, n, saved.vocab, kept)
+        # CPU FSDP2's shared gather buffers are kept for the whole run: generation gathers through them too
+        buffers = next(iter(moments.values())).get("buffers", 0.0)
+        moments["generation (KV cache)"] = {**_generation_terms(f, s, n, saved.vocab, kept, 1 if buffers else 0),
+                                            "buffers": buffers}
     moment, extra = max(moments.items(), key=lambda kv: sum(kv[1].values()))
     terms = {k: kept.get(k, 0.0) + extra.get(k, 0.0) for k in TERMS}
     note = ""
@@ -358,14 +361,15 @@ def exchange_bytes(f: Facts, rows: int, piece: int, cp: int) -> float:
     return 3 * (f.heads + 2 * f.kv_heads) * rows * piece * f.head_dim * f.compute_itemsize
 
 
-def _generation_terms(f: Facts, s: Setting, n: int, vocab: int, kept: dict[str, float]) -> dict[str, float]:
+def _generation_terms(f: Facts, s: Setting, n: int, vocab: int, kept: dict[str, float],
+                      copies: int = 0) -> dict[str, float]:
     """GRPO's generation, before the step's backward (no gradients yet): the KV cache of the rank's rows,
     the weights a forward gathers (a layer at a time under FSDP; kept gathered, the whole model in the
     compute dtype, row-sharded tables included, next to the shards, plus one unit's gather buffer), one
     layer's prefill activations (no_grad) and the last position's logits with the sampler's fp64 softmax
     and cumulative sum."""
     rows, tokens = s.generation_rows, s.generation_tokens
-    copies = GATHER_COPIES.get((s.strategy, "cuda"), 0)
+    copies = copies or GATHER_COPIES.get((s.strategy, "cuda"), 0)  # ``copies``: gathered through shared buffers
     gathered = copies * f.block_bytes if n > 1 else 0.0
     if s.generation_gathered and n > 1 and traits(s.strategy).shards:
         gathered = f.layers * f.block_bytes + f.root_bytes + max(0, copies - 1) * f.block_bytes
