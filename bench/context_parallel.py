@@ -234,7 +234,8 @@ def main() -> None:
         figs = figures(rows, args.budget_mib)
         save(target, args, rows, figs, note)
     if args.replan:
-        save(target, earlier, rows, figs, note)  # the measurement's record; each row names its planner's commit
+        replanned = {k: v for k, v in run_record().items() if k in ("command", "commit", "date")}
+        save(target, {**earlier, "replanned": replanned}, rows, figs, note)  # the measurement's own record stays
     print(table(rows, figs))
     print(f"wrote {target}")
 

@@ -388,6 +388,7 @@ def main() -> None:
         for row in result["rows"]:
             if "plan" in row:
                 row["plan"] = {**plan(plan_flags(row["command"], model), row), "commit": git_commit()}
+        result["replanned"] = {k: v for k, v in run_record().items() if k in ("command", "commit", "date")}
         result["targets"] = verdicts(result["rows"], args)
         result["table"] = table(result["rows"]) + "\n\n" + "\n".join(result["targets"])
         print(result["table"])

@@ -437,8 +437,8 @@ def save(args: argparse.Namespace, rows: list[dict], figures: dict | None, extra
             "lora": f"r{LORA['r']} alpha {LORA['alpha']} all-linear", "steps": args.steps,
             "shardtune_flags": args.shardtune_flags, "budget_mb": round(args.budget_gib * 1024),
             "speed_tokens": args.speed_tokens, "compare_ref": args.compare_ref, "quick": args.quick,
-            "rows": sorted(rows, key=order), **(extra or {}),
-            **({"figures": figures} if figures is not None else {}), **run_record()}
+            "rows": sorted(rows, key=order), **({"figures": figures} if figures is not None else {}), **run_record(),
+            **(extra or {})}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1) + "\n")
 
@@ -500,8 +500,12 @@ def main() -> None:
     figures = derive(rows, the_floor, bench.budget, args.speed_tokens, longest)
     lines = verdicts(figures, the_floor, args.layers, "fp32")
     print("\n".join(["", *table(rows), "", *figure_lines(figures, the_floor), "", *lines]))
+    measured = {}  # --replan: the file stays the record of the runs that measured it; the planner's is beside it
+    if args.replan:
+        measured = {**{k: earlier[k] for k in ("machine", "command", "commit", "date", "steps") if k in earlier},
+                    "replanned": {k: v for k, v in run_record().items() if k in ("command", "commit", "date")}}
     save(args, rows, figures, {"floor": the_floor, "plan_longest": longest, "targets": lines,
-                               **({"note": note} if note else {})})
+                               **({"note": note} if note else {}), **measured})
     print(f"wrote {path}")
 
 

@@ -87,6 +87,10 @@ def header(name: str, data: Result, dtype: str, derived_command: str) -> list[st
     lines = [f"### {name}", "", f"- machine: {machine_text(data)}", f"- dtype: {dtype}", f"- command: {command}"]
     if data.get("commit") or data.get("date"):
         lines.append(f"- recorded: {data.get('date') or '?'} at commit {data.get('commit') or '?'}")
+    if isinstance(data.get("replanned"), dict):  # the measurements as recorded; the planner's column is newer
+        again = data["replanned"]
+        lines.append(f"- planner column: {code(again.get('command', '?'))} on {again.get('date') or '?'} at commit "
+                     f"{again.get('commit') or '?'} (the same measured rows, predicted by the planner as it was then)")
     for key in ("note", "source"):
         if data.get(key):
             lines.append(f"- {key}: {cell(data[key])}")
