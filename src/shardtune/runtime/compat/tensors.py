@@ -34,7 +34,8 @@ def storage_id(t: torch.Tensor) -> int:
 class LiveBytes:
     """A dispatch mode counting the bytes of tensor storages alive at once while it is active, and the
     most at any moment (``peak``): what an allocator would hold, found on fake tensors as on real ones.
-    A storage counts from the op that makes it until its last reference goes."""
+    A storage counts from the op that makes it until its last reference goes; what views and in-place
+    ops return is an input's storage, made before, and is not counted."""
 
     def __init__(self) -> None:
         try:
@@ -47,9 +48,14 @@ class LiveBytes:
         class _Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN202
                 out = func(*args, **(kwargs or {}))
-                for t in tree_flatten(out)[0]:
-                    if isinstance(t, torch.Tensor):
-                        counter._made(t.untyped_storage())
+                # a view's or an in-place op's result is an input's storage, made before: not new bytes
+                made = [r.alias_info is None for r in func._schema.returns]
+                for i, result in enumerate(out if isinstance(out, (tuple, list)) else [out]):
+                    if i < len(made) and not made[i]:
+                        continue
+                    for t in tree_flatten(result)[0]:
+                        if isinstance(t, torch.Tensor):
+                            counter._made(t.untyped_storage())
                 return out
 
         self.live = self.peak = 0
