@@ -113,16 +113,23 @@ def kept_whole(model: nn.Module) -> Iterator[None]:
     try:
         for m in modules:
             if id(m.weight) not in tables:
-                local = m.weight.to_local()
-                whole = local.new_empty(sum(m.rows), local.size(-1))
-                for start, rows in _each_owners_rows(local, m.rows, m.group):
-                    whole[start:start + len(rows)].copy_(rows)
-                tables[id(m.weight)] = whole
+                tables[id(m.weight)] = _whole_table(m)
             m.whole = tables[id(m.weight)]
         yield
     finally:
         for m in modules:
             m.whole = None
+
+
+def _whole_table(module: ShardedEmbedding | ShardedHead) -> torch.Tensor:
+    """``module``'s table gathered whole from its owners' rows (a collective). A function of its own so that
+    nothing outlives it but the table: a loop variable left in the caller would hold a view of the broadcast
+    buffer, as large as a rank's rows, for as long as the table is kept."""
+    local = module.weight.to_local()
+    whole = local.new_empty(sum(module.rows), local.size(-1))
+    for start, rows in _each_owners_rows(local, module.rows, module.group):
+        whole[start:start + len(rows)].copy_(rows)
+    return whole
 
 
 def _blocks(module: ShardedEmbedding | ShardedHead) -> Iterator[tuple[int, torch.Tensor]]:
