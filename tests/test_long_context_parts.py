@@ -77,8 +77,10 @@ def test_offloaded_saves_come_back_unchanged_once_each():
     torch.testing.assert_close(loss.detach(), want)
     for n, p in model.named_parameters():
         if n in want_grads:
-            # fp32 sums over 128 tokens: the clones' alignment may pick another SIMD path (seen once in 20 runs)
-            torch.testing.assert_close(p.grad, want_grads[n], rtol=1e-4, atol=1e-6, msg=n)
+            # fp32 sums over 128 tokens may round another way once tensors sit elsewhere (seen about once in
+            # 20 runs, on the final norm): an element that nearly cancels is compared to the tensor's scale
+            scale = want_grads[n].abs().max().item()
+            torch.testing.assert_close(p.grad, want_grads[n], rtol=1e-4, atol=1e-5 * scale, msg=n)
     assert not offloader.host and not offloader.back  # nothing outlives its use in backward
     assert len(copies) == 2 * saved  # out once and back once each, shared tensors included
 
