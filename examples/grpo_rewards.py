@@ -19,11 +19,12 @@ def _text(completion) -> str:
 
 
 def correct_answer(prompts, completions, answer, **kwargs) -> list[float]:
-    """1 when the first number in the completion is the expected answer, else 0."""
+    """1 when the last number in the completion is the expected answer, else 0: "64" and "18 + 46 = 64" are
+    both right (the base model likes to restate the sum), "18 + 46 = 63" and "To add 18 and 46, ..." are not."""
     out = []
     for completion, expected in zip(completions, answer):
-        found = _NUMBER.search(_text(completion))
-        out.append(float(found is not None and found.group() == str(expected)))
+        found = _NUMBER.findall(_text(completion))
+        out.append(float(bool(found) and found[-1] == str(expected)))
     return out
 
 

@@ -266,6 +266,27 @@ def preference_demo(name: str, data: Result) -> list[str]:
     return lines + ["", "Fine-tune: " + "; ".join(facts) + "."]
 
 
+def grpo_demo(name: str, data: Result) -> list[str]:
+    lines = header(name, data, data.get("dtype", NOT_RECORDED), "python bench/grpo_demo.py")
+    ft, training = data.get("finetune", {}), data.get("training", {})
+    lines += [f"GRPO of {code(data.get('model', '?'))} with {code(data.get('config', '?'))}: "
+              f"{ft.get('steps')} steps of {training.get('batch-size')} completions "
+              f"({training.get('num-generations')} per prompt), {ft.get('strategy')} on {ft.get('world_size')} "
+              f"processes, {cell(ft.get('wall_seconds'))} s. Held-out: {data.get('heldout_prompts')} prompts of "
+              f"{code(data.get('heldout', '?'))}, one greedy completion each of at most {data.get('max_new_tokens')} "
+              f"tokens, scored by {', '.join(code(r) for r in data.get('rewards', []))} (weights "
+              f"{data.get('reward_weights')}).", ""]
+    rows = [[key, v.get("before"), v.get("after")] for key, v in data.get("heldout_reward", {}).items()]
+    lines += table(["held-out", "base", "+ GRPO adapter"], rows) + [""]
+    rows = [[s["prompt"], f"{code(repr(s['before']))} ({cell(s['before_reward'])})",
+             f"{code(repr(s['after']))} ({cell(s['after_reward'])})"] for s in data.get("samples", [])]
+    lines += table(["held-out prompt", "base (reward)", "+ GRPO adapter (reward)"], rows)
+    curve = data.get("train_reward_per_step") or []
+    if curve:
+        lines += ["", "Training reward (sampled completions, per step): " + ", ".join(cell(r) for r in curve) + "."]
+    return lines + ["", "Its commands:", ""] + [f"- {code(c)}" for c in data.get("commands", [])]
+
+
 def dpo_speed(name: str, data: Result) -> list[str]:
     machine = data.get("machine") or {}
     lines = header(name, {**data, "command": machine.get("command")}, data.get("dtype", NOT_RECORDED),
@@ -495,6 +516,7 @@ KINDS: list[tuple[str, str, Callable[[str, Any], list[str]]]] = [
     ("qlora-quality", "How far 4-bit weights move the logits: bench/qlora_quality.py", qlora_quality),
     ("preference-demo", "Preference tuning: the DPO demo", preference_demo),
     ("dpo-", "Preference tuning against TRL: bench/dpo_speed.py", dpo_speed),
+    ("grpo-demo", "Online RL: the GRPO demo, bench/grpo_demo.py", grpo_demo),
     ("grpo-vs-trl", "GRPO against TRL: bench/grpo_vs_trl.py", grpo_vs_trl),
     ("planner-", "The planner against measured peaks: bench/planner_check.py", planner_check),
     ("hostile-sweep", "Bad input and faults, as a hostile new user: bench/hostile_sweep.py", hostile_sweep),

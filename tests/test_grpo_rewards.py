@@ -173,3 +173,14 @@ def test_a_file_loads_once_under_one_name_in_every_process(tmp_path):
     path = write(tmp_path / "r.py", "calls = []\ndef f(prompts, completions, **kw):\n    return [0.0] * len(prompts)\n")
     a, b = load_rewards([f"{path}:f"])[0].fn, load_rewards([f"{path}:f"])[0].fn
     assert a is b and a.__module__.startswith("shardtune_reward_")
+
+
+def test_the_demo_rewards_grade_the_sum_and_the_bare_number_format():
+    """examples/grpo_rewards.py (the GRPO demo's): the last number of the answer must be the sum, so a model
+    restating the sum is right and one that stops mid-sentence is not; number_only wants the number alone."""
+    demo = Path(__file__).resolve().parents[1] / "examples" / "grpo_rewards.py"
+    prompts = [[{"role": "user", "content": "What is 18 + 46? Answer with the number only."}]] * 5
+    texts = ["64", "18 + 46 = 64", "18 + 46 = 63", "To solve this, we need to add 18 and 46,", "64."]
+    got = scores([f"{demo}:correct_answer", f"{demo}:number_only"], completions_for(prompts, texts), prompts,
+                 [[1]] * 5, {"answer": ["64"] * 5})
+    assert got == [[1.0, 1.0], [1.0, 0.0], [0.0, 0.0], [0.0, 0.0], [1.0, 1.0]]
