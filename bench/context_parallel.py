@@ -49,7 +49,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path[:0] = [str(HERE), str(ROOT / "src"), str(ROOT / "tests")]
 from long_context import LORA, make_model, make_records  # noqa: E402
-from record import git_commit, plan_flags, run_record  # noqa: E402
+from record import git_commit, plan_flags, replan_record, run_record  # noqa: E402
 
 
 def flags(model: Path, data: Path, tokens: int, nproc: int, cp: int, steps: int) -> list[str]:
@@ -85,13 +85,15 @@ def row(kind: str, n: int, tokens: int, model: Path, cache: Path, args: argparse
                  loss_first=summary["train_loss_first"])
     if not args.memory_only:  # one step on a shared machine: no speed to speak of
         entry["tokens_per_second"] = sum(s["tokens"] for s in timed) / sum(s["seconds"] for s in timed)
-    planned = shardtune("plan", *base, "--json", timeout=args.timeout)
-    if planned.returncode == 0:
-        strategy = "single" if nproc == 1 else "fsdp2"
-        entry["planned_mb"] = json.loads(planned.stdout)[strategy]["peak_mb"]
-    else:
-        entry["plan_error"] = (planned.stderr or planned.stdout)[-500:]
-    return entry
+    return {**entry, **planned(base, args.timeout)}
+
+
+def planned(flags: list[str], timeout: int) -> dict:
+    """``shardtune plan --json``'s peak for a row's finetune flags: {"planned_mb"}, or {"plan_error"}."""
+    done = shardtune("plan", *flags, "--json", timeout=timeout)
+    if done.returncode:
+        return {"plan_error": (done.stderr or done.stdout)[-500:]}
+    return {"planned_mb": json.loads(done.stdout)[flags[flags.index("--strategy") + 1]]["peak_mb"]}
 
 
 def longest_within(points: list[tuple[int, float]], budget: float) -> tuple[float, float] | None:
@@ -220,12 +222,8 @@ def main() -> None:
     rows, note = earlier.get("rows", []), earlier.get("note")  # a note on how the rows were measured stays
     if args.replan:  # no job: each measured row predicted again by the planner as it is now
         for r in rows:
-            flags = plan_flags(r["command"], model)
-            planned = shardtune("plan", *flags, "--json", timeout=args.timeout)
-            if planned.returncode:
-                r["plan_error"] = (planned.stderr or planned.stdout)[-500:]
-            else:
-                r["planned_mb"] = json.loads(planned.stdout)[flags[flags.index("--strategy") + 1]]["peak_mb"]
+            r.update(planned(plan_flags(r["command"], model), args.timeout))
+            if "planned_mb" in r:
                 r["planned_at"] = git_commit()
         figs = figures(rows, args.budget_mib)
     for tokens, kind, n in ([] if args.replan else grid(args)):
@@ -234,8 +232,7 @@ def main() -> None:
         figs = figures(rows, args.budget_mib)
         save(target, args, rows, figs, note)
     if args.replan:
-        replanned = {k: v for k, v in run_record().items() if k in ("command", "commit", "date")}
-        save(target, {**earlier, "replanned": replanned}, rows, figs, note)  # the measurement's own record stays
+        save(target, {**earlier, "replanned": replan_record()}, rows, figs, note)  # the measurement's own record stays
     print(table(rows, figs))
     print(f"wrote {target}")
 

@@ -376,7 +376,7 @@ def main() -> None:
     if args.batch % (args.generations * 1) or args.batch % args.nproc:
         parser.error("--batch must be a multiple of --generations and of --nproc")
     from long_context import make_model
-    from record import git_commit, plan_flags, run_record
+    from record import git_commit, plan_flags, replan_record, run_record
 
     args.cache.mkdir(parents=True, exist_ok=True)
     model = make_model(args.layers, args.cache)
@@ -388,7 +388,7 @@ def main() -> None:
         for row in result["rows"]:
             if "plan" in row:
                 row["plan"] = {**plan(plan_flags(row["command"], model), row), "commit": git_commit()}
-        result["replanned"] = {k: v for k, v in run_record().items() if k in ("command", "commit", "date")}
+        result["replanned"] = replan_record()
         result["targets"] = verdicts(result["rows"], args)
         result["table"] = table(result["rows"]) + "\n\n" + "\n".join(result["targets"])
         print(result["table"])

@@ -59,7 +59,7 @@ sys.path[:0] = [str(HERE), str(ROOT / "src"), str(ROOT / "tests")]
 from dpo_speed import WORDS, TreeSampler, loadavg, trainer_step_times  # noqa: E402
 from long_context_figures import RECIPES as ROWS  # noqa: E402
 from long_context_figures import derive, figure_lines, order, table, verdicts  # noqa: E402
-from record import git_commit, plan_flags, run_record  # noqa: E402
+from record import git_commit, plan_flags, replan_record, run_record  # noqa: E402
 
 SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
                vocab_size=49152, tie_word_embeddings=True, rms_norm_eps=1e-5, rope_theta=100000.0,
@@ -503,7 +503,7 @@ def main() -> None:
     measured = {}  # --replan: the file stays the record of the runs that measured it; the planner's is beside it
     if args.replan:
         measured = {**{k: earlier[k] for k in ("machine", "command", "commit", "date", "steps") if k in earlier},
-                    "replanned": {k: v for k, v in run_record().items() if k in ("command", "commit", "date")}}
+                    "replanned": replan_record()}
     save(args, rows, figures, {"floor": the_floor, "plan_longest": longest, "targets": lines,
                                **({"note": note} if note else {}), **measured})
     print(f"wrote {path}")

@@ -89,3 +89,8 @@ def plan_flags(command: str, model: Path) -> list[str]:
             flags.append(word)
     return flags
 
+
+def replan_record() -> dict:
+    """What a --replan adds beside a result file's own record: the command, commit and date that predicted its
+    measured rows again (the machine and the measurement stay the file's)."""
+    return {k: v for k, v in run_record().items() if k in ("command", "commit", "date")}
