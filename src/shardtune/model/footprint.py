@@ -34,14 +34,13 @@ class Saved:
     """What one forward saves for backward: bytes per decoder layer, the part of each that its MLP saves
     (what tiling the MLP turns into one tile's worth, parallel/tiling.py), what the rest of the model
     saves, and the vocabulary (the width of the logits); and, under activation checkpointing, the most
-    bytes alive at once while backward recomputes the layer that saves the most and runs through it
-    (0: not traced)."""
+    bytes alive at once while backward recomputes the layer that saves the most and runs through it."""
 
     per_layer: list[int]
     mlp: list[int]
     outside: int
     vocab: int
-    backward: int = 0
+    backward: int
 
 
 @dataclass

@@ -301,8 +301,7 @@ def predict(f: Facts, s: Setting, device: str) -> Prediction:
     if s.generation_rows:
         # CPU FSDP2's shared gather buffers are kept for the whole run: generation gathers through them too
         buffers = next(iter(moments.values())).get("buffers", 0.0)
-        moments["generation (KV cache)"] = {**_generation_terms(f, s, n, saved.vocab, kept, 1 if buffers else 0),
-                                            "buffers": buffers}
+        moments["generation (KV cache)"] = _generation_terms(f, s, n, saved.vocab, kept, buffers)
     moment, extra = max(moments.items(), key=lambda kv: sum(kv[1].values()))
     terms = {k: kept.get(k, 0.0) + extra.get(k, 0.0) for k in TERMS}
     note = ""
@@ -317,11 +316,9 @@ def predict(f: Facts, s: Setting, device: str) -> Prediction:
 def _recomputed_backward(saved: Saved, recomputed: list[float]) -> float:
     """What one checkpointed layer's backward holds at once: the traced peak of recomputing the layer
     that saves the most and running backward through it (``Saved.backward``), in proportion to what is
-    recomputed here (a tiled MLP recomputes one tile's set); twice the recomputed set where untraced."""
+    recomputed here (a tiled MLP recomputes one tile's set)."""
     heaviest = max(saved.per_layer, default=0)
-    if not saved.backward or not heaviest:
-        return 2 * max(recomputed, default=0)
-    return saved.backward / heaviest * max(recomputed, default=0)
+    return saved.backward / heaviest * max(recomputed) if heaviest else 0.0
 
 
 def _layer_sets(saved: Saved, tile: int, seq_len: int, layer_input: int) -> tuple[list[float], list[float]]:
@@ -362,20 +359,22 @@ def exchange_bytes(f: Facts, rows: int, piece: int, cp: int) -> float:
 
 
 def _generation_terms(f: Facts, s: Setting, n: int, vocab: int, kept: dict[str, float],
-                      copies: int = 0) -> dict[str, float]:
+                      buffers: float) -> dict[str, float]:
     """GRPO's generation, before the step's backward (no gradients yet): the KV cache of the rank's rows,
     the weights a forward gathers (a layer at a time under FSDP; kept gathered, the whole model in the
-    compute dtype, row-sharded tables included, next to the shards, plus one unit's gather buffer), one
+    compute dtype, row-sharded tables included, next to the shards, plus one unit's gather buffer, or the
+    shared ``buffers`` kept for the run on CPU), one
     layer's prefill activations (no_grad) and the last position's logits with the sampler's fp64 softmax
     and cumulative sum."""
     rows, tokens = s.generation_rows, s.generation_tokens
-    copies = copies or GATHER_COPIES.get((s.strategy, "cuda"), 0)  # ``copies``: gathered through shared buffers
+    # through CPU FSDP2's shared ``buffers`` a gathered unit is one copy; else FSDP2's buffer and copy-out
+    copies = 1 if buffers else GATHER_COPIES.get((s.strategy, "cuda"), 0)
     gathered = copies * f.block_bytes if n > 1 else 0.0
     if s.generation_gathered and n > 1 and traits(s.strategy).shards:
         gathered = f.layers * f.block_bytes + f.root_bytes + max(0, copies - 1) * f.block_bytes
     prefill = 8 * rows * tokens * f.hidden * f.compute_itemsize
     return {"kv_cache": rows * tokens * f.kv_bytes_per_token + rows * vocab * (f.compute_itemsize + 4 + 16),
-            "blocks": gathered, "activations": prefill, "grads": -kept["grads"]}
+            "blocks": gathered, "buffers": buffers, "activations": prefill, "grads": -kept["grads"]}
 
 
 def _head_terms(f: Facts, tokens: int, vocab: int, blocks: int, chunk_override: int = 0) -> tuple[float, float]:
