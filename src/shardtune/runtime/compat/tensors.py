@@ -55,17 +55,18 @@ class LiveBytes:
                         continue
                     for t in tree_flatten(result)[0]:
                         if isinstance(t, torch.Tensor):
-                            counter._made(t.untyped_storage())
+                            counter._made(t)
                 return out
 
         self.live = self.peak = 0
         self._refs: dict[int, weakref.ref] = {}
         self._mode = _Mode()
 
-    def _made(self, storage: torch.UntypedStorage) -> None:
-        key = storage._cdata
+    def _made(self, t: torch.Tensor) -> None:
+        key = storage_id(t)
         if key in self._refs:
             return
+        storage = t.untyped_storage()
         size = storage.nbytes()
         self.live += size
         self.peak = max(self.peak, self.live)
