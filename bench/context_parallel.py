@@ -218,6 +218,8 @@ def main() -> None:
     model = make_model(args.layers, cache)
     stem = f"context-parallel-{'memory-' if args.memory_only else ''}{args.layers}l.json"
     target = (cache if args.quick else HERE / "results") / stem
+    if args.replan and not target.is_file():
+        parser.error(f"--replan predicts the measured rows of {target} again: no such file")
     earlier = json.loads(target.read_text()) if (args.add or args.replan) and target.is_file() else {}
     rows, note = earlier.get("rows", []), earlier.get("note")  # a note on how the rows were measured stays
     if args.replan:  # no job: each measured row predicted again by the planner as it is now

@@ -384,6 +384,8 @@ def main() -> None:
     check_prompts(model, data, args.prompt_tokens)
     out = args.out or (args.cache / "grpo-vs-trl-quick.json" if args.quick else HERE / "results" / "grpo-vs-trl.json")
     if args.replan:  # no job: the measured rows predicted again by the planner as it is now
+        if not out.is_file():
+            parser.error(f"--replan predicts the measured rows of {out} again: no such file")
         result = json.loads(out.read_text())
         for row in result["rows"]:
             if "plan" in row:

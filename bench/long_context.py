@@ -485,6 +485,9 @@ def main() -> None:
     if torch.ops.mkldnn._is_mkldnn_bf16_supported():
         print("note: this CPU computes bf16 natively; the bench stays in fp32, as issue 32's table", flush=True)
     path = results_path(args)
+    if args.replan and (args.fresh or not path.is_file()):
+        why = "--fresh drops them" if args.fresh else "no such file"
+        parser.error(f"--replan predicts the measured rows of {path} again: {why}")
     earlier = {} if args.fresh or not path.is_file() else json.loads(path.read_text())
     rows, note = earlier.get("rows", []), earlier.get("note")  # a note on how the rows were measured stays
     bench = Bench(args)
