@@ -122,3 +122,19 @@ def test_notebook_runs_a_two_process_finetune_and_streams_progress(tiny):
     printed = "".join(o.get("text", "") for o in print_cell.outputs if o.output_type == "stream")
     assert "on 2 ranks (fsdp2)" in printed
     assert (tiny / "notebook" / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_the_launcher_runs_on_torch_without_a_shutdown_timeout() -> None:
+    """torch 2.11 (the GPU images' torch) has no LaunchConfig.shutdown_timeout: passing it failed every launch."""
+    import dataclasses
+
+    from torch.distributed.launcher.api import LaunchConfig
+
+    from shardtune.runtime.workers import STOP_TIMEOUT, _shutdown_timeout
+
+    @dataclasses.dataclass
+    class OldLaunchConfig:
+        min_nodes: int = 1
+
+    assert _shutdown_timeout(OldLaunchConfig) == {}
+    assert _shutdown_timeout(LaunchConfig) == {"shutdown_timeout": STOP_TIMEOUT}

@@ -8,6 +8,7 @@ is written (output_relay.py), and a failure names the rank that caused it (worke
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import signal
@@ -45,6 +46,13 @@ def run_id(parallel: ParallelConfig) -> str:
     return f"shardtune-{uuid.uuid4().hex[:8]}"
 
 
+def _shutdown_timeout(launch_config: type) -> dict[str, int]:
+    """How long the agent waits for stopped workers: a LaunchConfig field only from torch 2.12 on (the
+    GPU images still ship 2.11, whose agent keeps its own 30 s)."""
+    names = {f.name for f in dataclasses.fields(launch_config)}
+    return {"shutdown_timeout": STOP_TIMEOUT} if "shutdown_timeout" in names else {}
+
+
 def launch_workers(parallel: ParallelConfig, module: str, args: list[str], run: str | None = None) -> None:
     """Run ``python -m module *args`` on ``parallel.nproc`` local workers joined into one process group.
 
@@ -67,8 +75,8 @@ def launch_workers(parallel: ParallelConfig, module: str, args: list[str], run: 
     launch_config = LaunchConfig(
         min_nodes=p.nnodes, max_nodes=p.nnodes, nproc_per_node=p.nproc, run_id=run or run_id(p),
         rdzv_backend=backend, rdzv_endpoint=endpoint, rdzv_configs=rdzv_configs, max_restarts=0,
-        monitor_interval=0.2, start_method="spawn", shutdown_timeout=STOP_TIMEOUT,
-        logs_specs=DefaultLogsSpecs(log_dir=str(log_dir), redirects=Std.ALL),
+        monitor_interval=0.2, start_method="spawn",
+        logs_specs=DefaultLogsSpecs(log_dir=str(log_dir), redirects=Std.ALL), **_shutdown_timeout(LaunchConfig),
     )
     entrypoint, command = worker_command(worker_env(p, launch_config.run_id), module, args)
     relay = OutputRelay(log_dir)
