@@ -106,31 +106,43 @@ def test_sharded_head_gradient_equals_the_dense_one():
             torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
-def whole_table_on_ranks(rank: int, world_size: int) -> dict:
-    """``kept_whole`` gathers a row-sharded table for a whole generation: what it holds meanwhile."""
+def exchanged_on_ranks(rank: int, world_size: int) -> dict:
+    """Generation's use of row-sharded tables (``exchanged``): each rank its own ids, of its own width, and
+    its own last hidden states; what a rank holds meanwhile."""
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
 
-    from shardtune.parallel.sharded_embeddings import ShardedEmbedding, kept_whole, shard_rows
+    from shardtune.parallel.sharded_embeddings import ShardedEmbedding, ShardedHead, exchanged, shard_rows
     from shardtune.runtime import distributed
     from shardtune.runtime.compat import LiveBytes
 
     distributed.init_worker()
     torch.manual_seed(0)
-    dense = nn.Embedding(1000, 64).requires_grad_(False)  # 1000 rows over 3 ranks: 334, 333, 333
+    dense = nn.Embedding(6001, 64).requires_grad_(False)  # 6001 rows over 3 ranks: 2001, 2000, 2000
+    projection = nn.Linear(64, 6001, bias=False).requires_grad_(False)
+    projection.weight = dense.weight  # tied, as generation's usual table
     mesh = init_device_mesh("cpu", (world_size,))
-    embed = nn.ModuleList([ShardedEmbedding(dense, shard_rows(dense.weight, mesh), mesh.get_group())])
-    ids = torch.arange(1000).reshape(4, 250)
-    with LiveBytes() as live, kept_whole(embed):
-        held = live.live
-        looked_up = embed[0](ids)
+    weight = shard_rows(dense.weight, mesh)
+    model = nn.ModuleList([ShardedEmbedding(dense, weight, mesh.get_group()),
+                           ShardedHead(projection, weight, mesh.get_group())])
+    ids = (torch.arange(4 * (5 + 3 * rank)).reshape(4, -1) * (1499 + rank)) % 6001  # widths 5, 8, 11
+    torch.manual_seed(10 + rank)
+    hidden = torch.randn(4, 1, 64)
+    with torch.no_grad(), exchanged(model), LiveBytes() as live:
+        looked_up = model[0](ids)
+        logits = model[1](hidden)
+    after = (model[0].exchange, model[1].exchange)
     distributed.teardown()
-    return {"held": held, "table": dense.weight.nbytes, "exact": torch.equal(looked_up, dense(ids))}
+    return {"exact": torch.equal(looked_up, dense(ids)), "logits": logits, "dense": projection(hidden),
+            "peak": live.peak, "table": dense.weight.nbytes, "after": after}
 
 
-def test_a_table_kept_whole_holds_the_table_and_nothing_more():
-    """While generation keeps a table whole, a rank holds the table alone: not also the buffer its owners'
-    rows were broadcast through (a third of the table here), which a loop variable once kept alive."""
-    for r in run_ranks(whole_table_on_ranks, WORLD):
+def test_generation_uses_row_sharded_tables_without_gathering_them():
+    """Every rank's own ids (prompts of different widths) and hidden states, looked up and projected on the
+    ranks' rows: the embeddings exact, the logits the dense ones, and nothing near a table held beside the
+    rank's rows (a table gathered whole was the largest thing kept while generating; here the logits are)."""
+    for r in run_ranks(exchanged_on_ranks, WORLD):
         assert r["exact"]
-        assert r["held"] == r["table"]
+        torch.testing.assert_close(r["logits"], r["dense"], rtol=1e-6, atol=1e-6)
+        assert r["peak"] < r["table"] / 4
+        assert r["after"] == (False, False)

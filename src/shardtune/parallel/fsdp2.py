@@ -126,19 +126,16 @@ class FSDP2(Strategy):
 
     @contextlib.contextmanager
     def gathered_for_generation(self, model: nn.Module, keep: bool) -> Iterator[None]:
-        # Every unit keeps what its first forward gathers (reshard_after_forward off: the no_grad forwards
-        # then skip the all-gather, the hooks still run), and the row-sharded tables are gathered once;
-        # after, each unit's own setting is back and every unit is sharded again, before any backward
-        # or optimizer step, even when generation failed.
-        if not keep:
-            yield
-            return
-        units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        # The row-sharded tables are used vocabulary-parallel, never gathered (sharded_embeddings.exchanged).
+        # ``keep``: every unit keeps what its first forward gathers (reshard_after_forward off: the no_grad
+        # forwards then skip the all-gather, the hooks still run); after, each unit's own setting is back
+        # and every unit is sharded again, before any backward or optimizer step, even when generation failed.
+        units = [m for m in model.modules() if isinstance(m, FSDPModule)] if keep else []
         before = [compat.fsdp2_reshards_after_forward(unit) for unit in units]
         try:
             for unit in units:
                 unit.set_reshard_after_forward(False, recurse=False)
-            with sharded_embeddings.kept_whole(model):
+            with sharded_embeddings.exchanged(model):
                 yield
         finally:
             for unit, reshard in zip(units, before):

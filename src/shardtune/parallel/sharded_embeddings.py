@@ -11,9 +11,12 @@ that fall in those rows, the output projection computes that slice of the logits
 same bytes as FSDP's all-gather. Tied embeddings share one sharded weight.
 
 Generating token by token, every forward would move the whole table again (twice when tied: the
-lookup and the logits); ``kept_whole`` gathers each table once for a while (GRPO's generation, when
-the planner finds it fits) and the modules read their rows from that copy, in the same blocks and
-the same order, so the numbers are the same bits.
+lookup and the logits). Inside ``exchanged`` (GRPO's generation, where every rank generates its own rows
+in lockstep) the tables are used vocabulary-parallel instead and never gathered: the ranks' token ids and
+last hidden states (a few KB) are all-gathered, each rank looks up and projects them on its own rows, and
+one all-to-all returns to each rank its embeddings (a sum in which one owner's row meets zeros: exact)
+and its logits, each block of them computed as the kept-whole table computed it. Held: the rank's rows,
+as in training; moved per token: the logits once, not the table.
 """
 
 from __future__ import annotations
@@ -59,10 +62,12 @@ class ShardedEmbedding(nn.Module):
         self.padding_idx = embed.padding_idx
         self.weight, self.group = weight, group
         self.rows = row_counts(self.num_embeddings, group.size())
-        self.whole: torch.Tensor | None = None  # the gathered table while ``kept_whole`` holds it
+        self.exchange = False  # inside ``exchanged``: every rank's ids looked up on the rows here
 
     @torch.no_grad()
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.exchange:
+            return _exchanged_lookup(self, ids)
         # No host sync here (no ids.min()/max(), no boolean-mask indexing): each owner's rows are
         # looked up for every id, clamped, and kept where the id is one of them. Token ids were
         # checked against the vocabulary when the data was loaded (train/data.py); an id outside it
@@ -88,11 +93,11 @@ class ShardedHead(nn.Module):
         self.in_features, self.out_features = head.in_features, head.out_features
         self.weight, self.group = weight, group
         self.rows = row_counts(self.out_features, group.size())
-        self.whole: torch.Tensor | None = None  # the gathered table while ``kept_whole`` holds it
+        self.exchange = False  # inside ``exchanged``: every rank's hidden states projected on the rows here
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.whole is not None and not torch.is_grad_enabled():  # generating: no backward to prepare
-            return _logits(hidden.to(self.whole.dtype), _blocks(self), self.rows)
+        if self.exchange and not torch.is_grad_enabled():  # generating: no backward to prepare
+            return _exchanged_logits(self, hidden)
         return _ShardedLinear.apply(hidden, self.weight.to_local(), self.rows, self.group)
 
     def blocks(self) -> Iterator[tuple[int, torch.Tensor]]:
@@ -105,40 +110,75 @@ class ShardedHead(nn.Module):
 
 
 @contextlib.contextmanager
-def kept_whole(model: nn.Module) -> Iterator[None]:
-    """Each row-sharded table of ``model`` gathered once (a collective: every rank enters together) and
-    used whole by its modules until the block ends; a tied table is gathered once for both."""
+def exchanged(model: nn.Module) -> Iterator[None]:
+    """Each row-sharded table of ``model`` used vocabulary-parallel until the block ends (module doc): every
+    forward inside is a collective, so every rank runs each one, with as many rows (generation's lockstep)."""
     modules = [m for m in model.modules() if isinstance(m, (ShardedEmbedding, ShardedHead))]
-    tables: dict[int, torch.Tensor] = {}
     try:
         for m in modules:
-            if id(m.weight) not in tables:
-                tables[id(m.weight)] = _whole_table(m)
-            m.whole = tables[id(m.weight)]
+            m.exchange = True
         yield
     finally:
         for m in modules:
-            m.whole = None
-
-
-def _whole_table(module: ShardedEmbedding | ShardedHead) -> torch.Tensor:
-    """``module``'s table gathered whole from its owners' rows (a collective). A function of its own so that
-    nothing outlives it but the table: a loop variable left in the caller would hold a view of the broadcast
-    buffer, as large as a rank's rows, for as long as the table is kept."""
-    local = module.weight.to_local()
-    whole = local.new_empty(sum(module.rows), local.size(-1))
-    for start, rows in _each_owners_rows(local, module.rows, module.group):
-        whole[start:start + len(rows)].copy_(rows)
-    return whole
+            m.exchange = False
 
 
 def _blocks(module: ShardedEmbedding | ShardedHead) -> Iterator[tuple[int, torch.Tensor]]:
-    """(first row, rows) of each rank's block in turn: from the gathered table while ``kept_whole`` holds
-    one (no collective), else broadcast from their owners (``_each_owners_rows``, a collective)."""
-    if module.whole is None:
-        return _each_owners_rows(module.weight.to_local(), module.rows, module.group)
-    starts = [sum(module.rows[:r]) for r in range(len(module.rows))]
-    return iter([(start, module.whole[start:start + n]) for start, n in zip(starts, module.rows) if n])
+    """(first row, rows) of each rank's block in turn, broadcast from their owners (a collective)."""
+    return _each_owners_rows(module.weight.to_local(), module.rows, module.group)
+
+
+def _largest(sizes: list[int], device: torch.device, group: dist.ProcessGroup) -> list[int]:
+    """The largest of each size over the ranks (a collective): what every rank pads its part to."""
+    t = torch.tensor(sizes, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.tolist()
+
+
+def _gathered(part: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Every rank's ``part`` (equal shapes), stacked in rank order."""
+    out = part.new_empty(group.size(), *part.shape)
+    dist.all_gather(list(out.unbind(0)), part.contiguous(), group=group)  # the one spelling torch 2.11-2.13 share
+    return out
+
+
+def _exchanged_lookup(module: ShardedEmbedding, ids: torch.Tensor) -> torch.Tensor:
+    """``ids``' embeddings, every rank's looked up on the rows here: the prompts' widths differ between ranks
+    in the prefill, so the ids are padded (with an id no rank owns) to the widest."""
+    group = module.group
+    local = module.weight.to_local()
+    rows, width = _largest(list(ids.shape), ids.device, group)
+    padded = ids.new_full((rows, width), -1)
+    padded[:ids.size(0), :ids.size(1)] = ids
+    everyone = _gathered(padded, group) - sum(module.rows[:group.rank()])
+    mine = (everyone >= 0) & (everyone < local.size(0))
+    picked = nn.functional.embedding(everyone.clamp(0, max(local.size(0) - 1, 0)), local) if local.size(0) \
+        else local.new_zeros(*everyone.shape, module.embedding_dim)
+    send = torch.where(mine.unsqueeze(-1), picked, 0.0)
+    del picked, mine
+    received = torch.empty_like(send)
+    dist.all_to_all_single(received, send, group=group)
+    return received.sum(0)[:ids.size(0), :ids.size(1)]
+
+
+def _exchanged_logits(module: ShardedHead, hidden: torch.Tensor) -> torch.Tensor:
+    """``hidden``'s logits: every rank's hidden states times the rows here, then each rank's columns back."""
+    group, n = module.group, module.group.size()
+    local = module.weight.to_local()
+    flat = hidden.reshape(-1, hidden.size(-1)).to(local.dtype)
+    (tokens,) = _largest([flat.size(0)], flat.device, group)
+    padded = flat.new_zeros(tokens, flat.size(1))
+    padded[:flat.size(0)] = flat
+    everyone = _gathered(padded, group).view(n * tokens, -1)
+    send = torch.mm(everyone, local.T)  # (ranks x tokens, rows here): rank r's tokens are rows r*tokens...
+    del everyone
+    received = send.new_empty(tokens * sum(module.rows))
+    dist.all_to_all_single(received, send.view(-1), [tokens * r for r in module.rows],
+                           [tokens * local.size(0)] * n, group=group)
+    del send
+    blocks = [b.view(tokens, -1) for b in received.split([tokens * r for r in module.rows])]
+    out = torch.cat(blocks, dim=1)[:flat.size(0)]
+    return out.view(*hidden.shape[:-1], sum(module.rows))
 
 
 def _each_owners_rows(local: torch.Tensor, rows: list[int],

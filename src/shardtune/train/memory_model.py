@@ -362,16 +362,19 @@ def _generation_terms(f: Facts, s: Setting, n: int, vocab: int, kept: dict[str, 
                       buffers: float) -> dict[str, float]:
     """GRPO's generation, before the step's backward (no gradients yet): the KV cache of the rank's rows,
     the weights a forward gathers (a layer at a time under FSDP; kept gathered, the whole model in the
-    compute dtype, row-sharded tables included, next to the shards, plus one unit's gather buffer, or the
-    shared ``buffers`` kept for the run on CPU), one
+    compute dtype next to the shards, plus one unit's gather buffer, or the shared ``buffers`` kept for the
+    run on CPU; row-sharded tables are never gathered: sharded_embeddings.exchanged), one
     layer's prefill activations (no_grad) and the last position's logits with the sampler's fp64 softmax
-    and cumulative sum."""
+    and cumulative sum. The vocabulary-parallel head's exchange (the rank's block of every rank's logits,
+    then its own logits received) is two logits' worth, inside the forward, before the sampler's
+    temporaries exist: within the logits term."""
     rows, tokens = s.generation_rows, s.generation_tokens
     # through CPU FSDP2's shared ``buffers`` a gathered unit is one copy; else FSDP2's buffer and copy-out
     copies = 1 if buffers else GATHER_COPIES.get((s.strategy, "cuda"), 0)
     gathered = copies * f.block_bytes if n > 1 else 0.0
     if s.generation_gathered and n > 1 and traits(s.strategy).shards:
-        gathered = f.layers * f.block_bytes + f.root_bytes + max(0, copies - 1) * f.block_bytes
+        root = f.root_bytes - (row_sharded_bytes(f) if traits(s.strategy).row_tables else 0)
+        gathered = f.layers * f.block_bytes + root + max(0, copies - 1) * f.block_bytes
     prefill = 8 * rows * tokens * f.hidden * f.compute_itemsize
     return {"kv_cache": rows * tokens * f.kv_bytes_per_token + rows * vocab * (f.compute_itemsize + 4 + 16),
             "blocks": gathered, "buffers": buffers, "activations": prefill, "grads": -kept["grads"]}
