@@ -5,11 +5,14 @@
     python bench/gpu_check.py check ROW --out RUN_DIR [--plan PLAN.json] [--expect key=value ...]
     python bench/gpu_check.py check-json ROW FILE --keys k1,k2   # eval/generate/harness outputs
     python bench/gpu_check.py ballast --leave GiB       # hold all but GiB of the GPU until killed
-    python bench/gpu_check.py collect RESULTS.jsonl OUT.json   # the table; exit 1 on any FAIL
+    python bench/gpu_check.py collect RESULTS.jsonl OUT.json [--merge --order ROW,ROW]   # exit 1 on a FAIL
+    python bench/gpu_check.py pending OUT.json ROW...   # the rows OUT.json does not hold as passed
 
 Every verdict is one line, ``PASS row  numbers`` or ``FAIL row: why``, and one JSON line appended to
-``$GPU_CHECK_RESULTS``. Runs on a CPU too (``GPU_CHECK_DEVICE=cpu``: the shell's --cpu-smoke), where
-the CUDA-only expectations (NCCL, CUDA peaks, the planner against reserved memory) are left out.
+``$GPU_CHECK_RESULTS``: ``passed`` true (a ``skipped`` one too: not applicable to the machine), false,
+or null (not run: ``problems`` says why, such as the budget of the session). Runs on a CPU too
+(``GPU_CHECK_DEVICE=cpu``: the shell's --cpu-smoke), where the CUDA-only expectations (NCCL, CUDA peaks,
+the planner against reserved memory) are left out.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import json
 import math
 import os
 import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -258,15 +262,87 @@ def cmd_ballast(args: argparse.Namespace) -> int:
         held.sum  # noqa: B018 - keep it referenced
 
 
+class BadResults(Exception):
+    """A results file that cannot be read as rows: exit 2, naming it."""
+
+
+def _load_rows(path: Path) -> list[dict]:
+    """A results file's rows (none when it is not there); a clear error when it is not a list of rows."""
+    if not path.is_file():
+        return []
+    try:
+        rows = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise BadResults(f"gpu_check: {path} is not JSON ({e}); move it away to start afresh") from None
+    if not isinstance(rows, list) or not all(isinstance(r, dict) and "row" in r for r in rows):
+        raise BadResults(f"gpu_check: {path} is not a list of rows ({{\"row\": ..., \"passed\": ...}})")
+    return rows
+
+
+def _commit() -> str:
+    """The short commit the rows were measured at: $GPU_CHECK_COMMIT (for a copy of the tree without
+    its .git, such as the one a borrowed GPU machine gets), else git's, else "unknown"."""
+    if os.environ.get("GPU_CHECK_COMMIT"):
+        return os.environ["GPU_CHECK_COMMIT"]
+    try:
+        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE.parent, capture_output=True,
+                              text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return done.stdout.strip() if done.returncode == 0 and done.stdout.strip() else "unknown"
+
+
+def pending(recorded: list[dict], rows: list[str]) -> list[str]:
+    """The rows of ``rows`` that ``recorded`` does not hold as passed: those it records as failed or not
+    run first, then those it does not hold at all, each group in the order of ``rows``."""
+    verdicts = {r["row"]: r.get("passed") for r in recorded}
+    return ([r for r in rows if r in verdicts and verdicts[r] is not True]
+            + [r for r in rows if r not in verdicts])
+
+
+def merge(old: list[dict], new: list[dict], order: list[str] | None = None) -> list[dict]:
+    """The results file after a ``--pending`` run: each row's latest verdict. A row judged again replaces
+    its old entry; a row not judged this time keeps its old one (also one that was not run again for
+    the budget: its last verdict says more than "not run"). The row ``gpu_check`` (the overall limit)
+    is about one run, so only this run's stays. Sorted by ``order`` when given, unknown rows last."""
+    rows = {r["row"]: r for r in old if r["row"] != "gpu_check"}
+    for r in new:
+        if r.get("passed") is None and rows.get(r["row"], {}).get("passed") is not None:
+            continue
+        rows[r["row"]] = r
+    if not order:
+        return list(rows.values())
+    rank = {name: i for i, name in enumerate(order)}
+    return sorted(rows.values(), key=lambda r: rank.get(r["row"], len(rank)))
+
+
 def cmd_collect(args: argparse.Namespace) -> int:
-    results = Path(args.results)
-    rows = [json.loads(line) for line in results.read_text().splitlines()] if results.is_file() else []
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(rows, indent=1) + "\n")
-    failed = [r["row"] for r in rows if not r["passed"]]
-    print(f"{len(rows) - len(failed)} of {len(rows)} rows passed"
-          + (f"; failed: {', '.join(failed)}" if failed else ""))
-    return 1 if failed or not rows else 0
+    """This run's rows (stamped with the commit and date) into OUT, or merged into it with ``--merge``;
+    exit 1 when a row of this run failed or none was judged."""
+    results, out = Path(args.results), Path(args.out)
+    stamp = {"commit": _commit(), "date": time.strftime("%Y-%m-%d")}
+    rows = [{**json.loads(line), **stamp} for line in results.read_text().splitlines() if line.strip()] \
+        if results.is_file() else []
+    written = merge(_load_rows(out), rows, args.order.split(",") if args.order else None) if args.merge else rows
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(written, indent=1) + "\n")
+    failed = [r["row"] for r in rows if r["passed"] is False]
+    not_run = [r["row"] for r in rows if r["passed"] is None]
+    judged = len(rows) - len(not_run)
+    print(f"{judged - len(failed)} of {judged} rows judged passed"
+          + (f"; failed: {', '.join(failed)}" if failed else "")
+          + (f"; not run: {', '.join(not_run)}" if not_run else ""))
+    if args.merge:
+        kept = [r for r in written if r["row"] != "gpu_check"]
+        left = [r["row"] for r in kept if r.get("passed") is not True]
+        print(f"{out}: {len(kept) - len(left)} of {len(kept)} rows passed"
+              + (f"; still pending: {', '.join(left)}" if left else ""))
+    return 1 if failed or not judged else 0
+
+
+def cmd_pending(args: argparse.Namespace) -> int:
+    print(" ".join(pending(_load_rows(Path(args.summary)), args.rows)))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -302,9 +378,19 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("collect")
     p.add_argument("results")
     p.add_argument("out")
+    p.add_argument("--merge", action="store_true", help="merge into OUT: a row judged again replaces its entry")
+    p.add_argument("--order", help="ROW,ROW,...: the order of the merged rows")
     p.set_defaults(func=cmd_collect)
+    p = sub.add_parser("pending")
+    p.add_argument("summary", help="a results file (bench/results/gpu_check.json)")
+    p.add_argument("rows", nargs="*")
+    p.set_defaults(func=cmd_pending)
     args = parser.parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except BadResults as e:
+        print(e, file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

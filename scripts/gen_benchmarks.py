@@ -499,6 +499,28 @@ def context_parallel(name: str, data: Result) -> list[str]:
     return lines
 
 
+def gpu_check(name: str, data: list[Result]) -> list[str]:
+    """bench/gpu_check.sh's rows, each with the date and commit it was last judged at (sessions add up)."""
+    env = next((r for r in data if r["row"] == "env"), {})
+    machine = "; ".join(f"{k} {env[k]}" for k in ("gpu", "gpus", "torch", "cuda", "nccl", "transformers", "peft",
+                                                  "torchao") if k in env) or NOT_RECORDED
+    lines = [f"### {name}", "", f"- machine: {machine}", "- dtype: each row's (bf16 unless its numbers say)",
+             "- command: `bash bench/gpu_check.sh --pending --limit 480`, one GPU session at a time "
+             "([development.md](development.md#across-borrowed-gpu-sessions))"]
+    lines += [f"- note: {cell(env['note'])}"] if env.get("note") else []
+    shown = {"row", "passed", "problems", "skipped", "commit", "date"}
+    rows = []
+    for r in data:
+        if r["row"] == "env":
+            continue
+        verdict = ("skip" if r.get("skipped") else "pass") if r["passed"] else "FAIL" if r["passed"] is False \
+            else "not run"
+        detail = r.get("skipped") or "; ".join(r.get("problems") or []) or ", ".join(
+            f"{k} {cell(v)}" for k, v in r.items() if k not in shown)
+        rows.append([r["row"], verdict, r.get("date"), r.get("commit"), detail])
+    return lines + [""] + table(["row", "verdict", "date", "commit", "problems, or the numbers"], rows)
+
+
 def other(name: str, data: Any) -> list[str]:
     keys = ", ".join(map(str, data)) if isinstance(data, dict) else type(data).__name__
     return [f"### {name}", "", f"No table layout is known for this file (fields: {keys}); "
@@ -525,6 +547,7 @@ KINDS: list[tuple[str, str, Callable[[str, Any], list[str]]]] = [
     ("cp-attention-memory", "Context-parallel attention's memory: bench/cp_attention_memory.py", cp_attention_memory),
     ("long-context-", "Long context against TRL and transformers: bench/long_context.py", long_context),
     ("context-parallel-", "Context parallelism: bench/context_parallel.py", context_parallel),
+    ("gpu_check", "The GPU check: bench/gpu_check.sh", gpu_check),
     ("", "Other results", other),
 ]
 

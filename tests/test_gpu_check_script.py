@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -45,7 +46,9 @@ def test_the_overall_limit_ends_the_check_and_keeps_a_failed_row_for_it(tmp_path
     assert done.returncode == 124, done.stdout[-2000:] + done.stderr[-2000:]
     assert "FAIL gpu_check: the whole check ran past its 1 s limit" in done.stdout
     rows = json.loads((tmp_path / "gpu_check-cpu-smoke.json").read_text())
-    assert rows[-1] == {"row": "gpu_check", "passed": False, "problems": ["ran past its 1 s limit"]}
+    assert {k: rows[-1][k] for k in ("row", "passed", "problems")} == {
+        "row": "gpu_check", "passed": False, "problems": ["ran past its 1 s limit"]}
+    assert rows[-1]["commit"] and rows[-1]["date"]  # when the verdict was measured
 
 
 def test_every_rows_shardtune_command_is_one_the_cli_takes(tmp_path):
@@ -101,3 +104,88 @@ def test_a_run_off_the_gpu_or_without_nccl_or_scaling_fields_fails(tmp_path, cap
     out = capsys.readouterr().out
     assert "ran on cpu, not cuda" in out and "backend gloo, not NCCL" in out and "no skipped_steps" in out
     assert gpu_check.main(["collect", str(tmp_path / "none.jsonl"), str(tmp_path / "out.json")]) == 1  # no rows
+
+
+def _dry_rows(out: str) -> list[str]:
+    return [line.split()[1].rstrip(":") for line in out.splitlines() if line.startswith("row ")]
+
+
+def test_pending_runs_only_the_rows_not_passed_failed_and_not_run_first(tmp_path):
+    """--pending reads the results file: the rows recorded as failed or not run, in their usual order,
+    then the rows it does not hold; a row whose adapter another uses comes along when it is not here."""
+    full = _sh("--list").stdout.split()
+    verdicts = {"dtype-auto": False, "eval": None, "plan-ddp": False, "tests": None, "varlen": True}
+    recorded = [{"row": r, "passed": verdicts.get(r, True)} for r in full if r != "grpo"]
+    recorded[full.index("varlen")]["skipped"] = "flash_attn is not installed here"  # a skip is a pass
+    summary = tmp_path / "gpu_check.json"
+    summary.write_text(json.dumps(recorded))
+    env = {"CACHE": str(tmp_path / "cache"), "GPU_CHECK_SUMMARY": str(summary), "PYTHONPATH": str(ROOT / "src")}
+    assert _sh("--list", "--pending", env=env).stdout.split() == ["dtype-auto", "eval", "plan-ddp", "tests", "grpo"]
+    done = _sh("--dry-run", "--pending", env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    # eval uses sft-val's adapter, which a fresh machine does not have: sft-val runs before it
+    assert _dry_rows(done.stdout) == ["dtype-auto", "sft-val", "eval", "plan-ddp", "tests", "grpo"]
+    assert _sh("--list", "--pending", "--only", "fp16,eval", env=env).stdout.split() == ["eval"]
+    assert json.loads(summary.read_text()) == recorded  # a dry run writes nothing
+
+    summary.write_text(json.dumps([{"row": r, "passed": True} for r in full]))
+    done = _sh("--pending", env=env)
+    assert done.returncode == 0 and "nothing pending" in done.stdout
+    summary.write_text("{not json")
+    bad = _sh("--pending", env=env)
+    assert bad.returncode == 2 and str(summary) in bad.stderr
+
+
+def test_collect_merge_replaces_the_rows_run_again_and_keeps_the_others(tmp_path, monkeypatch, capsys):
+    old = [{"row": "a", "passed": True, "commit": "0ld0ld0", "date": "2026-12-01"},
+           {"row": "b", "passed": False, "problems": ["broke"]},
+           {"row": "c", "passed": None, "problems": ["not run: budget"]},
+           {"row": "d", "passed": False, "problems": ["broke too"]},
+           {"row": "gpu_check", "passed": False, "problems": ["ran past its 480 s limit"]}]
+    out = tmp_path / "gpu_check.json"
+    out.write_text(json.dumps(old))
+    new = [{"row": "e", "passed": None, "problems": ["not run: budget"]},
+           {"row": "b", "passed": True, "problems": []},
+           {"row": "c", "passed": False, "problems": ["broke now"]},
+           {"row": "d", "passed": None, "problems": ["not run: budget"]}]
+    results = tmp_path / "results.jsonl"
+    results.write_text("".join(json.dumps(r) + "\n" for r in new))
+    monkeypatch.setenv("GPU_CHECK_COMMIT", "abc1234")
+    code = gpu_check.main(["collect", str(results), str(out), "--merge", "--order", "a,b,c,d,e"])
+    assert code == 1  # c failed
+    merged = {r["row"]: r for r in json.loads(out.read_text())}
+    assert list(merged) == ["a", "b", "c", "d", "e"]  # the old gpu_check row was about its own run
+    assert merged["a"] == old[0]  # not run again: its verdict, commit and date stay
+    assert merged["b"]["passed"] is True and merged["b"]["commit"] == "abc1234" and merged["b"]["date"]
+    assert merged["c"]["problems"] == ["broke now"]
+    assert merged["d"] == old[3]  # not run for the budget: its last verdict says more
+    assert merged["e"]["passed"] is None and merged["e"]["commit"] == "abc1234"
+    assert "still pending: c, d, e" in capsys.readouterr().out
+    assert gpu_check.pending(list(merged.values()), ["a", "b", "c", "d", "e", "f"]) == ["c", "d", "e", "f"]
+
+
+def test_a_row_that_would_pass_the_limit_is_not_run_and_recorded_so(tmp_path):
+    """Before a row starts, the time spent plus its estimated cost must fit --limit; a row that does not is
+    a `passed: null` row, "not run: budget", and later cheaper rows still run (the dry run adds the
+    estimates up in place of the clock)."""
+    text = SCRIPT.read_text()
+    tiny, big = (int(re.search(rf"^{name}=(\d+)$", text, re.M).group(1)) for name in ("ROW_S_TINY", "ROW_S_BIG"))
+    cache = tmp_path / "cache"
+    done = _sh("--dry-run", "--only", "fp16,plan-fsdp2,grpo", "--limit", str(tiny + big - 1),
+               env={"CACHE": str(cache), "PYTHONPATH": str(ROOT / "src")})
+    assert done.returncode == 0, done.stderr[-2000:]
+    sections: dict[str, list[str]] = {}
+    for line in done.stdout.splitlines():
+        if line.startswith("row "):
+            sections[line.split()[1].rstrip(":")] = []
+        elif sections:
+            sections[list(sections)[-1]].append(line)
+    assert list(sections) == ["fp16", "plan-fsdp2", "grpo"]
+    assert sections["plan-fsdp2"] == [f"NOT RUN plan-fsdp2: budget (~{big} s needed, {big - 1} s left of the "
+                                      f"{tiny + big - 1} s limit)"]  # no command of it
+    assert any("-m shardtune finetune" in line for line in sections["grpo"])  # a cheaper row after it runs
+    summary = tmp_path / "gpu_check.json"
+    assert gpu_check.main(["collect", str(cache / "results.jsonl"), str(summary), "--merge"]) == 1  # none judged
+    rows = json.loads(summary.read_text())
+    assert [(r["row"], r["passed"]) for r in rows] == [("plan-fsdp2", None)]
+    assert rows[0]["problems"][0].startswith("not run: budget")
