@@ -9,7 +9,6 @@ server's probabilities as the mode says."""
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import pytest
@@ -17,8 +16,6 @@ import torch
 from safetensors.torch import load_file
 
 from shardtune.cli import main
-from shardtune.train.generator_client import GeneratorClient, GeneratorError
-from shardtune.train.sampling import SamplingSettings
 
 from tiny import write_jsonl
 from vllm_stub import Stub, serve
@@ -177,46 +174,6 @@ def test_the_loss_is_reweighted_by_the_trainers_over_the_servers_probabilities(v
         assert m["sampling/importance_sampling_ratio/max"] == pytest.approx(high, abs=1e-4), mode
         assert m["sampling/sampling_logp_difference/max"] == pytest.approx(SHIFT, abs=1e-4), mode
         assert m["sampling/sampling_logp_difference/mean"] == pytest.approx(2 * SHIFT / sum(lengths), abs=1e-4)
-
-
-def test_the_servers_log_probs_are_checked(tmp_path):
-    """A server that answers no log-probs, too few, or no log-probability stops the request with the choice named."""
-    settings = SamplingSettings(4, (257,), 258)
-
-    def asked(logprobs) -> str:
-        with serve(Stub(logprobs=logprobs)) as url:
-            client = GeneratorClient(url)
-            client.sync(tmp_path, 0)
-            rows = client.generate([[1, 2], [3]], 2, settings, 0)
-            assert all(c.logps is None for row in rows for c in row)  # not asked: none
-            with pytest.raises(GeneratorError) as err:
-                client.generate([[1, 2], [3]], 2, settings, 0, logprobs=True)
-        return str(err.value)
-
-    assert "choice 0 (prompt 0, completion 0) with 2 token log-probs for its 3 tokens" in \
-        asked(lambda prompt, ids: [-1.0] * (len(ids) - 1))
-    assert "log-prob 'x' at token 1" in asked(lambda prompt, ids: [-1.0, "x"] + [-1.0] * (len(ids) - 2))
-    assert "log-prob inf" in asked(lambda prompt, ids: [math.inf] * len(ids))
-    with serve(Stub(logprobs=lambda prompt, ids: [None if t == 0 else -0.5 for t in range(len(ids))])) as url:
-        client = GeneratorClient(url)
-        client.sync(tmp_path, 0)
-        rows = client.generate([[1, 2]], 2, settings, 0, logprobs=True)
-    assert [c.logps for c in rows[0]] == [[None, -0.5, -0.5], [None, -0.5, -0.5, -0.5]]  # null: unscored, as TRL
-
-    stub_less = Stub()
-    stub_less.handle = lambda method, path, body, handle=stub_less.handle: _without_logprobs(handle(method, path, body))
-    with serve(stub_less) as url:
-        client = GeneratorClient(url)
-        client.sync(tmp_path, 0)
-        with pytest.raises(GeneratorError, match="without logprobs.token_logprobs"):
-            client.generate([[1]], 1, settings, 0, logprobs=True)
-
-
-def _without_logprobs(answer: tuple[int, object]) -> tuple[int, object]:
-    code, body = answer
-    for choice in body.get("choices", []) if isinstance(body, dict) else []:
-        choice["logprobs"] = None
-    return code, body
 
 
 def test_a_server_that_keeps_serving_an_older_adapter_stops_the_run(vllm_root, capsys):
