@@ -1,10 +1,12 @@
 """The generator client's adapter-only sync against a stub of vLLM's HTTP API: each version loaded through the
 LoRA endpoint and checked, the previous one unloaded, completions read as token ids; a server that serves
-another adapter than the one just synced, or refuses runtime LoRA updates, stops with GeneratorError."""
+another adapter than the one just synced, or refuses runtime LoRA updates, stops with GeneratorError; the
+sampled tokens' log-probs (for the importance-sampling correction) read and checked."""
 
 from __future__ import annotations
 
 import contextlib
+import math
 
 import pytest
 
@@ -73,3 +75,43 @@ def test_an_unreachable_server_and_generating_before_a_sync_are_named(tmp_path):
         client.sync(tmp_path, 1)
     with pytest.raises(GeneratorError, match="before any adapter was synced"):
         client.generate([[1]], 1, SETTINGS, 0)
+
+
+def test_the_servers_log_probs_are_checked(tmp_path):
+    """A server that answers no log-probs, too few, or no log-probability stops the request with the choice named."""
+    settings = SETTINGS
+
+    def asked(logprobs) -> str:
+        with serve(Stub(logprobs=logprobs)) as url:
+            client = GeneratorClient(url)
+            client.sync(tmp_path, 0)
+            rows = client.generate([[1, 2], [3]], 2, settings, 0)
+            assert all(c.logps is None for row in rows for c in row)  # not asked: none
+            with pytest.raises(GeneratorError) as err:
+                client.generate([[1, 2], [3]], 2, settings, 0, logprobs=True)
+        return str(err.value)
+
+    assert "choice 0 (prompt 0, completion 0) with 2 token log-probs for its 3 tokens" in \
+        asked(lambda prompt, ids: [-1.0] * (len(ids) - 1))
+    assert "log-prob 'x' at token 1" in asked(lambda prompt, ids: [-1.0, "x"] + [-1.0] * (len(ids) - 2))
+    assert "log-prob inf" in asked(lambda prompt, ids: [math.inf] * len(ids))
+    with serve(Stub(logprobs=lambda prompt, ids: [None if t == 0 else -0.5 for t in range(len(ids))])) as url:
+        client = GeneratorClient(url)
+        client.sync(tmp_path, 0)
+        rows = client.generate([[1, 2]], 2, settings, 0, logprobs=True)
+    assert [c.logps for c in rows[0]] == [[None, -0.5, -0.5], [None, -0.5, -0.5, -0.5]]  # null: unscored, as TRL
+
+    stub_less = Stub()
+    stub_less.handle = lambda method, path, body, handle=stub_less.handle: _without_logprobs(handle(method, path, body))
+    with serve(stub_less) as url:
+        client = GeneratorClient(url)
+        client.sync(tmp_path, 0)
+        with pytest.raises(GeneratorError, match="without logprobs.token_logprobs"):
+            client.generate([[1]], 1, settings, 0, logprobs=True)
+
+
+def _without_logprobs(answer: tuple[int, object]) -> tuple[int, object]:
+    code, body = answer
+    for choice in body.get("choices", []) if isinstance(body, dict) else []:
+        choice["logprobs"] = None
+    return code, body

@@ -10,6 +10,8 @@ The loss, the metrics and every LoRA gradient must agree within 1e-5 relative, f
 β > 0, one iteration and the second of num_iterations = 2 (after a step moved the adapter, so ratios clip),
 and token- and sequence-level importance sampling. Then the batch cut over 2 "ranks" × 2 micro-batches
 (sums added, metrics all-reduced) must give TRL's loss and gradients under 4-step gradient accumulation.
+TRL's vLLM importance-sampling correction is driven through TRL's own code too: vLLM's log-probs are injected
+beside the completions, and TRL's ratio, ``sampling/*`` metrics, loss and gradients must be ours, in each mode.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import trl  # noqa: F401  (the oracle: in the test extra, so never skipped)
 from shardtune.train.grpo_advantages import completion_metrics, group_advantages
 from shardtune.train.grpo_loss import LOSS_TYPES, Counts, GRPOSettings, StepMetrics, grpo_terms, loss_mask
 from shardtune.train.rewards import RewardFunction, score, weights_of
+from shardtune.train.sampler_correction import MODES, importance_ratio, sampler_table
 
 from tiny import make_model
 
@@ -209,14 +212,15 @@ def our_generation(o: Oracle, scale: str = "group", aggregation: str = "sum_then
 
 
 def our_loss(o: Oracle, gen: dict, settings: GRPOSettings, iterations: int,
-             parts: list[list[int]] | None = None) -> dict:
+             parts: list[list[int]] | None = None, is_ratio: torch.Tensor | None = None) -> dict:
     """shardtune's loss on the same batch; ``parts``: the rows of each (rank, micro-batch), their sums added and
-    their metrics reduced as ranks would (default: the batch whole, one micro-batch)."""
+    their metrics reduced as ranks would (default: the batch whole, one micro-batch); ``is_ratio``: a vLLM
+    sampler's importance-sampling ratio (the old log-probs are then used even on a first iteration, as TRL)."""
     model, mask = o.model, gen["mask"]
     set_adapter(model, 11, 0.3)
     if iterations > 1:
         step_adapter(model, 12, 0.25)
-    old = gen["old"] if iterations > 1 else None
+    old = gen["old"] if iterations > 1 or is_ratio is not None else None
     ref = gen["ref"] if settings.beta else None
     parts = parts or [list(range(len(ROWS)))]
     counts = Counts(len(ROWS), int(mask.sum()), micro_batches=len(parts))
@@ -225,7 +229,8 @@ def our_loss(o: Oracle, gen: dict, settings: GRPOSettings, iterations: int,
         logps, entropies = token_logps(model, [gen["prompt_ids"][i] for i in rows], [o.completions[i] for i in rows],
                                        mask.size(1), entropy=True)
         terms = grpo_terms(settings, logps, mask[rows], gen["advantages"].advantages[rows], counts,
-                           None if old is None else old[rows], None if ref is None else ref[rows], entropies)
+                           None if old is None else old[rows], None if ref is None else ref[rows], entropies,
+                           None if is_ratio is None else is_ratio[rows])
         terms.loss.backward()
         loss += terms.loss.item()
         metrics = metrics.add(terms.metrics)
@@ -342,6 +347,87 @@ def test_split_over_ranks_and_micro_batches_equals_trl_accumulation(oracle, batc
         for name, value in whole["metrics"].items():
             assert math.isclose(split["metrics"][name], value, rel_tol=1e-6, abs_tol=1e-9) or \
                 (math.isnan(value) and math.isnan(split["metrics"][name])), name
+
+
+def sampler_logps(o: Oracle, old: torch.Tensor) -> list[list[float | None]]:
+    """What a vLLM sampler would report for the completion tokens: the trainer's log-probs, each shifted by seeded
+    noise (so that token and sequence ratios fall on both sides of the bounds), one token unscored (null, NaN in
+    TRL: left uncorrected)."""
+    g = torch.Generator().manual_seed(5)
+    out: list[list[float | None]] = [(old[i, :len(c)] + torch.randn(len(c), generator=g) * 0.8).tolist()
+                                     for i, c in enumerate(o.completions)]
+    out[1][2] = None
+    return out
+
+
+def trl_vllm_step(o: Oracle, settings: GRPOSettings, iterations: int, mode: str, low: float | None,
+                  high: float | None, sampled: list, mask_truncated: bool = False) -> dict:
+    """TRL's generation batch with vLLM's log-probs injected beside the completions and its correction on, then
+    its loss, metrics and LoRA gradients on that batch (iteration 2 after a step moved the adapter)."""
+    t = o.trainer
+    configure(o, settings, iterations, mask_truncated=mask_truncated)
+    t.use_vllm, t.vllm_importance_sampling_correction = True, True
+    t.vllm_importance_sampling_mode = mode
+    t.vllm_importance_sampling_clip_min, t.vllm_importance_sampling_clip_max = low, high
+    single_turn = t._generate_single_turn
+    t._generate_single_turn = lambda prompt_ids, images, fields, n, **kw: (
+        [list(c) for c in o.completions], [list(row) for row in sampled])
+    try:
+        set_adapter(o.model, 11, 0.3)
+        inputs = t._generate_and_score_completions([dict(r) for r in ROWS])
+        if iterations > 1:
+            step_adapter(o.model, 12, 0.25)
+        loss = t.compute_loss(o.model, inputs)
+        loss.backward()
+    finally:
+        t._generate_single_turn = single_turn
+        t.use_vllm = t.vllm_importance_sampling_correction = False
+    grads = {n: p.grad.clone() for n, p in lora_params(o.model).items()}
+    metrics = {k: v[-1] for k, v in t._metrics["train"].items()}
+    return {"loss": loss.item(), "grads": grads, "metrics": metrics, "ratio": inputs["importance_sampling_ratio"],
+            "old": inputs["old_per_token_logps"]}
+
+
+# TRL's vLLM importance-sampling correction: each mode with TRL's default bounds on dapo's first iteration (where
+# the old log-probs are computed only for it), with both bounds on grpo's second iteration with KL, with GSPO's
+# sequence ratio, with vespo (token modes only, as TRL), and with truncated completions masked.
+VLLM_CASES = [(mode, "dapo", 0.0, 1, "token", None, 3.0, False) for mode in MODES] + \
+    [(mode, "grpo", 0.04, 2, "token", 0.5, 2.0, False) for mode in MODES] + \
+    [("sequence_mask", "grpo", 0.04, 2, "sequence", None, 3.0, False),
+     ("token_truncate", "grpo", 0.0, 1, "sequence", 0.5, 2.0, False),
+     ("token_truncate", "vespo", 0.0, 2, "token", None, 3.0, False),
+     ("token_mask", "vespo", 0.04, 2, "token", 0.5, 2.0, False),
+     ("sequence_mask", "dapo", 0.04, 2, "token", None, 3.0, True),
+     ("token_mask", "bnpo", 0.0, 1, "token", 0.5, 2.0, True)]
+
+
+@pytest.mark.parametrize("mode,loss,beta,iterations,level,low,high,mask_truncated", VLLM_CASES,
+                         ids=[f"{c[0]}-{c[1]}-beta{c[2]}-it{c[3]}-{c[4]}-{c[5]}-{c[6]}{'-masktrunc' * c[7]}"
+                              for c in VLLM_CASES])
+def test_vllm_importance_sampling_equals_trl(oracle, mode, loss, beta, iterations, level, low, high,
+                                             mask_truncated):
+    settings = GRPOSettings(loss_type=loss, beta=beta, epsilon=0.2, epsilon_high=0.28,
+                            importance_sampling_level=level, max_completion_length=MAX_LEN)
+    ours_gen = our_generation(oracle, mask_truncated=mask_truncated)
+    sampled = sampler_logps(oracle, ours_gen["old"])
+    theirs = trl_vllm_step(oracle, settings, iterations, mode, low, high, sampled, mask_truncated)
+    mask = ours_gen["mask"]
+    ratio, found = importance_ratio(ours_gen["old"], sampler_table(sampled, mask.size(1)), mask, mode, low, high)
+    # the ratio TRL's loss multiplies by, and the old log-probs it was made from (computed even on iteration 1)
+    assert rel(ours_gen["old"] * mask, theirs["old"][:, :mask.size(1)] * mask) < TOLERANCE
+    assert ratio.shape == (len(ROWS), 1 if mode.startswith("sequence") else mask.size(1))
+    assert rel(ratio, theirs["ratio"][:, :ratio.size(1)]) < TOLERANCE
+    bounded = (ratio == 0).any() if mode.endswith("mask") else \
+        ((ratio == high) | (ratio == (low if low is not None else -1))).any()
+    assert bounded and not torch.all(ratio == 1)  # the case exercises the bounds
+    ours = our_loss(oracle, ours_gen, settings, iterations, is_ratio=ratio)
+    assert_same_step(ours, theirs, f"vLLM {mode} [{low}, {high}] {loss} beta={beta} it={iterations} {level}")
+    for name in ("sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max",
+                 "sampling/importance_sampling_ratio/min", "sampling/importance_sampling_ratio/mean",
+                 "sampling/importance_sampling_ratio/max"):
+        assert math.isclose(found[name], theirs["metrics"][name], rel_tol=1e-5, abs_tol=1e-6), \
+            (name, found[name], theirs["metrics"][name])
+    assert_same_metrics({**ours["metrics"], **ours_gen["metrics"], **found}, theirs["metrics"])
 
 
 def test_metrics_reduce_across_ranks_as_one_batch():

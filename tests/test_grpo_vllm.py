@@ -2,7 +2,9 @@
 server of tests/vllm_stub.py: before each generation batch the adapter alone is written and loaded as the
 version of that optimizer step, checked served, and the policy trains on the server's completions; a server
 that does not take a new version stops the run; an unreachable server, one without runtime LoRA, or an adapter
-vLLM cannot load are refused before any worker starts."""
+vLLM cannot load are refused before any worker starts. With TRL's vLLM importance-sampling correction (on by
+default) the server reports each sampled token's log-prob, and the loss is reweighted by the trainer's over the
+server's probabilities as the mode says."""
 
 from __future__ import annotations
 
@@ -83,6 +85,7 @@ def test_rollouts_come_from_the_server_synced_with_each_steps_adapter(vllm_root)
         assert (a["n"], a["max_tokens"], a["temperature"], a["top_p"], a["top_k"], a["stop_token_ids"]) == \
             (G, LIMIT, 0.9, 0.95, 50, [257])
         assert len(a["prompt"]) == 2 and all(isinstance(t, int) for p in a["prompt"] for t in p)
+        assert a["logprobs"] == 0  # the sampled tokens' own log-probs, for the importance-sampling correction
     # and training consumed the server's completions
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 3
@@ -90,9 +93,87 @@ def test_rollouts_come_from_the_server_synced_with_each_steps_adapter(vllm_root)
         assert m["completions/mean_length"] == pytest.approx((2 + 3 + 4 + LIMIT) / 4)  # EOS counted, as TRL
         assert m["completions/clipped_ratio"] == pytest.approx(0.25)
         assert m["reward"] == pytest.approx((1 + 0 + 3 + LIMIT) / 4)
+        # the default correction, sequence_mask with C_max 3: a sequence ratio above 3 is masked to 0
+        assert 0 <= m["sampling/importance_sampling_ratio/min"] <= m["sampling/importance_sampling_ratio/max"] <= 3
+        assert m["sampling/importance_sampling_ratio/max"] > 0
+        assert m["sampling/sampling_logp_difference/max"] > 0
     samples = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
     assert [s["completion"] for s in samples if s["step"] == 1] == [*TEXTS, "9" * LIMIT]
     assert [s["truncated"] for s in samples if s["step"] == 1] == [False, False, False, True]
+
+
+IS_METRICS = ("sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max",
+              "sampling/importance_sampling_ratio/min", "sampling/importance_sampling_ratio/mean",
+              "sampling/importance_sampling_ratio/max")
+SHIFT = 1.5  # what the server's log-prob of an odd completion's first token lacks of the trainer's: ratio e^1.5
+
+
+def trainer_logprobs(root: Path, tokenizer, shift: float):
+    """The server's log-probs: those of the trainer's first step (the base model: the new adapter's B is 0) at
+    the sampling temperature, each odd completion's first token lowered by ``shift``."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(root / "model", dtype=torch.float32).eval()
+    odd = {tuple(server_completion(tokenizer)([0], j, LIMIT)[0]) for j in (1, 3)}
+
+    def logprobs(prompt: list[int], ids: list[int]) -> list[float]:
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([prompt + ids])).logits[0, len(prompt) - 1:-1].float()
+        values = torch.log_softmax(logits / 0.9, -1).gather(1, torch.tensor(ids).unsqueeze(1)).squeeze(1)
+        if tuple(ids) in odd:
+            values[0] -= shift
+        return values.tolist()
+    return logprobs
+
+
+def test_the_loss_is_reweighted_by_the_trainers_over_the_servers_probabilities(vllm_root):
+    """One step on one rank, dapo (one mean over the batch's 2 x 15 tokens), β = 0: each token's loss is −A·ρ.
+    With the server's log-probs equal to the trainer's, ρ = 1 and the run is the run without the correction; with
+    an odd completion's first token e^1.5 > --vllm-importance-sampling-max 3 more likely to the trainer, ρ there
+    (token modes) or on that whole completion (sequence modes, the tokens' log-ratios summed) is masked to 0 or
+    truncated to 3."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(vllm_root / "model")
+
+    def run(name: str, shift: float, *extra: str) -> tuple[dict, list[float]]:
+        stub = Stub(complete=server_completion(tokenizer), logprobs=trainer_logprobs(vllm_root, tokenizer, shift))
+        with serve(stub) as url:
+            code = main(argv(vllm_root, name, url, "--steps", "1", "--strategy", "single", "--temperature", "0.9",
+                             "--lora-dropout", "0", *extra))
+        assert code == 0
+        out = vllm_root / name
+        [metrics] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        samples = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
+        return metrics, [s["advantage"] for s in samples]  # group 0's; group 1's completions are the same
+
+    off, adv = run("is-off", 0.0, "--vllm-importance-sampling", "off")
+    assert not any(name in off for name in IS_METRICS)
+    lengths, odd = [2, 3, 4, LIMIT], [0, 1, 0, 1]
+
+    def expected(weights: list[float]) -> float:  # −Σ A·Σ_t ρ / tokens, for one group (the other is the same)
+        return -sum(a * w for a, w in zip(adv, weights)) / sum(lengths)
+
+    assert off["loss"] == pytest.approx(expected(lengths), rel=1e-5)
+    assert abs(off["loss"]) > 0.05
+
+    same, _ = run("is-same", 0.0)  # the default: sequence_mask, C_max 3
+    assert same["loss"] == pytest.approx(off["loss"], rel=1e-5)
+    assert same["sampling/sampling_logp_difference/max"] < 1e-4
+    for name in ("min", "mean", "max"):
+        assert same[f"sampling/importance_sampling_ratio/{name}"] == pytest.approx(1.0, abs=1e-4)
+
+    # token_truncate and sequence_mask, and the lower bound, are checked against TRL in test_grpo_oracle.py: each
+    # run here starts a worker, so one token and one sequence mode, one masking and one truncating
+    cases = {"token_mask": ([n - o for n, o in zip(lengths, odd)], 0.0, 1.0),
+             "sequence_truncate": ([n * (1 + 2 * o) for n, o in zip(lengths, odd)], 1.0, 3.0)}
+    for mode, (weights, low, high) in cases.items():
+        m, _ = run(f"is-{mode}", SHIFT, "--vllm-importance-sampling", mode)
+        assert m["loss"] == pytest.approx(expected(weights), rel=1e-4), mode
+        assert m["sampling/importance_sampling_ratio/min"] == pytest.approx(low, abs=1e-4), mode
+        assert m["sampling/importance_sampling_ratio/max"] == pytest.approx(high, abs=1e-4), mode
+        assert m["sampling/sampling_logp_difference/max"] == pytest.approx(SHIFT, abs=1e-4), mode
+        assert m["sampling/sampling_logp_difference/mean"] == pytest.approx(2 * SHIFT / sum(lengths), abs=1e-4)
 
 
 def test_a_server_that_keeps_serving_an_older_adapter_stops_the_run(vllm_root, capsys):
@@ -123,6 +204,14 @@ def test_a_server_that_cannot_serve_the_adapter_is_refused_before_workers_start(
     refused("option 'vllm-url': 'localhost:8000' is no server address", url="localhost:8000")
     refused("does not take adapters with --lora-variant dora", extra=("--lora-variant", "dora"))
     refused("--lora-modules-to-save", extra=("--lora-modules-to-save", "lm_head"))
+    refused("'vllm-importance-sampling-min' (3) must be less than --vllm-importance-sampling-max (3)",
+            extra=("--vllm-importance-sampling-min", "3"))
+    refused("--grpo-loss vespo", "token_truncate or token_mask", extra=("--grpo-loss", "vespo"))
+    local = argv(vllm_root, "bad", "x")[:-2]  # the policy samples itself
+    for flag, value in (("--vllm-importance-sampling", "off"), ("--vllm-importance-sampling-max", "2"),
+                        ("--vllm-importance-sampling-min", "0.1")):
+        assert main([*local, flag, value]) == 2
+        assert f"option '{flag[2:]}' applies with --vllm-url only" in capsys.readouterr().err
     sft = ["finetune", "--model", str(vllm_root / "model"), "--data", str(vllm_root / "prompts.jsonl"), "--out",
            str(vllm_root / "bad"), "--vllm-url", "http://127.0.0.1:8000"]
     assert main(sft) == 2

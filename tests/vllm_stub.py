@@ -1,12 +1,14 @@
 """A stub of vLLM's OpenAI-compatible server, as far as train/generator_client.py uses it: the runtime LoRA
 endpoints (each adapter's tensors read when it is loaded, as vLLM reads them), ``/v1/models`` and
-``/v1/completions`` answering with token ids; ``mode`` makes it misbehave. ``serve`` runs one on a free port
-of 127.0.0.1 in a thread of the test process."""
+``/v1/completions`` answering with token ids (and, asked with ``logprobs: 0``, each token's log-prob as vLLM's
+``logprobs.token_logprobs``); ``mode`` makes it misbehave. ``serve`` runs one on a free port of 127.0.0.1 in a
+thread of the test process."""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import math
 import threading
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -18,14 +20,22 @@ def default_completion(prompt: list[int], j: int, max_tokens: int) -> tuple[list
     return ([len(prompt), j, 257], "stop") if j % 2 == 0 else ([j] * max_tokens, "length")
 
 
+def uniform_logprobs(prompt: list[int], ids: list[int]) -> list[float | None]:
+    """Each token at the log-prob of a uniform choice among the tiny models' 259 ids (near what an untrained
+    tiny model gives)."""
+    return [-math.log(259.0)] * len(ids)
+
+
 class Stub:
     """vLLM's endpoints; ``mode``: ok, stale (after the first adapter, loads answer success and change nothing),
     wrong-root (an adapter is listed from another folder), no-runtime-lora (the LoRA endpoints do not exist).
-    ``complete(prompt ids, completion index, max_tokens) -> (ids, finish_reason)`` makes each choice."""
+    ``complete(prompt ids, completion index, max_tokens) -> (ids, finish_reason)`` makes each choice,
+    ``logprobs(prompt ids, completion ids) -> one value per id`` its log-probs when asked."""
 
     def __init__(self, mode: str = "ok",
-                 complete: Callable[[list[int], int, int], tuple[list[int], str]] = default_completion) -> None:
-        self.mode, self.complete = mode, complete
+                 complete: Callable[[list[int], int, int], tuple[list[int], str]] = default_completion,
+                 logprobs: Callable[[list[int], list[int]], list] = uniform_logprobs) -> None:
+        self.mode, self.complete, self.logprobs = mode, complete, logprobs
         self.adapters: dict[str, str] = {}
         self.weights: dict[str, dict] = {}  # each loaded adapter's tensors, by name
         self.requests: list[tuple[str, dict]] = []
@@ -64,7 +74,14 @@ class Stub:
             for p, prompt in enumerate(body["prompt"]):
                 for j in range(body["n"]):
                     ids, finish = self.complete(prompt, j, body["max_tokens"])
-                    choices.append({"index": p * body["n"] + j, "text": "", "token_ids": ids, "finish_reason": finish})
+                    choice = {"index": p * body["n"] + j, "text": "", "token_ids": ids, "finish_reason": finish,
+                              "logprobs": None}
+                    if body.get("logprobs") is not None:
+                        values = self.logprobs(prompt, ids)
+                        choice["logprobs"] = {"text_offset": list(range(len(values))), "token_logprobs": values,
+                                              "tokens": [f"token_id:{t}" for t in ids],
+                                              "top_logprobs": [None] * len(values)}
+                    choices.append(choice)
             return 200, {"choices": list(reversed(choices))}
         return 404, {"detail": "Not Found"}
 

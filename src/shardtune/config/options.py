@@ -24,6 +24,8 @@ class ConfigError(ShardtuneError, ValueError):
 OBJECTIVES = ("sft", "dpo", "orpo", "simpo", "grpo")
 #: --grpo-loss values, as TRL 1.16's loss_type (train/grpo_loss.py implements each)
 GRPO_LOSSES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
+#: --vllm-importance-sampling values: off, or TRL 1.16's vllm_importance_sampling_mode (train/sampler_correction.py)
+VLLM_IS_MODES = ("off", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
 @dataclass(frozen=True)
@@ -236,6 +238,17 @@ class GrpoConfig:
         None, "vllm-url", WARN, "GRPO: sample the completions with a vLLM server at this URL (http://host:port) "
         "instead of the policy itself; after each optimizer step only the adapter is written and loaded through "
         "its runtime LoRA endpoint, checked served (docs/grpo.md).")
+    vllm_importance_sampling: str = opt(
+        "sequence_mask", "vllm-importance-sampling", WARN, "GRPO with --vllm-url: the loss reweighted by the ratio "
+        "of the trainer's to vLLM's probability of the sampled tokens (TRL's vLLM importance-sampling correction), "
+        "per token or per sequence, a ratio outside [min, max] truncated to it or masked to 0; off: none.",
+        VLLM_IS_MODES)
+    vllm_importance_sampling_max: float | None = opt(
+        3.0, "vllm-importance-sampling-max", WARN, "GRPO with --vllm-url: the correction's upper bound C_max "
+        "(null in a YAML config: none).", range=POSITIVE)
+    vllm_importance_sampling_min: float | None = opt(
+        None, "vllm-importance-sampling-min", WARN, "GRPO with --vllm-url: the correction's lower bound C_min.",
+        range=AT_LEAST_0)
 
 
 @dataclass

@@ -49,6 +49,9 @@ def validate(cfg: Config, need_data: bool = True) -> None:
     validate_preference(cfg)
 
 
+#: GRPO's options that correct for a vLLM sampler: refused without --vllm-url (the policy's own samples need none)
+VLLM_ONLY = ("vllm-importance-sampling", "vllm-importance-sampling-max", "vllm-importance-sampling-min")
+
 #: The options only some objectives read. One rule for all of them: set (to other than its default) under an
 #: objective that does not read it, an option is refused, never silently ignored.
 OBJECTIVE_OPTIONS = {"dpo-beta": ("dpo",), "dpo-loss": ("dpo",), "dpo-label-smoothing": ("dpo",),
@@ -58,7 +61,7 @@ OBJECTIVE_OPTIONS = {"dpo-beta": ("dpo",), "dpo-loss": ("dpo",), "dpo-label-smoo
                                                      "max-completion-length", "temperature", "top-p", "top-k",
                                                      "mask-truncated-completions", "grpo-loss", "scale-rewards",
                                                      "epsilon", "epsilon-high", "grpo-beta", "num-iterations",
-                                                     "importance-sampling", "vllm-url")}}
+                                                     "importance-sampling", "vllm-url", *VLLM_ONLY)}}
 
 
 def validate_preference(cfg: Config) -> None:
@@ -92,6 +95,13 @@ def validate_grpo(cfg: Config) -> None:
                           f"{g.num_generations}")
     if g.vllm_url:
         validate_vllm_url(cfg)
+    else:
+        for flag in VLLM_ONLY:
+            section, f = FLAGS[flag]
+            if getattr(getattr(cfg, section), f.name) != f.default:
+                raise ConfigError(f"option '{flag}' applies with --vllm-url only (it corrects the loss for a vLLM "
+                                  "sampler's probabilities; the policy's own completions need no correction): leave "
+                                  "it out, or give --vllm-url")
     if cfg.data.val:
         raise ConfigError("option 'val-data' does not apply to --objective grpo (a loss on held-out prompts means "
                           "little): measure held-out prompts with `shardtune eval --reward ...` instead")
@@ -115,6 +125,15 @@ def validate_vllm_url(cfg: Config) -> None:
         raise ConfigError(f"option 'vllm-url': vLLM's runtime LoRA loading does not take adapters with "
                           f"{' or '.join(unserved)} (it serves plain LoRA A/B only): leave {unserved[0].split()[0]} "
                           "out, or leave out --vllm-url for the policy to generate itself")
+    g = cfg.grpo
+    low, high = g.vllm_importance_sampling_min, g.vllm_importance_sampling_max
+    if low is not None and high is not None and low >= high:
+        raise ConfigError(f"option 'vllm-importance-sampling-min' ({low:g}) must be less than "
+                          f"--vllm-importance-sampling-max ({high:g})")
+    if g.loss == "vespo" and g.vllm_importance_sampling.startswith("sequence"):
+        raise ConfigError(f"option 'vllm-importance-sampling': --grpo-loss vespo weighs whole sequences itself and "
+                          f"takes the correction per token only (as TRL): use token_truncate or token_mask, or off, "
+                          f"not {g.vllm_importance_sampling}")
 
 
 def reward_weights(text: str | None) -> list[float] | None:

@@ -10,8 +10,10 @@ checks after each sync that the server serves exactly the version just written, 
                             GET  /v1/models: an entry NAME-vVERSION whose root is that folder, or GeneratorError
                             POST /v1/unload_lora_adapter {lora_name: the previous version}; GET /v1/models: gone
     generate(prompts, ...)  POST /v1/completions {model: NAME-vVERSION, prompt: token ids, n, seed, the sampling
-                            options, stop_token_ids: the EOS ids, return_token_ids: true}: each choice's token ids
-                            and whether the length limit cut it
+                            options, stop_token_ids: the EOS ids, return_token_ids: true, with ``logprobs`` also
+                            logprobs: 0}: each choice's token ids, whether the length limit cut it, and with
+                            ``logprobs`` the log-prob vLLM gave each sampled token (choices[i].logprobs.token_logprobs,
+                            one per token id; null where vLLM had none, e.g. a NaN, which TRL leaves uncorrected)
     check()                 before training: GET /v1/models answers, POST /v1/load_lora_adapter exists
 
 The server must allow runtime LoRA updates (``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``, ``--enable-lora``,
@@ -22,6 +24,7 @@ against a stub server (tests/vllm_stub.py).
 from __future__ import annotations
 
 import json
+import math
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
@@ -115,8 +118,9 @@ class GeneratorClient:
         return name
 
     def generate(self, prompts: Sequence[Sequence[int]], n: int, settings: SamplingSettings,
-                 seed: int) -> list[list[Completion]]:
-        """``n`` completions of each prompt (token ids) from the synced version; EOS kept as training keeps it."""
+                 seed: int, logprobs: bool = False) -> list[list[Completion]]:
+        """``n`` completions of each prompt (token ids) from the synced version; EOS kept as training keeps it;
+        ``logprobs``: with the log-prob the server gave each sampled token (``Completion.logps``)."""
         if self.current is None:
             raise GeneratorError(f"generator {self.url}: generate before any adapter was synced")
         body = {"model": self.current, "prompt": [list(p) for p in prompts], "n": n,
@@ -124,6 +128,8 @@ class GeneratorClient:
                 "temperature": settings.temperature, "top_p": settings.top_p, "top_k": settings.top_k or -1,
                 "seed": seed, "return_token_ids": True, "skip_special_tokens": False,
                 "include_stop_str_in_output": True}
+        if logprobs:
+            body["logprobs"] = 0  # the sampled token's own log-prob, no alternatives
         answer = self._request("POST", "/v1/completions", body)
         choices = answer.get("choices") if isinstance(answer, dict) else None
         if not isinstance(choices, list) or len(choices) != n * len(prompts):
@@ -135,5 +141,26 @@ class GeneratorClient:
             if not isinstance(ids, list):
                 raise GeneratorError(f"generator {self.url}: a choice has no token_ids (a vLLM that supports "
                                      "return_token_ids is needed)")
-            out[k // n].append(Completion(list(ids), truncated=choice.get("finish_reason") == "length"))
+            logps = self._logprobs(choice, len(ids), f"choice {k} (prompt {k // n}, completion {k % n})") \
+                if logprobs else None
+            out[k // n].append(Completion(list(ids), truncated=choice.get("finish_reason") == "length", logps=logps))
         return out
+
+    def _logprobs(self, choice: dict, tokens: int, which: str) -> list[float | None]:
+        """A choice's ``logprobs.token_logprobs``: one number <= 0 or null per token, or GeneratorError naming the
+        request and the choice."""
+        where = f"generator {self.url}: POST /v1/completions (model {self.current}) answered {which}"
+        found = choice.get("logprobs")
+        values = found.get("token_logprobs") if isinstance(found, dict) else None
+        if not isinstance(values, list):
+            raise GeneratorError(f"{where} without logprobs.token_logprobs, asked with logprobs: 0 (a vLLM "
+                                 "OpenAI-compatible server answers them; or set --vllm-importance-sampling off)")
+        if len(values) != tokens:
+            raise GeneratorError(f"{where} with {len(values)} token log-probs for its {tokens} tokens")
+        for t, v in enumerate(values):
+            bad = v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or math.isinf(v)
+                                     or v > 1e-3)
+            if bad:
+                raise GeneratorError(f"{where} with log-prob {v!r} at token {t}: not a log-probability (a finite "
+                                     "number <= 0, or null)")
+        return [None if v is None or math.isnan(v) else float(v) for v in values]

@@ -13,6 +13,9 @@ A the advantage, ε_low = epsilon, ε_high = epsilon_high (default epsilon):
   sapo                          −σ(τ·(r − 1))·4/τ · A,  τ = sapo_temperature_pos if A > 0 else _neg
   vespo                         −φ(w)·A·logπ,  φ(w) = e^λ·w^k·e^(−λw) (no grad), w the sequence ratio
   plus beta · k3 KL:            (exp(ref − logπ) − (ref − logπ) − 1) · r  (the · r: use_bias_correction_kl)
+With a vLLM sampler's importance-sampling ratio ρ (train/sampler_correction.py; per token or per sequence) the
+policy term above is multiplied by ρ before the KL term is added (vespo: log ρ joins its sequence weight's log
+w instead), as TRL's ``vllm_importance_sampling_correction``.
 
 Aggregation: each loss is ``Σ_rows weight_row · Σ_t loss_t · mask_t`` with GLOBAL counts in the weights, so
 that adding the sums of every micro-batch of every rank gives the loss of the whole optimizer step, exactly
@@ -168,10 +171,13 @@ def _row_weights(settings: GRPOSettings, mask: torch.Tensor, counts: Counts) -> 
 
 @torch.no_grad()
 def _gamma_weights(settings: GRPOSettings, advantages: torch.Tensor, log_ratio: torch.Tensor,
-                   mask: torch.Tensor) -> torch.Tensor:
-    """VESPO's φ(w) per sequence (rows, 1), as TRL's ``get_gamma_weights`` without a sampler's ratio."""
+                   mask: torch.Tensor, is_ratio: torch.Tensor | None = None) -> torch.Tensor:
+    """VESPO's φ(w) per sequence (rows, 1), as TRL's ``get_gamma_weights``; ``is_ratio``: a vLLM sampler's
+    per-token ratio, whose clamped logs join the sequence's (unmasked, as TRL's)."""
     lower = math.log(1e-8)
     seq_log_ratio = (log_ratio.clamp(-20.0, 20.0) * mask).sum(-1, keepdim=True)
+    if is_ratio is not None:
+        seq_log_ratio = seq_log_ratio + torch.log(is_ratio).clamp(lower, 20.0).sum(-1, keepdim=True)
     log_w = seq_log_ratio.clamp(lower, 20.0)
     nonneg = advantages >= 0
     k = torch.where(nonneg, settings.vespo_k_pos, settings.vespo_k_neg)
@@ -197,11 +203,12 @@ def _seq_means(x: torch.Tensor, mask: torch.Tensor, per_sequence: bool) -> torch
 
 def grpo_terms(settings: GRPOSettings, logps: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor,
                counts: Counts, old_logps: torch.Tensor | None = None, ref_logps: torch.Tensor | None = None,
-               entropies: torch.Tensor | None = None) -> GRPOTerms:
+               entropies: torch.Tensor | None = None, is_ratio: torch.Tensor | None = None) -> GRPOTerms:
     """This micro-batch's loss (a sum with global normalisers, see the module's text) and metrics.
 
     ``logps``, ``mask``, ``old_logps``, ``ref_logps``, ``entropies``: (rows, time); ``advantages``: (rows,).
-    ``entropies`` (optional) only feed the ``entropy`` metric."""
+    ``entropies`` (optional) only feed the ``entropy`` metric. ``is_ratio``: a vLLM sampler's importance-sampling
+    ratio, (rows, time) or (rows, 1) (train/sampler_correction.py); None: no correction."""
     if settings.beta != 0.0 and ref_logps is None:
         raise ValueError("beta != 0 needs the reference's log-probs")
     mask = mask.to(logps.dtype)
@@ -236,8 +243,10 @@ def grpo_terms(settings: GRPOSettings, logps: torch.Tensor, mask: torch.Tensor, 
         per_token = -torch.sigmoid(tau * (coef_1 - 1)) * 4 / tau * adv
     else:
         assert t == "vespo"
-        phi = _gamma_weights(settings, adv, log_ratio, mask)
+        phi = _gamma_weights(settings, adv, log_ratio, mask, is_ratio)
         per_token = -phi * adv * logps
+    if is_ratio is not None and t != "vespo":
+        per_token = per_token * is_ratio.to(per_token.dtype)
     if kl is not None:
         per_token = per_token + settings.beta * kl
     loss = (per_token * mask * _row_weights(settings, mask, counts)).sum()

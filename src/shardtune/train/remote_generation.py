@@ -16,9 +16,10 @@ is raised on every rank, never leaving the others in a collective. The server mu
 (the same machine, or a shared file system).
 
 The log-probs of the loss are computed by the sharded policy as for its own completions; the server's
-numerics differ from the trainer's (another kernel, or a 16-bit base under a --quantize nf4 policy), and the
-ratio of the first iteration is taken against the trainer's log-probs, as TRL does without its vLLM
-importance-sampling correction.
+numerics differ from the trainer's (another kernel, or a 16-bit base under a --quantize nf4 policy). Unless
+--vllm-importance-sampling is off, the server is asked for each sampled token's log-prob too, and the loss is
+reweighted by the trainer's over the server's probabilities, as TRL's vLLM importance-sampling correction
+(train/sampler_correction.py; the ratio is made in train/rollout.py).
 """
 
 from __future__ import annotations
@@ -88,7 +89,8 @@ class RemoteGenerator:
                     if self.version is not None:
                         shutil.rmtree(self.folder / f"v{self.version}", ignore_errors=True)
                 seed = completion_seed(self.cfg.train.seed, batch, -1, -1) & 0x7FFFFFFF
-                answer = self._checked(self.client.generate(prompts, n, settings, seed), settings)
+                logprobs = self.cfg.grpo.vllm_importance_sampling != "off"
+                answer = self._checked(self.client.generate(prompts, n, settings, seed, logprobs), settings)
             except GeneratorError as err:
                 answer = err
         answer = distributed.all_gather_object(answer)[0] if self.worker.world_size > 1 else answer

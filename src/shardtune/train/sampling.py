@@ -61,6 +61,7 @@ class SamplingSettings:
 class Completion:
     ids: list[int]  # the sampled tokens, the EOS included when the completion ended with one
     truncated: bool  # cut by max_new_tokens
+    logps: list[float | None] | None = None  # a vLLM sampler's log-prob of each token (None: one it did not score)
 
 
 def completion_seed(seed: int, step: int, prompt_index: int, completion_index: int) -> int:
