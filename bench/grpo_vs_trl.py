@@ -350,6 +350,10 @@ def main() -> None:
     names = [*ROWS, "trl"]
     parser.add_argument("--rows", default=",".join(names), help="comma-separated: " + ", ".join(names))
     parser.add_argument("--layers", type=int, default=4, help="decoder layers of the SmolLM2-135M-shaped model")
+    parser.add_argument("--size", choices=["smollm2", "1.1b"], default="smollm2",
+                        help="the model: SmolLM2-135M's shape with --layers layers, or bench/fake_model.py's random "
+                             "TinyLlama-1.1B shape (22 layers, untied 32k vocabulary, bf16 on disk, run in fp32), "
+                             "where the weights, not the processes' runtime, make most of each peak")
     parser.add_argument("--steps", type=int, default=4, help="optimizer steps (the first is warm-up)")
     parser.add_argument("--batch", type=int, default=8, help="completions per optimizer step over all ranks")
     parser.add_argument("--generations", type=int, default=4, help="completions per prompt (G)")
@@ -379,10 +383,16 @@ def main() -> None:
     from record import git_commit, plan_flags, replan_record, run_record
 
     args.cache.mkdir(parents=True, exist_ok=True)
-    model = make_model(args.layers, args.cache)
+    if args.size == "1.1b":
+        from fake_model import make_checkpoint
+
+        model, described = make_checkpoint("1.1b", args.cache), "TinyLlama-1.1B shape (22 layers), random"
+    else:
+        model, described = make_model(args.layers, args.cache), f"SmolLM2-135M shape, {args.layers} layers, random"
     data = make_prompts(args.cache, args.prompt_tokens, args.batch // args.generations * args.steps * 2)
     check_prompts(model, data, args.prompt_tokens)
-    out = args.out or (args.cache / "grpo-vs-trl-quick.json" if args.quick else HERE / "results" / "grpo-vs-trl.json")
+    named = "grpo-vs-trl-1.1b.json" if args.size == "1.1b" else "grpo-vs-trl.json"
+    out = args.out or (args.cache / "grpo-vs-trl-quick.json" if args.quick else HERE / "results" / named)
     if args.replan:  # no job: the measured rows predicted again by the planner as it is now
         if not out.is_file():
             parser.error(f"--replan predicts the measured rows of {out} again: no such file")
@@ -407,7 +417,8 @@ def main() -> None:
     print(text + "\n\n" + "\n".join(lines))
     from dpo_speed import loadavg
 
-    result = {**run_record(), "model": f"SmolLM2-135M shape, {args.layers} layers, random", "layers": args.layers,
+    layers = 22 if args.size == "1.1b" else args.layers
+    result = {**run_record(), "model": described, "size": args.size, "layers": layers,
               "dtype": "fp32", "nproc": args.nproc, "steps": args.steps, "global_batch": args.batch,
               "generations": args.generations, "prompt_tokens": args.prompt_tokens,
               "completion_tokens": args.completion_tokens, "lora": LORA, "loadavg_end": loadavg(), "rows": rows,
