@@ -154,7 +154,10 @@ def test_two_fsdp2_ranks_train_like_one_on_a_4bit_base(grpo_root):
         args = argv(grpo_root, out, "--quantize", "nf4", "--steps", "2", "--num-iterations", "1", *extra)
         args[args.index("--model") + 1] = str(model)
         assert main(args) == 0
-    assert json.loads((grpo_root / "nf4-two" / "summary.json").read_text())["world_size"] == 2
+    summary = json.loads((grpo_root / "nf4-two" / "summary.json").read_text())
+    # the tiny model fits gathered and dequantized: each 4-bit weight is dequantized once per generation (the
+    # one rank dequantizes in every forward), and the completions below are the same
+    assert summary["world_size"] == 2 and summary["run_plan"]["generation_dequantized"] is True
     rows = metrics(grpo_root / "nf4-one")
     assert rows[1]["kl"] > 0 and rows[0]["grad_norm"] > 0  # it learned, away from the 4-bit reference
     same_training(grpo_root / "nf4-one", grpo_root / "nf4-two", 2)
@@ -249,6 +252,32 @@ def test_generation_keeps_the_weights_gathered_only_where_they_fit(grpo_root, ca
     assert tight["run_plan"]["generation_gathered"] is False
     assert tight["fsdp2"]["terms"]["blocks"] < kept["fsdp2"]["terms"]["blocks"]
     assert tight["fsdp2"]["peak_mb"] < kept["fsdp2"]["peak_mb"] - 0.05
+
+
+def test_a_4bit_base_is_dequantized_once_per_generation_only_where_it_fits(grpo_root, capsys):
+    """--quantize nf4, the weights kept gathered: the run plan dequantizes each 4-bit weight once per generation
+    (not in every token's forward) when the peak with all of them in the compute dtype fits too; just below
+    it, they stay 4-bit (the weights still gathered) and the prediction counts no dequantized weight."""
+    from shardtune.runtime.memory import MB
+
+    from tiny import make_model
+
+    model = make_model(grpo_root / "model-64-plan", "llama", hidden=64, row_scales=True)  # NF4's blocks divide it
+
+    def plan(budget: str) -> dict:
+        args = argv(grpo_root, "plan")[1:]
+        args[args.index("--model") + 1] = str(model)
+        code = main(["plan", *args, "--quantize", "nf4", "--nproc", "2", "--strategy", "fsdp2",
+                     "--micro-batch-size", "1", "--memory-per-rank", budget, "--json"])
+        assert code == 0
+        return json.loads(capsys.readouterr().out)
+
+    once = plan("1TiB")
+    assert once["run_plan"]["generation_dequantized"] is True and once["fsdp2"]["peak_at"] == "generation (KV cache)"
+    assert once["fsdp2"]["terms"]["dequant"] > 0.05
+    tight = plan(f"{int((once['fsdp2']['peak_mb'] - 0.05) * MB)}B")
+    assert tight["run_plan"]["generation_gathered"] is True and tight["run_plan"]["generation_dequantized"] is False
+    assert tight["fsdp2"]["peak_mb"] < once["fsdp2"]["peak_mb"] - 0.05
 
 
 def test_steps_with_nothing_to_learn_are_no_divergence_under_ddp(grpo_root):

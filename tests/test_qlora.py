@@ -288,3 +288,26 @@ def test_dequantization_builds_its_code_table_once_on_the_weights_device():
     with Aranges():
         again = nf4_torchao.dequantize(t)
     assert made == [] and torch.equal(first, again) and torch.equal(first, t._torchao_get_original_weight())
+
+
+def test_dequantized_once_reuses_each_weights_values_inside_the_block_only(monkeypatch):
+    """GRPO's generation (kept gathered) runs a forward per token on weights that do not change: inside
+    ``dequantized_once`` each NF4 weight is dequantized at its first matmul only, to the same values, so the
+    same outputs; the values are let go when the block ends, and every matmul dequantizes again after it."""
+    import torch.nn.functional as F
+
+    weights = [quantize.quantize_whole(_rows_of_uneven_scale(64, 256, seed).float()) for seed in (1, 2)]
+    for w in weights:
+        assert type(w).__name__ == "NF4Tensor"
+    x = torch.randn(3, 256)
+    before = [F.linear(x, w) for w in weights]
+    made = []
+    inner = nf4_torchao._dequantize
+    monkeypatch.setattr(nf4_torchao, "_dequantize", lambda t: made.append(t) or inner(t))
+    with torch.no_grad(), nf4_torchao.dequantized_once():
+        for _ in range(3):  # three tokens' forwards
+            assert all(torch.equal(F.linear(x, w), b) for w, b in zip(weights, before))
+        assert len(made) == 2 and all(m is w for m, w in zip(made, weights))  # once per weight
+    assert nf4_torchao._kept is None  # let go
+    F.linear(x, weights[0])
+    assert len(made) == 3  # outside the block, each matmul dequantizes again

@@ -90,6 +90,9 @@ class RunPlan:
     #: GRPO under a sharded strategy: the weights stay gathered for a whole generation instead of being
     #: gathered again by every token's forward; decided by ``resolve`` from the predicted peak and the budget
     generation_gathered: bool = False
+    #: kept gathered, a 4-bit base's NF4 weights are dequantized once per generation instead of in every
+    #: token's forward (the same values); decided likewise, when all of them in the compute dtype fit too
+    generation_dequantized: bool = False
     why: str = ""  # what the automatic choice picked and why; "" when nothing was left to choose
 
     @property
@@ -114,7 +117,8 @@ class RunPlan:
             cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, mlp_tile=self.mlp_tile or None))
         # decided from the memory a rank may use, as the automatic choice is: carried, not re-decided
         expected = dataclasses.replace(RunPlan.of(cfg, world_size, device, self.backend, self.why),
-                                       generation_gathered=self.generation_gathered)
+                                       generation_gathered=self.generation_gathered,
+                                       generation_dequantized=self.generation_dequantized)
         if expected != self:
             diff = {k: (v, getattr(self, k)) for k, v in dataclasses.asdict(expected).items()
                     if getattr(self, k) != (BatchSplit(**v) if k == "batch" else v)}

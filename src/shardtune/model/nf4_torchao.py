@@ -10,7 +10,9 @@ private path, its fields and the routing are runtime/compat's (``nf4_tensor_modu
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 
 import torch
 
@@ -38,14 +40,40 @@ def nf4_module():
 
 DEQUANT_CHUNK = 1 << 20  # packed bytes (2 weights each) dequantized at a time
 
+#: Inside ``dequantized_once``: each NF4 weight (by identity) and its dequantized values, kept.
+_kept: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
+
+
+@contextlib.contextmanager
+def dequantized_once() -> Iterator[None]:
+    """Inside, each NF4 weight is dequantized at its first use and its values are kept for every later
+    one, until the block ends (then they are let go): for many no_grad forwards of weights that do not
+    change (GRPO's generation, a forward per token). The same values as dequantizing in every forward,
+    for the memory of every weight used in the compute dtype."""
+    global _kept
+    outer, _kept = _kept, {} if _kept is None else _kept
+    try:
+        yield
+    finally:
+        _kept = outer
+
 
 def dequantize(t: torch.Tensor, original=None) -> torch.Tensor:
     """``NF4Tensor.get_original_weight``, the same values bit for bit, in a fraction of the memory.
 
     torchao's version holds two int64 index tensors and four temporaries of the whole weight at once,
     several times the result's size, for each weight forward and backward dequantize. Here the result
-    is written a chunk of blocks at a time, with the same elementwise products.
+    is written a chunk of blocks at a time, with the same elementwise products. Inside
+    ``dequantized_once`` each weight's values are made once and reused.
     """
+    if _kept is None:
+        return _dequantize(t)
+    if id(t) not in _kept:  # the weight is held with its values: its id cannot become another's
+        _kept[id(t)] = (t, _dequantize(t))
+    return _kept[id(t)][1]
+
+
+def _dequantize(t: torch.Tensor) -> torch.Tensor:
     scalers = t.dequantize_scalers(t.quantized_scalers, t.quantization_factor, t.scaler_block_size)
     half = t.block_size // 2  # packed bytes per block
     pairs = _on_table(t.nf4, "pairs", _value_pairs)

@@ -210,17 +210,26 @@ def gathers_to_generate(setting: Setting) -> bool:
     return bool(setting.generation_rows) and traits(setting.strategy).shards and setting.ranks > 1
 
 
-def generation_gathered(search: Search, setting: Setting, budget: int | None) -> tuple[bool, Prediction]:
-    """Whether GRPO's generation keeps the weights gathered in ``setting``, and the prediction it runs by:
-    kept when the predicted peak with the whole model gathered fits ``budget`` (bytes per rank; None:
-    nothing to judge by, not kept). A setting that does not generate, or whose strategy gathers nothing
-    for a forward (``gathers_to_generate``), is returned unchanged."""
+def generation_gathered(search: Search, setting: Setting, budget: int | None) -> tuple[Setting, Prediction]:
+    """``setting`` with what GRPO's generation keeps decided, and the prediction it runs by: the weights stay
+    gathered (``generation_gathered``) when the predicted peak with the whole model gathered fits ``budget``
+    (bytes per rank; None: nothing to judge by, not kept); kept gathered, a 4-bit base's NF4 weights are
+    dequantized once per generation (``generation_dequantized``) when the peak with all of them in the
+    compute dtype fits too. A setting that does not generate, or whose strategy gathers nothing for a
+    forward (``gathers_to_generate``), is returned unchanged."""
+    chosen, prediction = setting, search.predict(setting)
     if not gathers_to_generate(setting):
-        return False, search.predict(setting)
-    kept = search.predict(dataclasses.replace(setting, generation_gathered=True))
-    if budget is not None and kept.peak_mb * MB <= budget:
-        return True, kept
-    return False, search.predict(setting)
+        return chosen, prediction
+    steps = [{"generation_gathered": True}]
+    if search.facts.nf4_dequantized_bytes:
+        steps.append({"generation_gathered": True, "generation_dequantized": True})
+    for step in steps:
+        candidate = dataclasses.replace(setting, **step)
+        predicted = search.predict(candidate)
+        if budget is None or predicted.peak_mb * MB > budget:
+            break
+        chosen, prediction = candidate, predicted
+    return chosen, prediction
 
 
 def rows_per_rank(cfg: Config, world: int, lengths: Lengths | None) -> int:

@@ -92,7 +92,8 @@ TERMS: dict[str, str] = {
     "kv_cache": "GRPO's generation: the KV cache of the completions a rank samples at once (keys and values "
                 "of every layer for prompt + completion tokens), with the last position's logits",
     "dequant": "--quantize nf4: the largest 4-bit weight dequantized to the compute dtype for its matmul "
-               "(forward and backward); while loading, a rank's bf16 slice of it being quantized",
+               "(forward and backward); while loading, a rank's bf16 slice of it being quantized; in GRPO's "
+               "generation, when they fit, every 4-bit weight dequantized once for the whole generation",
 }
 #: Bytes per weight while a bf16 slice is quantized (the slice, its scaled copy, one code byte per
 #: weight, the packed codes), as a multiple of the slice's bf16 bytes: torchao's to_nf4 steps.
@@ -235,6 +236,8 @@ class Setting:
     generation_tokens: int = 0
     #: GRPO under FSDP2: the whole model stays gathered for the generation (``RunPlan.generation_gathered``)
     generation_gathered: bool = False
+    #: kept gathered, every NF4 weight dequantized once for the generation (``RunPlan.generation_dequantized``)
+    generation_dequantized: bool = False
 
 
 def predict(f: Facts, s: Setting, device: str) -> Prediction:
@@ -365,9 +368,10 @@ def _generation_terms(f: Facts, s: Setting, n: int, vocab: int, kept: dict[str, 
     compute dtype next to the shards, plus one unit's gather buffer, or the shared ``buffers`` kept for the
     run on CPU; row-sharded tables are never gathered: sharded_embeddings.exchanged), one
     layer's prefill activations (no_grad) and the last position's logits with the sampler's fp64 softmax
-    and cumulative sum. The vocabulary-parallel head's exchange (the rank's block of every rank's logits,
-    then its own logits received) is two logits' worth, inside the forward, before the sampler's
-    temporaries exist: within the logits term."""
+    and cumulative sum; dequantized once (``generation_dequantized``), every NF4 weight in the compute dtype.
+    The vocabulary-parallel head's exchange (the rank's block of every rank's logits, then its own logits
+    received) is two logits' worth, inside the forward, before the sampler's temporaries exist: within the
+    logits term."""
     rows, tokens = s.generation_rows, s.generation_tokens
     # through CPU FSDP2's shared ``buffers`` a gathered unit is one copy; else FSDP2's buffer and copy-out
     copies = 1 if buffers else GATHER_COPIES.get((s.strategy, "cuda"), 0)
@@ -377,7 +381,8 @@ def _generation_terms(f: Facts, s: Setting, n: int, vocab: int, kept: dict[str, 
         gathered = f.layers * f.block_bytes + root + max(0, copies - 1) * f.block_bytes
     prefill = 8 * rows * tokens * f.hidden * f.compute_itemsize
     return {"kv_cache": rows * tokens * f.kv_bytes_per_token + rows * vocab * (f.compute_itemsize + 4 + 16),
-            "blocks": gathered, "buffers": buffers, "activations": prefill, "grads": -kept["grads"]}
+            "blocks": gathered, "buffers": buffers, "activations": prefill, "grads": -kept["grads"],
+            "dequant": f.nf4_dequantized_bytes if s.generation_dequantized else 0.0}
 
 
 def _head_terms(f: Facts, tokens: int, vocab: int, blocks: int, chunk_override: int = 0) -> tuple[float, float]:

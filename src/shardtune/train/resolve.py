@@ -35,6 +35,7 @@ from shardtune.train.longest import too_long
 
 if TYPE_CHECKING:
     from shardtune.train.data.records import Lengths
+    from shardtune.train.memory_model import Setting
 
 log = logging.getLogger("shardtune")
 
@@ -72,8 +73,9 @@ def resolve(cfg: Config, lengths: Lengths | None = None, model: nn.Module | None
 
 
 def _generation(cfg: Config, plan: RunPlan, search: Search) -> RunPlan:
-    """``plan`` with ``generation_gathered`` decided: GRPO under FSDP2 on several ranks keeps the weights
-    gathered for a whole generation when the predicted peak with them fits the memory a rank may use."""
+    """``plan`` with ``generation_gathered`` (and ``generation_dequantized``) decided: GRPO under FSDP2 on several
+    ranks keeps the weights gathered for a whole generation when the predicted peak with them fits the memory
+    a rank may use, and a 4-bit base's weights dequantized once when that fits too (``generation_gathered``)."""
     setting = dataclasses.replace(
         search.setting(plan.strategy, plan.world_size, plan.batch.micro_batch_size),
         activation_checkpointing=plan.activation_checkpointing, cpu_offload=plan.cpu_offload,
@@ -81,14 +83,30 @@ def _generation(cfg: Config, plan: RunPlan, search: Search) -> RunPlan:
     if not gathers_to_generate(setting):
         return plan
     budget, where = budget_of(cfg)
-    keep = generation_gathered(search, setting, budget)[0]
+    chosen = generation_gathered(search, setting, budget)[0]
     if budget is not None:
-        peak = format_size(search.predict(dataclasses.replace(setting, generation_gathered=True)).peak_mb * MB)
-        said = ("generation keeps the weights gathered: predicted peak %s of %s per rank (%s)" if keep else
-                "generation gathers the weights again for every token: kept gathered, the predicted peak %s "
-                "exceeds %s per rank (%s)")
-        log.info(said, peak, format_size(budget), where)
-    return dataclasses.replace(plan, generation_gathered=keep)
+        log.info("%s", _generation_said(search, setting, chosen, f"{format_size(budget)} per rank ({where})"))
+    return dataclasses.replace(plan, generation_gathered=chosen.generation_gathered,
+                               generation_dequantized=chosen.generation_dequantized)
+
+
+def _generation_said(search: Search, setting: Setting, chosen: Setting, budget: str) -> str:
+    """The log line saying what generation keeps (``chosen``), with the predicted peaks that decided it."""
+    def peak(**kept: bool) -> str:
+        return format_size(search.predict(dataclasses.replace(setting, **kept)).peak_mb * MB)
+
+    gathered = peak(generation_gathered=True)
+    if not chosen.generation_gathered:
+        return f"generation gathers the weights again for every token: kept gathered, the predicted peak " \
+               f"{gathered} exceeds {budget}"
+    said = "generation keeps the weights gathered"
+    if not search.facts.nf4_dequantized_bytes:
+        return f"{said}: predicted peak {gathered} of {budget}"
+    once = peak(generation_gathered=True, generation_dequantized=True)
+    if chosen.generation_dequantized:
+        return f"{said} and the 4-bit ones dequantized once: predicted peak {once} of {budget}"
+    return f"{said}: predicted peak {gathered} of {budget}; the 4-bit ones are dequantized in every token's " \
+           f"forward (dequantized once, the predicted peak {once} would exceed it)"
 
 
 def resolve_on(worker: Worker, cfg: Config, batches: bool = True) -> RunPlan:

@@ -65,7 +65,8 @@ class Rollouts:
 
     def __init__(self, cfg: Config, trainee: Trainee, tokenizer, prompts: list[Example],
                  records: list[tuple[int, dict]], split: BatchSplit, rewards: list[RewardFunction], attention: str,
-                 dtype: torch.dtype, gathered: bool = False, remote: RemoteGenerator | None = None) -> None:
+                 dtype: torch.dtype, gathered: bool = False, dequantized: bool = False,
+                 remote: RemoteGenerator | None = None) -> None:
         assert isinstance(trainee.objective, Grpo)
         self.cfg, self.t, self.tokenizer, self.split, self.rewards = cfg, trainee, tokenizer, split, rewards
         self.objective: Grpo = trainee.objective
@@ -84,6 +85,7 @@ class Rollouts:
                         if g.beta > 0 and cfg.lora.init_adapter else None)
         self.batcher: Batcher | None = None
         self.gathered = gathered  # the weights stay gathered while generating (RunPlan.generation_gathered)
+        self.dequantized = dequantized  # and NF4 ones dequantized once (RunPlan.generation_dequantized)
         self.remote = remote  # --vllm-url: the completions come from a vLLM server instead
 
     # ------------------------------------------------------------------------------------------ a step's items
@@ -113,7 +115,8 @@ class Rollouts:
                 sampled = [c.logps for c in every]
         else:
             done = generate(self.t.model, self.t.strategy, w, [self.prompts[p].input_ids for p, _ in mine], mine,
-                            self.settings, self.cfg.train.seed, index, keep=self.gathered)
+                            self.settings, self.cfg.train.seed, index, keep=self.gathered,
+                            dequantized=self.dequantized)
         ids = [c.ids for c in done]
         try:
             found: object = self._score(mine, ids, step)
