@@ -71,7 +71,7 @@ def cmd_env(args: argparse.Namespace) -> int:
         nccl = ".".join(map(str, torch.cuda.nccl.version()))
         lines.update(gpu=props.name, capability=f"{props.major}.{props.minor}",
                      memory_gib=round(props.total_memory / 2**30, 1), nccl=nccl)
-    for module in ("flash_attn", "lm_eval", "torchao"):
+    for module in ("flash_attn", "lm_eval", "torchao", "vllm"):
         try:
             __import__(module)
             lines[module] = "yes"

@@ -40,7 +40,9 @@
 # torchrun, two-ranks-one-gpu; and on the 1.1B model a planner row per strategy (plan-fsdp2, plan-fsdp1,
 # plan-ddp, plan-single: the whole planned peak against torch's max reserved memory plus what the GPU
 # holds outside it, from mem_get_info), offload, ac, nf4-big, auto-limit (the automatic choice with only
-# 8 GiB of the GPU left free by a ballast process: the choice must fit what mem_get_info reports).
+# 8 GiB of the GPU left free by a ballast process: the choice must fit what mem_get_info reports); then
+# long-context, long-offload, context-parallel (2 GPUs), grpo, grpo-nf4, vllm-sync (a real vLLM server as
+# GRPO's generator, synced by the adapter alone: when vllm is installed) and tests (--with-tests).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ARGS=("$@")
@@ -67,12 +69,7 @@ LIMIT_SET=$([ -n "$LIMIT" ] && echo 1 || echo 0)
 QUICK_ROWS="env sft-val fp16 dtype-auto nf4 dpo-precomputed eval generate torchrun two-ranks-one-gpu"
 ALL_ROWS="env sft-val fp16 dtype-auto nf4 dpo-precomputed orpo-dora simpo-packed varlen eval eval-nf4 generate
 harness torchrun two-ranks-one-gpu plan-fsdp2 plan-fsdp1 plan-ddp plan-single offload ac nf4-big auto-limit
-long-context long-offload context-parallel grpo grpo-nf4 tests"
-# Not yet a row:
-#   vllm-sync        a real vLLM server (VLLM_ALLOW_RUNTIME_LORA_UPDATING=True vllm serve BASE --enable-lora) and
-#                    `finetune --objective grpo --vllm-url` for 3 steps: each version loaded and listed from its
-#                    folder, the greedy completions of the last equal `shardtune generate --adapter` of it (skipped
-#                    without vllm; tests/test_grpo_vllm.py runs it against a stub on CPU)
+long-context long-offload context-parallel grpo grpo-nf4 vllm-sync tests"
 # The rows on the 1.1B model; the others use the tiny one.
 BIG_ROWS="plan-fsdp2 plan-fsdp1 plan-ddp plan-single offload ac nf4-big auto-limit long-context long-offload"
 # A row's cost in wall time, for the budget. Measured on the H200 (torch 2.11, one GPU) on 2026-12-04:
@@ -153,6 +150,7 @@ why_not() {
   case $1 in
     varlen) [ "$FLASH" = yes ] || echo "skip flash_attn is not installed here" ;;
     harness) [ "$LMEVAL" = yes ] || echo "skip lm_eval is not installed here" ;;
+    vllm-sync) [ "$VLLM" = yes ] || echo "skip vllm is not installed here (its wheels are too large to carry)" ;;
     two-ranks-one-gpu) { [ "$N" -lt 2 ] && [ $DEV = cuda ]; } || echo "skip not one GPU here" ;;
     context-parallel) [ "$N" -ge 2 ] || echo "skip one GPU: --context-parallel 2 needs two" ;;
     tests) [ $TESTS = 1 ] || echo "notrun not asked for (--with-tests)" ;;
@@ -164,17 +162,19 @@ needs() { case $1 in eval|generate|harness) echo sft-val ;; eval-nf4) echo nf4 ;
 cost() {
   if [ "$1" = env ] || [ -n "$(why_not "$1")" ]; then echo 0
   elif [[ " $BIG_ROWS " == *" $1 "* ]]; then echo $ROW_S_BIG
+  elif [ "$1" = vllm-sync ]; then echo $((ROW_S_TINY + 180))  # the server's start, a guess: none has run there
   else echo $ROW_S_TINY; fi
 }
 
 if [ $DRY = 1 ]; then
-  N=1 CAP=9.0 FLASH=yes LMEVAL=yes  # print every row's commands
+  N=1 CAP=9.0 FLASH=yes LMEVAL=yes VLLM=yes  # print every row's commands
 else
   $CHECK env $([ $CPU = 1 ] && echo --allow-cpu) | tee "$CACHE/env.txt" || exit 1
   N=$([ $DEV = cuda ] && $PY -c "import torch; print(min(2, torch.cuda.device_count()))" || echo 1)
   CAP=$(awk '/^capability:/ {print $2}' "$CACHE/env.txt")
   FLASH=$(awk '/^flash_attn:/ {print $2}' "$CACHE/env.txt")
   LMEVAL=$(awk '/^lm_eval:/ {print $2}' "$CACHE/env.txt")
+  VLLM=$(awk '/^vllm:/ {print $2}' "$CACHE/env.txt")
 fi
 # The rows to run: those picked, each after the row whose adapter it uses where that adapter is not here
 SELECTED=" "
@@ -342,6 +342,27 @@ GRPO_RUN=(--data examples/arithmetic_train.jsonl --objective grpo --reward examp
 row_grpo() { finetune grpo "${TINY_RUN[@]}" "${GRPO_RUN[@]}" -- --metric reward --expect objective=grpo; }
 row_grpo-nf4() {
   finetune grpo-nf4 "${TINY_RUN[@]}" "${GRPO_RUN[@]}" --quantize nf4 -- --metric reward --expect quantize=nf4
+}
+# A real vLLM server as GRPO's generator on the same GPU: the adapter alone synced after every step, each
+# version checked as served from its folder (the run stops non-zero otherwise), vLLM's log-probs for the
+# importance-sampling correction (tests/test_grpo_vllm.py runs the same protocol against a stub on CPU)
+VLLM_PORT=${VLLM_PORT:-8011}
+row_vllm-sync() {
+  local log=$RUNS/vllm-server.log server=
+  if [ $DRY = 1 ]; then echo "  VLLM_ALLOW_RUNTIME_LORA_UPDATING=True $PY -m vllm.entrypoints.openai.api_server --model $TINY \
+--enable-lora --max-lora-rank 8 --port $VLLM_PORT --gpu-memory-utilization 0.3 &"; else
+    VLLM_ALLOW_RUNTIME_LORA_UPDATING=True $PY -m vllm.entrypoints.openai.api_server --model "$TINY" --enable-lora \
+      --max-lora-rank 8 --port "$VLLM_PORT" --gpu-memory-utilization 0.3 > "$log" 2>&1 &
+    server=$!
+    for _ in $(seq 180); do
+      $PY -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$VLLM_PORT/v1/models', timeout=2)" 2>/dev/null && break
+      kill -0 "$server" 2>/dev/null || break
+      sleep 1
+    done
+  fi
+  finetune vllm-sync "${TINY_RUN[@]}" "${GRPO_RUN[@]}" --steps 3 --vllm-url "http://127.0.0.1:$VLLM_PORT" \
+    -- --metric reward --metric "sampling/importance_sampling_ratio/mean" --expect objective=grpo
+  [ -z "$server" ] || kill "$server" 2>/dev/null
 }
 row_tests() {  # the pytest rows that ask for CUDA (two-GPU ones skip on one GPU, saying why)
   x "$RUNS/tests.log" $PY -m pytest -q -rs -p no:cacheprovider tests/test_gpu.py \

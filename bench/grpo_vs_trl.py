@@ -167,7 +167,8 @@ def shardtune_flags(model: Path, args: argparse.Namespace, extra: list[str]) -> 
             "--max-completion-length", str(args.completion_tokens), "--batch-size", str(args.batch),
             "--micro-batch-size", str(args.batch // args.nproc), "--seq-len", str(args.prompt_tokens),
             "--lora-r", str(LORA["r"]), "--lora-alpha", str(LORA["alpha"]), "--lora-targets", "all-linear",
-            "--dtype", "fp32", "--lr", str(LR), "--activation-checkpointing", *extra]
+            "--dtype", "fp32", "--lr", str(LR), "--activation-checkpointing",
+            *(["--memory-per-rank", args.memory_per_rank] if args.memory_per_rank else []), *extra]
 
 
 def run_shardtune(name: str, extra: list[str], model: Path, data: Path, args: argparse.Namespace) -> dict:
@@ -187,6 +188,7 @@ def run_shardtune(name: str, extra: list[str], model: Path, data: Path, args: ar
     finally:
         del os.environ["GRPO_BENCH_GEN_LOG"]
     row = {"name": name, "command": shlex.join(["shardtune", "finetune", *flags, "--steps", str(args.steps)]),
+           **({"memory_per_rank": args.memory_per_rank} if args.memory_per_rank else {}),
            "wall_seconds": wall, "log": str(out / "log.txt"), "loadavg_before": load}
     metrics = out / "run" / "metrics.jsonl"
     if rc or not metrics.exists():
@@ -290,6 +292,11 @@ def trl_worker(args: argparse.Namespace) -> None:
 
 # ---- report -----------------------------------------------------------------------------------------------
 
+def label(row: dict) -> str:
+    """A row's name, and the budget it was planned within when one was given."""
+    return row["name"] + (f" (--memory-per-rank {row['memory_per_rank']})" if row.get("memory_per_rank") else "")
+
+
 def table(rows: list[dict]) -> str:
     trl = next((r for r in rows if r["name"] == "trl" and "error" not in r), None)
     head = (f"{'row':<10} {'peak/rank MB':>13} {'s/step':>7} {'gen s':>6} {'gen tok/s':>9} {'train tok/s':>11} "
@@ -308,7 +315,7 @@ def table(rows: list[dict]) -> str:
         pm = f"{p['peak_mb']:.0f}" if "peak_mb" in p else "-"
         pe = f"{p['error']:+.1%}" if isinstance(p.get("error"), float) else "-"
         gs = r.get("generation_seconds_mean")
-        lines.append(f"{r['name']:<10} {peak:>13.0f} {r['step_seconds_mean']:>7.2f} {gs if gs else '-':>6} "
+        lines.append(f"{label(r):<10} {peak:>13.0f} {r['step_seconds_mean']:>7.2f} {gs if gs else '-':>6} "
                      f"{r.get('generation_tokens_per_second', '-'):>9} {r.get('train_tokens_per_second', '-'):>11} "
                      f"{pr:>8} {ratio('step_seconds_mean'):>8} {ratio('generation_tokens_per_second'):>7} "
                      f"{pm:>10} {pe:>7}")
@@ -364,6 +371,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="2 layers, 16 + 8 tokens, 2 steps: the pipeline")
     parser.add_argument("--cache", type=Path, default=HERE / ".cache")
     parser.add_argument("--out", type=Path, default=None, help="default: bench/results/grpo-vs-trl.json")
+    parser.add_argument("--memory-per-rank", default=None,
+                        help="shardtune rows: the planner's budget (e.g. 2GiB; default: the machine's RAM per rank). "
+                             "Within a tight one it keeps 4-bit weights 4-bit while generating, at the cost of speed")
+    parser.add_argument("--add", action="store_true",
+                        help="merge the rows run into the result file: a row of the same name is replaced")
     parser.add_argument("--replan", action="store_true",
                         help="run no job: predict the result file's rows again with the planner as it is now")
     parser.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
@@ -413,6 +425,10 @@ def main() -> None:
         row = run_trl(model, data, args) if name == "trl" else run_shardtune(name, ROWS[name], model, data, args)
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k not in ("command", "generation")})[:800], flush=True)
+    if args.add and out.is_file():  # the file's other rows kept, in their order; a row run again replaced
+        new = {r["name"]: r for r in rows}
+        kept = json.loads(out.read_text())["rows"]
+        rows = [new.pop(r["name"], r) for r in kept] + list(new.values())
     text, lines = table(rows), verdicts(rows, args)
     print(text + "\n\n" + "\n".join(lines))
     from dpo_speed import loadavg

@@ -319,7 +319,8 @@ def grpo_vs_trl(name: str, data: Result) -> list[str]:
               "outside; generation: each tool's generation call timed on every rank (the slowest rank), training: "
               "the rest of the step. nf4 has no TRL counterpart on CPU (bitsandbytes), so its ratio is to TRL's "
               "fp32 row.", ""]
-    rows = [[r["name"], job_error(r) or max(r["peak_mb"]), r.get("step_seconds_mean"),
+    rows = [[r["name"] + (f" (`--memory-per-rank {r['memory_per_rank']}`)" if r.get("memory_per_rank") else ""),
+             job_error(r) or max(r["peak_mb"]), r.get("step_seconds_mean"),
              r.get("generation_seconds_mean"), r.get("generation_tokens_per_second"),
              r.get("train_tokens_per_second"), (r.get("plan") or {}).get("peak_mb"),
              _signed_pct((r.get("plan") or {}).get("error")),
