@@ -64,11 +64,16 @@ OBJECTIVE_OPTIONS = {"dpo-beta": ("dpo",), "dpo-loss": ("dpo",), "dpo-label-smoo
                                                      "importance-sampling", "vllm-url", *VLLM_ONLY)}}
 
 
+def _given(cfg: Config, flag: str) -> bool:
+    """Whether option ``flag`` is set to other than its default."""
+    section, f = FLAGS[flag]
+    return getattr(getattr(cfg, section), f.name) != f.default
+
+
 def validate_preference(cfg: Config) -> None:
     pref = cfg.preference
     for flag, objectives in OBJECTIVE_OPTIONS.items():
-        section, f = FLAGS[flag]
-        if cfg.train.objective not in objectives and getattr(getattr(cfg, section), f.name) != f.default:
+        if cfg.train.objective not in objectives and _given(cfg, flag):
             raise ConfigError(f"option '{flag}' applies to --objective {' or '.join(objectives)} only, and this run "
                               f"is --objective {cfg.train.objective}, which would ignore it: leave it out, or set "
                               f"--objective {objectives[0]}")
@@ -97,8 +102,7 @@ def validate_grpo(cfg: Config) -> None:
         validate_vllm_url(cfg)
     else:
         for flag in VLLM_ONLY:
-            section, f = FLAGS[flag]
-            if getattr(getattr(cfg, section), f.name) != f.default:
+            if _given(cfg, flag):
                 raise ConfigError(f"option '{flag}' applies with --vllm-url only (it corrects the loss for a vLLM "
                                   "sampler's probabilities; the policy's own completions need no correction): leave "
                                   "it out, or give --vllm-url")
