@@ -15,8 +15,8 @@ lookup and the logits). Inside ``exchanged`` (GRPO's generation, where every ran
 in lockstep) the tables are used vocabulary-parallel instead and never gathered: the ranks' token ids and
 last hidden states (a few KB) are all-gathered, each rank looks up and projects them on its own rows, and
 one all-to-all returns to each rank its embeddings (a sum in which one owner's row meets zeros: exact)
-and its logits, each block of them computed as the kept-whole table computed it. Held: the rank's rows,
-as in training; moved per token: the logits once, not the table.
+and its logits, each rank's block of the vocabulary computed by its owner. Held: the rank's rows, as in
+training; moved per token: the logits once, not the table.
 """
 
 from __future__ import annotations
@@ -128,29 +128,24 @@ def _blocks(module: ShardedEmbedding | ShardedHead) -> Iterator[tuple[int, torch
     return _each_owners_rows(module.weight.to_local(), module.rows, module.group)
 
 
-def _largest(sizes: list[int], device: torch.device, group: dist.ProcessGroup) -> list[int]:
-    """The largest of each size over the ranks (a collective): what every rank pads its part to."""
-    t = torch.tensor(sizes, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return t.tolist()
-
-
-def _gathered(part: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """Every rank's ``part`` (equal shapes), stacked in rank order."""
-    out = part.new_empty(group.size(), *part.shape)
-    dist.all_gather(list(out.unbind(0)), part.contiguous(), group=group)  # the one spelling torch 2.11-2.13 share
+def _everyones(part: torch.Tensor, fill: float, group: dist.ProcessGroup) -> torch.Tensor:
+    """Every rank's ``part``, stacked in rank order (two collectives): the parts' shapes may differ between
+    ranks (prompts of different widths in the prefill), so each is padded with ``fill`` to the largest."""
+    shape = torch.tensor(part.shape, device=part.device)
+    dist.all_reduce(shape, op=dist.ReduceOp.MAX, group=group)
+    padded = part.new_full(shape.tolist(), fill)
+    padded[tuple(slice(0, n) for n in part.shape)] = part
+    out = part.new_empty(group.size(), *padded.shape)
+    dist.all_gather(list(out.unbind(0)), padded, group=group)  # the one spelling torch 2.11-2.13 share
     return out
 
 
 def _exchanged_lookup(module: ShardedEmbedding, ids: torch.Tensor) -> torch.Tensor:
-    """``ids``' embeddings, every rank's looked up on the rows here: the prompts' widths differ between ranks
-    in the prefill, so the ids are padded (with an id no rank owns) to the widest."""
+    """``ids``' embeddings: every rank's ids (padded with -1, an id no rank owns) looked up on the rows here,
+    and each rank's own sent back."""
     group = module.group
     local = module.weight.to_local()
-    rows, width = _largest(list(ids.shape), ids.device, group)
-    padded = ids.new_full((rows, width), -1)
-    padded[:ids.size(0), :ids.size(1)] = ids
-    everyone = _gathered(padded, group) - sum(module.rows[:group.rank()])
+    everyone = _everyones(ids, -1, group) - sum(module.rows[:group.rank()])
     mine = (everyone >= 0) & (everyone < local.size(0))
     picked = nn.functional.embedding(everyone.clamp(0, max(local.size(0) - 1, 0)), local) if local.size(0) \
         else local.new_zeros(*everyone.shape, module.embedding_dim)
@@ -166,11 +161,9 @@ def _exchanged_logits(module: ShardedHead, hidden: torch.Tensor) -> torch.Tensor
     group, n = module.group, module.group.size()
     local = module.weight.to_local()
     flat = hidden.reshape(-1, hidden.size(-1)).to(local.dtype)
-    (tokens,) = _largest([flat.size(0)], flat.device, group)
-    padded = flat.new_zeros(tokens, flat.size(1))
-    padded[:flat.size(0)] = flat
-    everyone = _gathered(padded, group).view(n * tokens, -1)
-    send = torch.mm(everyone, local.T)  # (ranks x tokens, rows here): rank r's tokens are rows r*tokens...
+    everyone = _everyones(flat, 0.0, group)
+    tokens = everyone.size(1)
+    send = torch.mm(everyone.view(n * tokens, -1), local.T)  # (ranks x tokens, rows here): rank r's from r*tokens
     del everyone
     received = send.new_empty(tokens * sum(module.rows))
     dist.all_to_all_single(received, send.view(-1), [tokens * r for r in module.rows],

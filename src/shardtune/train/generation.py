@@ -7,8 +7,9 @@ nothing). How the weights are spread decides only how a forward runs:
 * FSDP2: every forward gathers each unit's weights as in training, so every rank runs a forward per token
   while any rank has an unfinished row (``keep_going``: an all-reduce per token), feeding padding once its
   own rows are done; when the planner found that they fit (``RunPlan.generation_gathered``: ``keep``), the
-  weights and the row-sharded tables are gathered once and kept for the whole generation
-  (``Strategy.gathered_for_generation``), the same numbers without a gather per token; a 4-bit base's
+  layers are gathered once and kept for the whole generation (``Strategy.gathered_for_generation``), the
+  same numbers without a gather per token; the row-sharded embedding tables are never gathered (each rank
+  looks up and projects every rank's tokens on its own rows: parallel/sharded_embeddings.py); a 4-bit base's
   NF4 weights are then dequantized once for the generation, not in every token's forward, when they fit
   too (``RunPlan.generation_dequantized``: ``dequantized``; model/nf4_torchao.py, the same values);
 * DDP and single: each rank holds the whole model and generates on its own, without collectives (DDP's
