@@ -129,15 +129,16 @@ def test_a_run_trains_and_logs_trl_metrics(one_rank):
 
 @pytest.mark.parametrize("strategy", ["fsdp2", "ddp"])
 def test_two_ranks_train_like_one(grpo_root, one_rank, strategy):
-    """2 ranks, each generating and training its half of every batch, two completions per forward: FSDP2 (the
-    weights gathered for generation) and DDP (each rank generates on its own, outside DDP's wrapper)."""
+    """2 ranks, each generating and training its half of every batch, two completions per forward: FSDP2 (no
+    layer gathered for generation: each computes from its row shards) and DDP (each rank generates on its own,
+    outside DDP's wrapper)."""
     code = main(argv(grpo_root, f"two-{strategy}", "--strategy", strategy, "--nproc", "2", "--steps", "4",
                      "--micro-batch-size", "2"))
     assert code == 0
     summary = json.loads((grpo_root / f"two-{strategy}" / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["strategy"] == strategy
-    if strategy == "fsdp2":  # the tiny model fits gathered: generation keeps its weights gathered (one gather)
-        assert summary["run_plan"]["generation_gathered"] is True
+    if strategy == "fsdp2":
+        assert summary["run_plan"]["generation_exchanged"] is True
     same_training(one_rank, grpo_root / f"two-{strategy}", 4)
 
 
@@ -233,16 +234,33 @@ def test_the_planner_counts_generation(grpo_root, capsys):
     assert large["terms"]["buffers"] > 0 and large["terms"]["buffers"] == small["terms"]["buffers"]
 
 
+def test_generation_gathers_no_layer_under_fsdp2(grpo_root, capsys):
+    """Under fsdp2 on 2 ranks the run plan computes generation from the row shards (no layer gathered): its
+    predicted generation peak counts no gathered layer, less than keeping them gathered would (DoRA, which
+    reads its base weight whole, keeps them gathered where they fit)."""
+    def plan(*extra: str) -> dict:
+        code = main(["plan", *argv(grpo_root, "plan")[1:], "--batch-size", "1024", "--max-completion-length", "256",
+                     "--nproc", "2", "--strategy", "fsdp2", "--micro-batch-size", "1", "--memory-per-rank", "1TiB",
+                     "--json", *extra])
+        assert code == 0
+        return json.loads(capsys.readouterr().out)
+
+    exchanged, dora = plan(), plan("--lora-variant", "dora")
+    assert exchanged["run_plan"]["generation_exchanged"] is True and not exchanged["run_plan"]["generation_gathered"]
+    assert dora["run_plan"]["generation_gathered"] is True and not dora["run_plan"]["generation_exchanged"]
+    assert exchanged["fsdp2"]["terms"]["blocks"] < dora["fsdp2"]["terms"]["blocks"]
+
+
 def test_generation_keeps_the_weights_gathered_only_where_they_fit(grpo_root, capsys):
-    """Under fsdp2 the run plan keeps the weights gathered for a whole generation (no gather per token) when the
-    predicted peak with them fits --memory-per-rank; just below it, generation gathers per token again, and the
-    prediction counts only one unit's gathered copy."""
+    """Where generation cannot compute from the row shards (DoRA) the run plan keeps the weights gathered for a
+    whole generation (no gather per token) when the predicted peak with them fits --memory-per-rank; just below
+    it, generation gathers per token again, and the prediction counts only one unit's gathered copy."""
     from shardtune.runtime.memory import MB
 
     def plan(budget: str) -> dict:
         code = main(["plan", *argv(grpo_root, "plan")[1:], "--batch-size", "1024", "--max-completion-length", "256",
                      "--nproc", "2", "--strategy", "fsdp2", "--micro-batch-size", "1", "--memory-per-rank", budget,
-                     "--json"])
+                     "--json", "--lora-variant", "dora"])
         assert code == 0
         return json.loads(capsys.readouterr().out)
 
@@ -255,9 +273,9 @@ def test_generation_keeps_the_weights_gathered_only_where_they_fit(grpo_root, ca
 
 
 def test_a_4bit_base_is_dequantized_once_per_generation_only_where_it_fits(grpo_root, capsys):
-    """--quantize nf4, the weights kept gathered: the run plan dequantizes each 4-bit weight once per generation
-    (not in every token's forward) when the peak with all of them in the compute dtype fits too; just below
-    it, they stay 4-bit (the weights still gathered) and the prediction counts no dequantized weight."""
+    """--quantize nf4, generation computing from the row shards: the run plan dequantizes the rank's rows of each
+    4-bit weight once per generation (not in every token's forward) when the peak with all of them in the
+    compute dtype fits too; just below it, they stay 4-bit and the prediction counts no dequantized weight."""
     from shardtune.runtime.memory import MB
 
     from tiny import make_model
@@ -276,7 +294,7 @@ def test_a_4bit_base_is_dequantized_once_per_generation_only_where_it_fits(grpo_
     assert once["run_plan"]["generation_dequantized"] is True and once["fsdp2"]["peak_at"] == "generation (KV cache)"
     assert once["fsdp2"]["terms"]["dequant"] > 0.05
     tight = plan(f"{int((once['fsdp2']['peak_mb'] - 0.05) * MB)}B")
-    assert tight["run_plan"]["generation_gathered"] is True and tight["run_plan"]["generation_dequantized"] is False
+    assert tight["run_plan"]["generation_exchanged"] is True and tight["run_plan"]["generation_dequantized"] is False
     assert tight["fsdp2"]["peak_mb"] < once["fsdp2"]["peak_mb"] - 0.05
 
 

@@ -93,6 +93,9 @@ class RunPlan:
     #: kept gathered, a 4-bit base's NF4 weights are dequantized once per generation instead of in every
     #: token's forward (the same values); decided likewise, when all of them in the compute dtype fit too
     generation_dequantized: bool = False
+    #: FSDP2 on a shard group of several ranks: no layer is gathered for the generation, each projection
+    #: computes every rank's tokens from its row shards (parallel/exchanged_layers.py); decided likewise
+    generation_exchanged: bool = False
     why: str = ""  # what the automatic choice picked and why; "" when nothing was left to choose
 
     @property
@@ -118,7 +121,8 @@ class RunPlan:
         # decided from the memory a rank may use, as the automatic choice is: carried, not re-decided
         expected = dataclasses.replace(RunPlan.of(cfg, world_size, device, self.backend, self.why),
                                        generation_gathered=self.generation_gathered,
-                                       generation_dequantized=self.generation_dequantized)
+                                       generation_dequantized=self.generation_dequantized,
+                                       generation_exchanged=self.generation_exchanged)
         if expected != self:
             diff = {k: (v, getattr(self, k)) for k, v in dataclasses.asdict(expected).items()
                     if getattr(self, k) != (BatchSplit(**v) if k == "batch" else v)}

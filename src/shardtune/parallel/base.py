@@ -50,11 +50,13 @@ class Strategy:
         accumulate on this rank; the micro-batch run with it True reduces the sum once per step."""
         return contextlib.nullcontext()
 
-    def gathered_for_generation(self, model: nn.Module, keep: bool) -> ContextManager:
+    def gathered_for_generation(self, model: nn.Module, keep: bool, exchange: bool = False) -> ContextManager:
         """Around a generation's token-by-token no_grad forwards: with ``keep``, a sharded strategy gathers
         the weights once and keeps them for all of them (the planner decided that they fit:
-        ``RunPlan.generation_gathered``), sharding them again when the block ends, even on an error. Here
-        every rank holds the whole model already: nothing to do."""
+        ``RunPlan.generation_gathered``), sharding them again when the block ends, even on an error; with
+        ``exchange``, FSDP2 gathers none and computes each projection from its row shards instead
+        (``RunPlan.generation_exchanged``: parallel/exchanged_layers.py). Here every rank holds the whole
+        model already: nothing to do."""
         return contextlib.nullcontext()
 
     def after_inference(self, model: nn.Module) -> None:

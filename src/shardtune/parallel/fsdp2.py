@@ -16,6 +16,7 @@ from shardtune.model.nf4_fill import is_nf4
 from shardtune.model.structure import decoder_layers, embedding_tables, layer_parts, tables_by_rows
 from shardtune.parallel import gloo_comms, host_gather, sharded_embeddings
 from shardtune.parallel.base import Strategy
+from shardtune.parallel.exchanged_layers import exchanged_layers
 from shardtune.parallel.mesh import data_parallel_mesh, shard_mesh
 from shardtune.runtime import compat
 from shardtune.runtime.distributed import Worker
@@ -125,11 +126,18 @@ class FSDP2(Strategy):
         return self._reduced(model)
 
     @contextlib.contextmanager
-    def gathered_for_generation(self, model: nn.Module, keep: bool) -> Iterator[None]:
+    def gathered_for_generation(self, model: nn.Module, keep: bool, exchange: bool = False) -> Iterator[None]:
         # The row-sharded tables are used vocabulary-parallel, never gathered (sharded_embeddings.exchanged).
+        # ``exchange``: neither are the layers (exchanged_layers.py), on a shard group of several ranks.
         # ``keep``: every unit keeps what its first forward gathers (reshard_after_forward off: the no_grad
         # forwards then skip the all-gather, the hooks still run); after, each unit's own setting is back
         # and every unit is sharded again, before any backward or optimizer step, even when generation failed.
+        group = shard_mesh(self.mesh)
+        if exchange and group.size() > 1:
+            with sharded_embeddings.exchanged(model), \
+                    exchanged_layers(model, group.get_group(), self.mp.param_dtype or torch.float32):
+                yield
+            return
         units = [m for m in model.modules() if isinstance(m, FSDPModule)] if keep else []
         before = [compat.fsdp2_reshards_after_forward(unit) for unit in units]
         try:

@@ -30,6 +30,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from shardtune.parallel.exchange import everyones as _everyones
+from shardtune.parallel.exchange import exchanged_linear
+
 
 def row_counts(total: int, world: int) -> list[int]:
     """Rows per rank under Shard(0): torch.chunk's split, empty shards at the end when rows run out."""
@@ -128,18 +131,6 @@ def _blocks(module: ShardedEmbedding | ShardedHead) -> Iterator[tuple[int, torch
     return _each_owners_rows(module.weight.to_local(), module.rows, module.group)
 
 
-def _everyones(part: torch.Tensor, fill: float, group: dist.ProcessGroup) -> torch.Tensor:
-    """Every rank's ``part``, stacked in rank order (two collectives): the parts' shapes may differ between
-    ranks (prompts of different widths in the prefill), so each is padded with ``fill`` to the largest."""
-    shape = torch.tensor(part.shape, device=part.device)
-    dist.all_reduce(shape, op=dist.ReduceOp.MAX, group=group)
-    padded = part.new_full(shape.tolist(), fill)
-    padded[tuple(slice(0, n) for n in part.shape)] = part
-    out = part.new_empty(group.size(), *padded.shape)
-    dist.all_gather(list(out.unbind(0)), padded, group=group)  # the one spelling torch 2.11-2.13 share
-    return out
-
-
 def _exchanged_lookup(module: ShardedEmbedding, ids: torch.Tensor) -> torch.Tensor:
     """``ids``' embeddings: every rank's ids (padded with -1, an id no rank owns) looked up on the rows here,
     and each rank's own sent back."""
@@ -158,19 +149,9 @@ def _exchanged_lookup(module: ShardedEmbedding, ids: torch.Tensor) -> torch.Tens
 
 def _exchanged_logits(module: ShardedHead, hidden: torch.Tensor) -> torch.Tensor:
     """``hidden``'s logits: every rank's hidden states times the rows here, then each rank's columns back."""
-    group, n = module.group, module.group.size()
     local = module.weight.to_local()
     flat = hidden.reshape(-1, hidden.size(-1)).to(local.dtype)
-    everyone = _everyones(flat, 0.0, group)
-    tokens = everyone.size(1)
-    send = torch.mm(everyone.view(n * tokens, -1), local.T)  # (ranks x tokens, rows here): rank r's from r*tokens
-    del everyone
-    received = send.new_empty(tokens * sum(module.rows))
-    dist.all_to_all_single(received, send.view(-1), [tokens * r for r in module.rows],
-                           [tokens * local.size(0)] * n, group=group)
-    del send
-    blocks = [b.view(tokens, -1) for b in received.split([tokens * r for r in module.rows])]
-    out = torch.cat(blocks, dim=1)[:flat.size(0)]
+    out = exchanged_linear(_everyones(flat, 0.0, module.group), flat.size(0), local, None, module.rows, module.group)
     return out.view(*hidden.shape[:-1], sum(module.rows))
 
 

@@ -210,19 +210,34 @@ def gathers_to_generate(setting: Setting) -> bool:
     return bool(setting.generation_rows) and traits(setting.strategy).shards and setting.ranks > 1
 
 
+def exchanges_to_generate(cfg: Config, setting: Setting) -> bool:
+    """Whether GRPO's generation can compute from the row shards without gathering a layer
+    (parallel/exchanged_layers.py): FSDP2 over a shard group of several ranks, its shards on the device
+    (no --cpu-offload), and plain LoRA (DoRA reads its base weight whole)."""
+    return gathers_to_generate(setting) and setting.strategy == "fsdp2" and not setting.cpu_offload and \
+        setting.ranks // setting.replicate_groups > 1 and cfg.lora.variant != "dora"
+
+
 def generation_gathered(search: Search, setting: Setting, budget: int | None) -> tuple[Setting, Prediction]:
-    """``setting`` with what GRPO's generation keeps decided, and the prediction it runs by: the weights stay
-    gathered (``generation_gathered``) when the predicted peak with the whole model gathered fits ``budget``
-    (bytes per rank; None: nothing to judge by, not kept); kept gathered, a 4-bit base's NF4 weights are
-    dequantized once per generation (``generation_dequantized``) when the peak with all of them in the
-    compute dtype fits too. A setting that does not generate, or whose strategy gathers nothing for a
-    forward (``gathers_to_generate``), is returned unchanged."""
+    """``setting`` with what GRPO's generation keeps decided, and the prediction it runs by. Where it can
+    (``exchanges_to_generate``), no layer is gathered (``generation_exchanged``): each projection computes
+    from its rows, the least memory, and 1/N of the weights read per token by each rank. Else the weights
+    stay gathered (``generation_gathered``) when the predicted peak with the whole model gathered fits
+    ``budget`` (bytes per rank; None: nothing to judge by, not kept). Either way a 4-bit base's NF4
+    weights are dequantized once per generation (``generation_dequantized``) when the peak with all of
+    them (the rank's rows, exchanged) in the compute dtype fits too. A setting that does not generate, or
+    whose strategy gathers nothing for a forward (``gathers_to_generate``), is returned unchanged."""
     chosen, prediction = setting, search.predict(setting)
     if not gathers_to_generate(setting):
         return chosen, prediction
-    steps = [{"generation_gathered": True}]
+    how = {"generation_exchanged": True} if exchanges_to_generate(search.cfg, setting) else \
+        {"generation_gathered": True}
+    if how.get("generation_exchanged"):  # fits whenever the per-token gathering does: taken as it is
+        chosen = dataclasses.replace(setting, **how)
+        prediction = search.predict(chosen)
+    steps = [] if how.get("generation_exchanged") else [how]
     if search.facts.nf4_dequantized_bytes:
-        steps.append({"generation_gathered": True, "generation_dequantized": True})
+        steps.append({**how, "generation_dequantized": True})
     for step in steps:
         candidate = dataclasses.replace(setting, **step)
         predicted = search.predict(candidate)

@@ -8,10 +8,13 @@ nothing). How the weights are spread decides only how a forward runs:
   while any rank has an unfinished row (``keep_going``: an all-reduce per token), feeding padding once its
   own rows are done; when the planner found that they fit (``RunPlan.generation_gathered``: ``keep``), the
   layers are gathered once and kept for the whole generation (``Strategy.gathered_for_generation``), the
-  same numbers without a gather per token; the row-sharded embedding tables are never gathered (each rank
-  looks up and projects every rank's tokens on its own rows: parallel/sharded_embeddings.py); a 4-bit base's
-  NF4 weights are then dequantized once for the generation, not in every token's forward, when they fit
-  too (``RunPlan.generation_dequantized``: ``dequantized``; model/nf4_torchao.py, the same values);
+  same numbers without a gather per token; or the layers are never gathered either
+  (``RunPlan.generation_exchanged``: ``exchange``): each projection computes every rank's tokens on the rows
+  here and sends each rank its outputs (parallel/exchanged_layers.py); the row-sharded embedding tables are
+  never gathered (each rank looks up and projects every rank's tokens on its own rows:
+  parallel/sharded_embeddings.py); a 4-bit base's NF4 weights are then dequantized once for the generation
+  (the rank's rows only, when exchanged), not in every token's forward, when they fit too
+  (``RunPlan.generation_dequantized``: ``dequantized``; model/nf4_torchao.py, the same values);
 * DDP and single: each rank holds the whole model and generates on its own, without collectives (DDP's
   wrapper, which would broadcast buffers in every forward, is left out).
 
@@ -65,13 +68,14 @@ def lockstep(worker: Worker, strategy: Strategy):
 
 def generate(model: nn.Module, strategy: Strategy, worker: Worker, prompts: Sequence[Sequence[int]],
              keys: Sequence[tuple[int, int]], settings: SamplingSettings, seed: int, step: int,
-             keep: bool = False, dequantized: bool = False) -> list[Completion]:
+             keep: bool = False, dequantized: bool = False, exchange: bool = False) -> list[Completion]:
     """This rank's completions of ``prompts`` (token ids), row i seeded by ``keys[i]`` = (prompt index, completion
     index) and ``step`` (the generation batch); every rank calls it with as many rows. ``keep``: the weights
-    stay gathered for the whole generation, and with ``dequantized`` the NF4 ones are dequantized once
-    (module doc)."""
+    stay gathered for the whole generation; ``exchange``: none is gathered, each rank computes from its rows;
+    with either, ``dequantized``: the NF4 ones are dequantized once (module doc)."""
     inner = strategy.unwrap(model)  # the peft model: FSDP2's units are inside it, DDP's wrapper outside
-    once = dequantized_once() if keep and dequantized else contextlib.nullcontext()
-    with inference(model, strategy), strategy.gathered_for_generation(model, keep), sdpa_attention(inner), once:
+    once = dequantized_once() if (keep or exchange) and dequantized else contextlib.nullcontext()
+    weights = strategy.gathered_for_generation(model, keep, exchange)
+    with inference(model, strategy), weights, sdpa_attention(inner), once:
         return sample(hf_next_logits(inner), prompts, keys, settings, seed, step, hf_cache(inner), worker.device,
                       keep_going=lockstep(worker, strategy))

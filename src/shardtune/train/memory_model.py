@@ -238,6 +238,8 @@ class Setting:
     generation_gathered: bool = False
     #: kept gathered, every NF4 weight dequantized once for the generation (``RunPlan.generation_dequantized``)
     generation_dequantized: bool = False
+    #: GRPO under FSDP2: no layer gathered, each projection exchanged (``RunPlan.generation_exchanged``)
+    generation_exchanged: bool = False
 
 
 def predict(f: Facts, s: Setting, device: str) -> Prediction:
@@ -368,7 +370,8 @@ def _generation_terms(f: Facts, s: Setting, n: int, vocab: int, kept: dict[str, 
     compute dtype next to the shards, plus one unit's gather buffer, or the shared ``buffers`` kept for the
     run on CPU; row-sharded tables are never gathered: sharded_embeddings.exchanged), one
     layer's prefill activations (no_grad) and the last position's logits with the sampler's fp64 softmax
-    and cumulative sum; dequantized once (``generation_dequantized``), every NF4 weight in the compute dtype.
+    and cumulative sum; dequantized once (``generation_dequantized``), every NF4 weight in the compute dtype
+    (the rank's rows of each when exchanged). Exchanged (``generation_exchanged``), no layer is gathered.
     The vocabulary-parallel head's exchange (the rank's block of every rank's logits, then its own logits
     received) is two logits' worth, inside the forward, before the sampler's temporaries exist: within the
     logits term."""
@@ -376,13 +379,21 @@ def _generation_terms(f: Facts, s: Setting, n: int, vocab: int, kept: dict[str, 
     # through CPU FSDP2's shared ``buffers`` a gathered unit is one copy; else FSDP2's buffer and copy-out
     copies = 1 if buffers else GATHER_COPIES.get((s.strategy, "cuda"), 0)
     gathered = copies * f.block_bytes if n > 1 else 0.0
-    if s.generation_gathered and n > 1 and traits(s.strategy).shards:
-        root = f.root_bytes - (row_sharded_bytes(f) if traits(s.strategy).row_tables else 0)
+    root = f.root_bytes - (row_sharded_bytes(f) if traits(s.strategy).row_tables else 0)
+    exchange = 0.0
+    if s.generation_exchanged and n > 1 and traits(s.strategy).shards:
+        # no layer gathered: what is not a frozen projection (LoRA's weights, norms, a table not used by
+        # rows) is gathered once; each projection's inputs from every rank, the widest (the MLP's, about
+        # four hidden states a token) at the prefill, with its outputs sent and received
+        gathered = root + f.trainable_params * f.compute_itemsize
+        exchange = (n + 2) * rows * tokens * 4 * f.hidden * f.compute_itemsize
+    elif s.generation_gathered and n > 1 and traits(s.strategy).shards:
         gathered = f.layers * f.block_bytes + root + max(0, copies - 1) * f.block_bytes
     prefill = 8 * rows * tokens * f.hidden * f.compute_itemsize
+    dequant = f.nf4_dequantized_bytes / (n if s.generation_exchanged else 1) if s.generation_dequantized else 0.0
     return {"kv_cache": rows * tokens * f.kv_bytes_per_token + rows * vocab * (f.compute_itemsize + 4 + 16),
-            "blocks": gathered, "buffers": buffers, "activations": prefill, "grads": -kept["grads"],
-            "dequant": f.nf4_dequantized_bytes if s.generation_dequantized else 0.0}
+            "blocks": gathered, "buffers": buffers, "activations": prefill + exchange, "grads": -kept["grads"],
+            "dequant": dequant}
 
 
 def _head_terms(f: Facts, tokens: int, vocab: int, blocks: int, chunk_override: int = 0) -> tuple[float, float]:

@@ -73,9 +73,10 @@ def resolve(cfg: Config, lengths: Lengths | None = None, model: nn.Module | None
 
 
 def _generation(cfg: Config, plan: RunPlan, search: Search) -> RunPlan:
-    """``plan`` with ``generation_gathered`` (and ``generation_dequantized``) decided: GRPO under FSDP2 on several
-    ranks keeps the weights gathered for a whole generation when the predicted peak with them fits the memory
-    a rank may use, and a 4-bit base's weights dequantized once when that fits too (``generation_gathered``)."""
+    """``plan`` with what GRPO's generation gathers decided (``choice.generation_gathered``): under FSDP2 on
+    several ranks no layer (``generation_exchanged``), else the weights kept for a whole generation when the
+    predicted peak with them fits the memory a rank may use; a 4-bit base's weights dequantized once when that
+    fits too (``generation_dequantized``)."""
     setting = dataclasses.replace(
         search.setting(plan.strategy, plan.world_size, plan.batch.micro_batch_size),
         activation_checkpointing=plan.activation_checkpointing, cpu_offload=plan.cpu_offload,
@@ -87,7 +88,8 @@ def _generation(cfg: Config, plan: RunPlan, search: Search) -> RunPlan:
     if budget is not None:
         log.info("%s", _generation_said(search, setting, chosen, f"{format_size(budget)} per rank ({where})"))
     return dataclasses.replace(plan, generation_gathered=chosen.generation_gathered,
-                               generation_dequantized=chosen.generation_dequantized)
+                               generation_dequantized=chosen.generation_dequantized,
+                               generation_exchanged=chosen.generation_exchanged)
 
 
 def _generation_said(search: Search, setting: Setting, chosen: Setting, budget: str) -> str:
@@ -95,6 +97,15 @@ def _generation_said(search: Search, setting: Setting, chosen: Setting, budget: 
     def peak(**kept: bool) -> str:
         return format_size(search.predict(dataclasses.replace(setting, **kept)).peak_mb * MB)
 
+    if chosen.generation_exchanged:
+        said = "generation computes from the row shards, gathering no layer"
+        if not search.facts.nf4_dequantized_bytes:
+            return f"{said}: predicted peak {peak(generation_exchanged=True)} of {budget}"
+        once = peak(generation_exchanged=True, generation_dequantized=True)
+        if chosen.generation_dequantized:
+            return f"{said}, the 4-bit rows dequantized once: predicted peak {once} of {budget}"
+        return f"{said}: predicted peak {peak(generation_exchanged=True)} of {budget}; the 4-bit rows are " \
+               f"dequantized in every token's forward (dequantized once, the predicted peak {once} would exceed it)"
     gathered = peak(generation_gathered=True)
     if not chosen.generation_gathered:
         return f"generation gathers the weights again for every token: kept gathered, the predicted peak " \

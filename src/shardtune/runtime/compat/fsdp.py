@@ -4,9 +4,11 @@ collectives themselves are in parallel/gloo_comms.py and parallel/host_gather.py
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -168,3 +170,33 @@ def fsdp2_reshards_after_forward(unit: nn.Module) -> bool:
     if len(found) > 1:
         raise PrivateAPIChanged(what, f"the parameter groups of {type(unit).__name__} disagree")
     return found.pop() if found else False
+
+
+@contextlib.contextmanager
+def fsdp2_forward_hooks_paused(unit: nn.Module) -> Iterator[None]:
+    """Until the block ends, ``unit``'s forwards run without FSDP2's pre- and post-forward hooks (no
+    all-gather, no reshard: the module computes from whatever its parameters hold); then the hooks are
+    back where they were, before and after any others, even on an error."""
+    what = "FSDP2's forward hooks (the unit state's _pre_forward_hook_handle and _post_forward_hook_handle)"
+    need(unit, what, "_get_fsdp_state")
+    state = unit._get_fsdp_state()
+    need(state, what, "_pre_forward_hook_handle", "_post_forward_hook_handle")
+    ids = {state._pre_forward_hook_handle.id, state._post_forward_hook_handle.id}
+    tables = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
+              "_forward_hooks_always_called")
+    need(unit, what, *tables)
+    saved = {name: dict(getattr(unit, name)) for name in tables}
+    if not ids <= set(saved["_forward_pre_hooks"]) | set(saved["_forward_hooks"]):
+        raise PrivateAPIChanged(what, f"{type(unit).__name__}'s hooks are not where the handles say")
+    try:
+        for name in tables:
+            for i in ids:
+                getattr(unit, name).pop(i, None)
+        yield
+    finally:
+        for name, entries in saved.items():
+            table = getattr(unit, name)
+            added = {k: v for k, v in table.items() if k not in entries}
+            table.clear()
+            table.update(entries)
+            table.update(added)

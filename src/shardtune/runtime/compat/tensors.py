@@ -113,12 +113,13 @@ def dtensor_local(t: torch.Tensor) -> torch.Tensor:
 # --- a parameter shadowed by a cast copy ------------------------------------------------------------
 
 
-def shadow_parameter(module: nn.Module, name: str, dtype: torch.dtype) -> None:
-    """Make ``module.<name>`` read its registered parameter cast to ``dtype`` (autograd carries the
-    gradient back to the parameter) until ``unshadow_parameter``: an instance attribute, which
-    ``nn.Module``'s attribute lookup finds before its registered parameters, as FSDP's unsharded views do."""
+def shadow_parameter(module: nn.Module, name: str, dtype: torch.dtype, value: torch.Tensor | None = None) -> None:
+    """Make ``module.<name>`` read its registered parameter (or ``value``, e.g. its gathered copy) cast to
+    ``dtype`` (autograd carries the gradient back to the parameter) until ``unshadow_parameter``: an instance
+    attribute, which ``nn.Module``'s attribute lookup finds before its registered parameters, as FSDP's
+    unsharded views do."""
     check_parameter_shadowing()
-    module.__dict__[name] = module._parameters[name].to(dtype)
+    module.__dict__[name] = (module._parameters[name] if value is None else value).to(dtype)
 
 
 def unshadow_parameter(module: nn.Module, name: str) -> None:

@@ -1,0 +1,79 @@
+"""GRPO's generation from FSDP2's row shards (parallel/exchanged_layers.py): the completions and logits of the
+gathered model, no projection ever gathered, and the model left as it was for training."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dist_utils import run_ranks
+from tiny import make_model
+
+WORLD = 3  # the tiny model's projections do not split evenly over 3 ranks
+
+
+def generate_on_ranks(rank: int, world_size: int, model_dir: str, quantize: str) -> dict:
+    from torch import nn
+    from torch.distributed.tensor import DTensor
+
+    from shardtune.config import build_config
+    from shardtune.parallel.sharded_model import build_model
+    from shardtune.runtime import compat, distributed
+    from shardtune.train.generation import generate
+    from shardtune.train.resolve import resolve_on
+    from shardtune.train.sampling import SamplingSettings
+
+    worker = distributed.init_worker()
+    cfg = build_config({"model": model_dir, "dtype": "fp32", "strategy": "fsdp2", "seed": 3,
+                        "lora-targets": "all-linear", **({"quantize": quantize} if quantize else {})})
+    built = build_model(cfg, worker, resolve_on(worker, cfg, batches=False))
+    model, strategy = built.model, built.strategy
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():  # LoRA's B is zero at first: give the adapter a say in the numbers
+        for p in model.parameters():
+            if p.requires_grad:
+                full = torch.randn(p.shape, generator=g) * 0.3
+                rows = full.chunk(world_size)[rank] if isinstance(p, DTensor) else full
+                compat.dtensor_local(p).copy_(rows[:compat.dtensor_local(p).size(0)])
+
+    # prompts of different widths on each rank; rank 1 has a one-token prompt
+    prompts = [[(5 * rank + 3 * i + j) % 60 + 3 for j in range(1 + (i + rank) % 4 * 2)] for i in range(3)]
+    keys = [(rank * 3 + i, 0) for i in range(3)]
+    settings = SamplingSettings(6, (1,), 0, temperature=1.0)
+
+    seen: list[bool] = []  # per projection call while exchanged: its weight still the rank's row shard
+
+    def watch(module: nn.Module, args: tuple) -> None:
+        seen.append(isinstance(module.weight, DTensor))
+
+    kept = generate(model, strategy, worker, prompts, keys, settings, seed=1, step=0, keep=True)
+    handles = [m.register_forward_pre_hook(watch) for m in model.modules()
+               if type(m) is nn.Linear and not m.weight.requires_grad]  # the base weights, LoRA's aside
+    exchanged = generate(model, strategy, worker, prompts, keys, settings, seed=1, step=0, exchange=True)
+    for h in handles:
+        h.remove()
+
+    # after: training's forward and backward run as before (hooks back, nothing shadowed)
+    ids = torch.tensor([[4, 9, 12, 30, 2]])
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    leftovers = [n for n, m in model.named_modules() if {"weight", "bias", "forward"} & set(vars(m))]
+    distributed.teardown()
+    return {"kept": [c.ids for c in kept], "exchanged": [c.ids for c in exchanged], "seen": seen,
+            "loss": float(loss), "leftovers": leftovers}
+
+
+@pytest.mark.parametrize("arch,quantize,world", [("llama", "", WORLD), ("qwen2", "", WORLD), ("llama", "nf4", 2),
+                                                      ("gpt2", "", WORLD)])
+def test_generation_from_row_shards_gives_the_gathered_models_completions(tmp_path, arch, quantize, world):
+    """Three ranks (nf4: two, which must split its rows evenly), prompts of different widths, LoRA on every
+    projection (qwen2: q, k and v with biases; nf4: 4-bit base weights; gpt2: Conv1D projections, gathered once
+    instead): the exchanged generation samples the same tokens as the gathered one, no projection's weight is
+    ever gathered while it runs, and training's forward works after it."""
+    d = str(make_model(tmp_path / "model", arch, row_scales=bool(quantize), hidden=64))
+    results = run_ranks(generate_on_ranks, world, d, quantize)
+    for r in results:
+        assert r["exchanged"] == r["kept"]
+        assert all(r["seen"]) and (bool(r["seen"]) != (arch == "gpt2"))
+        assert r["leftovers"] == []
+        assert torch.isfinite(torch.tensor(r["loss"]))
