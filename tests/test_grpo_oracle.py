@@ -12,6 +12,8 @@ and token- and sequence-level importance sampling. Then the batch cut over 2 "ra
 (sums added, metrics all-reduced) must give TRL's loss and gradients under 4-step gradient accumulation.
 TRL's vLLM importance-sampling correction is driven through TRL's own code too: vLLM's log-probs are injected
 beside the completions, and TRL's ratio, ``sampling/*`` metrics, loss and gradients must be ours, in each mode.
+So is TRL's off-policy sequence masking (``off_policy_mask_threshold``), against the old policy's log-probs and
+against vLLM's, with its correction on and off.
 """
 
 from __future__ import annotations
@@ -25,7 +27,15 @@ import torch.nn.functional as F
 import trl  # noqa: F401  (the oracle: in the test extra, so never skipped)
 
 from shardtune.train.grpo_advantages import completion_metrics, group_advantages
-from shardtune.train.grpo_loss import LOSS_TYPES, Counts, GRPOSettings, StepMetrics, grpo_terms, loss_mask
+from shardtune.train.grpo_loss import (
+    LOSS_TYPES,
+    Counts,
+    GRPOSettings,
+    StepMetrics,
+    grpo_terms,
+    loss_mask,
+    off_policy_mask,
+)
 from shardtune.train.rewards import RewardFunction, score, weights_of
 from shardtune.train.sampler_correction import MODES, importance_ratio, sampler_table
 
@@ -150,6 +160,7 @@ def configure(o: Oracle, settings: GRPOSettings, iterations: int, scale: str = "
     t.epsilon_low, t.epsilon_high, t.args.delta = settings.eps_low, settings.eps_high, settings.delta
     t.scale_rewards, t.multi_objective_aggregation = scale, aggregation
     t.mask_truncated_completions, t.num_iterations = mask_truncated, iterations
+    t.off_policy_mask_threshold = settings.off_policy_mask_threshold
     t.current_gradient_accumulation_steps = t.args.steps_per_generation = chunks
     t._metrics["train"].clear()
 
@@ -212,10 +223,12 @@ def our_generation(o: Oracle, scale: str = "group", aggregation: str = "sum_then
 
 
 def our_loss(o: Oracle, gen: dict, settings: GRPOSettings, iterations: int,
-             parts: list[list[int]] | None = None, is_ratio: torch.Tensor | None = None) -> dict:
+             parts: list[list[int]] | None = None, is_ratio: torch.Tensor | None = None,
+             sampling: torch.Tensor | None = None) -> dict:
     """shardtune's loss on the same batch; ``parts``: the rows of each (rank, micro-batch), their sums added and
     their metrics reduced as ranks would (default: the batch whole, one micro-batch); ``is_ratio``: a vLLM
-    sampler's importance-sampling ratio (the old log-probs are then used even on a first iteration, as TRL)."""
+    sampler's importance-sampling ratio (the old log-probs are then used even on a first iteration, as TRL);
+    ``sampling``: the vLLM sampler's log-probs (rows, width), for off-policy masking."""
     model, mask = o.model, gen["mask"]
     set_adapter(model, 11, 0.3)
     if iterations > 1:
@@ -230,7 +243,8 @@ def our_loss(o: Oracle, gen: dict, settings: GRPOSettings, iterations: int,
                                        mask.size(1), entropy=True)
         terms = grpo_terms(settings, logps, mask[rows], gen["advantages"].advantages[rows], counts,
                            None if old is None else old[rows], None if ref is None else ref[rows], entropies,
-                           None if is_ratio is None else is_ratio[rows])
+                           None if is_ratio is None else is_ratio[rows],
+                           None if sampling is None else sampling[rows])
         terms.loss.backward()
         loss += terms.loss.item()
         metrics = metrics.add(terms.metrics)
@@ -360,13 +374,14 @@ def sampler_logps(o: Oracle, old: torch.Tensor) -> list[list[float | None]]:
     return out
 
 
-def trl_vllm_step(o: Oracle, settings: GRPOSettings, iterations: int, mode: str, low: float | None,
+def trl_vllm_step(o: Oracle, settings: GRPOSettings, iterations: int, mode: str | None, low: float | None,
                   high: float | None, sampled: list, mask_truncated: bool = False) -> dict:
-    """TRL's generation batch with vLLM's log-probs injected beside the completions and its correction on, then
-    its loss, metrics and LoRA gradients on that batch (iteration 2 after a step moved the adapter)."""
+    """TRL's generation batch with vLLM's log-probs injected beside the completions and its correction on (``mode``
+    None: off), then its loss, metrics and LoRA gradients on that batch (iteration 2 after a step moved the
+    adapter)."""
     t = o.trainer
     configure(o, settings, iterations, mask_truncated=mask_truncated)
-    t.use_vllm, t.vllm_importance_sampling_correction = True, True
+    t.use_vllm, t.vllm_importance_sampling_correction = True, mode is not None
     t.vllm_importance_sampling_mode = mode
     t.vllm_importance_sampling_clip_min, t.vllm_importance_sampling_clip_max = low, high
     single_turn = t._generate_single_turn
@@ -384,8 +399,8 @@ def trl_vllm_step(o: Oracle, settings: GRPOSettings, iterations: int, mode: str,
         t.use_vllm = t.vllm_importance_sampling_correction = False
     grads = {n: p.grad.clone() for n, p in lora_params(o.model).items()}
     metrics = {k: v[-1] for k, v in t._metrics["train"].items()}
-    return {"loss": loss.item(), "grads": grads, "metrics": metrics, "ratio": inputs["importance_sampling_ratio"],
-            "old": inputs["old_per_token_logps"]}
+    return {"loss": loss.item(), "grads": grads, "metrics": metrics, "ratio": inputs.get("importance_sampling_ratio"),
+            "old": inputs.get("old_per_token_logps"), "sampling": inputs["sampling_per_token_logps"]}
 
 
 # TRL's vLLM importance-sampling correction: each mode with TRL's default bounds on dapo's first iteration (where
@@ -430,6 +445,93 @@ def test_vllm_importance_sampling_equals_trl(oracle, mode, loss, beta, iteration
     assert_same_metrics({**ours["metrics"], **ours_gen["metrics"], **found}, theirs["metrics"])
 
 
+def current_logps(o: Oracle, gen: dict, iterations: int) -> torch.Tensor:
+    """The policy's log-probs where the loss of iteration ``iterations`` is taken (the adapter as trl_loss sets it)."""
+    set_adapter(o.model, 11, 0.3)
+    if iterations > 1:
+        step_adapter(o.model, 12, 0.25)
+    with torch.no_grad():
+        return token_logps(o.model, gen["prompt_ids"], o.completions, gen["mask"].size(1))[0]
+
+
+def assert_masks_some(gen: dict, logps: torch.Tensor, sampling: torch.Tensor, threshold: float) -> None:
+    """TRL's own mask drops some of the negative-advantage completions, and keeps others: the case tests the mask."""
+    from trl import GRPOTrainer
+
+    adv = gen["advantages"].advantages.unsqueeze(1)
+    keep = GRPOTrainer.get_off_policy_mask(adv, logps, sampling, gen["mask"], threshold).squeeze(1)
+    assert torch.equal(keep, off_policy_mask(adv, logps, sampling, gen["mask"], threshold).squeeze(1))
+    negative = (adv.squeeze(1) < 0).nonzero().squeeze(1).tolist()
+    dropped = (keep == 0).nonzero().squeeze(1).tolist()
+    assert dropped and set(dropped) < set(negative), (dropped, negative)
+
+
+OPM_THRESHOLD = 0.03  # the second iteration's mean log-ratios of the negative-advantage rows: -0.009 .. 0.10
+# Every loss type on the second iteration (the old policy's log-probs against the moved adapter's), β = 0 and > 0,
+# token and sequence ratios; and a first iteration, where TRL compares the policy with itself: nothing is masked.
+OPM_CASES = [("dapo", 0.0, 2, "token"), ("grpo", 0.04, 2, "token"), ("bnpo", 0.04, 2, "sequence"),
+             ("dr_grpo", 0.0, 2, "sequence"), ("cispo", 0.04, 2, "token"), ("sapo", 0.0, 2, "token"),
+             ("luspo", 0.04, 2, "sequence"), ("vespo", 0.04, 2, "token"), ("dapo", 0.04, 1, "token")]
+
+
+@pytest.mark.parametrize("loss,beta,iterations,level", OPM_CASES,
+                         ids=[f"{c[0]}-beta{c[1]}-it{c[2]}-{c[3]}" for c in OPM_CASES])
+def test_off_policy_mask_equals_trl(oracle, batch, loss, beta, iterations, level):
+    settings = GRPOSettings(loss_type=loss, beta=beta, epsilon=0.2, epsilon_high=0.28, importance_sampling_level=level,
+                            max_completion_length=MAX_LEN, off_policy_mask_threshold=OPM_THRESHOLD)
+    theirs_gen, ours_gen = batch
+    theirs = trl_loss(oracle, theirs_gen["inputs"], settings, iterations)
+    ours = our_loss(oracle, ours_gen, settings, iterations)
+    assert_same_step(ours, theirs, f"off-policy mask {loss} beta={beta} iterations={iterations} {level}")
+    assert_same_metrics(ours["metrics"], theirs["metrics"])
+    unmasked = our_loss(oracle, ours_gen, replace(settings, off_policy_mask_threshold=None), iterations)
+    if iterations == 1:  # the policy against itself, detached: a mean log-ratio of 0 <= δ everywhere
+        assert_same_step(unmasked, theirs, "no mask on a first iteration")
+        return
+    assert_masks_some(ours_gen, current_logps(oracle, ours_gen, iterations), ours_gen["old"], OPM_THRESHOLD)
+    assert rel(unmasked["loss"], theirs["loss"], floor=1e-2) > 1e-3  # and the loss is not the unmasked one
+
+
+def drifted_sampler(o: Oracle, old: torch.Tensor) -> list[list[float | None]]:
+    """vLLM's log-probs as ``sampler_logps`` (noise, one null), with two negative-advantage completions (rows 4
+    and 10) 0.4 a token more likely to vLLM than to the trainer: their mean log-ratio, above δ, masks them."""
+    out = sampler_logps(o, old)
+    for row in (4, 10):
+        out[row] = [x + 0.4 for x in out[row]]
+    return out
+
+
+VLLM_OPM_THRESHOLD = 0.1
+# vLLM's log-probs against the policy's: with the correction on (the old log-probs are then taken even on a first
+# iteration) and off (no old log-probs on a first iteration: the mask still compares vLLM's with the policy's).
+VLLM_OPM_CASES = [("sequence_mask", "dapo", 0.0, 1, "token"), ("token_truncate", "grpo", 0.04, 2, "token"),
+                  (None, "dapo", 0.0, 1, "token"), (None, "grpo", 0.04, 2, "sequence"),
+                  (None, "vespo", 0.0, 1, "token")]
+
+
+@pytest.mark.parametrize("mode,loss,beta,iterations,level", VLLM_OPM_CASES,
+                         ids=[f"{c[0]}-{c[1]}-beta{c[2]}-it{c[3]}-{c[4]}" for c in VLLM_OPM_CASES])
+def test_off_policy_mask_against_vllm_logps_equals_trl(oracle, mode, loss, beta, iterations, level):
+    settings = GRPOSettings(loss_type=loss, beta=beta, epsilon=0.2, epsilon_high=0.28,
+                            importance_sampling_level=level, max_completion_length=MAX_LEN,
+                            off_policy_mask_threshold=VLLM_OPM_THRESHOLD)
+    ours_gen = our_generation(oracle)
+    mask = ours_gen["mask"]
+    sampled = drifted_sampler(oracle, ours_gen["old"])
+    theirs = trl_vllm_step(oracle, settings, iterations, mode, None, 3.0, sampled)
+    table = sampler_table(sampled, mask.size(1))
+    assert torch.equal(table.isnan(), theirs["sampling"][:, :mask.size(1)].isnan())  # the null, as TRL's NaN
+    ratio = importance_ratio(ours_gen["old"], table, mask, mode, None, 3.0)[0] if mode is not None else None
+    ours = our_loss(oracle, ours_gen, settings, iterations, is_ratio=ratio, sampling=table)
+    assert_same_step(ours, theirs, f"off-policy mask vs vLLM {mode} {loss} beta={beta} it={iterations} {level}")
+    assert_same_metrics({**ours["metrics"], **ours_gen["metrics"]}, {k: v for k, v in theirs["metrics"].items()
+                                                                     if not k.startswith("sampling/")})
+    assert_masks_some(ours_gen, current_logps(oracle, ours_gen, iterations), table, VLLM_OPM_THRESHOLD)
+    unmasked = our_loss(oracle, ours_gen, replace(settings, off_policy_mask_threshold=None), iterations,
+                        is_ratio=ratio, sampling=table)
+    assert rel(unmasked["loss"], theirs["loss"], floor=1e-2) > 1e-3
+
+
 def test_metrics_reduce_across_ranks_as_one_batch():
     """StepMetrics.all_reduce with a stand-in for dist.all_reduce: two ranks' sums, minima and maxima."""
     settings = GRPOSettings(loss_type="dapo", beta=0.1, importance_sampling_level="token")
@@ -465,4 +567,7 @@ def test_settings_refuse_unknown_values():
         GRPOSettings(importance_sampling_level="tokens")
     with pytest.raises(ConfigError, match="delta"):
         GRPOSettings(delta=0.5)
+    for threshold in (0.0, -0.5, math.inf, math.nan):
+        with pytest.raises(ConfigError, match="off_policy_mask_threshold"):
+            GRPOSettings(off_policy_mask_threshold=threshold)
     assert replace(GRPOSettings(), epsilon_high=None).eps_high == 0.2

@@ -178,6 +178,40 @@ def test_a_run_stopped_mid_generation_batch_resumes_on_the_same_completions(grpo
     same_training(one_rank, part, 4)
 
 
+def test_off_policy_masking_drops_completions_the_policy_moved_away_from(grpo_root, one_rank):
+    """--off-policy-mask-threshold on the module's 1-rank run (num_iterations 2): the first step of a generation
+    batch trains on it as sampled, so nothing is masked and the step is the one without; on the second, the
+    completions with a negative advantage that the first step made less likely (mean per-token log-ratio of the
+    old policy to the new > δ) lose their policy loss: another loss, another adapter. (Which completions, and
+    that it matches TRL, is tests/test_grpo_oracle.py.)"""
+    code = main(argv(grpo_root, "masked", "--strategy", "single", "--steps", "2", "--off-policy-mask-threshold",
+                     "1e-4"))
+    assert code == 0
+    plain, masked = metrics(one_rank)[:2], metrics(grpo_root / "masked")
+    for key in ("loss", "grad_norm", "kl", "reward", "clip_ratio/region_mean"):
+        assert masked[0][key] == pytest.approx(plain[0][key], rel=1e-6, abs=1e-9), key
+    assert masked[1]["reward"] == plain[1]["reward"]  # the same generation batch
+    assert masked[1]["loss"] != pytest.approx(plain[1]["loss"], rel=1e-3, abs=1e-6)
+    from shardtune.train.checkpoint_adapter import adapter_from_checkpoint
+
+    step2 = adapter_from_checkpoint(one_rank / "checkpoints" / "step-2", grpo_root / "unmasked-step-2")
+    before = load_file(step2 / "adapter_model.safetensors")
+    after = load_file(grpo_root / "masked" / "adapter" / "adapter_model.safetensors")
+    assert before.keys() == after.keys()
+    assert any(not torch.allclose(before[k], after[k], rtol=1e-4, atol=1e-6) for k in before)
+
+
+def test_off_policy_mask_threshold_refused_where_it_cannot_mask(grpo_root, capsys, no_workers):
+    base = argv(grpo_root, "bad")
+    for value in ("0", "-0.5", "nan", "inf"):
+        _fails(capsys, main([*base, "--off-policy-mask-threshold", value]), "option 'off-policy-mask-threshold'")
+    _fails(capsys, main([*base, "--off-policy-mask-threshold", "0.5", "--num-iterations", "1"]),
+           "option 'off-policy-mask-threshold' (0.5)", "never mask", "--num-iterations 2", "--vllm-url")
+    sft = ["finetune", "--model", str(grpo_root / "model"), "--data", str(grpo_root / "prompts.jsonl"), "--out",
+           str(grpo_root / "bad"), "--off-policy-mask-threshold", "0.5"]
+    _fails(capsys, main(sft), "option 'off-policy-mask-threshold' applies to --objective grpo only")
+
+
 def _fails(capsys, code: int, *expected: str) -> None:
     err = capsys.readouterr().err
     assert code == 2, err

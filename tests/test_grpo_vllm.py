@@ -4,7 +4,7 @@ version of that optimizer step, checked served, and the policy trains on the ser
 that does not take a new version stops the run; an unreachable server, one without runtime LoRA, or an adapter
 vLLM cannot load are refused before any worker starts. With TRL's vLLM importance-sampling correction (on by
 default) the server reports each sampled token's log-prob, and the loss is reweighted by the trainer's over the
-server's probabilities as the mode says."""
+server's probabilities as the mode says; off-policy masking measures the trainer against them too."""
 
 from __future__ import annotations
 
@@ -174,6 +174,15 @@ def test_the_loss_is_reweighted_by_the_trainers_over_the_servers_probabilities(v
         assert m["sampling/importance_sampling_ratio/max"] == pytest.approx(high, abs=1e-4), mode
         assert m["sampling/sampling_logp_difference/max"] == pytest.approx(SHIFT, abs=1e-4), mode
         assert m["sampling/sampling_logp_difference/mean"] == pytest.approx(2 * SHIFT / sum(lengths), abs=1e-4)
+
+    # Off-policy masking, the correction off: the server's log-probs are asked for all the same, and the mask
+    # measures the trainer against them (as TRL's, even with num_iterations 1). vLLM found each odd completion's
+    # first token e^1.5 more likely than the trainer: mean log-ratios 1.5 / 3 on "ab" (a negative advantage, and
+    # above δ = 0.2: no policy loss) and 1.5 / 6 on the cut one (above δ too, but a positive advantage: kept).
+    m, _ = run("off-policy-mask", -SHIFT, "--vllm-importance-sampling", "off", "--off-policy-mask-threshold", "0.2")
+    assert adv[1] < 0 < adv[3]
+    assert m["loss"] == pytest.approx(expected([2, 0, 4, LIMIT]), rel=1e-4)
+    assert not any(name in m for name in IS_METRICS)
 
 
 def test_a_server_that_keeps_serving_an_older_adapter_stops_the_run(vllm_root, capsys):

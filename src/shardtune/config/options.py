@@ -249,6 +249,11 @@ class GrpoConfig:
     vllm_importance_sampling_min: float | None = opt(
         None, "vllm-importance-sampling-min", WARN, "GRPO with --vllm-url: the correction's lower bound C_min.",
         range=AT_LEAST_0)
+    off_policy_mask_threshold: float | None = opt(
+        None, "off-policy-mask-threshold", WARN, "GRPO: off-policy sequence masking (DeepSeek-V3.2, TRL's "
+        "off_policy_mask_threshold δ): a completion with a negative advantage gets no policy loss when its mean "
+        "per-token log-ratio of the sampling policy (the old policy's, or vLLM's with --vllm-url) to the current "
+        "one exceeds δ (e.g. 0.5); needs --num-iterations > 1 or --vllm-url.", range=POSITIVE)
 
 
 @dataclass

@@ -61,7 +61,8 @@ OBJECTIVE_OPTIONS = {"dpo-beta": ("dpo",), "dpo-loss": ("dpo",), "dpo-label-smoo
                                                      "max-completion-length", "temperature", "top-p", "top-k",
                                                      "mask-truncated-completions", "grpo-loss", "scale-rewards",
                                                      "epsilon", "epsilon-high", "grpo-beta", "num-iterations",
-                                                     "importance-sampling", "vllm-url", *VLLM_ONLY)}}
+                                                     "importance-sampling", "vllm-url", "off-policy-mask-threshold",
+                                                     *VLLM_ONLY)}}
 
 
 def _given(cfg: Config, flag: str) -> bool:
@@ -106,6 +107,11 @@ def validate_grpo(cfg: Config) -> None:
                 raise ConfigError(f"option '{flag}' applies with --vllm-url only (it corrects the loss for a vLLM "
                                   "sampler's probabilities; the policy's own completions need no correction): leave "
                                   "it out, or give --vllm-url")
+    if g.off_policy_mask_threshold is not None and g.num_iterations == 1 and not g.vllm_url:
+        raise ConfigError(f"option 'off-policy-mask-threshold' ({g.off_policy_mask_threshold:g}) masks completions "
+                          "the policy has drifted from since they were sampled; with --num-iterations 1 and no "
+                          "--vllm-url the policy being trained is the one that sampled them, so it would never mask "
+                          "one (as in TRL): give --num-iterations 2 or more, or --vllm-url, or leave it out")
     if cfg.data.val:
         raise ConfigError("option 'val-data' does not apply to --objective grpo (a loss on held-out prompts means "
                           "little): measure held-out prompts with `shardtune eval --reward ...` instead")

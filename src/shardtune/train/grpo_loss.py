@@ -17,6 +17,12 @@ With a vLLM sampler's importance-sampling ratio ρ (train/sampler_correction.py;
 policy term above is multiplied by ρ before the KL term is added (vespo: log ρ joins its sequence weight's log
 w instead), as TRL's ``vllm_importance_sampling_correction``.
 
+Off-policy sequence masking (TRL's ``off_policy_mask_threshold`` δ, DeepSeek-V3.2 eq. 9; ``off_policy_mask``):
+a completion with a negative advantage whose mean over its tokens of log π_sampler − log π (no grad) exceeds δ
+gets no policy term (its KL term stays). π_sampler is what sampled it: a vLLM sampler's reported log-probs
+(unscored NaN tokens count 0) when given, else the old policy's, else (num_iterations 1, no vLLM) the policy
+itself, detached: the difference is then 0 and nothing is masked, as in TRL.
+
 Aggregation: each loss is ``Σ_rows weight_row · Σ_t loss_t · mask_t`` with GLOBAL counts in the weights, so
 that adding the sums of every micro-batch of every rank gives the loss of the whole optimizer step, exactly
 (up to summation order), whatever the split. The counts are those of the optimizer step's global batch:
@@ -71,6 +77,7 @@ class GRPOSettings:
     vespo_lambda_pos: float = 3.0
     vespo_k_neg: float = 3.0
     vespo_lambda_neg: float = 2.0
+    off_policy_mask_threshold: float | None = None  # δ of off-policy sequence masking; None: off
 
     def __post_init__(self) -> None:
         if self.loss_type not in LOSS_TYPES:
@@ -86,6 +93,9 @@ class GRPOSettings:
             raise ConfigError(f"GRPO epsilon_high must be a finite number >= 0, got {self.epsilon_high}")
         if self.delta is not None and not (math.isfinite(self.delta) and self.delta > 1):
             raise ConfigError(f"GRPO delta must be a finite number > 1 (the ratio's cap), got {self.delta}")
+        threshold = self.off_policy_mask_threshold
+        if threshold is not None and not (math.isfinite(threshold) and threshold > 0):
+            raise ConfigError(f"GRPO off_policy_mask_threshold must be a finite number > 0, got {threshold}")
         if self.max_completion_length < 1:
             raise ConfigError(f"max_completion_length must be >= 1, got {self.max_completion_length}")
 
@@ -185,6 +195,15 @@ def _gamma_weights(settings: GRPOSettings, advantages: torch.Tensor, log_ratio: 
     return torch.exp(lam + k * log_w - lam * log_w.exp()).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
 
+def off_policy_mask(advantages: torch.Tensor, logps: torch.Tensor, sampling: torch.Tensor, mask: torch.Tensor,
+                    threshold: float) -> torch.Tensor:
+    """(rows, 1): 0 for a completion to drop (advantage < 0 and its mean per-token log π_sampler − log π over the
+    mask above ``threshold``), 1 otherwise; as TRL's ``get_off_policy_mask`` (``advantages``: (rows, 1))."""
+    kl = torch.nan_to_num(sampling.to(logps) - logps.detach(), nan=0.0)
+    mean_kl = (kl * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
+    return ((advantages >= 0) | (mean_kl <= threshold)).to(mask.dtype)
+
+
 def _masked(x: torch.Tensor, mask: torch.Tensor, per_sequence: bool = False) -> torch.Tensor:
     """[Σ x·mask, Σ mask] over tokens, or for per-sequence values (rows, 1) [Σ x, rows], float64 (TRL's
     ``global_masked_mean``)."""
@@ -203,12 +222,15 @@ def _seq_means(x: torch.Tensor, mask: torch.Tensor, per_sequence: bool) -> torch
 
 def grpo_terms(settings: GRPOSettings, logps: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor,
                counts: Counts, old_logps: torch.Tensor | None = None, ref_logps: torch.Tensor | None = None,
-               entropies: torch.Tensor | None = None, is_ratio: torch.Tensor | None = None) -> GRPOTerms:
+               entropies: torch.Tensor | None = None, is_ratio: torch.Tensor | None = None,
+               sampling_logps: torch.Tensor | None = None) -> GRPOTerms:
     """This micro-batch's loss (a sum with global normalisers, see the module's text) and metrics.
 
     ``logps``, ``mask``, ``old_logps``, ``ref_logps``, ``entropies``: (rows, time); ``advantages``: (rows,).
     ``entropies`` (optional) only feed the ``entropy`` metric. ``is_ratio``: a vLLM sampler's importance-sampling
-    ratio, (rows, time) or (rows, 1) (train/sampler_correction.py); None: no correction."""
+    ratio, (rows, time) or (rows, 1) (train/sampler_correction.py); None: no correction. ``sampling_logps``: the
+    vLLM sampler's own log-probs (rows, time), which off-policy masking measures against (default: the old
+    policy's)."""
     if settings.beta != 0.0 and ref_logps is None:
         raise ValueError("beta != 0 needs the reference's log-probs")
     mask = mask.to(logps.dtype)
@@ -245,6 +267,9 @@ def grpo_terms(settings: GRPOSettings, logps: torch.Tensor, mask: torch.Tensor, 
         assert t == "vespo"
         phi = _gamma_weights(settings, adv, log_ratio, mask, is_ratio)
         per_token = -phi * adv * logps
+    if settings.off_policy_mask_threshold is not None:
+        sampling = old if sampling_logps is None else sampling_logps
+        per_token = per_token * off_policy_mask(adv, logps, sampling, mask, settings.off_policy_mask_threshold)
     if is_ratio is not None and t != "vespo":
         per_token = per_token * is_ratio.to(per_token.dtype)
     if kl is not None:

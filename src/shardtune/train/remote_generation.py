@@ -19,7 +19,8 @@ The log-probs of the loss are computed by the sharded policy as for its own comp
 numerics differ from the trainer's (another kernel, or a 16-bit base under a --quantize nf4 policy). Unless
 --vllm-importance-sampling is off, the server is asked for each sampled token's log-prob too, and the loss is
 reweighted by the trainer's over the server's probabilities, as TRL's vLLM importance-sampling correction
-(train/sampler_correction.py; the ratio is made in train/rollout.py).
+(train/sampler_correction.py; the ratio is made in train/rollout.py); with --off-policy-mask-threshold too,
+for the mask to measure against them.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from shardtune.runtime import distributed
 from shardtune.runtime.distributed import Worker
 from shardtune.train.adapter import save_adapter
 from shardtune.train.generator_client import GeneratorClient, GeneratorError
+from shardtune.train.sampler_correction import wants_sampler_logps
 from shardtune.train.sampling import Completion, SamplingSettings, completion_seed
 
 log = logging.getLogger("shardtune")
@@ -89,7 +91,7 @@ class RemoteGenerator:
                     if self.version is not None:
                         shutil.rmtree(self.folder / f"v{self.version}", ignore_errors=True)
                 seed = completion_seed(self.cfg.train.seed, batch, -1, -1) & 0x7FFFFFFF
-                logprobs = self.cfg.grpo.vllm_importance_sampling != "off"
+                logprobs = wants_sampler_logps(self.cfg.grpo)
                 answer = self._checked(self.client.generate(prompts, n, settings, seed, logprobs), settings)
             except GeneratorError as err:
                 answer = err

@@ -17,7 +17,9 @@ first step, on every rank together:
    will train, exchanged too;
 6. with --vllm-url and its importance-sampling correction on (the default, as TRL's), the old log-probs are
    taken even with μ = 1 (as TRL), and the ratio of the trainer's to the server's probabilities of the sampled
-   tokens made from them (train/sampler_correction.py), with its ``sampling/*`` metrics.
+   tokens made from them (train/sampler_correction.py), with its ``sampling/*`` metrics. With
+   --off-policy-mask-threshold the server's log-probs are kept too, for the loss's off-policy mask to measure
+   against (grpo_loss.py).
 
 The batch is kept in the resumable checkpoint (``state_dict``): a run stopped mid-batch resumes on the same
 completions. A few completions with their rewards go to ``OUT/completions.jsonl`` per generation batch.
@@ -49,7 +51,7 @@ from shardtune.train.objectives.grpo import Grpo, Rollout, make_mask, per_sequen
 from shardtune.train.remote_generation import RemoteGenerator
 from shardtune.train.rewards import RewardError, RewardFunction, completions_for, weights_of
 from shardtune.train.rewards import score as rewards_of
-from shardtune.train.sampler_correction import importance_ratio, sampler_table
+from shardtune.train.sampler_correction import importance_ratio, sampler_table, wants_sampler_logps
 from shardtune.train.sampling import SamplingSettings, stop_ids
 from shardtune.train.step import Trainee
 
@@ -106,13 +108,13 @@ class Rollouts:
         rows = [(p, c) for p in prompts for c in range(self.G)]
         per_rank = len(rows) // w.world_size
         mine = rows[w.rank * per_rank:(w.rank + 1) * per_rank]
-        sampled: list | None = None  # the server's log-probs of every row's tokens (its correction on)
+        sampled: list | None = None  # the server's log-probs of every row's tokens (correction or mask on)
         if self.remote is not None:  # every row from the server, the same on every rank: this rank keeps its own
             groups = self.remote.completions(self.t.model, [self.prompts[p].input_ids for p in prompts], self.G,
                                              self.settings, step, index)
             every = [c for group in groups for c in group]
             done = every[w.rank * per_rank:(w.rank + 1) * per_rank]
-            if self.cfg.grpo.vllm_importance_sampling != "off":
+            if wants_sampler_logps(self.cfg.grpo):
                 sampled = [c.logps for c in every]
         else:
             done = generate(self.t.model, self.t.strategy, w, [self.prompts[p].input_ids for p, _ in mine], mine,
@@ -138,15 +140,18 @@ class Rollouts:
                           make_mask(completions, truncated, self.cfg.grpo.mask_truncated_completions), metrics,
                           self._micro_batches())
         self._install(rollout)
-        if self.mu > 1 or sampled is not None:
+        g = self.cfg.grpo
+        table = sampler_table(sampled, rollout.width) if sampled is not None else None
+        correct = table is not None and g.vllm_importance_sampling != "off"
+        if self.mu > 1 or correct:
             rollout.old = self._logps(contextlib.nullcontext)
-        if sampled is not None:
-            assert rollout.old is not None
-            g = self.cfg.grpo
-            rollout.is_ratio, found = importance_ratio(rollout.old, sampler_table(sampled, rollout.width), rollout.mask,
-                                                       g.vllm_importance_sampling, g.vllm_importance_sampling_min,
-                                                       g.vllm_importance_sampling_max)
+        if correct:
+            assert rollout.old is not None and table is not None
+            rollout.is_ratio, found = importance_ratio(rollout.old, table, rollout.mask, g.vllm_importance_sampling,
+                                                       g.vllm_importance_sampling_min, g.vllm_importance_sampling_max)
             rollout.metrics.update(found)
+        if g.off_policy_mask_threshold is not None:
+            rollout.sampling = table  # the mask measures against the sampler's own log-probs (else the old ones)
         if self.cfg.grpo.beta > 0:
             rollout.ref = self._logps(self._reference)
         self._write_samples(rollout, adv.rewards, step)

@@ -17,6 +17,10 @@ is added; vespo takes log ρ into its sequence weight instead). Metrics as TRL's
 ``sampling/sampling_logp_difference/mean|max`` (|old − sampling| over the loss mask's scored tokens) and
 ``sampling/importance_sampling_ratio/min|mean|max`` (per token over the mask, or per sequence over every row);
 0 where there is nothing to measure, as TRL.
+
+With --off-policy-mask-threshold the sampler's log-probs are asked for even with the correction off, and kept
+(``sampler_table``) for grpo_loss.off_policy_mask, which measures against them (as TRL, whose vLLM path always
+has them).
 """
 
 from __future__ import annotations
@@ -25,9 +29,15 @@ import math
 
 import torch
 
-from shardtune.config.options import VLLM_IS_MODES
+from shardtune.config.options import VLLM_IS_MODES, GrpoConfig
 
 MODES = VLLM_IS_MODES[1:]  # without "off"
+
+
+def wants_sampler_logps(g: GrpoConfig) -> bool:
+    """Whether a vLLM sampler is asked for its log-prob of each sampled token: for the importance-sampling
+    correction, or for off-policy masking, which (as TRL's) measures the policy's drift from the sampler itself."""
+    return g.vllm_importance_sampling != "off" or g.off_policy_mask_threshold is not None
 
 
 def importance_ratio(old: torch.Tensor, sampling: torch.Tensor, mask: torch.Tensor, mode: str,

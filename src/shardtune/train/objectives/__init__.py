@@ -39,7 +39,8 @@ def grpo_settings(cfg: Config) -> GRPOSettings:
     """The loss's settings from the GRPO options."""
     g = cfg.grpo
     return GRPOSettings(loss_type=g.loss, beta=g.beta, epsilon=g.epsilon, epsilon_high=g.epsilon_high,
-                        importance_sampling_level=g.importance_sampling, max_completion_length=g.max_completion_length)
+                        importance_sampling_level=g.importance_sampling, max_completion_length=g.max_completion_length,
+                        off_policy_mask_threshold=g.off_policy_mask_threshold)
 
 
 __all__ = ["Objective", "objective_of", "grpo_settings"]

@@ -4,10 +4,11 @@ prompt, scored by reward functions, each completion's tokens pushed by its advan
 A step's items are the completions of its generation batch (a ``Rollout``, made by train/rollout.py before
 the step: sampled, scored, advantages over whole groups, and the old policy's and the reference's
 log-probs where needed, and with a vLLM sampler the importance-sampling ratio that corrects for its
-probabilities); ``--batch-size`` counts completions. A forward's sequences are prompt +
-completion with the completion's tokens as targets; the loss head scores them at the sampling temperature,
-and ``grpo_loss.grpo_terms`` turns each forward's per-token log-probs into its share of the step's loss,
-with the global counts of the whole batch (``norms``): N ranks train exactly like one.
+probabilities and its own log-probs for off-policy masking); ``--batch-size`` counts completions. A
+forward's sequences are prompt + completion with the completion's tokens as targets; the loss head scores
+them at the sampling temperature, and ``grpo_loss.grpo_terms`` turns each forward's per-token log-probs into
+its share of the step's loss, with the global counts of the whole batch (``norms``): N ranks train exactly
+like one.
 
 Metrics: the loss's (``kl``, ``clip_ratio/*``: masked means over the whole batch) and the rollout's
 (``reward``, ``reward_std``, ``rewards/<fn>/mean``, ``completions/*``, with a vLLM sampler ``sampling/*``: TRL's
@@ -48,6 +49,7 @@ class Rollout:
     old: torch.Tensor | None = None  # (rows, width) log-probs at generation time (num_iterations > 1)
     ref: torch.Tensor | None = None  # (rows, width) the reference's (β > 0)
     is_ratio: torch.Tensor | None = None  # a vLLM sampler's importance-sampling ratio: (rows, width) or (rows, 1)
+    sampling: torch.Tensor | None = None  # (rows, width) a vLLM sampler's log-probs (--off-policy-mask-threshold)
 
     @property
     def width(self) -> int:
@@ -116,7 +118,7 @@ class Grpo(Objective):
 
         counts = Counts(int(norms["rows"]), int(norms["tokens"]), int(norms["micro_batches"]))
         t = grpo_terms(self.settings, logps, rows(r.mask), rows(r.advantages), counts, rows(r.old), rows(r.ref),
-                       is_ratio=rows(r.is_ratio))
+                       is_ratio=rows(r.is_ratio), sampling_logps=rows(r.sampling))
         zero = torch.zeros(2, dtype=torch.float64, device=device)
         sums = torch.cat([t.metrics.sums.get(name, zero) for name in SUMS]).float()
         return Terms(t.loss, sums)
