@@ -127,18 +127,30 @@ def test_a_run_trains_and_logs_trl_metrics(one_rank):
     assert json.loads((one_rank / "summary.json").read_text())["objective"] == "grpo"
 
 
+def test_two_fsdp2_ranks_generating_from_row_shards_train_like_one(grpo_root, one_rank, monkeypatch):
+    """FSDP2 where generation computes from the row shards (``EXCHANGE_PAYS_FROM`` lowered to the tiny model's
+    layers): no layer gathered to generate, and the same completions, losses and adapter as one rank."""
+    from shardtune.train import choice
+
+    monkeypatch.setitem(choice.EXCHANGE_PAYS_FROM, "cpu", 1)
+    assert main(argv(grpo_root, "two-exchanged", "--strategy", "fsdp2", "--nproc", "2", "--steps", "4",
+                     "--micro-batch-size", "2")) == 0
+    summary = json.loads((grpo_root / "two-exchanged" / "summary.json").read_text())
+    assert summary["run_plan"]["generation_exchanged"] is True and summary["run_plan"]["generation_gathered"] is False
+    same_training(one_rank, grpo_root / "two-exchanged", 4)
+
+
 @pytest.mark.parametrize("strategy", ["fsdp2", "ddp"])
 def test_two_ranks_train_like_one(grpo_root, one_rank, strategy):
-    """2 ranks, each generating and training its half of every batch, two completions per forward: FSDP2 (no
-    layer gathered for generation: each computes from its row shards) and DDP (each rank generates on its own,
-    outside DDP's wrapper)."""
+    """2 ranks, each generating and training its half of every batch, two completions per forward: FSDP2 (the
+    weights gathered for generation) and DDP (each rank generates on its own, outside DDP's wrapper)."""
     code = main(argv(grpo_root, f"two-{strategy}", "--strategy", strategy, "--nproc", "2", "--steps", "4",
                      "--micro-batch-size", "2"))
     assert code == 0
     summary = json.loads((grpo_root / f"two-{strategy}" / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["strategy"] == strategy
-    if strategy == "fsdp2":
-        assert summary["run_plan"]["generation_exchanged"] is True
+    if strategy == "fsdp2":  # the tiny model fits gathered: generation keeps its weights gathered (one gather)
+        assert summary["run_plan"]["generation_gathered"] is True
     same_training(one_rank, grpo_root / f"two-{strategy}", 4)
 
 
@@ -268,21 +280,46 @@ def test_the_planner_counts_generation(grpo_root, capsys):
     assert large["terms"]["buffers"] > 0 and large["terms"]["buffers"] == small["terms"]["buffers"]
 
 
-def test_generation_gathers_no_layer_under_fsdp2(grpo_root, capsys):
-    """Under fsdp2 on 2 ranks the run plan computes generation from the row shards (no layer gathered): its
-    predicted generation peak counts no gathered layer, less than keeping them gathered would (DoRA, which
-    reads its base weight whole, keeps them gathered where they fit)."""
-    def plan(*extra: str) -> dict:
+def test_generation_gathers_no_layer_where_the_gathered_model_does_not_fit(grpo_root, capsys):
+    """Under fsdp2 on 2 ranks the tiny model's layers are kept gathered for the generation where they fit (too
+    small for the exchange to pay); just below that, generation computes from the row shards instead of
+    gathering per token: its predicted peak counts no gathered layer. DoRA, which reads its base weight whole,
+    gathers per token there."""
+    from shardtune.runtime.memory import MB
+
+    def plan(budget: str, *extra: str) -> dict:
         code = main(["plan", *argv(grpo_root, "plan")[1:], "--batch-size", "1024", "--max-completion-length", "256",
-                     "--nproc", "2", "--strategy", "fsdp2", "--micro-batch-size", "1", "--memory-per-rank", "1TiB",
+                     "--nproc", "2", "--strategy", "fsdp2", "--micro-batch-size", "1", "--memory-per-rank", budget,
                      "--json", *extra])
         assert code == 0
         return json.loads(capsys.readouterr().out)
 
-    exchanged, dora = plan(), plan("--lora-variant", "dora")
+    kept = plan("1TiB")
+    assert kept["run_plan"]["generation_gathered"] is True and not kept["run_plan"]["generation_exchanged"]
+    below = f"{int((kept['fsdp2']['peak_mb'] - 0.05) * MB)}B"
+    exchanged, dora = plan(below), plan(below, "--lora-variant", "dora")
     assert exchanged["run_plan"]["generation_exchanged"] is True and not exchanged["run_plan"]["generation_gathered"]
-    assert dora["run_plan"]["generation_gathered"] is True and not dora["run_plan"]["generation_exchanged"]
-    assert exchanged["fsdp2"]["terms"]["blocks"] < dora["fsdp2"]["terms"]["blocks"]
+    assert not dora["run_plan"]["generation_exchanged"] and not dora["run_plan"]["generation_gathered"]
+    assert exchanged["fsdp2"]["terms"]["blocks"] < dora["fsdp2"]["terms"]["blocks"] < kept["fsdp2"]["terms"]["blocks"]
+
+
+def test_generation_computes_from_row_shards_where_that_pays(grpo_root, capsys, monkeypatch):
+    """Layers large enough that reading 1/N of them per token outweighs the exchange's collectives
+    (``EXCHANGE_PAYS_FROM``, here lowered to the tiny model's) are never gathered for the generation, even where
+    they would fit; DoRA keeps them gathered."""
+    from shardtune.train import choice
+
+    monkeypatch.setitem(choice.EXCHANGE_PAYS_FROM, "cpu", 1)
+
+    def plan(*extra: str) -> dict:
+        code = main(["plan", *argv(grpo_root, "plan")[1:], "--nproc", "2", "--strategy", "fsdp2",
+                     "--micro-batch-size", "1", "--memory-per-rank", "1TiB", "--json", *extra])
+        assert code == 0
+        return json.loads(capsys.readouterr().out)["run_plan"]
+
+    exchanged, dora = plan(), plan("--lora-variant", "dora")
+    assert exchanged["generation_exchanged"] is True and exchanged["generation_gathered"] is False
+    assert dora["generation_exchanged"] is False and dora["generation_gathered"] is True
 
 
 def test_generation_keeps_the_weights_gathered_only_where_they_fit(grpo_root, capsys):
@@ -307,9 +344,9 @@ def test_generation_keeps_the_weights_gathered_only_where_they_fit(grpo_root, ca
 
 
 def test_a_4bit_base_is_dequantized_once_per_generation_only_where_it_fits(grpo_root, capsys):
-    """--quantize nf4, generation computing from the row shards: the run plan dequantizes the rank's rows of each
-    4-bit weight once per generation (not in every token's forward) when the peak with all of them in the
-    compute dtype fits too; just below it, they stay 4-bit and the prediction counts no dequantized weight."""
+    """--quantize nf4, the weights kept gathered: the run plan dequantizes each 4-bit weight once per generation
+    (not in every token's forward) when the peak with all of them in the compute dtype fits too; just below
+    it, they stay 4-bit (the weights still gathered) and the prediction counts no dequantized weight."""
     from shardtune.runtime.memory import MB
 
     from tiny import make_model
@@ -328,7 +365,7 @@ def test_a_4bit_base_is_dequantized_once_per_generation_only_where_it_fits(grpo_
     assert once["run_plan"]["generation_dequantized"] is True and once["fsdp2"]["peak_at"] == "generation (KV cache)"
     assert once["fsdp2"]["terms"]["dequant"] > 0.05
     tight = plan(f"{int((once['fsdp2']['peak_mb'] - 0.05) * MB)}B")
-    assert tight["run_plan"]["generation_exchanged"] is True and tight["run_plan"]["generation_dequantized"] is False
+    assert tight["run_plan"]["generation_gathered"] is True and tight["run_plan"]["generation_dequantized"] is False
     assert tight["fsdp2"]["peak_mb"] < once["fsdp2"]["peak_mb"] - 0.05
 
 

@@ -237,5 +237,5 @@ def test_the_planner_counts_no_generation_the_server_does(vllm_root, capsys):
         return json.loads(capsys.readouterr().out)
 
     here, remote = plan(remote=False), plan(remote=True)
-    assert here["fsdp2"]["peak_at"] == "generation (KV cache)" and here["run_plan"]["generation_exchanged"] is True
-    assert remote["fsdp2"]["peak_at"] != "generation (KV cache)" and remote["run_plan"]["generation_exchanged"] is False
+    assert here["fsdp2"]["peak_at"] == "generation (KV cache)" and here["run_plan"]["generation_gathered"] is True
+    assert remote["fsdp2"]["peak_at"] != "generation (KV cache)" and remote["run_plan"]["generation_gathered"] is False

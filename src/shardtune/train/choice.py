@@ -218,32 +218,48 @@ def exchanges_to_generate(cfg: Config, setting: Setting) -> bool:
         setting.ranks // setting.replicate_groups > 1 and cfg.lora.variant != "dora"
 
 
+#: Exchanged, each token's forward spends a few collectives per layer (latency) to spare each rank the reading
+#: of (N - 1)/N of every layer's weights (bandwidth): worth it where that share of a layer exceeds these bytes
+#: (what a rank reads in about the time of those collectives). CPU and gloo: set between a 14 MB layer, where
+#: generation ran slower exchanged, and a 176 MB one, where a step ran faster (bench/grpo_vs_trl.py, 2 ranks);
+#: CUDA and NCCL: microseconds of latency against TB/s of memory, the layers kept gathered wherever they fit.
+EXCHANGE_PAYS_FROM = {"cpu": 64 * MB, "cuda": 1024 * MB}
+
+
 def generation_gathered(search: Search, setting: Setting, budget: int | None) -> tuple[Setting, Prediction]:
-    """``setting`` with what GRPO's generation keeps decided, and the prediction it runs by. Where it can
-    (``exchanges_to_generate``), no layer is gathered (``generation_exchanged``): each projection computes
-    from its rows, the least memory, and 1/N of the weights read per token by each rank. Else the weights
-    stay gathered (``generation_gathered``) when the predicted peak with the whole model gathered fits
-    ``budget`` (bytes per rank; None: nothing to judge by, not kept). Either way a 4-bit base's NF4
-    weights are dequantized once per generation (``generation_dequantized``) when the peak with all of
-    them (the rank's rows, exchanged) in the compute dtype fits too. A setting that does not generate, or
-    whose strategy gathers nothing for a forward (``gathers_to_generate``), is returned unchanged."""
+    """``setting`` with what GRPO's generation gathers decided, and the prediction it runs by. The weights stay
+    gathered for the whole generation (``generation_gathered``) when the predicted peak with the whole model
+    gathered fits ``budget`` (bytes per rank; None: nothing to judge by, not kept), unless computing from the
+    row shards (``generation_exchanged``, where ``exchanges_to_generate``) is the faster way
+    (``EXCHANGE_PAYS_FROM``); that is also taken whenever the gathered model does not fit (it gathers nothing,
+    while the per-token gathering moves every layer for every token). A 4-bit base's NF4 weights are then
+    dequantized once per generation (``generation_dequantized``) when the peak with all of them (the rank's
+    rows, exchanged) in the compute dtype fits too. A setting that does not generate, or whose strategy
+    gathers nothing for a forward (``gathers_to_generate``), is returned unchanged."""
     chosen, prediction = setting, search.predict(setting)
     if not gathers_to_generate(setting):
         return chosen, prediction
-    how = {"generation_exchanged": True} if exchanges_to_generate(search.cfg, setting) else \
-        {"generation_gathered": True}
-    if how.get("generation_exchanged"):  # fits whenever the per-token gathering does: taken as it is
-        chosen = dataclasses.replace(setting, **how)
-        prediction = search.predict(chosen)
-    steps = [] if how.get("generation_exchanged") else [how]
-    if search.facts.nf4_dequantized_bytes:
-        steps.append({**how, "generation_dequantized": True})
-    for step in steps:
-        candidate = dataclasses.replace(setting, **step)
+
+    def fits(candidate: Setting) -> Prediction | None:
         predicted = search.predict(candidate)
-        if budget is None or predicted.peak_mb * MB > budget:
-            break
-        chosen, prediction = candidate, predicted
+        return predicted if budget is not None and predicted.peak_mb * MB <= budget else None
+
+    how: dict[str, bool] = {"generation_gathered": True}
+    base = fits(dataclasses.replace(setting, **how))
+    if exchanges_to_generate(search.cfg, setting):
+        shards = setting.ranks // setting.replicate_groups
+        pays = search.facts.block_bytes * (shards - 1) / shards >= EXCHANGE_PAYS_FROM[search.device]
+        if pays or base is None:
+            how = {"generation_exchanged": True}
+            base = search.predict(dataclasses.replace(setting, **how))  # never above the per-token gathering
+    if base is None:
+        return chosen, prediction
+    chosen, prediction = dataclasses.replace(setting, **how), base
+    if search.facts.nf4_dequantized_bytes:
+        once = dataclasses.replace(setting, **how, generation_dequantized=True)
+        predicted = fits(once)
+        if predicted is not None:
+            chosen, prediction = once, predicted
     return chosen, prediction
 
 
