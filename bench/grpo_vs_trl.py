@@ -198,12 +198,21 @@ def run_shardtune(name: str, extra: list[str], model: Path, data: Path, args: ar
     gen = per_step([json.loads(x) for x in gen_log.read_text().splitlines()] if gen_log.exists() else [],
                    args.nproc)
     row.update(peak_mb=peaks, summary_peak_mb=summary.get("train_peak_mb"),
+               generation_weights=generation_weights(summary.get("run_plan") or {}),
                step_seconds=[round(r["seconds"], 2) for r in records], generation=gen,
                completion_mean_length=[r.get("completions/mean_length") for r in records],
                reward=[r.get("reward") for r in records], loss=[r["loss"] for r in records],
                **speeds([r["seconds"] for r in records], gen, args))
     row["plan"] = plan(flags, row)
     return row
+
+
+def generation_weights(run_plan: dict) -> str:
+    """How the run generated, from its run plan: the layers exchanged (computed from the row shards), kept
+    gathered, or gathered per token; and whether 4-bit weights were dequantized once."""
+    how = "exchanged" if run_plan.get("generation_exchanged") else \
+        "kept gathered" if run_plan.get("generation_gathered") else "gathered per token"
+    return how + (", dequantized once" if run_plan.get("generation_dequantized") else "")
 
 
 def plan(flags: list[str], row: dict) -> dict:

@@ -320,12 +320,14 @@ def grpo_vs_trl(name: str, data: Result) -> list[str]:
               "the rest of the step. nf4 has no TRL counterpart on CPU (bitsandbytes), so its ratio is to TRL's "
               "fp32 row.", ""]
     rows = [[r["name"] + (f" (`--memory-per-rank {r['memory_per_rank']}`)" if r.get("memory_per_rank") else ""),
+             r.get("generation_weights", "–" if r["name"] == "trl" else NOT_RECORDED),
              job_error(r) or max(r["peak_mb"]), r.get("step_seconds_mean"),
              r.get("generation_seconds_mean"), r.get("generation_tokens_per_second"),
              r.get("train_tokens_per_second"), (r.get("plan") or {}).get("peak_mb"),
              _signed_pct((r.get("plan") or {}).get("error")),
              " ".join((r.get("loadavg_before") or [])[:1]) or NOT_RECORDED] for r in data["rows"]]
-    lines += table(["row", "peak MB per rank", "s per step", "generation s per step", "generation tokens/s",
+    lines += table(["row", "layers while generating", "peak MB per rank", "s per step", "generation s per step",
+                    "generation tokens/s",
                     "training tokens/s", "planner MB", "planner error", "load average before"], rows)
     return lines + ["", "Targets, as the bench judged them:", ""] + [f"- {t}" for t in data.get("targets", [])]
 
