@@ -248,7 +248,9 @@ def generation_gathered(search: Search, setting: Setting, budget: int | None) ->
     base = fits(dataclasses.replace(setting, **how))
     if exchanges_to_generate(search.cfg, setting):
         shards = setting.ranks // setting.replicate_groups
-        pays = search.facts.block_bytes * (shards - 1) / shards >= EXCHANGE_PAYS_FROM[search.device]
+        f = search.facts  # a layer as a token's forward reads it: 4-bit weights dequantized, in the compute dtype
+        read = f.block_bytes + f.nf4_dequantized_bytes / max(f.layers, 1)
+        pays = read * (shards - 1) / shards >= EXCHANGE_PAYS_FROM[search.device]
         if pays or base is None:
             how = {"generation_exchanged": True}
             base = search.predict(dataclasses.replace(setting, **how))  # never above the per-token gathering
