@@ -68,7 +68,12 @@ class ShardedEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.exchange:
             return _exchanged_lookup(self, ids)
-        # No host sync here (no ids.min()/max(), no boolean-mask indexing): each owner's rows are
+        # Exchanged when that is cheaper (a few tokens, a large table): moved per token, the id gathered and
+        # its embedding sent back.
+        size = exchange_size(self, ids.numel(), 8 + self.embedding_dim * self.weight.to_local().element_size())
+        if size is not None:
+            return _lookup_exchanging(self, ids, size)
+        # No host sync in the lookup (no ids.min()/max(), no boolean-mask indexing): each owner's rows are
         # looked up for every id, clamped, and kept where the id is one of them. Token ids were
         # checked against the vocabulary when the data was loaded (train/data.py); an id outside it
         # would give zeros here, not an error.
@@ -223,3 +228,59 @@ def _logits(x: torch.Tensor, blocks: Iterator[tuple[int, torch.Tensor]], rows: l
     for start, owned in blocks:
         torch.mm(flat, owned.T, out=out[:, start:start + len(owned)])
     return out.view(*x.shape[:-1], sum(rows))
+
+
+# --- training: vocabulary-parallel where that moves fewer bytes than the table (module doc) -----------------
+
+def exchange_size(module: ShardedEmbedding | ShardedHead, tokens: int, per_token: int, passes: int = 1) -> int | None:
+    """The most tokens any rank of ``module``'s group has, when exchanging them is the cheaper way to use the
+    table; None when broadcasting its rows is. The one rule of the choice, a collective (one all-reduce of one
+    number, read on the host), so every rank chooses alike.
+
+    Per rank, an exchange receives (ranks - 1) x that many tokens x ``per_token`` bytes (what the caller moves
+    for a token to and from the other ranks); the broadcasts receive the other ranks' rows, (ranks - 1) / ranks
+    x vocabulary x hidden x the table's element size, ``passes`` times. (ranks - 1) cancels. When no rank has a
+    token there is nothing to exchange: None."""
+    local = module.weight.to_local()
+    most = torch.tensor([tokens], device=local.device)
+    dist.all_reduce(most, op=dist.ReduceOp.MAX, group=module.group)
+    size = int(most.item())
+    ranks, vocab = module.group.size(), sum(module.rows)
+    table = vocab * local.size(-1) * local.element_size()
+    return size if 0 < size and ranks * size * per_token < passes * table else None  # 0: the broadcasts' no-op
+
+
+def gather_tokens(part: torch.Tensor, size: int, fill: float, group: dist.ProcessGroup) -> torch.Tensor:
+    """Every rank's ``part`` (tokens, ...), each padded with ``fill`` to ``size`` tokens: (ranks, size, ...)."""
+    padded = part.new_full((size, *part.shape[1:]), fill)
+    padded[:part.size(0)] = part
+    out = part.new_empty(group.size(), *padded.shape)
+    dist.all_gather(list(out.unbind(0)), padded, group=group)  # the one spelling torch 2.11-2.13 share
+    return out
+
+
+def to_owners(parts: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """``parts`` (ranks, size, ...), this rank's results for each rank's tokens, sent to the tokens' owners:
+    returns each rank's results for this rank's tokens, (ranks, size, ...) in rank order (one all-to-all)."""
+    out = torch.empty_like(parts)
+    dist.all_to_all_single(out, parts.contiguous(), group=group)
+    return out
+
+
+def first_row(module: ShardedEmbedding | ShardedHead) -> int:
+    """The vocabulary index of this rank's first row."""
+    return sum(module.rows[:module.group.rank()])
+
+
+def _lookup_exchanging(module: ShardedEmbedding, ids: torch.Tensor, size: int) -> torch.Tensor:
+    """``ids``' embeddings, every rank's ids (padded with -1, an id no rank owns) looked up on the rows here."""
+    local = module.weight.to_local()
+    flat = ids.reshape(-1)
+    everyone = gather_tokens(flat, size, -1, module.group) - first_row(module)
+    mine = (everyone >= 0) & (everyone < local.size(0))
+    picked = nn.functional.embedding(everyone.clamp(0, max(local.size(0) - 1, 0)), local) if local.size(0) \
+        else local.new_zeros(*everyone.shape, module.embedding_dim)
+    send = torch.where(mine.unsqueeze(-1), picked, 0.0)
+    del picked, mine
+    # a sum in which one owner's row meets zeros: exact
+    return to_owners(send, module.group).sum(0)[:flat.size(0)].view(*ids.shape, module.embedding_dim)
