@@ -159,6 +159,7 @@ def training_on_ranks(rank: int, world_size: int) -> dict:
     from shardtune.model.head import Transform
     from shardtune.parallel.sharded_embeddings import ShardedEmbedding, ShardedHead, shard_rows
     from shardtune.runtime import distributed
+    from shardtune.runtime.compat import LiveBytes
     from shardtune.train import loss_head
     from shardtune.train.data.records import IGNORE
 
@@ -175,7 +176,8 @@ def training_on_ranks(rank: int, world_size: int) -> dict:
     t = Transform(scale=0.7, softcap=3.0)
     g = torch.Generator().manual_seed(rank)
     out: dict = {}
-    for case, tokens in (("few", [7, 13, 0][rank]), ("many", [3000, 1100, 0][rank])):
+    cases = {"few": [7, 13, 0], "pieces": [400, 250, 0], "many": [3000, 1100, 0]}
+    for case, tokens in ((name, counts[rank]) for name, counts in cases.items()):
         ids = torch.randint(0, 6001, (1, tokens), generator=g)
         hidden = torch.randn(1, tokens, 64, generator=g, requires_grad=True)
         targets = torch.randint(0, 6001, (1, tokens), generator=g)
@@ -184,18 +186,21 @@ def training_on_ranks(rank: int, world_size: int) -> dict:
         broadcasts.clear()
         looked_up = embed(ids)
         chosen = loss_head._exchange_size(head, hidden)
-        logps, correct = (loss_head._ExchangedTargetLogProbs.apply(hidden, targets, head, t, 5, chosen)
-                          if chosen is not None else
-                          loss_head._TargetLogProbs.apply(hidden, targets, head.blocks, None, t, 5, False))
-        (logps * upstream).sum().backward()
+        with LiveBytes() as held:
+            logps, correct = (loss_head._ExchangedTargetLogProbs.apply(hidden, targets, head, t, 5, chosen)
+                              if chosen is not None else
+                              loss_head._TargetLogProbs.apply(hidden, targets, head.blocks, None, t, 5, False))
+            (logps * upstream).sum().backward()
         moved = sum(broadcasts)
         results = {"exact": torch.equal(looked_up, dense(ids)), "chosen": chosen, "moved": moved,
-                   "logps": logps.detach(), "correct": correct, "grad": hidden.grad.clone()}
+                   "logps": logps.detach(), "correct": correct, "grad": hidden.grad.clone(), "peak": held.peak}
         hidden.grad = None
-        broadcast_logps, broadcast_correct = loss_head._TargetLogProbs.apply(hidden, targets, head.blocks, None, t,
-                                                                             5, False)
-        (broadcast_logps * upstream).sum().backward()
+        with LiveBytes() as held:
+            broadcast_logps, broadcast_correct = loss_head._TargetLogProbs.apply(hidden, targets, head.blocks, None,
+                                                                                 t, 5, False)
+            (broadcast_logps * upstream).sum().backward()
         results["broadcast"] = (broadcast_logps.detach(), broadcast_correct, hidden.grad.clone())
+        results["broadcast_peak"] = held.peak
         hidden.grad = None
         z = 3.0 * torch.tanh(0.7 * (hidden @ projection.weight.T) / 3.0)
         dense_logps = z.log_softmax(-1).gather(-1, targets.clamp(min=0)[..., None]).squeeze(-1)
@@ -212,13 +217,17 @@ def test_training_exchanges_a_few_tokens_instead_of_broadcasting_the_tables():
     """A few tokens per rank (GRPO's case): the lookup and the loss head move the tokens, not the tables' rows
     (no broadcast at all), and give the dense embeddings (exactly), log-probabilities, accuracy and hidden
     states' gradient, as the broadcast path does; ranks with different numbers of tokens, one with none.
-    Many tokens: the rows are broadcast instead, with the same results."""
+    More tokens are exchanged a piece at a time, holding no more than the broadcasts would; many: the rows are
+    broadcast instead, with the same results."""
     results = run_ranks(training_on_ranks, WORLD)
     for rank, r in enumerate(results):
-        few, many = r["few"], r["many"]
+        few, pieces, many = r["few"], r["pieces"], r["many"]
         assert few["chosen"] == 13 and few["moved"] == 0
+        assert pieces["chosen"] == 400 and pieces["moved"] == 0
+        if rank < 2:  # with tokens of its own, a rank holds no more than broadcasting would (a piece at a time)
+            assert pieces["peak"] <= pieces["broadcast_peak"]
         assert many["chosen"] is None and many["moved"] >= 2 * r["table"] * 2 // 3  # both tables' other rows
-        for case in (few, many):
+        for case in (few, pieces, many):
             assert case["exact"]
             for want in (case["broadcast"], case["dense"]):
                 torch.testing.assert_close(case["logps"], want[0], rtol=1e-5, atol=1e-5)

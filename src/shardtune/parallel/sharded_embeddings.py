@@ -1,4 +1,4 @@
-"""Frozen input and output embeddings used straight from row shards, one owner's rows at a time.
+"""Frozen embeddings used straight from row shards: one owner's rows at a time, or the tokens exchanged.
 
 Under FSDP the embeddings are all-gathered whole on every rank, into a buffer and then a copy:
 vocabulary × hidden × 2 (250 MB for a 32k × 2048 bf16 table, 2 GB for Llama-3-8B's 128k × 4096),
@@ -9,6 +9,20 @@ through the ranks' rows in turn, each broadcast into one reused buffer: the look
 that fall in those rows, the output projection computes that slice of the logits, and its backward
 (the hidden states' gradient) broadcasts the rows again. Held at once: one rank's rows; moved: the
 same bytes as FSDP's all-gather. Tied embeddings share one sharded weight.
+
+A step of few tokens (GRPO's: a few hundred a rank) against a large table would spend its time moving the
+rows, so in training (and scoring) the lookup and the loss head (train/loss_head.py) choose, per call, the
+cheaper way by one rule (``exchange_size``): broadcasting the rows moves (ranks - 1) / ranks x vocabulary x
+hidden per pass, exchanging the tokens about (ranks - 1) x tokens x hidden (the hidden states gathered, the
+hidden states' gradient sent back), counted on the most tokens any rank has (one all-reduce of one number,
+so every rank chooses alike). Exchanged, every rank's tokens are gathered and each rank computes on its own
+rows: the lookup sends each rank its embeddings (one owner's row plus zeros: exact); the loss head gathers
+every rank's per-token statistics (max, sum of exp, target logit, best token) and merges them as its stream
+of blocks does, and sums each rank's share of the derivative at the token's owner: the same numbers up to
+summation order, and no rows moved. More tokens are exchanged a piece at a time, each piece's buffers no
+larger than the one rank's rows a broadcast holds. The full logits (``_ShardedLinear``, where the loss head
+does not score) are always made from broadcast rows: exchanging them moves tokens x vocabulary, cheaper only
+below about hidden tokens a rank, and they are off the training path of SFT, DPO and GRPO.
 
 Generating token by token, every forward would move the whole table again (twice when tied: the
 lookup and the logits). Inside ``exchanged`` (GRPO's generation, where every rank generates its own rows
@@ -272,15 +286,29 @@ def first_row(module: ShardedEmbedding | ShardedHead) -> int:
     return sum(module.rows[:module.group.rank()])
 
 
-def _lookup_exchanging(module: ShardedEmbedding, ids: torch.Tensor, size: int) -> torch.Tensor:
-    """``ids``' embeddings, every rank's ids (padded with -1, an id no rank owns) looked up on the rows here."""
+def exchange_piece(module: ShardedEmbedding | ShardedHead, held_per_token: int) -> int:
+    """Tokens per rank in one exchange, so that its buffers (every rank's tokens x ``held_per_token`` bytes)
+    take no more than the one rank's rows a broadcast holds: more tokens are exchanged a piece at a time."""
     local = module.weight.to_local()
+    rows_bytes = max(module.rows) * local.size(-1) * local.element_size()
+    return max(1, rows_bytes // (module.group.size() * held_per_token))
+
+
+def _lookup_exchanging(module: ShardedEmbedding, ids: torch.Tensor, size: int) -> torch.Tensor:
+    """``ids``' embeddings: every rank's ids (padded with -1, an id no rank owns) looked up on the rows here,
+    a piece at a time; in the sum each rank receives, one owner's row meets zeros: exact."""
+    local, group = module.weight.to_local(), module.group
     flat = ids.reshape(-1)
-    everyone = gather_tokens(flat, size, -1, module.group) - first_row(module)
-    mine = (everyone >= 0) & (everyone < local.size(0))
-    picked = nn.functional.embedding(everyone.clamp(0, max(local.size(0) - 1, 0)), local) if local.size(0) \
-        else local.new_zeros(*everyone.shape, module.embedding_dim)
-    send = torch.where(mine.unsqueeze(-1), picked, 0.0)
-    del picked, mine
-    # a sum in which one owner's row meets zeros: exact
-    return to_owners(send, module.group).sum(0)[:flat.size(0)].view(*ids.shape, module.embedding_dim)
+    out = local.new_empty(flat.size(0), module.embedding_dim)
+    piece = exchange_piece(module, 2 * module.embedding_dim * local.element_size())  # looked up, received
+    for a in range(0, size, piece):
+        b = min(size, a + piece)
+        everyone = gather_tokens(flat[a:b], b - a, -1, group) - first_row(module)
+        mine = (everyone >= 0) & (everyone < local.size(0))
+        picked = nn.functional.embedding(everyone.clamp(0, max(local.size(0) - 1, 0)), local) if local.size(0) \
+            else local.new_zeros(*everyone.shape, module.embedding_dim)
+        picked.masked_fill_(~mine.unsqueeze(-1), 0.0)
+        del everyone, mine
+        here = out[a:b]
+        here.copy_(to_owners(picked, group).sum(0)[:here.size(0)])
+    return out.view(*ids.shape, module.embedding_dim)
