@@ -275,7 +275,9 @@ class _ExchangedTargetLogProbs(torch.autograd.Function):
         for a in range(0, size, piece):
             b = min(size, a + piece)
             here = slice(a, max(a, min(b, n)))
-            logps[here], correct[here], d = _exchanged_piece(flat[here], tgt[here], head, t, chunk, b - a, grad)
+            # chunks of at most a rank's tokens: the logits the broadcast path would hold for the largest rank
+            logps[here], correct[here], d = _exchanged_piece(flat[here], tgt[here], head, t, min(chunk, b - a),
+                                                             b - a, grad)
             if grad:
                 deriv[here] = d
         if grad:
