@@ -298,7 +298,7 @@ def _exchanged_piece(flat: torch.Tensor, tgt: torch.Tensor, head: ShardedHead, t
     token (max, sum of exp, target logit, best token) are gathered and merged as the blocks' running state
     merges them; each rank's share of every token's derivative is summed at the token's owner."""
     n, group, local = flat.size(0), head.group, head.weight.to_local()
-    ranks, mine = group.size(), slice(group.rank() * size, group.rank() * size + flat.size(0))
+    ranks, mine = group.size(), slice(group.rank() * size, group.rank() * size + n)
     everyone = sharded.gather_tokens(flat.to(local.dtype), size, 0.0, group).view(ranks * size, -1)
     every_tgt = sharded.gather_tokens(tgt, size, IGNORE, group).view(-1)
     state = _Running(ranks * size, flat.device)
