@@ -247,11 +247,7 @@ def exchange_size(module: ShardedEmbedding | ShardedHead, tokens: int, per_token
 
 def gather_tokens(part: torch.Tensor, size: int, fill: float, group: dist.ProcessGroup) -> torch.Tensor:
     """Every rank's ``part`` (tokens, ...), each padded with ``fill`` to ``size`` tokens: (ranks, size, ...)."""
-    padded = part.new_full((size, *part.shape[1:]), fill)
-    padded[:part.size(0)] = part
-    out = part.new_empty(group.size(), *padded.shape)
-    dist.all_gather(list(out.unbind(0)), padded, group=group)  # the one spelling torch 2.11-2.13 share
-    return out
+    return _everyones(part, fill, group, shape=[size, *part.shape[1:]])
 
 
 def to_owners(parts: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
