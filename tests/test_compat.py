@@ -133,3 +133,34 @@ def test_a_shadowed_parameter_computes_in_its_copy_and_its_gradient_reaches_the_
     compat.unshadow_parameter(layer, "weight")
     assert layer.weight is layer._parameters["weight"] and layer.weight.grad.dtype == torch.float32
     assert torch.equal(layer.weight.grad, torch.full((3, 4), 2.0))
+
+
+def _hooks_paused_on_one_rank(rank: int, world_size: int) -> dict:
+    from torch.distributed.fsdp import fully_shard
+
+    from shardtune.runtime import distributed
+
+    distributed.init_worker()
+    unit = fully_shard(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+    mine = unit.register_forward_pre_hook(lambda m, a: None)  # registered after FSDP2's: must stay, in order
+    before = list(unit._forward_pre_hooks), list(unit._forward_hooks)
+    with compat.fsdp2_forward_hooks_paused(unit):
+        during = list(unit._forward_pre_hooks), list(unit._forward_hooks)
+    after = list(unit._forward_pre_hooks), list(unit._forward_hooks)
+    out = unit(torch.ones(1, 4))  # FSDP2's hooks work again: the sharded weight is gathered for the forward
+    distributed.teardown()
+    return {"before": before, "during": during, "after": after, "mine": mine.id, "finite": bool(out.isfinite().all())}
+
+
+def test_fsdp2_forward_hooks_are_paused_and_put_back_in_order() -> None:
+    from dist_utils import run_ranks
+
+    (r,) = run_ranks(_hooks_paused_on_one_rank, 1)
+    assert r["after"] == r["before"] and r["finite"]
+    assert r["during"] == ([r["mine"]], [])  # only FSDP2's own left out
+
+
+def test_fsdp2_forward_hooks_paused_names_a_missing_internal() -> None:
+    with pytest.raises(PrivateAPIChanged, match="_get_fsdp_state"):
+        with compat.fsdp2_forward_hooks_paused(torch.nn.Linear(2, 2)):
+            pass

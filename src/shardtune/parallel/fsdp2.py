@@ -129,9 +129,9 @@ class FSDP2(Strategy):
     def gathered_for_generation(self, model: nn.Module, keep: bool, exchange: bool = False) -> Iterator[None]:
         # The row-sharded tables are used vocabulary-parallel, never gathered (sharded_embeddings.exchanged).
         # ``exchange``: neither are the layers (exchanged_layers.py), on a shard group of several ranks.
-        # ``keep``: every unit keeps what its first forward gathers (reshard_after_forward off: the no_grad
-        # forwards then skip the all-gather, the hooks still run); after, each unit's own setting is back
-        # and every unit is sharded again, before any backward or optimizer step, even when generation failed.
+        # ``keep``: every unit is gathered once and its forwards run without FSDP2's hooks (a forward per token
+        # would otherwise pay every unit's pre- and post-forward hook); after, the hooks are back and every
+        # unit is sharded again, before any backward or optimizer step, even when generation failed.
         group = shard_mesh(self.mesh)
         if exchange and group.size() > 1:
             with sharded_embeddings.exchanged(model), \
@@ -139,16 +139,14 @@ class FSDP2(Strategy):
                 yield
             return
         units = [m for m in model.modules() if isinstance(m, FSDPModule)] if keep else []
-        before = [compat.fsdp2_reshards_after_forward(unit) for unit in units]
-        try:
+        with contextlib.ExitStack() as stack:
+            stack.callback(_resharded, units)
             for unit in units:
-                unit.set_reshard_after_forward(False, recurse=False)
-            with sharded_embeddings.exchanged(model):
-                yield
-        finally:
-            for unit, reshard in zip(units, before):
-                unit.set_reshard_after_forward(reshard, recurse=False)
-                unit.reshard()
+                unit.unshard()
+            for unit in units:
+                stack.enter_context(compat.fsdp2_forward_hooks_paused(unit))
+            stack.enter_context(sharded_embeddings.exchanged(model))
+            yield
 
     def after_inference(self, model: nn.Module) -> None:
         # Units that keep their parameters gathered after forward (the last layer, the head) reshard in
@@ -188,6 +186,11 @@ class FSDP2(Strategy):
                    if isinstance(m, (sharded_embeddings.ShardedEmbedding, sharded_embeddings.ShardedHead))
                    for p in m.parameters()} | {id(p) for p in self.whole}
         return {id(p) for p in model.parameters() if id(p) not in outside}
+
+
+def _resharded(units: list[FSDPModule]) -> None:
+    for unit in units:
+        unit.reshard()
 
 
 def _replace(model: nn.Module, old: nn.Module, new: nn.Module) -> nn.Module:

@@ -155,23 +155,6 @@ def check_fsdp2_comm_interface(what: str, interface: str) -> None:
         raise PrivateAPIChanged(what, f"{interface} is called as __call__{call[1:]}, allocate{allocate[1:]}")
 
 
-def fsdp2_reshards_after_forward(unit: nn.Module) -> bool:
-    """Whether FSDP2 unit ``unit`` frees its gathered parameters after each forward (its current
-    ``reshard_after_forward``, which FSDP2 sets but offers no getter for): what to restore after
-    ``set_reshard_after_forward`` changed it for a while."""
-    what = "FSDP2's reshard_after_forward (post_forward_mesh_info of the unit's parameter groups)"
-    need(unit, what, "_get_fsdp_state")
-    state = unit._get_fsdp_state()
-    need(state, what, "_fsdp_param_groups")
-    groups = list(state._fsdp_param_groups)
-    for group in groups:
-        need(group, what, "post_forward_mesh_info")
-    found = {group.post_forward_mesh_info is not None for group in groups}
-    if len(found) > 1:
-        raise PrivateAPIChanged(what, f"the parameter groups of {type(unit).__name__} disagree")
-    return found.pop() if found else False
-
-
 @contextlib.contextmanager
 def fsdp2_forward_hooks_paused(unit: nn.Module) -> Iterator[None]:
     """Until the block ends, ``unit``'s forwards run without FSDP2's pre- and post-forward hooks (no
