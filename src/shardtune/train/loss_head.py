@@ -199,16 +199,21 @@ class _TargetLogProbs(torch.autograd.Function):
                 deriv = state.derivative(slice(0, n), acc, w_target, valid, t, flat.dtype)
                 del acc, w_target
         logps = torch.where(valid, state.picked - (state.m + state.s.log()), 0.0)
-        correct = valid & (state.arg == tgt)
-        if grad:
-            ctx.save_for_backward(deriv)
-        ctx.shape, ctx.chunk = hidden.shape, chunk
-        ctx.mark_non_differentiable(correct)
-        return logps.view(targets.shape), correct.view(targets.shape)
+        return _results(ctx, hidden, targets, chunk, logps, valid & (state.arg == tgt), deriv)
 
     @staticmethod
     def backward(ctx, grad_logps: torch.Tensor, _grad_correct):  # type: ignore[override]
         return _times_upstream(ctx, grad_logps), None, None, None, None, None, None
+
+
+def _results(ctx, hidden: torch.Tensor, targets: torch.Tensor, chunk: int, logps: torch.Tensor,
+             correct: torch.Tensor, deriv: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A forward's outputs shaped as the targets, with what its backward needs kept (``deriv``: with a gradient)."""
+    if deriv is not None:
+        ctx.save_for_backward(deriv)
+    ctx.shape, ctx.chunk = hidden.shape, chunk
+    ctx.mark_non_differentiable(correct)
+    return logps.view(targets.shape), correct.view(targets.shape)
 
 
 def _times_upstream(ctx, grad_logps: torch.Tensor) -> torch.Tensor:
@@ -280,11 +285,7 @@ class _ExchangedTargetLogProbs(torch.autograd.Function):
                                                              b - a, grad)
             if grad:
                 deriv[here] = d
-        if grad:
-            ctx.save_for_backward(deriv)
-        ctx.shape, ctx.chunk = hidden.shape, chunk
-        ctx.mark_non_differentiable(correct)
-        return logps.view(targets.shape), correct.view(targets.shape)
+        return _results(ctx, hidden, targets, chunk, logps, correct, deriv)
 
     @staticmethod
     def backward(ctx, grad_logps: torch.Tensor, _grad_correct):  # type: ignore[override]

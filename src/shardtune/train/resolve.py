@@ -98,25 +98,20 @@ def _generation_said(search: Search, setting: Setting, chosen: Setting, budget: 
         return format_size(search.predict(dataclasses.replace(setting, **kept)).peak_mb * MB)
 
     if chosen.generation_exchanged:
-        said = "generation computes from the row shards, gathering no layer"
-        if not search.facts.nf4_dequantized_bytes:
-            return f"{said}: predicted peak {peak(generation_exchanged=True)} of {budget}"
-        once = peak(generation_exchanged=True, generation_dequantized=True)
-        if chosen.generation_dequantized:
-            return f"{said}, the 4-bit rows dequantized once: predicted peak {once} of {budget}"
-        return f"{said}: predicted peak {peak(generation_exchanged=True)} of {budget}; the 4-bit rows are " \
-               f"dequantized in every token's forward (dequantized once, the predicted peak {once} would exceed it)"
-    gathered = peak(generation_gathered=True)
-    if not chosen.generation_gathered:
+        how, said, what = {"generation_exchanged": True}, "generation computes from the row shards, gathering no " \
+            "layer", "rows"
+    elif chosen.generation_gathered:
+        how, said, what = {"generation_gathered": True}, "generation keeps the weights gathered", "ones"
+    else:
         return f"generation gathers the weights again for every token: kept gathered, the predicted peak " \
-               f"{gathered} exceeds {budget}"
-    said = "generation keeps the weights gathered"
+               f"{peak(generation_gathered=True)} exceeds {budget}"
+    plain = peak(**how)
     if not search.facts.nf4_dequantized_bytes:
-        return f"{said}: predicted peak {gathered} of {budget}"
-    once = peak(generation_gathered=True, generation_dequantized=True)
+        return f"{said}: predicted peak {plain} of {budget}"
+    once = peak(**how, generation_dequantized=True)
     if chosen.generation_dequantized:
-        return f"{said} and the 4-bit ones dequantized once: predicted peak {once} of {budget}"
-    return f"{said}: predicted peak {gathered} of {budget}; the 4-bit ones are dequantized in every token's " \
+        return f"{said}, the 4-bit {what} dequantized once: predicted peak {once} of {budget}"
+    return f"{said}: predicted peak {plain} of {budget}; the 4-bit {what} are dequantized in every token's " \
            f"forward (dequantized once, the predicted peak {once} would exceed it)"
 
 
