@@ -258,12 +258,12 @@ def run_peer(recipe: str, args: argparse.Namespace, rank: int, world: int) -> di
 
 
 def run_shardtune(args: argparse.Namespace, rank: int) -> dict:
-    import shardtune.train.recipe
+    import shardtune.train.job
     from shardtune.config import build_config, validate
     from shardtune.launch import launch
 
     reads: list[float] = []
-    build_model = shardtune.train.recipe.build_model
+    build_model = shardtune.train.job.build_model  # where the recipe's setup builds the model
 
     def counted_build_model(*a, **kw):  # the load phase: count its file reads, as for the peers
         counter = FileReads(args.model)
@@ -272,7 +272,7 @@ def run_shardtune(args: argparse.Namespace, rank: int) -> dict:
         finally:
             reads.append(counter.mb())
 
-    shardtune.train.recipe.build_model = counted_build_model
+    shardtune.train.job.build_model = counted_build_model
 
     micro = "auto" if args.micro_batch_size == 0 else args.micro_batch_size
     world = int(os.environ["WORLD_SIZE"])
