@@ -5,7 +5,8 @@ inputs without being gathered: the ranks' inputs (a few KB per token while gener
 each rank multiplies all of them by its rows, and one all-to-all returns to each rank its outputs, every
 block of them computed by its owner. Each output is the same dot product the whole weight would give.
 Used by the vocabulary-parallel tables (sharded_embeddings.exchanged) and the decoder's linear layers
-(exchanged_layers.py) while GRPO generates.
+(exchanged_layers.py) while GRPO generates, and by frozen linear layers in training (``ExchangedLinear``:
+backward runs the exchange in reverse, so the inputs' gradient moves, never the weight).
 """
 
 from __future__ import annotations
@@ -47,3 +48,44 @@ def exchanged_linear(everyone: torch.Tensor, tokens: int, weight: torch.Tensor, 
     del send
     blocks = [b.view(padded, -1) for b in received.split([padded * r for r in rows])]
     return torch.cat(blocks, dim=1)[:tokens]
+
+
+def exchanged_linear_input_grad(grad: torch.Tensor, weight: torch.Tensor, rows: list[int], padded: int,
+                                group: dist.ProcessGroup) -> torch.Tensor:
+    """The gradient of ``exchanged_linear``'s inputs for this rank's tokens, from that of its outputs ``grad``
+    (tokens, sum(rows)): the exchange in reverse. Each rank's gradient on every owner's rows goes to that owner
+    (one all-to-all), which multiplies every rank's by its rows; the partial sums go back to the tokens' ranks
+    (a second all-to-all, each rank's tokens from every owner), where they are added. ``padded``: the token
+    count every rank padded to in the forward. Returns (tokens, in features)."""
+    n, me, tokens = group.size(), group.rank(), grad.size(0)
+    if tokens != padded:
+        grad = torch.cat([grad, grad.new_zeros(padded - tokens, grad.size(1))])
+    send = torch.cat([block.reshape(-1) for block in grad.split(rows, dim=1)])  # owner r's columns, in rank order
+    received = grad.new_empty(n * padded * rows[me])
+    dist.all_to_all_single(received, send, [padded * rows[me]] * n, [padded * r for r in rows], group=group)
+    partial = received.view(n * padded, rows[me]) @ weight  # every rank's tokens, this rank's share of the sum
+    del received
+    back = torch.empty_like(partial)
+    dist.all_to_all_single(back, partial, group=group)
+    return back.view(n, padded, -1).sum(0)[:tokens]
+
+
+class ExchangedLinear(torch.autograd.Function):
+    """``exchanged_linear`` with a backward for the inputs: the weight and bias (this rank's rows) are frozen.
+
+    ``apply(x, everyone, weight, bias, rows, group)``: ``x`` this rank's inputs (..., in features), ``everyone``
+    every rank's, as ``everyones`` gathered them (detached: gathered once, it may serve several layers)."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor, everyone: torch.Tensor,
+                weight: torch.Tensor, bias: torch.Tensor | None, rows: list[int],
+                group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.weight, ctx.rows, ctx.group, ctx.padded, ctx.shape = weight, rows, group, everyone.size(1), x.shape
+        out = exchanged_linear(everyone, x.numel() // x.size(-1), weight, bias, rows, group)
+        return out.view(*x.shape[:-1], sum(rows))
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple:
+        flat = grad.reshape(-1, grad.size(-1)).to(ctx.weight.dtype)
+        x_grad = exchanged_linear_input_grad(flat, ctx.weight, ctx.rows, ctx.padded, ctx.group)
+        return x_grad.view(ctx.shape), None, None, None, None, None
