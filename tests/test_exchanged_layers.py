@@ -77,3 +77,96 @@ def test_generation_from_row_shards_gives_the_gathered_models_completions(tmp_pa
         assert all(r["seen"]) and (bool(r["seen"]) != (arch == "gpt2"))
         assert r["leftovers"] == []
         assert torch.isfinite(torch.tensor(r["loss"]))
+
+
+def exchange_grads_on_ranks(rank: int, world_size: int) -> dict:
+    import torch.distributed as dist
+
+    from shardtune.parallel.exchange import ExchangedLinear, everyones
+    from shardtune.parallel.sharded_embeddings import row_counts
+    from shardtune.runtime import distributed
+
+    distributed.init_worker()
+    group = dist.group.WORLD
+    g = torch.Generator().manual_seed(11)
+    weight, bias = torch.randn(7, 5, generator=g, dtype=torch.float64), torch.randn(7, generator=g, dtype=torch.float64)
+    rows = row_counts(7, world_size)
+    start = sum(rows[:rank])
+    # each rank its own tokens, a different count on each (rank 2: none at all)
+    xs = [torch.randn(2, t, 5, generator=g, dtype=torch.float64) for t in (3, 1, 0)[:world_size]]
+    x = xs[rank].clone().requires_grad_()
+    padded = max(t.numel() // 5 for t in xs)
+    everyone = everyones(x.detach().reshape(-1, 5), 0.0, group, shape=[padded, 5])
+    out = ExchangedLinear.apply(x, everyone, weight[start:start + rows[rank]], bias[start:start + rows[rank]],
+                                rows, group)
+    upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(rank), dtype=torch.float64)
+    (out * upstream).sum().backward()
+    # the same on the whole weight, this rank alone
+    x_ref = xs[rank].clone().requires_grad_()
+    ref = torch.nn.functional.linear(x_ref, weight, bias)
+    (ref * upstream).sum().backward()
+    distributed.teardown()
+    return {"out": (out.detach(), ref.detach()), "grad": (x.grad, x_ref.grad)}
+
+
+def test_exchanged_linear_gives_the_whole_weights_outputs_and_input_gradients():
+    """Training through the exchange (frozen row-sharded weight, parallel/exchange.py ``ExchangedLinear``): on
+    three ranks with uneven rows and a different token count on each (one with none), every rank's outputs and
+    its inputs' gradient equal those of the whole weight on its own tokens."""
+    for r in run_ranks(exchange_grads_on_ranks, WORLD):
+        for got, want in (r["out"], r["grad"]):
+            assert got.shape == want.shape
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def train_on_ranks(rank: int, world_size: int, model_dir: str, exchange: bool, checkpointing: bool) -> dict:
+    import dataclasses
+
+    from torch import nn
+    from torch.distributed.tensor import DTensor
+
+    from shardtune.config import build_config
+    from shardtune.parallel.sharded_model import build_model
+    from shardtune.runtime import compat, distributed
+    from shardtune.train.resolve import resolve_on
+
+    worker = distributed.init_worker()
+    cfg = build_config({"model": model_dir, "dtype": "fp32", "strategy": "fsdp2", "seed": 3,
+                        "lora-targets": "all-linear", "activation-checkpointing": checkpointing})
+    plan = dataclasses.replace(resolve_on(worker, cfg, batches=False), layers_exchanged=exchange)
+    built = build_model(cfg, worker, plan)
+    model = built.model
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():  # LoRA's B is zero at first: give A a gradient
+        for p in model.parameters():
+            if p.requires_grad:
+                full = torch.randn(p.shape, generator=g) * 0.3
+                rows = full.chunk(world_size)[rank] if isinstance(p, DTensor) else full
+                compat.dtensor_local(p).copy_(rows[:compat.dtensor_local(p).size(0)])
+    outside: list[bool] = []  # per projection call: its weight still the rank's row shard (FSDP2 gathers its own)
+    for m in model.modules():
+        if type(m) is nn.Linear and not m.weight.requires_grad:
+            m.register_forward_pre_hook(lambda module, args: outside.append(isinstance(module.weight, DTensor)))
+    ids = torch.tensor([[(7 * rank + 3 * j) % 60 + 3 for j in range(5 + rank)]])  # a different width on each rank
+    model.train()
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()  # recomputing under checkpointing: the hooks see those calls too
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.requires_grad}
+    distributed.teardown()
+    return {"loss": loss.item(), "grads": grads, "outside": outside}
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_training_from_row_shards_gives_fsdp2s_loss_and_gradients(tmp_path, checkpointing):
+    """The frozen projections left out of FSDP2 and exchanged in training (``exchange_in_place``, three ranks,
+    uneven rows, a different sequence width on each rank, with and without activation checkpointing): the
+    losses and every LoRA gradient are those of the plain FSDP2 model."""
+    d = str(make_model(tmp_path / "model", "qwen2", hidden=64))  # q, k and v with biases
+    plain = run_ranks(train_on_ranks, WORLD, d, False, checkpointing)
+    exchanged = run_ranks(train_on_ranks, WORLD, d, True, checkpointing)
+    for p, e in zip(plain, exchanged):
+        assert not any(p["outside"]) and e["outside"] and all(e["outside"])
+        assert e["loss"] == pytest.approx(p["loss"], rel=1e-5)
+        assert e["grads"].keys() == p["grads"].keys()
+        for name, grad in p["grads"].items():
+            torch.testing.assert_close(e["grads"][name], grad, rtol=1e-4, atol=1e-6, msg=name)

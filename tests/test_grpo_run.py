@@ -9,6 +9,7 @@ a checkpoint after each step) is the baseline of the module, for 2 FSDP2 and 2 D
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -19,7 +20,7 @@ from safetensors.torch import load_file
 
 from shardtune.cli import main
 
-from tiny import write_jsonl
+from tiny import make_model, write_jsonl
 
 G = 4
 REWARD_FILE = '''
@@ -138,6 +139,22 @@ def test_two_fsdp2_ranks_generating_from_row_shards_train_like_one(grpo_root, on
     summary = json.loads((grpo_root / "two-exchanged" / "summary.json").read_text())
     assert summary["run_plan"]["generation_exchanged"] is True and summary["run_plan"]["generation_gathered"] is False
     same_training(one_rank, grpo_root / "two-exchanged", 4)
+
+
+def test_two_fsdp2_ranks_training_from_row_shards_train_like_one(grpo_root, one_rank, monkeypatch):
+    """FSDP2 where training computes from the row shards too (``EXCHANGED_HIDDENS`` lowered so that the exchange
+    pays for the tiny model): the frozen projections never enter FSDP, their forward and backward (recomputed
+    under activation checkpointing) move activations between the ranks, and completions, losses, gradient norms
+    and adapter are one rank's."""
+    from shardtune.train import choice
+
+    monkeypatch.setitem(choice.EXCHANGE_PAYS_FROM, "cpu", 1)
+    monkeypatch.setattr(choice, "EXCHANGED_HIDDENS", 0)
+    assert main(argv(grpo_root, "two-layers-exchanged", "--strategy", "fsdp2", "--nproc", "2", "--steps", "4",
+                     "--micro-batch-size", "2", "--activation-checkpointing")) == 0
+    plan = json.loads((grpo_root / "two-layers-exchanged" / "summary.json").read_text())["run_plan"]
+    assert plan["layers_exchanged"] is True and plan["generation_exchanged"] is True
+    same_training(one_rank, grpo_root / "two-layers-exchanged", 4)
 
 
 @pytest.mark.parametrize("strategy", ["fsdp2", "ddp"])
@@ -320,6 +337,42 @@ def test_generation_computes_from_row_shards_where_that_pays(grpo_root, capsys, 
     exchanged, dora = plan(), plan("--lora-variant", "dora")
     assert exchanged["generation_exchanged"] is True and exchanged["generation_gathered"] is False
     assert dora["generation_exchanged"] is False and dora["generation_gathered"] is True
+
+
+def test_training_computes_from_row_shards_where_a_step_moves_fewer_bytes(grpo_root, capsys, monkeypatch, tmp_path):
+    """Where generation computes from the row shards, training does too when a micro-batch's inputs and outputs
+    of the projections weigh less than a layer (``EXCHANGED_HIDDENS``): not the tiny model's small layers at
+    first; with the activations counted as nothing, it does, and its predicted peak then holds no gathered
+    projection. A 4-bit base, which FSDP2 shards as NF4, never does."""
+    from shardtune.train import choice
+
+    monkeypatch.setitem(choice.EXCHANGE_PAYS_FROM, "cpu", 1)
+
+    def plan(*extra: str) -> dict:
+        code = main(["plan", *argv(grpo_root, "plan")[1:], "--nproc", "2", "--strategy", "fsdp2",
+                     "--micro-batch-size", "1", "--memory-per-rank", "1TiB", "--json", *extra])
+        assert code == 0
+        return json.loads(capsys.readouterr().out)
+
+    generation_only = plan()
+    monkeypatch.setattr(choice, "EXCHANGED_HIDDENS", 0)
+    training_too, four_bit = plan(), plan("--quantize", "nf4")
+    assert generation_only["run_plan"]["generation_exchanged"] and not generation_only["run_plan"]["layers_exchanged"]
+    assert training_too["run_plan"]["generation_exchanged"] and training_too["run_plan"]["layers_exchanged"]
+    assert four_bit["run_plan"]["generation_exchanged"] and not four_bit["run_plan"]["layers_exchanged"]
+    # the step's own moments (as for a run whose completions a vLLM server samples), on layers wide beside LoRA
+    from shardtune.config import build_config
+    from shardtune.train.choice import Search
+
+    wide = make_model(tmp_path / "wide", hidden=256)
+    search = Search(build_config({"model": str(wide), "data": str(grpo_root / "prompts.jsonl"),
+                                  "objective": "grpo", "seq-len": 48, "dtype": "fp32", "nproc": 2}))
+    setting = dataclasses.replace(search.setting("fsdp2", 2, 4), activation_checkpointing=True,
+                                  generation_rows=0, generation_exchanged=True)
+    gathered, exchanged = (search.predict(dataclasses.replace(setting, layers_exchanged=on)) for on in (False, True))
+    assert gathered.moment == exchanged.moment == "backward through the layers"
+    assert exchanged.terms["blocks"] < gathered.terms["blocks"] / 4
+    assert exchanged.terms["activations"] > gathered.terms["activations"]  # the exchange's buffers
 
 
 def test_generation_keeps_the_weights_gathered_only_where_they_fit(grpo_root, capsys):

@@ -96,6 +96,10 @@ class RunPlan:
     #: FSDP2 on a shard group of several ranks: no layer is gathered for the generation, each projection
     #: computes every rank's tokens from its row shards (parallel/exchanged_layers.py); decided likewise
     generation_exchanged: bool = False
+    #: FSDP2 on a shard group of several ranks, GRPO's training too: the frozen projections stay row-sharded
+    #: outside FSDP and compute every rank's tokens where they lie, in forward and backward
+    #: (parallel/exchanged_layers.py ``exchange_in_place``); decided likewise, from the bytes a step moves
+    layers_exchanged: bool = False
     why: str = ""  # what the automatic choice picked and why; "" when nothing was left to choose
 
     @property
@@ -122,7 +126,8 @@ class RunPlan:
         expected = dataclasses.replace(RunPlan.of(cfg, world_size, device, self.backend, self.why),
                                        generation_gathered=self.generation_gathered,
                                        generation_dequantized=self.generation_dequantized,
-                                       generation_exchanged=self.generation_exchanged)
+                                       generation_exchanged=self.generation_exchanged,
+                                       layers_exchanged=self.layers_exchanged)
         if expected != self:
             diff = {k: (v, getattr(self, k)) for k, v in dataclasses.asdict(expected).items()
                     if getattr(self, k) != (BatchSplit(**v) if k == "batch" else v)}

@@ -33,7 +33,8 @@ def _strategy(plan: RunPlan, worker: Worker, compute_dtype: torch.dtype) -> Stra
     if plan.strategy == "fsdp2":
         from shardtune.parallel.fsdp2 import FSDP2
 
-        return FSDP2(worker, compute_dtype, plan.cpu_offload, plan.replicate_groups, plan.fsdp_unit)
+        return FSDP2(worker, compute_dtype, plan.cpu_offload, plan.replicate_groups, plan.fsdp_unit,
+                     plan.layers_exchanged)
     if plan.strategy == "fsdp1":
         from shardtune.parallel.fsdp1 import FSDP1
 

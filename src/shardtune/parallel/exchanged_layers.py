@@ -17,6 +17,16 @@ Every forward inside is a collective, as in the lockstep generation (train/gener
 each one. Each rank keeps its own rows, KV cache and sampling. The row-sharded embedding tables are
 exchanged the same way by sharded_embeddings.exchanged. DoRA reads its base weight whole: not supported
 here (the planner keeps such runs on the gathered paths).
+
+In training too (``exchange_in_place``, ``RunPlan.layers_exchanged``: where a step's few tokens weigh less
+than the layers FSDP2 would gather for them twice), the frozen projections leave FSDP for good: their rows
+are sharded here as DTensors (loaded like any shard), and their forward is the exchange, whose backward
+runs it in reverse for the inputs' gradient (parallel/exchange.py ``ExchangedLinear``). FSDP2's units then
+hold only what trains and the small rest, gathered as before.
+
+The token count the ranks pad to is found once per decoder layer's forward (each layer has its ``_Round``,
+started by its forward and recomputed with it under activation checkpointing) and the inputs it gathered
+are let go when the layer's forward ends.
 """
 
 from __future__ import annotations
@@ -27,17 +37,20 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
-from shardtune.parallel.exchange import everyones, exchanged_linear
-from shardtune.parallel.sharded_embeddings import ShardedEmbedding, ShardedHead, row_counts
+from shardtune.model.nf4_fill import is_nf4
+from shardtune.model.structure import decoder_layers
+from shardtune.parallel.exchange import ExchangedLinear, everyones
+from shardtune.parallel.sharded_embeddings import ShardedEmbedding, ShardedHead, row_counts, shard_rows
 from shardtune.runtime import compat
 
 
 class _Round:
-    """What the exchanges of one forward share: the padded token count (every rank's largest, found once
-    per forward) and the last inputs gathered, with the tensor they came from."""
+    """What the exchanges of one decoder layer's forward share: the padded token count (every rank's largest,
+    found once per forward) and the last inputs gathered, with the tensor they came from."""
 
     def __init__(self, group: dist.ProcessGroup) -> None:
         self.group = group
@@ -47,12 +60,16 @@ class _Round:
         self.everyone: torch.Tensor | None = None
 
     def reset(self, *_: object) -> None:
-        self.tokens, self.source, self.everyone = None, None, None
+        self.tokens = None
+        self.drop()
+
+    def drop(self, *_: object) -> None:
+        self.source, self.everyone = None, None
 
     def gathered(self, x: torch.Tensor) -> torch.Tensor:
         if self.source is x and self.version == x._version:
             return self.everyone
-        flat = x.reshape(-1, x.size(-1))
+        flat = x.detach().reshape(-1, x.size(-1))
         if self.tokens is None:
             count = torch.tensor([flat.size(0)], device=flat.device)
             dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.group)
@@ -76,12 +93,12 @@ class _ExchangedForward:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         weight = compat.dtensor_local(self.module.weight)
-        if weight.dtype != self.dtype and weight.is_floating_point() and type(weight) is torch.Tensor:
-            weight = weight.to(self.dtype)
+        if type(weight) is torch.Tensor:  # not a 4-bit subclass, which F.linear dequantizes itself
+            if weight.dtype != self.dtype:
+                weight = weight.to(self.dtype)
+            x = x.to(weight.dtype)  # as FSDP's mixed precision casts a unit's inputs
         bias = None if self.module.bias is None else compat.dtensor_local(self.module.bias).to(x.dtype)
-        out = exchanged_linear(self.round.gathered(x), x.numel() // x.size(-1), weight, bias, self.rows,
-                               self.round.group)
-        return out.view(*x.shape[:-1], self.module.out_features)
+        return ExchangedLinear.apply(x, self.round.gathered(x), weight, bias, self.rows, self.round.group)
 
 
 def _row_sharded(p: torch.Tensor | None) -> bool:
@@ -94,27 +111,65 @@ def _exchangeable(module: nn.Module) -> bool:
         (module.bias is None or _row_sharded(module.bias))
 
 
+def _exchanged(module: nn.Module) -> bool:
+    return isinstance(module.__dict__.get("forward"), _ExchangedForward)
+
+
+def _rounds(model: nn.Module, group: dist.ProcessGroup) -> tuple[dict[nn.Module, _Round], list]:
+    """A ``_Round`` for each decoder layer's modules (one for the rest of the model), started by the layer's
+    forward and let go at its end; returns {module: its round} and the hooks' handles."""
+    rounds: dict[nn.Module, _Round] = {}
+    handles = []
+    for owner in [*decoder_layers(model), model]:
+        round_ = _Round(group)
+        handles += [owner.register_forward_pre_hook(round_.reset), owner.register_forward_hook(round_.drop)]
+        for module in owner.modules():
+            rounds.setdefault(module, round_)
+    return rounds, handles
+
+
+def exchange_in_place(model: nn.Module, mesh: DeviceMesh, dtype: torch.dtype) -> set[nn.Parameter]:
+    """Every frozen ``nn.Linear`` of ``model``'s decoder layers (4-bit ones aside) computed from its row shards
+    from now on, in training and generation (module doc); called on the meta model before FSDP2 shards it.
+    ``mesh``: the 1-D shard group's. Returns the row-sharded parameters, which FSDP2 must leave alone."""
+    group = mesh.get_group()
+    rounds, _ = _rounds(model, group)  # the hooks stay for the model's life
+    outside: set[nn.Parameter] = set()
+    for layer in decoder_layers(model):
+        for module in layer.modules():
+            if type(module) is not nn.Linear or module.weight.requires_grad or is_nf4(module.weight):
+                continue
+            if module.bias is not None and module.bias.requires_grad:
+                continue
+            for name in ("weight", "bias"):
+                if getattr(module, name) is not None:
+                    setattr(module, name, shard_rows(getattr(module, name), mesh))
+                    outside.add(getattr(module, name))
+            module.__dict__["forward"] = _ExchangedForward(module, rounds[module], dtype)
+    return outside
+
+
 @contextlib.contextmanager
 def exchanged_layers(model: nn.Module, group: dist.ProcessGroup, dtype: torch.dtype) -> Iterator[None]:
     """``model``'s FSDP2 units computed from their row shards until the block ends (module doc); ``group``:
     the ranks that hold one copy of the model between them; ``dtype``: the compute dtype (FSDP2's
-    ``param_dtype``). Every unit is sharded on entry and left sharded, its hooks back, even on an error."""
+    ``param_dtype``). Every unit is sharded on entry and left sharded, its hooks back, even on an error.
+    Projections exchanged for good (``exchange_in_place``) stay as they are."""
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    round_ = _Round(group)
     shadowed: list[tuple[nn.Module, str]] = []
     with contextlib.ExitStack() as stack:
         for unit in units:
             unit.reshard()
             stack.enter_context(compat.fsdp2_forward_hooks_paused(unit))
-        handle = model.register_forward_pre_hook(round_.reset)
-        stack.callback(handle.remove)
-        stack.callback(round_.reset)
+        rounds, handles = _rounds(model, group)
+        for handle in handles:
+            stack.callback(handle.remove)
         stack.callback(_unshadow, shadowed)
         for module in model.modules():
-            if isinstance(module, (ShardedEmbedding, ShardedHead)):
-                continue  # exchanged on their own (sharded_embeddings.exchanged)
+            if isinstance(module, (ShardedEmbedding, ShardedHead)) or _exchanged(module):
+                continue  # exchanged on their own (sharded_embeddings.exchanged), or for good
             if _exchangeable(module):
-                module.__dict__["forward"] = _ExchangedForward(module, round_, dtype)
+                module.__dict__["forward"] = _ExchangedForward(module, rounds[module], dtype)
                 shadowed.append((module, "forward"))
                 continue
             for name, p in module.named_parameters(recurse=False):

@@ -16,7 +16,7 @@ from shardtune.model.nf4_fill import is_nf4
 from shardtune.model.structure import decoder_layers, embedding_tables, layer_parts, tables_by_rows
 from shardtune.parallel import gloo_comms, host_gather, sharded_embeddings
 from shardtune.parallel.base import Strategy
-from shardtune.parallel.exchanged_layers import exchanged_layers
+from shardtune.parallel.exchanged_layers import exchange_in_place, exchanged_layers
 from shardtune.parallel.mesh import data_parallel_mesh, shard_mesh
 from shardtune.runtime import compat
 from shardtune.runtime.distributed import Worker
@@ -26,8 +26,10 @@ class FSDP2(Strategy):
     name = "fsdp2"
 
     def __init__(self, worker: Worker, compute_dtype: torch.dtype, cpu_offload: bool,
-                 replicate_groups: int = 1, unit: str = "part") -> None:
+                 replicate_groups: int = 1, unit: str = "part", exchange_layers: bool = False) -> None:
         super().__init__(worker)
+        # the frozen projections computed from their row shards, outside FSDP (exchanged_layers.py)
+        self.exchange_layers = exchange_layers
         # "layer": one unit per decoder layer, one gather each way per layer (fewer, larger collectives);
         # "part": units for a layer's attention and MLP projections and the rest (model/structure.py)
         self.unit = unit
@@ -41,6 +43,7 @@ class FSDP2(Strategy):
         self.mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
         self.offload = CPUOffloadPolicy(pin_memory=worker.device.type == "cuda") if cpu_offload else OffloadPolicy()
         self.whole: set[nn.Parameter] = set()  # frozen NF4 weights FSDP leaves alone (``shard``)
+        self.exchanged: set[nn.Parameter] = set()  # the row-sharded projections', likewise
         if cpu_offload and worker.device.type == "cuda":
             self.host_params = self._fsdp_managed
 
@@ -54,6 +57,8 @@ class FSDP2(Strategy):
             # all-gather inputs, so torchao's NF4 (three: scalers, factors, codes) fails in its
             # post-all-gather. The frozen 4-bit weights stay whole outside FSDP, used in place.
             self.whole = {p for p in model.parameters() if is_nf4(p)}
+        elif self.exchange_layers:
+            self.exchanged = exchange_in_place(model, shard_mesh(self.mesh), self.mp.param_dtype or torch.float32)
         if self.unit == "layer":
             # Backward starts with the last layer right after forward: resharding it would only gather it
             # again at once (torchtitan keeps it too). Per-part units are chosen to fit, so they reshard.
@@ -65,7 +70,7 @@ class FSDP2(Strategy):
         units += [self._unit(module, reshard_after_forward=reshard) for module, reshard in own_units]
         # The root holds what is left (final norm; embeddings not sharded by rows), needed again at the start
         # of backward: keeping it unsharded after forward saves one all-gather per step.
-        units.append(self._unit(model, reshard_after_forward=False, ignored_params=ignored | self.whole))
+        units.append(self._unit(model, reshard_after_forward=False, ignored_params=ignored | self._outside()))
         if self.worker.device.type == "cpu":  # gloo's all-gather only: NCCL's is in place already
             self.gather = host_gather.for_group(shard_mesh(self.mesh).get_group())
             for unit in units:
@@ -115,7 +120,10 @@ class FSDP2(Strategy):
               ignored_params: set[nn.Parameter] | None = None) -> FSDPModule:
         return fully_shard(module, mesh=self.mesh, mp_policy=self.mp, offload_policy=self.offload,
                            reshard_after_forward=reshard_after_forward,
-                           ignored_params=ignored_params if ignored_params is not None else self.whole or None)
+                           ignored_params=ignored_params if ignored_params is not None else self._outside() or None)
+
+    def _outside(self) -> set[nn.Parameter]:
+        return self.whole | self.exchanged
 
     def gradient_sync(self, model: nn.Module, enabled: bool) -> ContextManager:
         # Without sync every unit keeps its unsharded gradient (only LoRA's are trainable: small)

@@ -226,6 +226,27 @@ def exchanges_to_generate(cfg: Config, setting: Setting) -> bool:
 EXCHANGE_PAYS_FROM = {"cpu": 64 * MB, "cuda": 1024 * MB}
 
 
+#: A frozen projection's exchange moves, per token and decoder layer, about this many hidden states: the inputs
+#: of the attention's projections, its output's and the MLP's (four gathered), and their outputs (Llama's MLP is
+#: about 2.7 hidden states wide: gate's, up's and down's outputs, q's, k's, v's and o's).
+EXCHANGED_HIDDENS = 16
+
+
+def exchanges_to_train(search: Search, setting: Setting) -> bool:
+    """Whether GRPO's training too computes the frozen projections from their row shards (``layers_exchanged``),
+    where generation does (``exchanges_to_generate``): a micro-batch then moves each layer's inputs and outputs
+    once a pass (forward, backward, and the recompute under activation checkpointing) instead of FSDP2's two
+    gathers of the layer. Taken where that moves no more than one gather's bytes (half of what it replaces: the
+    exchange's collectives are many and small), for bases FSDP2 shards as plain tensors (not 4-bit) and whole
+    rows (no context parallelism)."""
+    f = search.facts
+    if f.nf4_bytes or setting.context_parallel > 1:
+        return False
+    passes = 3 if setting.activation_checkpointing else 2
+    moved = passes * setting.rows * setting.row_tokens * EXCHANGED_HIDDENS * f.hidden * f.compute_itemsize
+    return moved <= f.block_bytes
+
+
 def generation_gathered(search: Search, setting: Setting, budget: int | None) -> tuple[Setting, Prediction]:
     """``setting`` with what GRPO's generation gathers decided, and the prediction it runs by. The weights stay
     gathered for the whole generation (``generation_gathered``) when the predicted peak with the whole model
@@ -234,8 +255,9 @@ def generation_gathered(search: Search, setting: Setting, budget: int | None) ->
     (``EXCHANGE_PAYS_FROM``); that is also taken whenever the gathered model does not fit (it gathers nothing,
     while the per-token gathering moves every layer for every token). A 4-bit base's NF4 weights are then
     dequantized once per generation (``generation_dequantized``) when the peak with all of them (the rank's
-    rows, exchanged) in the compute dtype fits too. A setting that does not generate, or whose strategy
-    gathers nothing for a forward (``gathers_to_generate``), is returned unchanged."""
+    rows, exchanged) in the compute dtype fits too. Exchanged, training computes from the row shards too where
+    that moves fewer bytes (``exchanges_to_train``: ``layers_exchanged``). A setting that does not generate, or
+    whose strategy gathers nothing for a forward (``gathers_to_generate``), is returned unchanged."""
     chosen, prediction = setting, search.predict(setting)
     if not gathers_to_generate(setting):
         return chosen, prediction
@@ -252,7 +274,7 @@ def generation_gathered(search: Search, setting: Setting, budget: int | None) ->
         read = f.block_bytes + f.nf4_dequantized_bytes / max(f.layers, 1)
         pays = read * (shards - 1) / shards >= EXCHANGE_PAYS_FROM[search.device]
         if pays or base is None:
-            how = {"generation_exchanged": True}
+            how = {"generation_exchanged": True, "layers_exchanged": exchanges_to_train(search, setting)}
             base = search.predict(dataclasses.replace(setting, **how))  # never above the per-token gathering
     if base is None:
         return chosen, prediction

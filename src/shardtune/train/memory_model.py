@@ -240,6 +240,8 @@ class Setting:
     generation_dequantized: bool = False
     #: GRPO under FSDP2: no layer gathered, each projection exchanged (``RunPlan.generation_exchanged``)
     generation_exchanged: bool = False
+    #: GRPO under FSDP2, training too: the frozen projections outside FSDP, exchanged (``RunPlan.layers_exchanged``)
+    layers_exchanged: bool = False
 
 
 def predict(f: Facts, s: Setting, device: str) -> Prediction:
@@ -296,7 +298,14 @@ def predict(f: Facts, s: Setting, device: str) -> Prediction:
         on_gpu = (row_sharded_bytes(f) / n if t.row_tables else 0.0) + (f.nf4_bytes if n == 1 else 0)
         host += sum(kept[k] for k in ("weights", "lora", "grads", "optimizer")) - on_gpu
         kept.update(weights=on_gpu, lora=0.0, grads=0.0, optimizer=0.0)
-    moments = _moments(strategy, device, f, n, acts, workspace, logits_fwd, logits_bwd, unit)
+    layers = f
+    if s.layers_exchanged and n > 1 and t.shards:
+        # FSDP2's units gather only what is not a frozen projection (LoRA's weights; norms are small); each
+        # projection's exchange buffers exist while it runs, forward or backward
+        rest = f.trainable_params * f.compute_itemsize / max(f.layers, 1)
+        layers = replace(f, block_bytes=rest, units_bytes=[rest] * max(len(f.units_bytes), 1))
+        workspace += exchange_buffers(f, n, micro_tokens)
+    moments = _moments(strategy, device, layers, n, acts, workspace, logits_fwd, logits_bwd, unit)
     if f.dequant_bytes:
         moments["backward through the layers"]["dequant"] = f.dequant_bytes
         # loading: the shard so far plus one slice being quantized (no gradients or optimizer yet)
@@ -363,6 +372,13 @@ def exchange_bytes(f: Facts, rows: int, piece: int, cp: int) -> float:
     return 3 * (f.heads + 2 * f.kv_heads) * rows * piece * f.head_dim * f.compute_itemsize
 
 
+def exchange_buffers(f: Facts, n: int, tokens: int) -> float:
+    """What a projection's exchange holds while it runs (parallel/exchange.py) for ``tokens`` tokens a rank on
+    ``n`` ranks: the inputs of every rank, the widest (the MLP's, about four hidden states a token), and the
+    outputs sent and received (in backward: the gradients, and the partial sums sent back)."""
+    return (n + 2) * tokens * 4 * f.hidden * f.compute_itemsize
+
+
 def _generation_terms(f: Facts, s: Setting, n: int, vocab: int, kept: dict[str, float],
                       buffers: float) -> dict[str, float]:
     """GRPO's generation, before the step's backward (no gradients yet): the KV cache of the rank's rows,
@@ -386,7 +402,7 @@ def _generation_terms(f: Facts, s: Setting, n: int, vocab: int, kept: dict[str, 
         # rows) is gathered once; each projection's inputs from every rank, the widest (the MLP's, about
         # four hidden states a token) at the prefill, with its outputs sent and received
         gathered = root + f.trainable_params * f.compute_itemsize
-        exchange = (n + 2) * rows * tokens * 4 * f.hidden * f.compute_itemsize
+        exchange = exchange_buffers(f, n, rows * tokens)
     elif s.generation_gathered and n > 1 and traits(s.strategy).shards:
         gathered = f.layers * f.block_bytes + root + max(0, copies - 1) * f.block_bytes
     prefill = 8 * rows * tokens * f.hidden * f.compute_itemsize

@@ -76,7 +76,8 @@ def _generation(cfg: Config, plan: RunPlan, search: Search) -> RunPlan:
     """``plan`` with what GRPO's generation gathers decided (``choice.generation_gathered``): under FSDP2 on
     several ranks no layer (``generation_exchanged``), else the weights kept for a whole generation when the
     predicted peak with them fits the memory a rank may use; a 4-bit base's weights dequantized once when that
-    fits too (``generation_dequantized``)."""
+    fits too (``generation_dequantized``); exchanged, training too where that moves fewer bytes
+    (``layers_exchanged``)."""
     setting = dataclasses.replace(
         search.setting(plan.strategy, plan.world_size, plan.batch.micro_batch_size),
         activation_checkpointing=plan.activation_checkpointing, cpu_offload=plan.cpu_offload,
@@ -89,7 +90,8 @@ def _generation(cfg: Config, plan: RunPlan, search: Search) -> RunPlan:
         log.info("%s", _generation_said(search, setting, chosen, f"{format_size(budget)} per rank ({where})"))
     return dataclasses.replace(plan, generation_gathered=chosen.generation_gathered,
                                generation_dequantized=chosen.generation_dequantized,
-                               generation_exchanged=chosen.generation_exchanged)
+                               generation_exchanged=chosen.generation_exchanged,
+                               layers_exchanged=chosen.layers_exchanged)
 
 
 def _generation_said(search: Search, setting: Setting, chosen: Setting, budget: str) -> str:
@@ -98,8 +100,10 @@ def _generation_said(search: Search, setting: Setting, chosen: Setting, budget: 
         return format_size(search.predict(dataclasses.replace(setting, **kept)).peak_mb * MB)
 
     if chosen.generation_exchanged:
-        how, said, what = {"generation_exchanged": True}, "generation computes from the row shards, gathering no " \
-            "layer", "rows"
+        how = {"generation_exchanged": True, "layers_exchanged": chosen.layers_exchanged}
+        said = "generation and training compute from the row shards" if chosen.layers_exchanged else \
+            "generation computes from the row shards"
+        said, what = f"{said}, gathering no layer", "rows"
     elif chosen.generation_gathered:
         how, said, what = {"generation_gathered": True}, "generation keeps the weights gathered", "ones"
     else:
