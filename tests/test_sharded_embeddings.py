@@ -146,3 +146,91 @@ def test_generation_uses_row_sharded_tables_without_gathering_them():
         torch.testing.assert_close(r["logits"], r["dense"], rtol=1e-6, atol=1e-6)
         assert r["peak"] < r["table"] / 4
         assert r["after"] == (False, False)
+
+
+def training_on_ranks(rank: int, world_size: int) -> dict:
+    """Training's use of row-sharded tables, each rank with its own number of tokens (7, 13, none;
+    3000, 1100, none): the lookup
+    and the loss head (softcapped, scaled) with few tokens, and with many; broadcasts counted."""
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from shardtune.model.head import Transform
+    from shardtune.parallel.sharded_embeddings import ShardedEmbedding, ShardedHead, shard_rows
+    from shardtune.runtime import distributed
+    from shardtune.runtime.compat import LiveBytes
+    from shardtune.train import loss_head
+    from shardtune.train.data.records import IGNORE
+
+    distributed.init_worker()
+    broadcasts = []
+    broadcast = dist.broadcast
+    dist.broadcast = lambda tensor, *a, **k: broadcasts.append(tensor.numel()) or broadcast(tensor, *a, **k)
+    torch.manual_seed(0)
+    dense = nn.Embedding(6001, 64).requires_grad_(False)  # 6001 rows over 3 ranks: 2001, 2000, 2000
+    projection = nn.Linear(64, 6001, bias=False).requires_grad_(False)
+    mesh = init_device_mesh("cpu", (world_size,))
+    embed = ShardedEmbedding(dense, shard_rows(dense.weight, mesh), mesh.get_group())
+    head = ShardedHead(projection, shard_rows(projection.weight, mesh), mesh.get_group())
+    t = Transform(scale=0.7, softcap=3.0)
+    g = torch.Generator().manual_seed(rank)
+    out: dict = {}
+    cases = {"few": [7, 13, 0], "pieces": [400, 250, 0], "many": [3000, 1100, 0]}
+    for case, tokens in ((name, counts[rank]) for name, counts in cases.items()):
+        ids = torch.randint(0, 6001, (1, tokens), generator=g)
+        hidden = torch.randn(1, tokens, 64, generator=g, requires_grad=True)
+        targets = torch.randint(0, 6001, (1, tokens), generator=g)
+        targets[0, :3] = IGNORE
+        upstream = torch.rand(1, tokens, generator=g)  # an objective's per-token weights
+        broadcasts.clear()
+        looked_up = embed(ids)
+        chosen = loss_head._exchange_size(head, hidden)
+        with LiveBytes() as held:
+            logps, correct = (loss_head._ExchangedTargetLogProbs.apply(hidden, targets, head, t, 5, chosen)
+                              if chosen is not None else
+                              loss_head._TargetLogProbs.apply(hidden, targets, head.blocks, None, t, 5, False))
+            (logps * upstream).sum().backward()
+        moved = sum(broadcasts)
+        results = {"exact": torch.equal(looked_up, dense(ids)), "chosen": chosen, "moved": moved,
+                   "logps": logps.detach(), "correct": correct, "grad": hidden.grad.clone(), "peak": held.peak}
+        hidden.grad = None
+        with LiveBytes() as held:
+            broadcast_logps, broadcast_correct = loss_head._TargetLogProbs.apply(hidden, targets, head.blocks, None,
+                                                                                 t, 5, False)
+            (broadcast_logps * upstream).sum().backward()
+        results["broadcast"] = (broadcast_logps.detach(), broadcast_correct, hidden.grad.clone())
+        results["broadcast_peak"] = held.peak
+        hidden.grad = None
+        z = 3.0 * torch.tanh(0.7 * (hidden @ projection.weight.T) / 3.0)
+        dense_logps = z.log_softmax(-1).gather(-1, targets.clamp(min=0)[..., None]).squeeze(-1)
+        dense_logps = dense_logps.where(targets != IGNORE, 0.0)
+        (dense_logps * upstream).sum().backward()
+        results["dense"] = (dense_logps.detach(), (z.argmax(-1) == targets) & (targets != IGNORE), hidden.grad)
+        out[case] = results
+    distributed.teardown()
+    out["table"] = dense.weight.numel()
+    return out
+
+
+def test_training_exchanges_a_few_tokens_instead_of_broadcasting_the_tables():
+    """A few tokens per rank (GRPO's case): the lookup and the loss head move the tokens, not the tables' rows
+    (no broadcast at all), and give the dense embeddings (exactly), log-probabilities, accuracy and hidden
+    states' gradient, as the broadcast path does; ranks with different numbers of tokens, one with none.
+    More tokens are exchanged a piece at a time, holding no more than the broadcasts would; many: the rows are
+    broadcast instead, with the same results."""
+    results = run_ranks(training_on_ranks, WORLD)
+    for rank, r in enumerate(results):
+        few, pieces, many = r["few"], r["pieces"], r["many"]
+        assert few["chosen"] == 13 and few["moved"] == 0
+        assert pieces["chosen"] == 400 and pieces["moved"] == 0
+        if rank < 2:  # with tokens of its own, a rank holds no more than broadcasting would (a piece at a time)
+            assert pieces["peak"] <= pieces["broadcast_peak"]
+        assert many["chosen"] is None and many["moved"] >= 2 * r["table"] * 2 // 3  # both tables' other rows
+        for case in (few, pieces, many):
+            assert case["exact"]
+            for want in (case["broadcast"], case["dense"]):
+                torch.testing.assert_close(case["logps"], want[0], rtol=1e-5, atol=1e-5)
+                assert torch.equal(case["correct"], want[1])
+                torch.testing.assert_close(case["grad"], want[2], rtol=1e-4, atol=1e-6)
+        assert few["logps"].numel() == [7, 13, 0][rank]

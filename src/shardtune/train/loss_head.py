@@ -16,7 +16,9 @@ a chunk of tokens at a time:
 The vocabulary comes in blocks: the whole weight of an ``nn.Linear`` head (FSDP1's root unit, DDP,
 single, FSDP2's gathered head), or each rank's rows of FSDP2's row-sharded head in turn
 (parallel/sharded_embeddings.py: one broadcast per block, once per forward, none in backward), merged
-by a running log-sum-exp.
+by a running log-sum-exp. With few tokens against that head's rows (GRPO's steps; the rule is
+``sharded_embeddings.exchange_size``) the rows stay put instead: every rank's tokens are scored on each
+rank's own rows, and each token's per-rank statistics merged as the blocks' are (``_ExchangedTargetLogProbs``).
 
 The head is the model's own output-embedding module, taught to score (``install``): called inside the
 model's forward, so every FSDP hook around it runs as for the logits. ``score`` sets the targets for one
@@ -41,6 +43,7 @@ from torch import nn
 
 from shardtune.model.head import Transform, head_transform
 from shardtune.model.structure import base_model
+from shardtune.parallel import sharded_embeddings as sharded
 from shardtune.parallel.sharded_embeddings import ShardedHead
 from shardtune.train.data.records import IGNORE
 from shardtune.train.loss import token_cross_entropy
@@ -78,8 +81,14 @@ class _Head:
             return self.original(hidden)
         blocks, weight, bias = _blocks_of(self.module)
         vocab = weight.size(0) if weight is not None else self.module.out_features
-        logps, correct = _TargetLogProbs.apply(hidden, self.targets, blocks, bias, self.transform,
-                                               chunk_tokens(vocab, self.chunk), weight is not None)
+        chunk = chunk_tokens(vocab, self.chunk)
+        size = _exchange_size(self.module, hidden)
+        if size is not None:
+            logps, correct = _ExchangedTargetLogProbs.apply(hidden, self.targets, self.module, self.transform,
+                                                            chunk, size)
+        else:
+            logps, correct = _TargetLogProbs.apply(hidden, self.targets, blocks, bias, self.transform, chunk,
+                                                   weight is not None)
         self.correct = correct
         return logps
 
@@ -141,10 +150,15 @@ class _Running:
         w_target += torch.where(inside[:, None], target_row, 0)
         acc.mul_(rescale[:, None]).add_((e.to(rows.dtype) @ rows).float())
 
-    def derivative(self, sl: slice, acc: torch.Tensor, w_target: torch.Tensor, valid: torch.Tensor,
-                   t: Transform, dtype: torch.dtype) -> torch.Tensor:
-        """d log p(target) / d hidden = scale·(W[target]·slope − Σ_v softmax_v·slope_v·W_v); 0 without a target."""
-        d = (w_target.float() - acc / self.s[sl, None]).mul_(valid[:, None])
+    def derivative(self, sl: slice, acc: torch.Tensor, w_target: torch.Tensor | None, valid: torch.Tensor,
+                   t: Transform, dtype: torch.dtype, norm: torch.Tensor | None = None) -> torch.Tensor:
+        """d log p(target) / d hidden = scale·(W[target]·slope − Σ_v softmax_v·slope_v·W_v); 0 without a target.
+        ``norm``: what divides ``acc`` into softmax shares, per token (default: this state's sum of exp, when
+        the whole vocabulary passed here); ``w_target`` None: no target row passed here."""
+        d = acc.div_((self.s[sl] if norm is None else norm)[:, None]).neg_()  # acc is spent: in place
+        if w_target is not None:
+            d.add_(w_target)
+        d.mul_(valid[:, None])
         return (d.mul_(t.scale) if t.scale != 1.0 else d).to(dtype)
 
 
@@ -180,35 +194,134 @@ class _TargetLogProbs(torch.autograd.Function):
                     deriv[sl] = state.derivative(sl, acc, w_target, valid[sl], t, flat.dtype)
                 del z, slope, acc, w_target
         else:  # a block per rank's rows: the running state of every token, one broadcast per block
-            acc = torch.zeros(n, width, device=device) if grad else None
-            w_target = None
-            for start, rows in blocks():
-                if grad and w_target is None:
-                    w_target = torch.zeros(n, width, dtype=rows.dtype, device=device)
-                for sl in chunks:
-                    z, slope = _logits(flat[sl], rows, bias, start, t)
-                    state.update(sl, z, slope, tgt[sl], start, rows, acc[sl] if grad else None,
-                                 w_target[sl] if grad else None)
-                    del z, slope
+            acc, w_target = _stream(state, flat, tgt, blocks(), bias, t, chunk, grad)
             if grad:
                 deriv = state.derivative(slice(0, n), acc, w_target, valid, t, flat.dtype)
                 del acc, w_target
         logps = torch.where(valid, state.picked - (state.m + state.s.log()), 0.0)
-        correct = valid & (state.arg == tgt)
-        if grad:
-            ctx.save_for_backward(deriv)
-        ctx.shape, ctx.chunk = hidden.shape, chunk
-        ctx.mark_non_differentiable(correct)
-        return logps.view(targets.shape), correct.view(targets.shape)
+        return _results(ctx, hidden, targets, chunk, logps, valid & (state.arg == tgt), deriv)
 
     @staticmethod
     def backward(ctx, grad_logps: torch.Tensor, _grad_correct):  # type: ignore[override]
-        (deriv,) = ctx.saved_tensors
-        g = grad_logps.reshape(-1, 1).float()
-        grad = torch.empty_like(deriv)
-        for a in range(0, deriv.size(0), ctx.chunk):  # fp32 products a chunk at a time: no fp32 copy of it all
-            grad[a:a + ctx.chunk] = deriv[a:a + ctx.chunk].float() * g[a:a + ctx.chunk]
-        return grad.view(ctx.shape), None, None, None, None, None, None
+        return _times_upstream(ctx, grad_logps), None, None, None, None, None, None
+
+
+def _results(ctx, hidden: torch.Tensor, targets: torch.Tensor, chunk: int, logps: torch.Tensor,
+             correct: torch.Tensor, deriv: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A forward's outputs shaped as the targets, with what its backward needs kept (``deriv``: with a gradient)."""
+    if deriv is not None:
+        ctx.save_for_backward(deriv)
+    ctx.shape, ctx.chunk = hidden.shape, chunk
+    ctx.mark_non_differentiable(correct)
+    return logps.view(targets.shape), correct.view(targets.shape)
+
+
+def _times_upstream(ctx, grad_logps: torch.Tensor) -> torch.Tensor:
+    """The hidden states' gradient: the derivative saved in forward times the incoming gradient."""
+    (deriv,) = ctx.saved_tensors
+    g = grad_logps.reshape(-1, 1).float()
+    grad = torch.empty_like(deriv)
+    for a in range(0, deriv.size(0), ctx.chunk):  # fp32 products a chunk at a time: no fp32 copy of it all
+        grad[a:a + ctx.chunk] = deriv[a:a + ctx.chunk].float() * g[a:a + ctx.chunk]
+    return grad.view(ctx.shape)
+
+
+def _stream(state: _Running, flat: torch.Tensor, tgt: torch.Tensor, blocks: Iterator[tuple[int, torch.Tensor]],
+            bias: torch.Tensor | None, t: Transform, chunk: int,
+            grad: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Fold every block of the vocabulary into ``state``, for all tokens of ``flat``, a chunk at a time;
+    with ``grad`` returns the derivative's accumulators (``_Running.update``'s ``acc`` and ``w_target``, the
+    latter None when no block came)."""
+    n, width, device = flat.size(0), flat.size(-1), flat.device
+    acc = torch.zeros(n, width, device=device) if grad else None
+    w_target = None
+    for start, rows in blocks:
+        if grad and w_target is None:
+            w_target = torch.zeros(n, width, dtype=rows.dtype, device=device)
+        for a in range(0, n, chunk):
+            sl = slice(a, min(n, a + chunk))
+            z, slope = _logits(flat[sl], rows, bias, start, t)
+            state.update(sl, z, slope, tgt[sl], start, rows, acc[sl] if grad else None,
+                         w_target[sl] if grad else None)
+            del z, slope
+    return acc, w_target
+
+
+# --- FSDP2's row-sharded head used vocabulary-parallel, where that moves fewer bytes than its rows -----------
+
+def _exchange_size(head: nn.Module, hidden: torch.Tensor) -> int | None:
+    """The tokens every rank pads to when ``head`` is row-sharded and scoring by exchange is the cheaper way
+    (sharded_embeddings.exchange_size, a collective); None otherwise. Moved per token: the hidden state
+    and the target gathered, each rank's 4 statistics of every token gathered and, with a gradient, the
+    fp32 derivative sent back."""
+    if not isinstance(head, ShardedHead):
+        return None
+    width, ranks = hidden.size(-1), head.group.size()
+    grad = torch.is_grad_enabled() and hidden.requires_grad
+    per_token = width * head.weight.to_local().element_size() + 8 + 16 * ranks + (4 * width if grad else 0)
+    return sharded.exchange_size(head, hidden.numel() // width, per_token)
+
+
+class _ExchangedTargetLogProbs(torch.autograd.Function):
+    """``_TargetLogProbs`` on a row-sharded head without moving its rows: every rank's tokens (padded to
+    ``size``) scored on every rank's rows, a piece at a time (``_exchanged_piece``). A collective."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, targets: torch.Tensor, head: ShardedHead,  # type: ignore[override]
+                t: Transform, chunk: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        flat, tgt = hidden.reshape(-1, hidden.size(-1)), targets.reshape(-1)
+        n, grad, local = flat.size(0), ctx.needs_input_grad[0], head.weight.to_local()
+        logps = torch.zeros(n, device=flat.device)
+        correct = torch.zeros(n, dtype=torch.bool, device=flat.device)
+        deriv = torch.empty_like(flat) if grad else None
+        # held a piece at a time: every rank's hidden states, running sums in fp32 and the table's dtype,
+        # the derivative's shares received
+        piece = sharded.exchange_piece(head, flat.size(-1) * (2 * local.element_size() + 8))
+        for a in range(0, size, piece):
+            b = min(size, a + piece)
+            here = slice(a, max(a, min(b, n)))
+            # chunks of at most a rank's tokens: the logits the broadcast path would hold for the largest rank
+            logps[here], correct[here], d = _exchanged_piece(flat[here], tgt[here], head, t, min(chunk, b - a),
+                                                             b - a, grad)
+            if grad:
+                deriv[here] = d
+        return _results(ctx, hidden, targets, chunk, logps, correct, deriv)
+
+    @staticmethod
+    def backward(ctx, grad_logps: torch.Tensor, _grad_correct):  # type: ignore[override]
+        return _times_upstream(ctx, grad_logps), None, None, None, None, None
+
+
+def _exchanged_piece(flat: torch.Tensor, tgt: torch.Tensor, head: ShardedHead, t: Transform, chunk: int,
+                     size: int, grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Log p(target), argmax == target and (with ``grad``) the derivative of this rank's ``flat``: every rank's
+    tokens (padded to ``size``) are gathered and streamed over the rows here; every rank's statistics of every
+    token (max, sum of exp, target logit, best token) are gathered and merged as the blocks' running state
+    merges them; each rank's share of every token's derivative is summed at the token's owner."""
+    n, group, local = flat.size(0), head.group, head.weight.to_local()
+    ranks, mine = group.size(), slice(group.rank() * size, group.rank() * size + n)
+    everyone = sharded.gather_tokens(flat.to(local.dtype), size, 0.0, group).view(ranks * size, -1)
+    every_tgt = sharded.gather_tokens(tgt, size, IGNORE, group).view(-1)
+    state = _Running(ranks * size, flat.device)
+    blocks = iter([(sharded.first_row(head), local)] if local.size(0) else [])
+    acc, w_target = _stream(state, everyone, every_tgt, blocks, None, t, chunk, grad)
+    del everyone
+    # every rank's statistics, (ranks, every token); the best token's index exact in fp32 below 2^24 rows
+    stats = torch.stack([state.m, state.s, state.picked, state.arg.float()], dim=1)
+    m, s, picked, arg = sharded.gather_tokens(stats, ranks * size, 0.0, group).unbind(-1)
+    top = m.max(dim=0).values
+    total = (s * (m - top).exp()).sum(0)  # a rank without rows: max -inf, its share 0
+    valid = tgt != IGNORE
+    logps = torch.where(valid, picked.sum(0)[mine] - (top[mine] + total[mine].log()), 0.0)
+    first_best = (m == top).float().argmax(dim=0)  # ties: the lowest rank's, as the blocks' order gives
+    correct = valid & (arg.gather(0, first_best[None])[0, mine].long() == tgt)
+    if not grad:
+        return logps, correct, None
+    # each rank's share of every token's derivative: its sums are relative to its own max, not the global one
+    share = state.derivative(slice(None), acc, w_target, every_tgt != IGNORE, t, torch.float32,
+                             norm=total / (state.m - top).exp())
+    del acc, w_target
+    return logps, correct, sharded.to_owners(share.view(ranks, size, -1), group).sum(0)[:n].to(flat.dtype)
 
 
 # --- installing the scoring head on a model ---------------------------------------------------------------
