@@ -151,12 +151,14 @@ def test_generation_uses_row_sharded_tables_without_gathering_them():
 def training_on_ranks(rank: int, world_size: int) -> dict:
     """Training's use of row-sharded tables, each rank with its own number of tokens (7, 13, none;
     3000, 1100, none): the lookup
-    and the loss head (softcapped, scaled) with few tokens, and with many; broadcasts counted."""
+    and the loss head (softcapped, scaled) with few tokens, and with many; broadcasts and exchanges' pieces
+    counted."""
     import torch.distributed as dist
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
 
     from shardtune.model.head import Transform
+    from shardtune.parallel import sharded_embeddings
     from shardtune.parallel.sharded_embeddings import ShardedEmbedding, ShardedHead, shard_rows
     from shardtune.runtime import distributed
     from shardtune.runtime.compat import LiveBytes
@@ -167,6 +169,10 @@ def training_on_ranks(rank: int, world_size: int) -> dict:
     broadcasts = []
     broadcast = dist.broadcast
     dist.broadcast = lambda tensor, *a, **k: broadcasts.append(tensor.numel()) or broadcast(tensor, *a, **k)
+    pieces = {}  # per table, the tokens per rank of one exchange, as the runtime sized it
+    exchange_piece = sharded_embeddings.exchange_piece
+    sharded_embeddings.exchange_piece = lambda module, cost: pieces.setdefault(
+        "embed" if isinstance(module, ShardedEmbedding) else "head", exchange_piece(module, cost))
     torch.manual_seed(0)
     dense = nn.Embedding(6001, 64).requires_grad_(False)  # 6001 rows over 3 ranks: 2001, 2000, 2000
     projection = nn.Linear(64, 6001, bias=False).requires_grad_(False)
@@ -184,6 +190,7 @@ def training_on_ranks(rank: int, world_size: int) -> dict:
         targets[0, :3] = IGNORE
         upstream = torch.rand(1, tokens, generator=g)  # an objective's per-token weights
         broadcasts.clear()
+        pieces.clear()
         looked_up = embed(ids)
         chosen = loss_head._exchange_size(head, hidden)
         with LiveBytes() as held:
@@ -193,7 +200,8 @@ def training_on_ranks(rank: int, world_size: int) -> dict:
             (logps * upstream).sum().backward()
         moved = sum(broadcasts)
         results = {"exact": torch.equal(looked_up, dense(ids)), "chosen": chosen, "moved": moved,
-                   "logps": logps.detach(), "correct": correct, "grad": hidden.grad.clone(), "peak": held.peak}
+                   "pieces": dict(pieces), "logps": logps.detach(), "correct": correct, "grad": hidden.grad.clone(),
+                   "peak": held.peak}
         hidden.grad = None
         with LiveBytes() as held:
             broadcast_logps, broadcast_correct = loss_head._TargetLogProbs.apply(hidden, targets, head.blocks, None,
@@ -218,8 +226,21 @@ def test_training_exchanges_a_few_tokens_instead_of_broadcasting_the_tables():
     (no broadcast at all), and give the dense embeddings (exactly), log-probabilities, accuracy and hidden
     states' gradient, as the broadcast path does; ranks with different numbers of tokens, one with none.
     More tokens are exchanged a piece at a time, holding no more than the broadcasts would; many: the rows are
-    broadcast instead, with the same results."""
+    broadcast instead, with the same results. The planner (train/memory_model.py) decides each case as the run
+    did: which way, and the size of the pieces whose buffers it counts."""
+    from shardtune.parallel.sharded_embeddings import lookup_cost, planned_piece
+    from shardtune.train.loss_head import scoring_cost
+
     results = run_ranks(training_on_ranks, WORLD)
+    most = {"few": 13, "pieces": 400, "many": 3000}
+    for case, tokens in most.items():
+        planned = {"embed": planned_piece(6001, 64, 4, WORLD, tokens, lookup_cost(64, 4)),
+                   "head": planned_piece(6001, 64, 4, WORLD, tokens, scoring_cost(64, 4, WORLD, grad=True))}
+        for r in results:
+            # a piece of more tokens than any rank has is all of them
+            ran = {table: min(piece, tokens) for table, piece in r[case]["pieces"].items()}
+            assert {table: piece for table, piece in planned.items() if piece} == ran, case
+    assert results[0]["pieces"]["pieces"]["head"] < 400  # the case that is exchanged a piece at a time
     for rank, r in enumerate(results):
         few, pieces, many = r["few"], r["pieces"], r["many"]
         assert few["chosen"] == 13 and few["moved"] == 0

@@ -17,7 +17,7 @@ The vocabulary comes in blocks: the whole weight of an ``nn.Linear`` head (FSDP1
 single, FSDP2's gathered head), or each rank's rows of FSDP2's row-sharded head in turn
 (parallel/sharded_embeddings.py: one broadcast per block, once per forward, none in backward), merged
 by a running log-sum-exp. With few tokens against that head's rows (GRPO's steps; the rule is
-``sharded_embeddings.exchange_size``) the rows stay put instead: every rank's tokens are scored on each
+``sharded_embeddings.exchange_cheaper``) the rows stay put instead: every rank's tokens are scored on each
 rank's own rows, and each token's per-rank statistics merged as the blocks' are (``_ExchangedTargetLogProbs``).
 
 The head is the model's own output-embedding module, taught to score (``install``): called inside the
@@ -249,17 +249,25 @@ def _stream(state: _Running, flat: torch.Tensor, tgt: torch.Tensor, blocks: Iter
 
 # --- FSDP2's row-sharded head used vocabulary-parallel, where that moves fewer bytes than its rows -----------
 
+def scoring_cost(width: int, itemsize: int, ranks: int, grad: bool) -> sharded.ExchangeCost:
+    """What scoring by exchange costs per token (``sharded_embeddings.ExchangeCost``), on ``ranks`` ranks, for
+    hidden states of ``width`` and a table of ``itemsize`` bytes: moved, the hidden state and the target
+    gathered, each rank's 4 statistics of it gathered and, with a gradient, its fp32 derivative sent back; held
+    per gathered token, its hidden state, the running sums in fp32 and the table's dtype, the derivative's
+    shares received. The runtime (``_exchange_size``) and the planner (train/memory_model.py) both use it."""
+    moved = width * itemsize + 8 + 16 * ranks + (4 * width if grad else 0)
+    return sharded.ExchangeCost(moved, width * (2 * itemsize + 8))
+
+
 def _exchange_size(head: nn.Module, hidden: torch.Tensor) -> int | None:
     """The tokens every rank pads to when ``head`` is row-sharded and scoring by exchange is the cheaper way
-    (sharded_embeddings.exchange_size, a collective); None otherwise. Moved per token: the hidden state
-    and the target gathered, each rank's 4 statistics of every token gathered and, with a gradient, the
-    fp32 derivative sent back."""
+    (sharded_embeddings.exchange_size, a collective); None otherwise."""
     if not isinstance(head, ShardedHead):
         return None
-    width, ranks = hidden.size(-1), head.group.size()
+    width = hidden.size(-1)
     grad = torch.is_grad_enabled() and hidden.requires_grad
-    per_token = width * head.weight.to_local().element_size() + 8 + 16 * ranks + (4 * width if grad else 0)
-    return sharded.exchange_size(head, hidden.numel() // width, per_token)
+    cost = scoring_cost(width, head.weight.to_local().element_size(), head.group.size(), grad)
+    return sharded.exchange_size(head, hidden.numel() // width, cost)
 
 
 class _ExchangedTargetLogProbs(torch.autograd.Function):
@@ -274,9 +282,7 @@ class _ExchangedTargetLogProbs(torch.autograd.Function):
         logps = torch.zeros(n, device=flat.device)
         correct = torch.zeros(n, dtype=torch.bool, device=flat.device)
         deriv = torch.empty_like(flat) if grad else None
-        # held a piece at a time: every rank's hidden states, running sums in fp32 and the table's dtype,
-        # the derivative's shares received
-        piece = sharded.exchange_piece(head, flat.size(-1) * (2 * local.element_size() + 8))
+        piece = sharded.exchange_piece(head, scoring_cost(flat.size(-1), local.element_size(), head.group.size(), grad))
         for a in range(0, size, piece):
             b = min(size, a + piece)
             here = slice(a, max(a, min(b, n)))
