@@ -162,7 +162,7 @@ def training_on_ranks(rank: int, world_size: int) -> dict:
     from shardtune.parallel.sharded_embeddings import ShardedEmbedding, ShardedHead, shard_rows
     from shardtune.runtime import distributed
     from shardtune.runtime.compat import LiveBytes
-    from shardtune.train import loss_head
+    from shardtune.train import target_logprobs
     from shardtune.train.data.records import IGNORE
 
     distributed.init_worker()
@@ -192,11 +192,11 @@ def training_on_ranks(rank: int, world_size: int) -> dict:
         broadcasts.clear()
         pieces.clear()
         looked_up = embed(ids)
-        chosen = loss_head._exchange_size(head, hidden)
+        chosen = target_logprobs.exchange_size(head, hidden)
         with LiveBytes() as held:
-            logps, correct = (loss_head._ExchangedTargetLogProbs.apply(hidden, targets, head, t, 5, chosen)
+            logps, correct = (target_logprobs.ExchangedTargetLogProbs.apply(hidden, targets, head, t, 5, chosen)
                               if chosen is not None else
-                              loss_head._TargetLogProbs.apply(hidden, targets, head.blocks, None, t, 5, False))
+                              target_logprobs.TargetLogProbs.apply(hidden, targets, head.blocks, None, t, 5, False))
             (logps * upstream).sum().backward()
         moved = sum(broadcasts)
         results = {"exact": torch.equal(looked_up, dense(ids)), "chosen": chosen, "moved": moved,
@@ -204,8 +204,8 @@ def training_on_ranks(rank: int, world_size: int) -> dict:
                    "peak": held.peak}
         hidden.grad = None
         with LiveBytes() as held:
-            broadcast_logps, broadcast_correct = loss_head._TargetLogProbs.apply(hidden, targets, head.blocks, None,
-                                                                                 t, 5, False)
+            broadcast_logps, broadcast_correct = target_logprobs.TargetLogProbs.apply(hidden, targets, head.blocks,
+                                                                                      None, t, 5, False)
             (broadcast_logps * upstream).sum().backward()
         results["broadcast"] = (broadcast_logps.detach(), broadcast_correct, hidden.grad.clone())
         results["broadcast_peak"] = held.peak
@@ -229,7 +229,7 @@ def test_training_exchanges_a_few_tokens_instead_of_broadcasting_the_tables():
     broadcast instead, with the same results. The planner (train/memory_model.py) decides each case as the run
     did: which way, and the size of the pieces whose buffers it counts."""
     from shardtune.parallel.sharded_embeddings import lookup_cost, planned_piece
-    from shardtune.train.loss_head import scoring_cost
+    from shardtune.train.target_logprobs import scoring_cost
 
     results = run_ranks(training_on_ranks, WORLD)
     most = {"few": 13, "pieces": 400, "many": 3000}

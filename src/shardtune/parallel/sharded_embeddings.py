@@ -231,7 +231,7 @@ def _logits(x: torch.Tensor, blocks: Iterator[tuple[int, torch.Tensor]], rows: l
 class ExchangeCost(NamedTuple):
     """What exchanging costs per token of a rank, in bytes: ``moved`` to and from the other ranks (what the
     choice weighs against the rows), ``held`` per gathered token while a piece is worked on (what sizes the
-    pieces). Each use of a table says its own: ``lookup_cost`` here, the loss head's in train/loss_head.py."""
+    pieces). Each use of a table says its own: ``lookup_cost`` here, the loss head's in train/target_logprobs.py."""
 
     moved: int
     held: int

@@ -22,7 +22,7 @@ from shardtune.runtime.budget import memory_per_rank
 from shardtune.runtime.memory import MB
 from shardtune.train.loss import CHUNK_BYTES
 from shardtune.train.loss_head import chunk_tokens as loss_head_chunk
-from shardtune.train.loss_head import scoring_cost
+from shardtune.train.target_logprobs import scoring_cost
 
 if TYPE_CHECKING:
     from shardtune.config import Config
