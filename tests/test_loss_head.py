@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from shardtune.model import head
 from shardtune.model.head import Transform
-from shardtune.train import loss_head
+from shardtune.train import loss_head, target_logprobs
 from shardtune.train.data.records import IGNORE
 
 
@@ -113,7 +113,7 @@ def test_vocabulary_blocks_merge_to_the_whole_head():
         return iter([(a, weight[a:b]) for a, b in zip(cuts, cuts[1:])])
 
     t = Transform(softcap=2.0)
-    got, correct = loss_head._TargetLogProbs.apply(hidden, targets, blocks, None, t, 3, False)
+    got, correct = target_logprobs.TargetLogProbs.apply(hidden, targets, blocks, None, t, 3, False)
     (got * torch.arange(14.0).view(2, 7)).sum().backward()
     g_blocks = hidden.grad.clone()
     hidden.grad = None

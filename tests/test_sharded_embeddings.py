@@ -146,3 +146,112 @@ def test_generation_uses_row_sharded_tables_without_gathering_them():
         torch.testing.assert_close(r["logits"], r["dense"], rtol=1e-6, atol=1e-6)
         assert r["peak"] < r["table"] / 4
         assert r["after"] == (False, False)
+
+
+def training_on_ranks(rank: int, world_size: int) -> dict:
+    """Training's use of row-sharded tables, each rank with its own number of tokens (7, 13, none;
+    3000, 1100, none): the lookup
+    and the loss head (softcapped, scaled) with few tokens, and with many; broadcasts and exchanges' pieces
+    counted."""
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from shardtune.model.head import Transform
+    from shardtune.parallel import sharded_embeddings
+    from shardtune.parallel.sharded_embeddings import ShardedEmbedding, ShardedHead, shard_rows
+    from shardtune.runtime import distributed
+    from shardtune.runtime.compat import LiveBytes
+    from shardtune.train import target_logprobs
+    from shardtune.train.data.records import IGNORE
+
+    distributed.init_worker()
+    broadcasts = []
+    broadcast = dist.broadcast
+    dist.broadcast = lambda tensor, *a, **k: broadcasts.append(tensor.numel()) or broadcast(tensor, *a, **k)
+    pieces = {}  # per table, the tokens per rank of one exchange, as the runtime sized it
+    exchange_piece = sharded_embeddings.exchange_piece
+    sharded_embeddings.exchange_piece = lambda module, cost: pieces.setdefault(
+        "embed" if isinstance(module, ShardedEmbedding) else "head", exchange_piece(module, cost))
+    torch.manual_seed(0)
+    dense = nn.Embedding(6001, 64).requires_grad_(False)  # 6001 rows over 3 ranks: 2001, 2000, 2000
+    projection = nn.Linear(64, 6001, bias=False).requires_grad_(False)
+    mesh = init_device_mesh("cpu", (world_size,))
+    embed = ShardedEmbedding(dense, shard_rows(dense.weight, mesh), mesh.get_group())
+    head = ShardedHead(projection, shard_rows(projection.weight, mesh), mesh.get_group())
+    t = Transform(scale=0.7, softcap=3.0)
+    g = torch.Generator().manual_seed(rank)
+    out: dict = {}
+    cases = {"few": [7, 13, 0], "pieces": [400, 250, 0], "many": [3000, 1100, 0]}
+    for case, tokens in ((name, counts[rank]) for name, counts in cases.items()):
+        ids = torch.randint(0, 6001, (1, tokens), generator=g)
+        hidden = torch.randn(1, tokens, 64, generator=g, requires_grad=True)
+        targets = torch.randint(0, 6001, (1, tokens), generator=g)
+        targets[0, :3] = IGNORE
+        upstream = torch.rand(1, tokens, generator=g)  # an objective's per-token weights
+        broadcasts.clear()
+        pieces.clear()
+        looked_up = embed(ids)
+        chosen = target_logprobs.exchange_size(head, hidden)
+        with LiveBytes() as held:
+            logps, correct = (target_logprobs.ExchangedTargetLogProbs.apply(hidden, targets, head, t, 5, chosen)
+                              if chosen is not None else
+                              target_logprobs.TargetLogProbs.apply(hidden, targets, head.blocks, None, t, 5, False))
+            (logps * upstream).sum().backward()
+        moved = sum(broadcasts)
+        results = {"exact": torch.equal(looked_up, dense(ids)), "chosen": chosen, "moved": moved,
+                   "pieces": dict(pieces), "logps": logps.detach(), "correct": correct, "grad": hidden.grad.clone(),
+                   "peak": held.peak}
+        hidden.grad = None
+        with LiveBytes() as held:
+            broadcast_logps, broadcast_correct = target_logprobs.TargetLogProbs.apply(hidden, targets, head.blocks,
+                                                                                      None, t, 5, False)
+            (broadcast_logps * upstream).sum().backward()
+        results["broadcast"] = (broadcast_logps.detach(), broadcast_correct, hidden.grad.clone())
+        results["broadcast_peak"] = held.peak
+        hidden.grad = None
+        z = 3.0 * torch.tanh(0.7 * (hidden @ projection.weight.T) / 3.0)
+        dense_logps = z.log_softmax(-1).gather(-1, targets.clamp(min=0)[..., None]).squeeze(-1)
+        dense_logps = dense_logps.where(targets != IGNORE, 0.0)
+        (dense_logps * upstream).sum().backward()
+        results["dense"] = (dense_logps.detach(), (z.argmax(-1) == targets) & (targets != IGNORE), hidden.grad)
+        out[case] = results
+    distributed.teardown()
+    out["table"] = dense.weight.numel()
+    return out
+
+
+def test_training_exchanges_a_few_tokens_instead_of_broadcasting_the_tables():
+    """A few tokens per rank (GRPO's case): the lookup and the loss head move the tokens, not the tables' rows
+    (no broadcast at all), and give the dense embeddings (exactly), log-probabilities, accuracy and hidden
+    states' gradient, as the broadcast path does; ranks with different numbers of tokens, one with none.
+    More tokens are exchanged a piece at a time, holding no more than the broadcasts would; many: the rows are
+    broadcast instead, with the same results. The planner (train/memory_model.py) decides each case as the run
+    did: which way, and the size of the pieces whose buffers it counts."""
+    from shardtune.parallel.sharded_embeddings import lookup_cost, planned_piece
+    from shardtune.train.target_logprobs import scoring_cost
+
+    results = run_ranks(training_on_ranks, WORLD)
+    most = {"few": 13, "pieces": 400, "many": 3000}
+    for case, tokens in most.items():
+        planned = {"embed": planned_piece(6001, 64, 4, WORLD, tokens, lookup_cost(64, 4)),
+                   "head": planned_piece(6001, 64, 4, WORLD, tokens, scoring_cost(64, 4, WORLD, grad=True))}
+        for r in results:
+            # a piece of more tokens than any rank has is all of them
+            ran = {table: min(piece, tokens) for table, piece in r[case]["pieces"].items()}
+            assert {table: piece for table, piece in planned.items() if piece} == ran, case
+    assert results[0]["pieces"]["pieces"]["head"] < 400  # the case that is exchanged a piece at a time
+    for rank, r in enumerate(results):
+        few, pieces, many = r["few"], r["pieces"], r["many"]
+        assert few["chosen"] == 13 and few["moved"] == 0
+        assert pieces["chosen"] == 400 and pieces["moved"] == 0
+        if rank < 2:  # with tokens of its own, a rank holds no more than broadcasting would (a piece at a time)
+            assert pieces["peak"] <= pieces["broadcast_peak"]
+        assert many["chosen"] is None and many["moved"] >= 2 * r["table"] * 2 // 3  # both tables' other rows
+        for case in (few, pieces, many):
+            assert case["exact"]
+            for want in (case["broadcast"], case["dense"]):
+                torch.testing.assert_close(case["logps"], want[0], rtol=1e-5, atol=1e-5)
+                assert torch.equal(case["correct"], want[1])
+                torch.testing.assert_close(case["grad"], want[2], rtol=1e-4, atol=1e-6)
+        assert few["logps"].numel() == [7, 13, 0][rank]

@@ -1,4 +1,4 @@
-"""Frozen input and output embeddings used straight from row shards, one owner's rows at a time.
+"""Frozen embeddings used straight from row shards: one owner's rows at a time, or the tokens exchanged.
 
 Under FSDP the embeddings are all-gathered whole on every rank, into a buffer and then a copy:
 vocabulary × hidden × 2 (250 MB for a 32k × 2048 bf16 table, 2 GB for Llama-3-8B's 128k × 4096),
@@ -9,6 +9,21 @@ through the ranks' rows in turn, each broadcast into one reused buffer: the look
 that fall in those rows, the output projection computes that slice of the logits, and its backward
 (the hidden states' gradient) broadcasts the rows again. Held at once: one rank's rows; moved: the
 same bytes as FSDP's all-gather. Tied embeddings share one sharded weight.
+
+A step of few tokens (GRPO's: a few hundred a rank) against a large table would spend its time moving the
+rows, so in training (and scoring) the lookup and the loss head (train/loss_head.py) choose, per call, the
+cheaper way by one rule (``exchange_cheaper``; the planner, train/memory_model.py, applies it too):
+broadcasting the rows moves (ranks - 1) / ranks x vocabulary x hidden per pass, exchanging the tokens about
+(ranks - 1) x tokens x hidden (the hidden states gathered, the hidden states' gradient sent back), counted on
+the most tokens any rank has (one all-reduce of one number, so every rank chooses alike). Exchanged, every
+rank's tokens are gathered and each rank computes on its own rows: the lookup sends each rank its embeddings
+(one owner's row plus zeros: exact); the loss head gathers every rank's per-token statistics (max, sum of exp,
+target logit, best token) and merges them as its stream of blocks does, and sums each rank's share of the
+derivative at the token's owner: the same numbers up to summation order, and no rows moved. More tokens are
+exchanged a piece at a time, each piece's buffers no larger than the one rank's rows a broadcast holds. The
+full logits (``_ShardedLinear``, where the loss head does not score) are always made from broadcast rows:
+exchanging them moves tokens x vocabulary, cheaper only below about hidden tokens a rank, and they are off the
+training path of SFT, DPO and GRPO.
 
 Generating token by token, every forward would move the whole table again (twice when tied: the
 lookup and the logits). Inside ``exchanged`` (GRPO's generation, where every rank generates its own rows
@@ -23,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -71,7 +87,11 @@ class ShardedEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.exchange:
             return _exchanged_lookup(self, ids)
-        # No host sync here (no ids.min()/max(), no boolean-mask indexing): each owner's rows are
+        # Exchanged when that is cheaper (a few tokens, a large table)
+        size = exchange_size(self, ids.numel(), lookup_cost(self.embedding_dim, self.weight.to_local().element_size()))
+        if size is not None:
+            return _lookup_exchanging(self, ids, size)
+        # No host sync in the lookup (no ids.min()/max(), no boolean-mask indexing): each owner's rows are
         # looked up for every id, clamped, and kept where the id is one of them. Token ids were
         # checked against the vocabulary when the data was loaded (train/data.py); an id outside it
         # would give zeros here, not an error.
@@ -204,3 +224,107 @@ def _logits(x: torch.Tensor, blocks: Iterator[tuple[int, torch.Tensor]], rows: l
     for start, owned in blocks:
         torch.mm(flat, owned.T, out=out[:, start:start + len(owned)])
     return out.view(*x.shape[:-1], sum(rows))
+
+
+# --- training: vocabulary-parallel where that moves fewer bytes than the table (module doc) -----------------
+
+class ExchangeCost(NamedTuple):
+    """What exchanging costs per token of a rank, in bytes: ``moved`` to and from the other ranks (what the
+    choice weighs against the rows), ``held`` per gathered token while a piece is worked on (what sizes the
+    pieces). Each use of a table says its own: ``lookup_cost`` here, the loss head's in train/target_logprobs.py."""
+
+    moved: int
+    held: int
+
+
+def lookup_cost(width: int, itemsize: int) -> ExchangeCost:
+    """The lookup's: moved, the id gathered and its embedding sent back; held, the embeddings looked up here
+    and those received."""
+    return ExchangeCost(8 + width * itemsize, 2 * width * itemsize)
+
+
+def exchange_cheaper(ranks: int, tokens: int, moved_per_token: int, table_bytes: int, passes: int = 1) -> bool:
+    """The one rule of the choice, on numbers alone (``exchange_size`` applies it at run time, the planner,
+    train/memory_model.py, ahead of it): exchanging ``tokens`` a rank (the most any rank has) beats broadcasting
+    the rows of a table of ``table_bytes`` over ``ranks`` ranks.
+
+    Per rank, an exchange receives (ranks - 1) x that many tokens x ``moved_per_token`` bytes (what the caller
+    moves for a token to and from the other ranks); the broadcasts receive the other ranks' rows, (ranks - 1) /
+    ranks x vocabulary x hidden x the table's element size, ``passes`` times. (ranks - 1) cancels. When no rank
+    has a token there is nothing to exchange (the broadcasts' no-op): False."""
+    return 0 < tokens and ranks * tokens * moved_per_token < passes * table_bytes
+
+
+def piece_tokens(ranks: int, rows_bytes: int, held_per_token: int) -> int:
+    """Tokens per rank in one exchange, so that its buffers (every rank's tokens x ``held_per_token`` bytes)
+    take no more than the one rank's rows a broadcast holds (``rows_bytes``, the largest rank's)."""
+    return max(1, rows_bytes // (ranks * held_per_token))
+
+
+def exchange_size(module: ShardedEmbedding | ShardedHead, tokens: int, cost: ExchangeCost,
+                  passes: int = 1) -> int | None:
+    """The most tokens any rank of ``module``'s group has, when exchanging them is the cheaper way to use the
+    table (``exchange_cheaper``); None when broadcasting its rows is. A collective (one all-reduce of one
+    number, read on the host), so every rank chooses alike."""
+    local = module.weight.to_local()
+    most = torch.tensor([tokens], device=local.device)
+    dist.all_reduce(most, op=dist.ReduceOp.MAX, group=module.group)
+    size = int(most.item())
+    table = sum(module.rows) * local.size(-1) * local.element_size()
+    return size if exchange_cheaper(module.group.size(), size, cost.moved, table, passes) else None
+
+
+def planned_piece(vocab: int, width: int, itemsize: int, ranks: int, tokens: int, cost: ExchangeCost,
+                  passes: int = 1) -> int:
+    """What ``exchange_size`` and then ``exchange_piece`` decide, for a table of ``vocab`` rows of ``width``
+    values of ``itemsize`` bytes over ``ranks`` ranks whose most tokens are ``tokens``, without the table or a
+    collective (the planner, train/memory_model.py): the tokens per rank of one exchange, 0 when the rows are
+    broadcast."""
+    if not exchange_cheaper(ranks, tokens, cost.moved, vocab * width * itemsize, passes):
+        return 0
+    return min(tokens, piece_tokens(ranks, max(row_counts(vocab, ranks)) * width * itemsize, cost.held))
+
+
+def gather_tokens(part: torch.Tensor, size: int, fill: float, group: dist.ProcessGroup) -> torch.Tensor:
+    """Every rank's ``part`` (tokens, ...), each padded with ``fill`` to ``size`` tokens: (ranks, size, ...)."""
+    return _everyones(part, fill, group, shape=[size, *part.shape[1:]])
+
+
+def to_owners(parts: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """``parts`` (ranks, size, ...), this rank's results for each rank's tokens, sent to the tokens' owners:
+    returns each rank's results for this rank's tokens, (ranks, size, ...) in rank order (one all-to-all)."""
+    out = torch.empty_like(parts)
+    dist.all_to_all_single(out, parts.contiguous(), group=group)
+    return out
+
+
+def first_row(module: ShardedEmbedding | ShardedHead) -> int:
+    """The vocabulary index of this rank's first row."""
+    return sum(module.rows[:module.group.rank()])
+
+
+def exchange_piece(module: ShardedEmbedding | ShardedHead, cost: ExchangeCost) -> int:
+    """Tokens per rank in one exchange of ``module``'s (``piece_tokens``): more tokens are exchanged a piece
+    at a time."""
+    local = module.weight.to_local()
+    return piece_tokens(module.group.size(), max(module.rows) * local.size(-1) * local.element_size(), cost.held)
+
+
+def _lookup_exchanging(module: ShardedEmbedding, ids: torch.Tensor, size: int) -> torch.Tensor:
+    """``ids``' embeddings: every rank's ids (padded with -1, an id no rank owns) looked up on the rows here,
+    a piece at a time; in the sum each rank receives, one owner's row meets zeros: exact."""
+    local, group = module.weight.to_local(), module.group
+    flat = ids.reshape(-1)
+    out = local.new_empty(flat.size(0), module.embedding_dim)
+    piece = exchange_piece(module, lookup_cost(module.embedding_dim, local.element_size()))
+    for a in range(0, size, piece):
+        b = min(size, a + piece)
+        everyone = gather_tokens(flat[a:b], b - a, -1, group) - first_row(module)
+        mine = (everyone >= 0) & (everyone < local.size(0))
+        picked = nn.functional.embedding(everyone.clamp(0, max(local.size(0) - 1, 0)), local) if local.size(0) \
+            else local.new_zeros(*everyone.shape, module.embedding_dim)
+        picked.masked_fill_(~mine.unsqueeze(-1), 0.0)
+        del everyone, mine
+        here = out[a:b]
+        here.copy_(to_owners(picked, group).sum(0)[:here.size(0)])
+    return out.view(*ids.shape, module.embedding_dim)

@@ -16,11 +16,13 @@ import torch
 
 from shardtune.config import traits
 from shardtune.model.footprint import Facts, Saved
+from shardtune.parallel.sharded_embeddings import lookup_cost, planned_piece
 from shardtune.runtime import cpu_tuning
 from shardtune.runtime.budget import memory_per_rank
 from shardtune.runtime.memory import MB
 from shardtune.train.loss import CHUNK_BYTES
 from shardtune.train.loss_head import chunk_tokens as loss_head_chunk
+from shardtune.train.target_logprobs import scoring_cost
 
 if TYPE_CHECKING:
     from shardtune.config import Config
@@ -79,8 +81,9 @@ TERMS: dict[str, str] = {
     "buffers": "CPU, FSDP2: the buffers decoder-layer units are gathered into, shared by the ranks of a "
                "host and kept for the whole run, two per unit size (each rank maps them in full)",
     "root": "non-layer weights unsharded: FSDP2 uses frozen embeddings from row shards (one rank's rows "
-            "in a buffer at a time) and gathers others; FSDP1 keeps its root unit (embeddings, final "
-            "norm, lm_head) unsharded from forward to the end of backward",
+            "in a buffer at a time, or, with few tokens, none: the tokens are exchanged instead, in pieces) "
+            "and gathers others; FSDP1 keeps its root unit (embeddings, final norm, lm_head) unsharded from "
+            "forward to the end of backward",
     "lora": "the trainable LoRA weights, fp32 (1/N of them under FSDP)",
     "grads": "their fp32 gradients (1/N under FSDP; DDP also keeps a bucket copy for its all-reduce)",
     "optimizer": "AdamW state: 2 fp32 values per trainable weight (1/N under FSDP)",
@@ -88,7 +91,8 @@ TERMS: dict[str, str] = {
                    "checkpointing: each layer's input, and the most one layer's recomputation and backward "
                    "hold at once, traced on fake tensors)",
     "logits": "the loss head: one chunk of tokens' logits in fp32 at a time, and what it keeps per token for "
-              "backward (tokens × hidden); without it (a trained head) the full logits and their gradient",
+              "backward (tokens × hidden); scoring FSDP2's row-sharded head by exchange, every rank's tokens "
+              "of a piece; without it (a trained head) the full logits and their gradient",
     "kv_cache": "GRPO's generation: the KV cache of the completions a rank samples at once (keys and values "
                 "of every layer for prompt + completion tokens), with the last position's logits",
     "dequant": "--quantize nf4: the largest 4-bit weight dequantized to the compute dtype for its matmul "
@@ -130,8 +134,10 @@ class Prediction:
 
 
 def _moments(strategy: str, device: str, f: Facts, n: int, acts: float, workspace: float, logits_fwd: float,
-             logits_bwd: float, unit: str = "part") -> dict[str, dict[str, float]]:
-    """The busiest moments of a step for ``strategy``: {moment: the terms it adds to the kept state}."""
+             logits_bwd: float, unit: str = "part",
+             pieces: dict[str, int] | None = None) -> dict[str, dict[str, float]]:
+    """The busiest moments of a step for ``strategy``: {moment: the terms it adds to the kept state}.
+    ``pieces``: FSDP2's row-sharded tables used by exchange (``_exchange_pieces``)."""
     copies = GATHER_COPIES.get((strategy, device), 0)
     t = traits(strategy)
     if t.fsdp_unit:
@@ -141,7 +147,8 @@ def _moments(strategy: str, device: str, f: Facts, n: int, acts: float, workspac
         buffers = 0.0
         if device == "cpu" and n > 1 and cpu_tuning.shared_gather_enabled():
             copies, buffers = 1, SHARED_BUFFERS * sum(set(units))
-        moments = _fsdp2_moments(device, f, n, copies, acts, workspace, logits_fwd, logits_bwd, units, last_kept)
+        moments = _fsdp2_moments(device, f, n, copies, acts, workspace, logits_fwd, logits_bwd, units, last_kept,
+                                 pieces or {})
         for terms in moments.values():
             terms["buffers"] = buffers
         return moments
@@ -168,21 +175,27 @@ def _moments(strategy: str, device: str, f: Facts, n: int, acts: float, workspac
 
 
 def _fsdp2_moments(device: str, f: Facts, n: int, copies: int, acts: float, workspace: float,
-                   logits_fwd: float, logits_bwd: float, units: list[int],
-                   last_kept: float = 0.0) -> dict[str, dict[str, float]]:
+                   logits_fwd: float, logits_bwd: float, units: list[int], last_kept: float = 0.0,
+                   pieces: dict[str, int] | None = None) -> dict[str, dict[str, float]]:
     """FSDP2 as parallel/fsdp2.py applies it: ``units`` per decoder layer (whole layers, or their
-    parts); frozen embeddings used from row shards (one rank's rows in a buffer at a time), others
-    gathered in units."""
+    parts); frozen embeddings used from row shards (one rank's rows in a buffer at a time, or, where
+    ``pieces`` says so, the tokens exchanged a piece at a time), others gathered in units."""
+    pieces = pieces or {}
     # The unit computing while the next one is gathered into a buffer and copied out (CPU, measured);
     # on CUDA FSDP2 also keeps one more gathered unit for stream overlap (from the code).
     window = 2 if device == "cpu" else 3
     gathered = max((sum(units[i:i + window - 1]) + copies * units[i + window - 1]
                     for i in range(len(units) - window + 1)), default=copies * sum(units))
-    if f.tables_by_rows["embed"]:
+    if pieces.get("embed"):  # every rank's ids of a piece, their embeddings here and those received, the sum
+        piece, item = pieces["embed"], f.compute_itemsize
+        embed = n * piece * (8 + 2 * f.hidden * item) + piece * f.hidden * item
+    elif f.tables_by_rows["embed"]:
         embed = f.embed_bytes / n
     else:  # gathered: in a unit of its own when untied, else in the root with the tied head
         embed = copies * (f.embed_bytes if f.head_bytes else f.root_bytes)
-    if f.tables_by_rows["head"]:
+    if pieces.get("head"):  # no rows moved: the exchange's buffers are the loss head's (``_head_terms``)
+        head_fwd = head_bwd = 0.0
+    elif f.tables_by_rows["head"]:
         head_fwd = head_bwd = (f.head_bytes or f.embed_bytes) / n  # each rank's rows written in place
     elif f.head_bytes:  # its own unit, kept from the end of forward into backward
         head_fwd, head_bwd = copies * f.head_bytes, f.head_bytes
@@ -204,6 +217,24 @@ def row_sharded_bytes(f: Facts) -> float:
     embed = f.embed_bytes if f.tables_by_rows["embed"] else 0
     head = f.head_bytes if f.tables_by_rows["head"] else 0  # 0 when tied: the same table as embed
     return float(embed + head)
+
+
+def _exchange_pieces(f: Facts, tokens: int, n: int) -> dict[str, int]:
+    """FSDP2's row-sharded tables in a training step ({"embed": …, "head": …}): the tokens per rank of one
+    exchange where the runtime's rule (``sharded_embeddings.planned_piece``, with the lookup's and the loss
+    head's costs) exchanges the ``tokens`` a rank of the widest micro-batch instead of broadcasting the
+    table's rows; 0 where it broadcasts them. The full logits, made where the loss head does not score, are
+    always made from broadcast rows."""
+    width, item = f.hidden, f.compute_itemsize
+    pieces = {"embed": 0, "head": 0}
+    if f.tables_by_rows["embed"] and f.embed_bytes:
+        vocab = f.embed_bytes // (width * item)
+        pieces["embed"] = planned_piece(vocab, width, item, n, tokens, lookup_cost(width, item))
+    if f.tables_by_rows["head"] and f.chunked_head:
+        vocab = (f.head_bytes or f.embed_bytes) // (width * item)
+        # with a gradient: the step's forward, whose buffers are the largest
+        pieces["head"] = planned_piece(vocab, width, item, n, tokens, scoring_cost(width, item, n, grad=True))
+    return pieces
 
 
 def nccl_communicators(strategy: str, ranks: int, replicate_groups: int = 1) -> int:
@@ -279,7 +310,9 @@ def predict(f: Facts, s: Setting, device: str) -> Prediction:
         attention = max((p - m for p, m in zip(saved.per_layer, saved.mlp)), default=0)
         workspace = max(workspace, attention + layer_input + exchange_bytes(f, micro_batch, seq_len, cp))
     by_rows = t.row_tables and f.tables_by_rows["head"]
-    logits_fwd, logits_bwd = _head_terms(f, micro_tokens, saved.vocab, n if by_rows else 1, s.loss_chunk)
+    pieces = _exchange_pieces(f, micro_tokens, n) if t.row_tables else {}
+    logits_fwd, logits_bwd = _head_terms(f, micro_tokens, saved.vocab, n if by_rows else 1, s.loss_chunk,
+                                         pieces.get("head", 0))
     lora = 4 * f.trainable_params / n
     runtime = (CUDA_CONTEXT_MB + NCCL_COMM_MB * nccl_communicators(strategy, ranks, replicate_groups)
                if device == "cuda" else
@@ -305,7 +338,7 @@ def predict(f: Facts, s: Setting, device: str) -> Prediction:
         rest = f.trainable_params * f.compute_itemsize / max(f.layers, 1)
         layers = replace(f, block_bytes=rest, units_bytes=[rest] * max(len(f.units_bytes), 1))
         workspace += exchange_buffers(f, n, micro_tokens)
-    moments = _moments(strategy, device, layers, n, acts, workspace, logits_fwd, logits_bwd, unit)
+    moments = _moments(strategy, device, layers, n, acts, workspace, logits_fwd, logits_bwd, unit, pieces)
     if f.dequant_bytes:
         moments["backward through the layers"]["dequant"] = f.dequant_bytes
         # loading: the shard so far plus one slice being quantized (no gradients or optimizer yet)
@@ -412,7 +445,8 @@ def _generation_terms(f: Facts, s: Setting, n: int, vocab: int, kept: dict[str, 
             "dequant": dequant}
 
 
-def _head_terms(f: Facts, tokens: int, vocab: int, blocks: int, chunk_override: int = 0) -> tuple[float, float]:
+def _head_terms(f: Facts, tokens: int, vocab: int, blocks: int, chunk_override: int = 0,
+                piece: int = 0) -> tuple[float, float]:
     """What the output head and the loss add at the end of forward and at the start of backward.
 
     The loss head (train/loss_head.py) makes the logits of one chunk of tokens at a time, in fp32 (and in
@@ -420,15 +454,24 @@ def _head_terms(f: Facts, tokens: int, vocab: int, blocks: int, chunk_override: 
     FSDP2's row-sharded head, else all of it); it keeps the derivative of each token's log-probability
     by its hidden state (tokens × hidden) for backward, plus a few fp32 values per token; over several
     blocks, running sums of tokens × hidden in fp32 and the compute dtype. Backward makes the hidden
-    states' gradient from it. Without the loss head (a trained or adapted head) the model's full logits
-    exist, and the chunked cross-entropy (train/loss.py) works on them a fp32 chunk at a time."""
+    states' gradient from it. Scoring by exchange (``piece``: tokens per rank of one exchange, 0 when the
+    rows are broadcast) holds, for every rank's tokens of a piece, their hidden states and the running
+    sums, and logits of chunks of at most a piece, on this rank's rows only; after the rows are streamed,
+    the derivative's shares sent and received take no more than that. Without the loss head (a trained or
+    adapted head) the model's full logits exist, and the chunked cross-entropy (train/loss.py) works on
+    them a fp32 chunk at a time."""
     item = f.compute_itemsize
     if f.chunked_head:
         chunk = min(tokens, loss_head_chunk(vocab, chunk_override or None))
-        logit_chunk = chunk * -(-vocab // blocks) * (4 + (item if item < 4 else 0))
         deriv = tokens * f.hidden * item
-        running = tokens * f.hidden * (4 + item) if blocks > 1 else chunk * f.hidden * (4 + item)
         per_token = tokens * 32  # the running log-sum-exp, target logit, best logit and token, results
+        if piece:
+            gathered = blocks * piece  # and per gathered token its target, running state and every rank's 4 stats
+            logit_chunk = min(chunk, piece) * -(-vocab // blocks) * (4 + (item if item < 4 else 0))
+            held = gathered * (f.hidden * (4 + 2 * item) + 32 + 16 * (blocks + 1))
+            return deriv + logit_chunk + held + per_token, 2 * deriv + chunk * f.hidden * 4
+        logit_chunk = chunk * -(-vocab // blocks) * (4 + (item if item < 4 else 0))
+        running = tokens * f.hidden * (4 + item) if blocks > 1 else chunk * f.hidden * (4 + item)
         return deriv + logit_chunk + running + per_token, 2 * deriv + chunk * f.hidden * 4
     logits = tokens * vocab * item
     # The loss works on one fp32 chunk of tokens at a time: logsumexp makes a temporary of the chunk's
