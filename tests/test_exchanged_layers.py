@@ -89,32 +89,36 @@ def exchange_grads_on_ranks(rank: int, world_size: int) -> dict:
     distributed.init_worker()
     group = dist.group.WORLD
     g = torch.Generator().manual_seed(11)
-    weight, bias = torch.randn(7, 5, generator=g, dtype=torch.float64), torch.randn(7, generator=g, dtype=torch.float64)
-    rows = row_counts(7, world_size)
-    start = sum(rows[:rank])
+    # three layers of the same inputs exchanged at once (as q, k and v): 7, 3 and 4 rows over the ranks
+    whole = [(torch.randn(n, 5, generator=g, dtype=torch.float64), torch.randn(n, generator=g, dtype=torch.float64))
+             for n in (7, 3, 4)]
+    rows = [row_counts(w.size(0), world_size) for w, _ in whole]
+    mine = [(w[sum(r[:rank]):sum(r[:rank + 1])], b[sum(r[:rank]):sum(r[:rank + 1])]) for (w, b), r in zip(whole, rows)]
     # each rank its own tokens, a different count on each (rank 2: none at all)
     xs = [torch.randn(2, t, 5, generator=g, dtype=torch.float64) for t in (3, 1, 0)[:world_size]]
     x = xs[rank].clone().requires_grad_()
     padded = max(t.numel() // 5 for t in xs)
     everyone = everyones(x.detach().reshape(-1, 5), 0.0, group, shape=[padded, 5])
-    out = ExchangedLinear.apply(x, everyone, weight[start:start + rows[rank]], bias[start:start + rows[rank]],
-                                rows, group)
-    upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(rank), dtype=torch.float64)
-    (out * upstream).sum().backward()
-    # the same on the whole weight, this rank alone
+    outs = ExchangedLinear.apply(x, everyone, [w for w, _ in mine], [b for _, b in mine], rows, group)
+    upstream = [torch.randn(o.shape, generator=torch.Generator().manual_seed(rank), dtype=torch.float64)
+                for o in outs]
+    # the third layer's outputs unused: its gradient is zeros
+    sum((o * u).sum() for o, u in zip(outs[:2], upstream)).backward()
+    # the same on the whole weights, this rank alone
     x_ref = xs[rank].clone().requires_grad_()
-    ref = torch.nn.functional.linear(x_ref, weight, bias)
-    (ref * upstream).sum().backward()
+    refs = [torch.nn.functional.linear(x_ref, w, b) for w, b in whole]
+    sum((o * u).sum() for o, u in zip(refs[:2], upstream)).backward()
     distributed.teardown()
-    return {"out": (out.detach(), ref.detach()), "grad": (x.grad, x_ref.grad)}
+    return {"outs": [(o.detach(), r.detach()) for o, r in zip(outs, refs)], "grad": (x.grad, x_ref.grad)}
 
 
 def test_exchanged_linear_gives_the_whole_weights_outputs_and_input_gradients():
-    """Training through the exchange (frozen row-sharded weight, parallel/exchange.py ``ExchangedLinear``): on
-    three ranks with uneven rows and a different token count on each (one with none), every rank's outputs and
-    its inputs' gradient equal those of the whole weight on its own tokens."""
+    """Training through the exchange (frozen row-sharded weights, parallel/exchange.py ``ExchangedLinear``): on
+    three ranks, three layers of the same inputs exchanged together, with uneven rows, a different token count on
+    each rank (one with none) and one layer's outputs unused: every rank's outputs and its inputs' gradient equal
+    those of the whole weights on its own tokens."""
     for r in run_ranks(exchange_grads_on_ranks, WORLD):
-        for got, want in (r["out"], r["grad"]):
+        for got, want in [*r["outs"], r["grad"]]:
             assert got.shape == want.shape
             torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
@@ -149,12 +153,30 @@ def train_on_ranks(rank: int, world_size: int, model_dir: str, exchange: bool, c
         if type(m) is nn.Linear and not m.weight.requires_grad:
             m.register_forward_pre_hook(lambda module, args: outside.append(isinstance(module.weight, DTensor)))
     ids = torch.tensor([[(7 * rank + 3 * j) % 60 + 3 for j in range(5 + rank)]])  # a different width on each rank
+    with torch.no_grad():  # the first forward learns which projections read the same inputs
+        model(input_ids=ids)
+    from shardtune.parallel import exchanged_layers
+
+    exchanges = []  # each all-to-all of projections' outputs: how many projections it carried
+    function = exchanged_layers.ExchangedLinear
+
+    class Counted:
+        @staticmethod
+        def apply(*args):
+            exchanges.append(len(args[2]))
+            return function.apply(*args)
+
+    exchanged_layers.ExchangedLinear = Counted
     model.train()
     loss = model(input_ids=ids, labels=ids).loss
+    exchanged_layers.ExchangedLinear = function
     loss.backward()  # recomputing under checkpointing: the hooks see those calls too
+    # nothing of the step left held by the exchange (a recompute stops before the end of the layer's forward)
+    held = [m.forward.round.source is not None or bool(m.forward.round.ahead)
+            for m in model.modules() if "forward" in vars(m)]
     grads = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.requires_grad}
     distributed.teardown()
-    return {"loss": loss.item(), "grads": grads, "outside": outside}
+    return {"loss": loss.item(), "grads": grads, "outside": outside, "exchanges": exchanges, "held": held}
 
 
 @pytest.mark.parametrize("checkpointing,dtype", [(False, "fp32"), (True, "fp32"), (False, "bf16")])
@@ -169,6 +191,9 @@ def test_training_from_row_shards_gives_fsdp2s_loss_and_gradients(tmp_path, chec
     tol = {"rtol": 1e-4, "atol": 1e-6} if dtype == "fp32" else {"rtol": 5e-2, "atol": 5e-3}
     for p, e in zip(plain, exchanged):
         assert not any(p["outside"]) and e["outside"] and all(e["outside"])
+        # per layer: q, k and v in one all-to-all, then o, then gate and up, then down
+        assert e["exchanges"] == [3, 1, 2, 1] * 2 and p["exchanges"] == [], str(e["exchanges"])
+        assert e["held"] and not any(e["held"]) and p["held"] == []
         assert e["loss"] == pytest.approx(p["loss"], rel=tol["rtol"] / 10)
         assert e["grads"].keys() == p["grads"].keys()
         for name, grad in p["grads"].items():

@@ -11,6 +11,8 @@ backward runs the exchange in reverse, so the inputs' gradient moves, never the 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch.nn import functional as F
@@ -40,52 +42,82 @@ def exchanged_linear(everyone: torch.Tensor, tokens: int, weight: torch.Tensor, 
     """This rank's ``tokens`` outputs of a linear layer whose rows are spread as ``rows`` (each rank's count,
     in rank order), from ``everyone``: every rank's inputs (ranks, padded tokens, in features; ``everyones``),
     ``weight`` and ``bias`` this rank's rows. Returns (tokens, sum(rows))."""
-    n, padded = everyone.size(0), everyone.size(1)
-    send = F.linear(everyone.reshape(n * padded, -1), weight, bias)  # rank r's tokens from r * padded
-    received = send.new_empty(padded * sum(rows))
-    dist.all_to_all_single(received, send.reshape(-1), [padded * r for r in rows], [padded * weight.size(0)] * n,
+    return exchanged_linears(everyone, tokens, [weight], [bias], [rows], group)[0]
+
+
+def exchanged_linears(everyone: torch.Tensor, tokens: int, weights: list[torch.Tensor],
+                      biases: list[torch.Tensor | None], rows: list[list[int]],
+                      group: dist.ProcessGroup) -> list[torch.Tensor]:
+    """``exchanged_linear`` for several layers of the same inputs (q, k and v; gate and up) in one all-to-all:
+    ``weights``, ``biases`` this rank's rows of each, ``rows`` each one's row counts per rank. Each rank sends
+    every rank, token by token, its rows' outputs of all the layers side by side."""
+    n, padded, me = everyone.size(0), everyone.size(1), group.rank()
+    flat = everyone.reshape(n * padded, -1)
+    outs = [F.linear(flat, w, b).view(n, padded, -1) for w, b in zip(weights, biases)]
+    send = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # rank r's tokens at [r]
+    del outs
+    owned = [sum(r[s] for r in rows) for s in range(n)]  # rows of all the layers each rank holds
+    received = send.new_empty(padded * sum(owned))
+    dist.all_to_all_single(received, send.reshape(-1), [padded * k for k in owned], [padded * owned[me]] * n,
                            group=group)
     del send
-    blocks = [b.view(padded, -1) for b in received.split([padded * r for r in rows])]
-    return torch.cat(blocks, dim=1)[:tokens]
+    blocks = [b.view(padded, k).split([r[s] for r in rows], dim=1)
+              for s, (b, k) in enumerate(zip(received.split([padded * k for k in owned]), owned))]
+    return [torch.cat([block[m] for block in blocks], dim=1)[:tokens] for m in range(len(weights))]
 
 
-def exchanged_linear_input_grad(grad: torch.Tensor, weight: torch.Tensor, rows: list[int], padded: int,
-                                group: dist.ProcessGroup) -> torch.Tensor:
-    """The gradient of ``exchanged_linear``'s inputs for this rank's tokens, from that of its outputs ``grad``
-    (tokens, sum(rows)): the exchange in reverse. Each rank's gradient on every owner's rows goes to that owner
-    (one all-to-all), which multiplies every rank's by its rows; the partial sums go back to the tokens' ranks
-    (a second all-to-all, each rank's tokens from every owner), where they are added. ``padded``: the token
-    count every rank padded to in the forward. Returns (tokens, in features)."""
-    n, me, tokens = group.size(), group.rank(), grad.size(0)
+def exchanged_linears_input_grad(grads: list[torch.Tensor], weights: list[torch.Tensor], rows: list[list[int]],
+                                 padded: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """The gradient of ``exchanged_linears``' inputs for this rank's tokens, from those of its outputs ``grads``
+    (tokens, sum(rows) each): the exchange in reverse. Each rank's gradients on every owner's rows go to that
+    owner (one all-to-all), which multiplies every rank's by its rows, summing over the layers; the partial sums
+    go back to the tokens' ranks (a second all-to-all, each rank's tokens from every owner), where they are
+    added. ``padded``: the token count every rank padded to in the forward. Returns (tokens, in features)."""
+    n, me, tokens = group.size(), group.rank(), grads[0].size(0)
     if tokens != padded:
-        grad = torch.cat([grad, grad.new_zeros(padded - tokens, grad.size(1))])
-    send = torch.cat([block.reshape(-1) for block in grad.split(rows, dim=1)])  # owner r's columns, in rank order
-    received = grad.new_empty(n * padded * rows[me])
-    dist.all_to_all_single(received, send, [padded * rows[me]] * n, [padded * r for r in rows], group=group)
-    partial = received.view(n * padded, rows[me]) @ weight  # every rank's tokens, this rank's share of the sum
-    del received
+        grads = [torch.cat([g, g.new_zeros(padded - tokens, g.size(1))]) for g in grads]
+    by_owner = [g.split(r, dim=1) for g, r in zip(grads, rows)]
+    send = torch.cat([torch.cat([b[s] for b in by_owner], dim=1).reshape(-1) for s in range(n)])
+    owned = [sum(r[s] for r in rows) for s in range(n)]
+    received = send.new_empty(n * padded * owned[me])
+    dist.all_to_all_single(received, send, [padded * owned[me]] * n, [padded * k for k in owned], group=group)
+    del send
+    mine = received.view(n * padded, owned[me]).split([r[me] for r in rows], dim=1)
+    partial = mine[0] @ weights[0]  # every rank's tokens, this rank's share of the sum
+    for part, weight in zip(mine[1:], weights[1:]):
+        partial.addmm_(part, weight)
+    del received, mine
     back = torch.empty_like(partial)
     dist.all_to_all_single(back, partial, group=group)
     return back.view(n, padded, -1).sum(0)[:tokens]
 
 
 class ExchangedLinear(torch.autograd.Function):
-    """``exchanged_linear`` with a backward for the inputs: the weight and bias (this rank's rows) are frozen.
+    """``exchanged_linears`` with a backward for the inputs: the weights and biases (this rank's rows) are
+    frozen.
 
-    ``apply(x, everyone, weight, bias, rows, group)``: ``x`` this rank's inputs (..., in features), ``everyone``
-    every rank's, as ``everyones`` gathered them (detached: gathered once, it may serve several layers)."""
+    ``apply(x, everyone, weights, biases, rows, group, backward_starts)``: ``x`` this rank's inputs (...,
+    in features), ``everyone`` every rank's, as ``everyones`` gathered them (detached: gathered once, they may
+    serve several calls); returns each layer's outputs (..., its out features). ``backward_starts``, if not
+    None, is called when the backward begins: activation checkpointing's recompute stops as soon as it has
+    what backward needs, before the end of the layer's forward, so what the caller keeps for the forward's
+    later calls is let go there."""
 
     @staticmethod
     def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor, everyone: torch.Tensor,
-                weight: torch.Tensor, bias: torch.Tensor | None, rows: list[int],
-                group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.weight, ctx.rows, ctx.group, ctx.padded, ctx.shape = weight, rows, group, everyone.size(1), x.shape
-        out = exchanged_linear(everyone, x.numel() // x.size(-1), weight, bias, rows, group)
-        return out.view(*x.shape[:-1], sum(rows))
+                weights: list[torch.Tensor], biases: list[torch.Tensor | None], rows: list[list[int]],
+                group: dist.ProcessGroup, backward_starts: Callable[[], None] | None = None
+                ) -> tuple[torch.Tensor, ...]:
+        ctx.weights, ctx.rows, ctx.group, ctx.padded, ctx.shape = weights, rows, group, everyone.size(1), x.shape
+        ctx.backward_starts = backward_starts
+        outs = exchanged_linears(everyone, x.numel() // x.size(-1), weights, biases, rows, group)
+        return tuple(out.view(*x.shape[:-1], sum(r)) for out, r in zip(outs, rows))
 
     @staticmethod
-    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple:
-        flat = grad.reshape(-1, grad.size(-1)).to(ctx.weight.dtype)
-        x_grad = exchanged_linear_input_grad(flat, ctx.weight, ctx.rows, ctx.padded, ctx.group)
-        return x_grad.view(ctx.shape), None, None, None, None, None
+    def backward(ctx: torch.autograd.function.FunctionCtx, *grads: torch.Tensor) -> tuple:
+        if ctx.backward_starts is not None:
+            ctx.backward_starts()
+        # a layer whose outputs were not used gets zeros (autograd materializes them)
+        flat = [g.reshape(-1, g.size(-1)).to(ctx.weights[0].dtype) for g in grads]
+        x_grad = exchanged_linears_input_grad(flat, ctx.weights, ctx.rows, ctx.padded, ctx.group)
+        return x_grad.view(ctx.shape), None, None, None, None, None, None

@@ -5,8 +5,9 @@ each rank holds the whole model beside its shard. Here each frozen ``nn.Linear``
 projections LoRA leaves alone) computes from its own rows where they lie: every rank's inputs are
 all-gathered, each rank multiplies them by its rows, and one all-to-all brings each rank its outputs
 (parallel/exchange.py): moved per token, the inputs and outputs of the layer, a few KB, never its weights.
-Each rank reads only its shard of the weights per token, 1/N of what a gathered model reads. The inputs
-gathered for one projection serve the next when they are the same tensor (q, k and v; gate and up).
+Each rank reads only its shard of the weights per token, 1/N of what a gathered model reads. The projections
+that read the same tensor (q, k and v; gate and up) share one gather of their inputs and one all-to-all of
+their outputs (``_Round``).
 Everything else in the units, small beside the projections (LoRA's A and B, norms), is gathered once for
 the generation and read through an instance attribute that shadows the sharded parameter
 (runtime/compat ``shadow_parameter``), as FSDP's own unsharded views do; a 2-D frozen weight that is not an
@@ -26,7 +27,7 @@ hold only what trains and the small rest, gathered as before.
 
 The token count the ranks pad to is found once per decoder layer's forward (each layer has its ``_Round``,
 started by its forward and recomputed with it under activation checkpointing) and the inputs it gathered
-are let go when the layer's forward ends.
+are let go when the layer's forward ends, or its backward begins (a recompute stops early).
 """
 
 from __future__ import annotations
@@ -50,7 +51,12 @@ from shardtune.runtime import compat
 
 class _Round:
     """What the exchanges of one decoder layer's forward share: the padded token count (every rank's largest,
-    found once per forward) and the last inputs gathered, with the tensor they came from."""
+    found once per forward), the last inputs gathered, with the tensor they came from, and the outputs computed
+    ahead for the projections that read the same inputs.
+
+    The projections that read one tensor (q, k and v; gate and up) are learned in the first forward, where the
+    later ones find their inputs gathered already; from then on the first one computes all of them and sends
+    their outputs in one all-to-all, and the others take theirs when they are called with that tensor."""
 
     def __init__(self, group: dist.ProcessGroup) -> None:
         self.group = group
@@ -58,25 +64,57 @@ class _Round:
         self.source: torch.Tensor | None = None
         self.version = -1
         self.everyone: torch.Tensor | None = None
+        self.gatherer: _ExchangedForward | None = None  # whose call gathered ``everyone``
+        self.followers: dict[_ExchangedForward, list[_ExchangedForward]] = {}
+        self.ahead: dict[_ExchangedForward, torch.Tensor] = {}  # outputs computed ahead, for ``source``
 
     def reset(self, *_: object) -> None:
         self.tokens = None
         self.drop()
 
     def drop(self, *_: object) -> None:
-        self.source, self.everyone = None, None
+        self.source, self.everyone, self.gatherer = None, None, None
+        self.ahead.clear()
 
-    def gathered(self, x: torch.Tensor) -> torch.Tensor:
-        if self.source is x and self.version == x._version:
-            return self.everyone
-        flat = x.detach().reshape(-1, x.size(-1))
+    def outputs(self, call: _ExchangedForward, x: torch.Tensor) -> torch.Tensor:
+        """``call``'s outputs for ``x``: computed ahead, or now (with those of the calls that follow it)."""
+        if self._holds(x):
+            if call in self.ahead:
+                return self.ahead.pop(call)
+            # inputs another call gathered: this one follows it, from the next forward on
+            followers = self.followers.setdefault(self.gatherer, [])
+            if call is not self.gatherer and call not in followers:
+                followers.append(call)
+            calls = [call]
+        else:
+            calls = [call, *self.followers.get(call, [])]
+        parts = [c.parts(x) for c in calls]
+        if not self._holds(x):
+            weight = parts[0][0]  # FSDP's mixed precision casts a unit's inputs to the weights' dtype; so here
+            self._gather(x.detach().to(weight.dtype if type(weight) is torch.Tensor else x.dtype), x, call)
+        outs = ExchangedLinear.apply(x, self.everyone, [w for w, _, _ in parts], [b for _, b, _ in parts],
+                                     [r for _, _, r in parts], self.group, self.drop)
+        self.ahead.update(zip(calls[1:], outs[1:]))
+        return outs[0]
+
+    def _holds(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` is the tensor the inputs were gathered from, unchanged: the same object, or another view
+        of the same memory (FSDP2 hands each unit's forward its own view of its inputs, in training)."""
+        s = self.source
+        return s is not None and (s is x or (s.data_ptr() == x.data_ptr() and s.shape == x.shape and
+                                             s.stride() == x.stride() and s.dtype == x.dtype)) and \
+            self.version == x._version
+
+    def _gather(self, inputs: torch.Tensor, x: torch.Tensor, call: _ExchangedForward) -> None:
+        flat = inputs.reshape(-1, inputs.size(-1))
         if self.tokens is None:
             count = torch.tensor([flat.size(0)], device=flat.device)
             dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.group)
             self.tokens = int(count.item())
+        self.ahead.clear()
         self.everyone = everyones(flat, 0.0, self.group, shape=[self.tokens, flat.size(1)])
-        self.source, self.version = x, x._version  # held: its memory cannot become another tensor's meanwhile
-        return self.everyone
+        # held: its memory cannot become another tensor's meanwhile
+        self.source, self.version, self.gatherer = x, x._version, call
 
 
 class _ExchangedForward:
@@ -91,14 +129,17 @@ class _ExchangedForward:
                 "FSDP2's row shards", f"rank {round_.group.rank()} holds {local.size(0)} rows of "
                 f"{module.out_features}, not torch.chunk's {self.rows[round_.group.rank()]}")
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def parts(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
+        """This rank's rows of the weight and bias, in the dtype they compute in, and the rows per rank."""
         weight = compat.dtensor_local(self.module.weight)
-        if type(weight) is torch.Tensor:  # not a 4-bit subclass, which F.linear dequantizes itself
-            if weight.dtype != self.dtype:
-                weight = weight.to(self.dtype)
-            x = x.to(weight.dtype)  # as FSDP's mixed precision casts a unit's inputs
-        bias = None if self.module.bias is None else compat.dtensor_local(self.module.bias).to(x.dtype)
-        return ExchangedLinear.apply(x, self.round.gathered(x), weight, bias, self.rows, self.round.group)
+        if type(weight) is torch.Tensor and weight.dtype != self.dtype:  # not a 4-bit subclass: F.linear
+            weight = weight.to(self.dtype)                                 # dequantizes those itself
+        dtype = weight.dtype if type(weight) is torch.Tensor else x.dtype
+        bias = None if self.module.bias is None else compat.dtensor_local(self.module.bias).to(dtype)
+        return weight, bias, self.rows
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.round.outputs(self, x)
 
 
 def _row_sharded(p: torch.Tensor | None) -> bool:
