@@ -157,6 +157,20 @@ def test_two_fsdp2_ranks_training_from_row_shards_train_like_one(grpo_root, one_
     same_training(one_rank, grpo_root / "two-layers-exchanged", 4)
 
 
+def test_hsdp_ranks_training_from_row_shards_train_like_one(grpo_root, one_rank, monkeypatch):
+    """HSDP (4 ranks in 2 replica groups) with the layers exchanged in training: each group's 2 ranks split the
+    rows between them and exchange only within their group; completions, losses and adapter are one rank's."""
+    from shardtune.train import choice
+
+    monkeypatch.setitem(choice.EXCHANGE_PAYS_FROM, "cpu", 1)
+    monkeypatch.setattr(choice, "EXCHANGED_HIDDENS", 0)
+    assert main(argv(grpo_root, "hsdp-layers-exchanged", "--strategy", "fsdp2", "--nproc", "4",
+                     "--replicate-groups", "2", "--steps", "4", "--micro-batch-size", "2")) == 0
+    plan = json.loads((grpo_root / "hsdp-layers-exchanged" / "summary.json").read_text())["run_plan"]
+    assert plan["layers_exchanged"] is True and plan["replicate_groups"] == 2
+    same_training(one_rank, grpo_root / "hsdp-layers-exchanged", 4)
+
+
 @pytest.mark.parametrize("strategy", ["fsdp2", "ddp"])
 def test_two_ranks_train_like_one(grpo_root, one_rank, strategy):
     """2 ranks, each generating and training its half of every batch, two completions per forward: FSDP2 (the
