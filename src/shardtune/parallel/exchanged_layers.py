@@ -88,10 +88,9 @@ class _Round:
             calls = [call]
         else:
             calls = [call, *self.followers.get(call, [])]
+            # FSDP's mixed precision casts a unit's inputs to the weights' dtype; so here
+            self._gather(x.detach().to(call.compute_dtype(x)), x, call)
         parts = [c.parts(x) for c in calls]
-        if not self._holds(x):
-            weight = parts[0][0]  # FSDP's mixed precision casts a unit's inputs to the weights' dtype; so here
-            self._gather(x.detach().to(weight.dtype if type(weight) is torch.Tensor else x.dtype), x, call)
         outs = ExchangedLinear.apply(x, self.everyone, [w for w, _, _ in parts], [b for _, b, _ in parts],
                                      [r for _, _, r in parts], self.group, self.drop)
         self.ahead.update(zip(calls[1:], outs[1:]))
@@ -129,12 +128,16 @@ class _ExchangedForward:
                 "FSDP2's row shards", f"rank {round_.group.rank()} holds {local.size(0)} rows of "
                 f"{module.out_features}, not torch.chunk's {self.rows[round_.group.rank()]}")
 
+    def compute_dtype(self, x: torch.Tensor) -> torch.dtype:
+        """The dtype this projection computes in for inputs ``x``: FSDP2's ``param_dtype`` for a plain weight;
+        a 4-bit one (a tensor subclass, which F.linear dequantizes itself) computes in the inputs'."""
+        return self.dtype if type(compat.dtensor_local(self.module.weight)) is torch.Tensor else x.dtype
+
     def parts(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
         """This rank's rows of the weight and bias, in the dtype they compute in, and the rows per rank."""
-        weight = compat.dtensor_local(self.module.weight)
-        if type(weight) is torch.Tensor and weight.dtype != self.dtype:  # not a 4-bit subclass: F.linear
-            weight = weight.to(self.dtype)                                 # dequantizes those itself
-        dtype = weight.dtype if type(weight) is torch.Tensor else x.dtype
+        weight, dtype = compat.dtensor_local(self.module.weight), self.compute_dtype(x)
+        if type(weight) is torch.Tensor:
+            weight = weight.to(dtype)
         bias = None if self.module.bias is None else compat.dtensor_local(self.module.bias).to(dtype)
         return weight, bias, self.rows
 
@@ -178,9 +181,8 @@ def exchange_in_place(model: nn.Module, mesh: DeviceMesh, dtype: torch.dtype) ->
     outside: set[nn.Parameter] = set()
     for layer in decoder_layers(model):
         for module in layer.modules():
-            if type(module) is not nn.Linear or module.weight.requires_grad or is_nf4(module.weight):
-                continue
-            if module.bias is not None and module.bias.requires_grad:
+            if type(module) is not nn.Linear or is_nf4(module.weight) or \
+                    any(p.requires_grad for p in module.parameters(recurse=False)):
                 continue
             for name in ("weight", "bias"):
                 if getattr(module, name) is not None:

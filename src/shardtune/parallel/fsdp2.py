@@ -188,11 +188,11 @@ class FSDP2(Strategy):
         return out
 
     def _fsdp_managed(self, model: nn.Module) -> set[int]:
-        """Ids of the parameters FSDP2 shards (offloaded to the CPU): all but the row-sharded embeddings'
-        and the whole NF4 weights (used in place on the device)."""
+        """Ids of the parameters FSDP2 shards (offloaded to the CPU): all but the row-sharded embeddings',
+        the whole NF4 weights and the exchanged projections (``_outside``: used in place on the device)."""
         outside = {id(p) for m in model.modules()
                    if isinstance(m, (sharded_embeddings.ShardedEmbedding, sharded_embeddings.ShardedHead))
-                   for p in m.parameters()} | {id(p) for p in self.whole}
+                   for p in m.parameters()} | {id(p) for p in self._outside()}
         return {id(p) for p in model.parameters() if id(p) not in outside}
 
 
