@@ -465,13 +465,12 @@ def _head_terms(f: Facts, tokens: int, vocab: int, blocks: int, chunk_override: 
         chunk = min(tokens, loss_head_chunk(vocab, chunk_override or None))
         deriv = tokens * f.hidden * item
         per_token = tokens * 32  # the running log-sum-exp, target logit, best logit and token, results
+        logit_chunk = min(chunk, piece or chunk) * -(-vocab // blocks) * (4 + (item if item < 4 else 0))
         if piece:
             gathered = blocks * piece  # and per gathered token its target, running state and every rank's 4 stats
-            logit_chunk = min(chunk, piece) * -(-vocab // blocks) * (4 + (item if item < 4 else 0))
-            held = gathered * (f.hidden * (4 + 2 * item) + 32 + 16 * (blocks + 1))
-            return deriv + logit_chunk + held + per_token, 2 * deriv + chunk * f.hidden * 4
-        logit_chunk = chunk * -(-vocab // blocks) * (4 + (item if item < 4 else 0))
-        running = tokens * f.hidden * (4 + item) if blocks > 1 else chunk * f.hidden * (4 + item)
+            running = gathered * (f.hidden * (4 + 2 * item) + 32 + 16 * (blocks + 1))
+        else:
+            running = tokens * f.hidden * (4 + item) if blocks > 1 else chunk * f.hidden * (4 + item)
         return deriv + logit_chunk + running + per_token, 2 * deriv + chunk * f.hidden * 4
     logits = tokens * vocab * item
     # The loss works on one fp32 chunk of tokens at a time: logsumexp makes a temporary of the chunk's
