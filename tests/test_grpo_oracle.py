@@ -269,8 +269,8 @@ def assert_same_step(ours: dict, theirs: dict, case: str) -> None:
     worst = max(rel(ours["grads"][n], theirs["grads"][n]) for n in theirs["grads"])
     # The loss adds terms of size |A| ~ 1 that nearly cancel (the first iteration's without KL is −mean(A) ≈ 0):
     # its rounding is that of those terms, not of the small result, so it is judged relative to their size (1)
-    # where it is smaller. The fp32 kernels' rounding differs between CPU kinds: on an AVX-512 one, vespo with
-    # KL differs by 8.7e-7 on a loss of 0.024 (3.6e-5 relative), its gradients by 1.6e-6 relative.
+    # where it is smaller: the fp32 kernels' rounding differs between CPU kinds (AVX2, AVX-512), and with it
+    # the rounding of those terms.
     loss_rel = rel(ours["loss"], theirs["loss"], floor=1.0)
     print(f"\n{case}: loss {theirs['loss']:.6g} rel {loss_rel:.1e}, worst LoRA gradient rel {worst:.1e}")
     assert loss_rel <= TOLERANCE, (ours["loss"], theirs["loss"])
