@@ -293,3 +293,16 @@ def test_a_rank_killed_with_sigkill_ends_the_run_naming_it(root):
     assert all("rank 0 lost another rank" in line for line in errors[:-1]), errors
     assert "This is typically caused by" not in output, output[-3000:]  # gloo's advice, not ours
     assert adapter_from_checkpoint(latest, root / "sigkill-adapter").is_dir()
+
+
+def test_a_checkpoint_write_that_lost_a_peer_says_so_without_gloos_advice():
+    """A rank killed while the others write a checkpoint: their error names the lost peer in gloo's own words,
+    not its source location and advice (the launcher names the rank that failed)."""
+    from shardtune.train.checkpoint_files import failure_reason
+
+    gloo = RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
+                        "[127.0.0.1]:20384: Connection reset by peer. This is typically caused by a remote worker "
+                        "hanging or bugs in the application. GLHF!")
+    said = failure_reason(gloo)
+    assert said == "lost another rank (Read error [127.0.0.1]:20384: Connection reset by peer)"
+    assert failure_reason(OSError("disk full")) == "OSError: disk full"  # any other failure: as it was

@@ -112,11 +112,17 @@ def _short_file(path: Path, storage: dict) -> str | None:
 
 
 def failure_reason(err: BaseException) -> str:
-    """One line for a DCP failure: its first rank's own exception (DCP's message embeds tracebacks)."""
+    """One line for a DCP failure: its first rank's own exception (DCP's message embeds tracebacks). A rank that
+    only lost a peer while writing says so in the collective library's own words, without its source location
+    and advice (runtime/worker_failures ``lost_peer``): the launcher names the rank that failed."""
     from torch.distributed.checkpoint.api import CheckpointException
 
+    from shardtune.runtime.worker_failures import lost_peer
+
     failures = getattr(err, "failures", None)
+    rank, cause = None, err
     if isinstance(err, CheckpointException) and failures:
         rank, (cause, *_) = min(failures.items())
-        return f"rank {rank}: {type(cause).__name__}: {cause}"
-    return f"{type(err).__name__}: {err}"
+    lost = lost_peer(str(cause))
+    said = f"lost another rank ({lost})" if lost else f"{type(cause).__name__}: {cause}"
+    return said if rank is None else f"rank {rank}: {said}"
