@@ -137,7 +137,7 @@ def test_exchanged_linear_gives_the_whole_weights_outputs_and_input_gradients():
 
 
 def train_on_ranks(rank: int, world_size: int, model_dir: str, exchange: bool, checkpointing: bool,
-                   dtype: str = "fp32") -> dict:
+                   dtype: str = "fp32", quantize: str = "") -> dict:
     import dataclasses
 
     from torch import nn
@@ -150,7 +150,8 @@ def train_on_ranks(rank: int, world_size: int, model_dir: str, exchange: bool, c
 
     worker = distributed.init_worker()
     cfg = build_config({"model": model_dir, "dtype": dtype, "strategy": "fsdp2", "seed": 3,
-                        "lora-targets": "all-linear", "activation-checkpointing": checkpointing})
+                        "lora-targets": "all-linear", "activation-checkpointing": checkpointing,
+                        **({"quantize": quantize} if quantize else {})})
     plan = dataclasses.replace(resolve_on(worker, cfg, batches=False), layers_exchanged=exchange)
     built = build_model(cfg, worker, plan)
     model = built.model
@@ -192,15 +193,18 @@ def train_on_ranks(rank: int, world_size: int, model_dir: str, exchange: bool, c
     return {"loss": loss.item(), "grads": grads, "outside": outside, "exchanges": exchanges, "held": held}
 
 
-@pytest.mark.parametrize("checkpointing,dtype", [(False, "fp32"), (True, "fp32"), (False, "bf16")])
-def test_training_from_row_shards_gives_fsdp2s_loss_and_gradients(tmp_path, checkpointing, dtype):
+@pytest.mark.parametrize("checkpointing,dtype,quantize", [(False, "fp32", ""), (True, "fp32", ""),
+                                                     (False, "bf16", ""), (True, "fp32", "nf4")])
+def test_training_from_row_shards_gives_fsdp2s_loss_and_gradients(tmp_path, checkpointing, dtype, quantize):
     """The frozen projections left out of FSDP2 and exchanged in training (``exchange_in_place``, three ranks,
-    uneven rows, a different sequence width on each rank, with and without activation checkpointing, and in
-    bf16 with LoRA's weights fp32 as on GPUs): the losses and every LoRA gradient are those of the plain FSDP2
-    model (bf16: to its rounding, the input gradients being summed over the ranks' rows in another order)."""
-    d = str(make_model(tmp_path / "model", "qwen2", hidden=64))  # q, k and v with biases
-    plain = run_ranks(train_on_ranks, WORLD, d, False, checkpointing, dtype)
-    exchanged = run_ranks(train_on_ranks, WORLD, d, True, checkpointing, dtype)
+    uneven rows, a different sequence width on each rank, with and without activation checkpointing, in
+    bf16 with LoRA's weights fp32 as on GPUs, and a 4-bit base on two ranks, each loading and dequantizing its
+    own rows): the losses and every LoRA gradient are those of the plain FSDP2 model (bf16: to its rounding,
+    the input gradients being summed over the ranks' rows in another order)."""
+    d = str(make_model(tmp_path / "model", "qwen2", hidden=64, row_scales=bool(quantize)))  # q, k, v with biases
+    world = 2 if quantize else WORLD  # NF4's rows split by whole blocks: evenly
+    plain = run_ranks(train_on_ranks, world, d, False, checkpointing, dtype, quantize)
+    exchanged = run_ranks(train_on_ranks, world, d, True, checkpointing, dtype, quantize)
     tol = {"rtol": 1e-4, "atol": 1e-6} if dtype == "fp32" else {"rtol": 5e-2, "atol": 5e-3}
     for p, e in zip(plain, exchanged):
         assert not any(p["outside"]) and e["outside"] and all(e["outside"])

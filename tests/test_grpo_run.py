@@ -359,7 +359,7 @@ def test_training_computes_from_row_shards_where_a_step_moves_fewer_bytes(grpo_r
     """Where generation computes from the row shards, training does too when a micro-batch's inputs and outputs
     of the projections weigh less than a layer (``EXCHANGED_HIDDENS``): not the tiny model's small layers at
     first; with the activations counted as nothing, it does, and its predicted peak then holds no gathered
-    projection. A 4-bit base, which FSDP2 shards as NF4, never does."""
+    projection. A 4-bit base does too, its layers counted at their dequantized size."""
     from shardtune.train import choice
 
     monkeypatch.setitem(choice.EXCHANGE_PAYS_FROM, "cpu", 1)
@@ -375,7 +375,7 @@ def test_training_computes_from_row_shards_where_a_step_moves_fewer_bytes(grpo_r
     training_too, four_bit = plan(), plan("--quantize", "nf4")
     assert generation_only["run_plan"]["generation_exchanged"] and not generation_only["run_plan"]["layers_exchanged"]
     assert training_too["run_plan"]["generation_exchanged"] and training_too["run_plan"]["layers_exchanged"]
-    assert four_bit["run_plan"]["generation_exchanged"] and not four_bit["run_plan"]["layers_exchanged"]
+    assert four_bit["run_plan"]["generation_exchanged"] and four_bit["run_plan"]["layers_exchanged"]
     # the step's own moments (as for a run whose completions a vLLM server samples), on layers wide beside LoRA
     from shardtune.config import build_config
     from shardtune.train.choice import Search

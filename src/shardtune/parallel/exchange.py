@@ -96,6 +96,8 @@ def exchanged_linears_input_grad(grads: list[torch.Tensor], weights: list[torch.
     go back to the tokens' ranks (a second all-to-all, each rank's tokens from every owner), where they are
     added. ``padded``: the token count every rank padded to in the forward. Returns (tokens, in features)."""
     n, me, tokens = group.size(), group.rank(), grads[0].size(0)
+    # a 4-bit (NF4) weight is dequantized here, its rows only, as F.linear does it in the forward
+    weights = [w if type(w) is torch.Tensor else w.get_original_weight() for w in weights]
     if tokens != padded:
         grads = [torch.cat([g, g.new_zeros(padded - tokens, g.size(1))]) for g in grads]
     by_owner = [g.split(r, dim=1) for g, r in zip(grads, rows)]

@@ -44,7 +44,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
-from shardtune.model.nf4_fill import is_nf4
 from shardtune.model.structure import decoder_layers
 from shardtune.parallel.exchange import ExchangedLinear, everyones, replicated_linears
 from shardtune.parallel.sharded_embeddings import ShardedEmbedding, ShardedHead, row_counts, shard_rows
@@ -184,7 +183,7 @@ def _rounds(model: nn.Module, group: dist.ProcessGroup) -> tuple[dict[nn.Module,
 
 
 def exchange_in_place(model: nn.Module, mesh: DeviceMesh, dtype: torch.dtype) -> set[nn.Parameter]:
-    """Every frozen ``nn.Linear`` of ``model``'s decoder layers (4-bit ones aside) computed from its row shards
+    """Every frozen ``nn.Linear`` of ``model``'s decoder layers (4-bit ones too) computed from its row shards
     from now on, in training and generation (module doc); called on the meta model before FSDP2 shards it.
     ``mesh``: the 1-D shard group's. Returns the row-sharded parameters, which FSDP2 must leave alone."""
     group = mesh.get_group()
@@ -192,8 +191,7 @@ def exchange_in_place(model: nn.Module, mesh: DeviceMesh, dtype: torch.dtype) ->
     outside: set[nn.Parameter] = set()
     for layer in decoder_layers(model):
         for module in layer.modules():
-            if type(module) is not nn.Linear or is_nf4(module.weight) or \
-                    any(p.requires_grad for p in module.parameters(recurse=False)):
+            if type(module) is not nn.Linear or any(p.requires_grad for p in module.parameters(recurse=False)):
                 continue
             for name in ("weight", "bias"):
                 if getattr(module, name) is not None:

@@ -67,9 +67,9 @@ def shard_rows(weight: torch.Tensor, mesh: DeviceMesh) -> nn.Parameter:
     if mesh.ndim != 1:
         raise ValueError(f"row sharding needs a 1-D mesh (the shard group), got a {mesh.ndim}-D one")
     group = mesh.get_group()
-    rows = row_counts(weight.size(0), group.size())
-    start = sum(rows[:group.rank()])
-    local = weight.detach()[start:start + rows[group.rank()]]
+    # torch.chunk, as FSDP2 splits: a 4-bit (NF4) weight splits by whole blocks, it cannot be sliced
+    chunks = weight.detach().chunk(group.size())
+    local = chunks[group.rank()] if group.rank() < len(chunks) else weight.detach()[weight.size(0):]
     sharded = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=weight.shape,
                                  stride=weight.stride())
     return nn.Parameter(sharded, requires_grad=False)

@@ -236,15 +236,16 @@ def exchanges_to_train(search: Search, setting: Setting) -> bool:
     """Whether GRPO's training too computes the frozen projections from their row shards (``layers_exchanged``),
     where generation does (``exchanges_to_generate``): a micro-batch then moves each layer's inputs and outputs
     once a pass (forward, backward, and the recompute under activation checkpointing) instead of FSDP2's two
-    gathers of the layer. Taken where that moves no more than one gather's bytes (half of what it replaces: the
-    exchange's collectives are many and small), for bases FSDP2 shards as plain tensors (not 4-bit) and whole
-    rows (no context parallelism)."""
+    gathers of the layer. Taken where that moves no more than the layer a pass computes with (half of what it
+    replaces: the exchange's collectives are many and small): a 4-bit base's layer counts at its dequantized
+    size, which FSDP2's ranks each make whole in every pass, and exchanged only their rows of it. Not with
+    context parallelism (whole rows only)."""
     f = search.facts
-    if f.nf4_bytes or setting.context_parallel > 1:
+    if setting.context_parallel > 1:
         return False
     passes = 3 if setting.activation_checkpointing else 2
     moved = passes * setting.rows * setting.row_tokens * EXCHANGED_HIDDENS * f.hidden * f.compute_itemsize
-    return moved <= f.block_bytes
+    return moved <= f.block_bytes + f.nf4_dequantized_bytes / max(f.layers, 1)
 
 
 def generation_gathered(search: Search, setting: Setting, budget: int | None) -> tuple[Setting, Prediction]:

@@ -339,8 +339,9 @@ def predict(f: Facts, s: Setting, device: str) -> Prediction:
         layers = replace(f, block_bytes=rest, units_bytes=[rest] * max(len(f.units_bytes), 1))
         workspace += exchange_buffers(f, n, micro_tokens)
     moments = _moments(strategy, device, layers, n, acts, workspace, logits_fwd, logits_bwd, unit, pieces)
-    if f.dequant_bytes:
-        moments["backward through the layers"]["dequant"] = f.dequant_bytes
+    if f.dequant_bytes:  # one 4-bit weight dequantized at a time (exchanged: the rank's rows of it)
+        exchanged = s.layers_exchanged and n > 1 and t.shards
+        moments["backward through the layers"]["dequant"] = f.dequant_bytes / (n if exchanged else 1)
         # loading: the shard so far plus one slice being quantized (no gradients or optimizer yet)
         moments["loading (a weight's slice quantized)"] = {
             "dequant": QUANTIZE_SLICE_COPIES * f.quantize_slice_bytes / n,
