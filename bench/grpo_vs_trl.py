@@ -21,6 +21,12 @@ Rows (``--rows``):
   fsdp2      ``shardtune finetune --objective grpo --strategy fsdp2 --activation-checkpointing`` on 2 ranks
              (TRL's GRPOConfig turns gradient checkpointing on by default)
   fsdp2-nf4  the same with ``--quantize nf4`` (no TRL counterpart here: bitsandbytes has no CPU backend)
+  fsdp2-glibc  the fsdp2 row with ``SHARDTUNE_MALLOC=default``: glibc's own allocator settings, as TRL's
+             processes run, instead of the memory-first ones shardtune's CPU workers get
+             (runtime/cpu_tuning.py: freed blocks of 128 KiB or more go back to the system, so they never
+             count in the peak, and each new one is paged in again). What that choice costs in time and saves
+             in memory, on CPU only (a GPU has its caching allocator); not planned (the planner counts the
+             memory-first allocator)
   trl        TRL ``GRPOTrainer`` + peft ``LoraConfig`` under ``accelerate launch --num_processes 2`` (multi-CPU
              DDP, gloo, every rank holding the whole model), transformers' ``generate`` (no vLLM)
 
@@ -179,15 +185,19 @@ def run_shardtune(name: str, extra: list[str], model: Path, data: Path, args: ar
     cmd = [sys.executable, "-m", "shardtune", "finetune", *flags, "--data", str(data), "--out", str(out / "run"),
            "--steps", str(args.steps), "--warmup-steps", "0", "--seed", "0"]
     gen_log = out / "generation.jsonl"
-    os.environ["GRPO_BENCH_GEN_LOG"] = str(gen_log)
+    env = ROW_ENV.get(name, {})
+    os.environ.update(env, GRPO_BENCH_GEN_LOG=str(gen_log))
     os.environ["PYTHONPATH"] = os.pathsep.join([str(hook_dir(args.cache)), str(ROOT / "src"),
                                                 os.environ.get("PYTHONPATH", "")])
     load = loadavg()
     try:
         rc, peaks, wall = run_sampled(cmd, out / "log.txt", args.timeout, args.nproc)
     finally:
-        del os.environ["GRPO_BENCH_GEN_LOG"]
-    row = {"name": name, "command": shlex.join(["shardtune", "finetune", *flags, "--steps", str(args.steps)]),
+        for key in [*env, "GRPO_BENCH_GEN_LOG"]:
+            del os.environ[key]
+    shown = [f"{k}={v}" for k, v in env.items()]
+    row = {"name": name, "command": shlex.join([*shown, "shardtune", "finetune", *flags, "--steps", str(args.steps)]),
+           **({"env": env} if env else {}),
            **({"memory_per_rank": args.memory_per_rank} if args.memory_per_rank else {}),
            "wall_seconds": wall, "log": str(out / "log.txt"), "loadavg_before": load}
     metrics = out / "run" / "metrics.jsonl"
@@ -203,7 +213,8 @@ def run_shardtune(name: str, extra: list[str], model: Path, data: Path, args: ar
                completion_mean_length=[r.get("completions/mean_length") for r in records],
                reward=[r.get("reward") for r in records], loss=[r["loss"] for r in records],
                **speeds([r["seconds"] for r in records], gen, args))
-    row["plan"] = plan(flags, row)
+    if not env:
+        row["plan"] = plan(flags, row)
     return row
 
 
@@ -348,6 +359,12 @@ def verdicts(rows: list[dict], args: argparse.Namespace) -> list[str]:
         if "fsdp2" in by:
             check("peak fsdp2 / TRL", max(by["fsdp2"]["peak_mb"]) / max(trl["peak_mb"]), 0.6)
             check("s/step fsdp2 / TRL", by["fsdp2"]["step_seconds_mean"] / trl["step_seconds_mean"], 1.0)
+        if "fsdp2-glibc" in by:
+            glibc = by["fsdp2-glibc"]
+            check("with glibc's allocator settings (SHARDTUNE_MALLOC=default), peak fsdp2 / TRL",
+                  max(glibc["peak_mb"]) / max(trl["peak_mb"]), 0.6)
+            check("with glibc's allocator settings, s/step fsdp2 / TRL",
+                  glibc["step_seconds_mean"] / trl["step_seconds_mean"], 1.0)
         for r in rows:
             if r["name"] == "fsdp2-nf4" and "error" not in r:
                 within = f" within --memory-per-rank {r['memory_per_rank']}" if r.get("memory_per_rank") else ""
@@ -366,7 +383,9 @@ def verdicts(rows: list[dict], args: argparse.Namespace) -> list[str]:
     return lines
 
 
-ROWS: dict[str, list[str]] = {"fsdp2": [], "fsdp2-nf4": ["--quantize", "nf4"]}
+ROWS: dict[str, list[str]] = {"fsdp2": [], "fsdp2-nf4": ["--quantize", "nf4"], "fsdp2-glibc": []}
+#: a row's environment beside its flags
+ROW_ENV: dict[str, dict[str, str]] = {"fsdp2-glibc": {"SHARDTUNE_MALLOC": "default"}}
 
 
 def main() -> None:

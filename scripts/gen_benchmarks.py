@@ -318,7 +318,14 @@ def grpo_vs_trl(name: str, data: Result) -> list[str]:
               "`--strategy fsdp2 --activation-checkpointing`. Peak: the ranks' RssAnon + RssShmem sampled from "
               "outside; generation: each tool's generation call timed on every rank (the slowest rank), training: "
               "the rest of the step. nf4 has no TRL counterpart on CPU (bitsandbytes), so its ratio is to TRL's "
-              "fp32 row.", ""]
+              "fp32 row."]
+    for r in data["rows"]:
+        if r.get("env"):  # a recipe's environment: not planned, the planner counts shardtune's own settings
+            shown = " ".join(f"`{k}={v}`" for k, v in r["env"].items())
+            lines[-1] += (f" {r['name']}: the {r['name'].split('-')[0]} row with {shown} (glibc's own allocator "
+                          "settings, as TRL's processes run, not the memory-first ones shardtune's CPU workers get; "
+                          "CPU only), not planned.")
+    lines.append("")
     rows = [[r["name"] + (f" (`--memory-per-rank {r['memory_per_rank']}`)" if r.get("memory_per_rank") else ""),
              r.get("generation_weights", "–" if r["name"] == "trl" else NOT_RECORDED),
              job_error(r) or max(r["peak_mb"]), r.get("step_seconds_mean"),
