@@ -49,13 +49,7 @@ def generate_on_ranks(rank: int, world_size: int, model_dir: str, quantize: str)
     kept = generate(model, strategy, worker, prompts, keys, settings, seed=1, step=0, keep=True)
     handles = [m.register_forward_pre_hook(watch) for m in model.modules()
                if type(m) is nn.Linear and not m.weight.requires_grad]  # the base weights, LoRA's aside
-    sent_back = []  # all-to-alls while exchanged: none, every rank runs every rank's rows
-    all_to_all = torch.distributed.all_to_all_single
-    torch.distributed.all_to_all_single = lambda *a, **k: sent_back.append(1) or all_to_all(*a, **k)
-    try:
-        exchanged = generate(model, strategy, worker, prompts, keys, settings, seed=1, step=0, exchange=True)
-    finally:
-        torch.distributed.all_to_all_single = all_to_all
+    exchanged = generate(model, strategy, worker, prompts, keys, settings, seed=1, step=0, exchange=True)
     for h in handles:
         h.remove()
 
@@ -66,7 +60,7 @@ def generate_on_ranks(rank: int, world_size: int, model_dir: str, quantize: str)
     leftovers = [n for n, m in model.named_modules() if {"weight", "bias", "forward"} & set(vars(m))]
     distributed.teardown()
     return {"kept": [c.ids for c in kept], "exchanged": [c.ids for c in exchanged], "seen": seen,
-            "loss": float(loss), "leftovers": leftovers, "sent_back": len(sent_back)}
+            "loss": float(loss), "leftovers": leftovers}
 
 
 @pytest.mark.parametrize("arch,quantize,world", [("llama", "", WORLD), ("qwen2", "", WORLD), ("llama", "nf4", 2),
@@ -75,13 +69,11 @@ def test_generation_from_row_shards_gives_the_gathered_models_completions(tmp_pa
     """Three ranks (nf4: two, which must split its rows evenly), prompts of different widths, LoRA on every
     projection (qwen2: q, k and v with biases; nf4: 4-bit base weights; gpt2: Conv1D projections, gathered once
     instead): the exchanged generation samples the same tokens as the gathered one, no projection's weight is
-    ever gathered while it runs, nothing is sent back to a row's rank (every rank runs all the rows: one
-    all-gather of each projection's outputs), and training's forward works after it."""
+    ever gathered while it runs, and training's forward works after it."""
     d = str(make_model(tmp_path / "model", arch, row_scales=bool(quantize), hidden=64))
     results = run_ranks(generate_on_ranks, world, d, quantize)
     for r in results:
         assert r["exchanged"] == r["kept"]
-        assert r["sent_back"] == 0
         assert all(r["seen"]) and (bool(r["seen"]) != (arch == "gpt2"))
         assert r["leftovers"] == []
         assert torch.isfinite(torch.tensor(r["loss"]))
@@ -90,7 +82,7 @@ def test_generation_from_row_shards_gives_the_gathered_models_completions(tmp_pa
 def exchange_grads_on_ranks(rank: int, world_size: int) -> dict:
     import torch.distributed as dist
 
-    from shardtune.parallel.exchange import ExchangedLinear, everyones, replicated_linears
+    from shardtune.parallel.exchange import ExchangedLinear, everyones
     from shardtune.parallel.sharded_embeddings import row_counts
     from shardtune.runtime import distributed
 
@@ -116,22 +108,17 @@ def exchange_grads_on_ranks(rank: int, world_size: int) -> dict:
     x_ref = xs[rank].clone().requires_grad_()
     refs = [torch.nn.functional.linear(x_ref, w, b) for w, b in whole]
     sum((o * u).sum() for o, u in zip(refs[:2], upstream)).backward()
-    # generation's way: the same tokens on every rank (rank 0's), each layer's outputs gathered whole
-    same = xs[0].reshape(-1, 5)
-    replicated = replicated_linears(same, [w for w, _ in mine], [b for _, b in mine], rows, group)
     distributed.teardown()
-    return {"outs": [(o.detach(), r.detach()) for o, r in zip(outs, refs)], "grad": (x.grad, x_ref.grad),
-            "replicated": [(o, torch.nn.functional.linear(same, w, b)) for o, (w, b) in zip(replicated, whole)]}
+    return {"outs": [(o.detach(), r.detach()) for o, r in zip(outs, refs)], "grad": (x.grad, x_ref.grad)}
 
 
 def test_exchanged_linear_gives_the_whole_weights_outputs_and_input_gradients():
     """Training through the exchange (frozen row-sharded weights, parallel/exchange.py ``ExchangedLinear``): on
     three ranks, three layers of the same inputs exchanged together, with uneven rows, a different token count on
     each rank (one with none) and one layer's outputs unused: every rank's outputs and its inputs' gradient equal
-    those of the whole weights on its own tokens. Generation's way (``replicated_linears``: every rank the same
-    tokens, the outputs all-gathered) gives every rank the whole weights' outputs."""
+    those of the whole weights on its own tokens."""
     for r in run_ranks(exchange_grads_on_ranks, WORLD):
-        for got, want in [*r["outs"], r["grad"], *r["replicated"]]:
+        for got, want in [*r["outs"], r["grad"]]:
             assert got.shape == want.shape
             torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 

@@ -314,8 +314,8 @@ def test_the_planner_counts_generation(grpo_root, capsys):
 def test_generation_gathers_no_layer_where_the_gathered_model_does_not_fit(grpo_root, capsys):
     """Under fsdp2 on 2 ranks the tiny model's layers are kept gathered for the generation where they fit (too
     small for the exchange to pay); just below that, generation computes from the row shards instead of
-    gathering per token: its predicted peak counts no gathered layer, and the KV cache of both ranks' rows.
-    DoRA, which reads its base weight whole, gathers per token there."""
+    gathering per token: its predicted peak counts no gathered layer. DoRA, which reads its base weight whole,
+    gathers per token there."""
     from shardtune.runtime.memory import MB
 
     def plan(budget: str, *extra: str) -> dict:
@@ -332,8 +332,6 @@ def test_generation_gathers_no_layer_where_the_gathered_model_does_not_fit(grpo_
     assert exchanged["run_plan"]["generation_exchanged"] is True and not exchanged["run_plan"]["generation_gathered"]
     assert not dora["run_plan"]["generation_exchanged"] and not dora["run_plan"]["generation_gathered"]
     assert exchanged["fsdp2"]["terms"]["blocks"] < dora["fsdp2"]["terms"]["blocks"] < kept["fsdp2"]["terms"]["blocks"]
-    # exchanged, each rank runs both ranks' rows: their KV cache
-    assert exchanged["fsdp2"]["terms"]["kv_cache"] == pytest.approx(2 * kept["fsdp2"]["terms"]["kv_cache"], rel=1e-3)
 
 
 def test_generation_computes_from_row_shards_where_that_pays(grpo_root, capsys, monkeypatch):

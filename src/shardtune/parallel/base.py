@@ -55,9 +55,8 @@ class Strategy:
         the weights once and keeps them for all of them (the planner decided that they fit:
         ``RunPlan.generation_gathered``), sharding them again when the block ends, even on an error; with
         ``exchange``, FSDP2 gathers none and computes each projection from its row shards instead
-        (``RunPlan.generation_exchanged``: parallel/exchanged_layers.py). Yields the process group whose ranks
-        must generate the same rows, all of theirs (the exchange's), or None where each generates its own. Here
-        every rank holds the whole model already: nothing to do."""
+        (``RunPlan.generation_exchanged``: parallel/exchanged_layers.py). Here every rank holds the whole
+        model already: nothing to do."""
         return contextlib.nullcontext()
 
     def after_inference(self, model: nn.Module) -> None:

@@ -5,13 +5,8 @@ inputs without being gathered: the ranks' inputs (a few KB per token while gener
 each rank multiplies all of them by its rows, and one all-to-all returns to each rank its outputs, every
 block of them computed by its owner. Each output is the same dot product the whole weight would give.
 Used by the vocabulary-parallel tables (sharded_embeddings.exchanged) and the decoder's linear layers
-(exchanged_layers.py) in training (``ExchangedLinear``: backward runs the exchange in reverse, so the
-inputs' gradient moves, never the weight).
-
-While GRPO generates, every rank runs the same rows (all the ranks' completions; train/generation.py), so
-there is nothing to send back: each rank computes its rows' outputs for all the tokens and one all-gather
-gives every rank the whole outputs (``replicated_linears``): one collective per layer where the exchange
-takes two, and no token count to agree on. Per token, that latency is what generation pays.
+(exchanged_layers.py) while GRPO generates, and by frozen linear layers in training (``ExchangedLinear``:
+backward runs the exchange in reverse, so the inputs' gradient moves, never the weight).
 """
 
 from __future__ import annotations
@@ -69,23 +64,6 @@ def exchanged_linears(everyone: torch.Tensor, tokens: int, weights: list[torch.T
     blocks = [b.view(padded, k).split([r[s] for r in rows], dim=1)
               for s, (b, k) in enumerate(zip(received.split([padded * k for k in owned]), owned))]
     return [torch.cat([block[m] for block in blocks], dim=1)[:tokens] for m in range(len(weights))]
-
-
-def replicated_linears(flat: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None],
-                       rows: list[list[int]], group: dist.ProcessGroup) -> list[torch.Tensor]:
-    """Each layer's whole outputs (tokens, sum(rows)) for ``flat`` (tokens, in features), the same tokens on
-    every rank (generation with every rank running every rank's rows): each rank computes its rows of every
-    layer for all of them, and one all-gather hands every rank every owner's. ``weights``, ``biases``, ``rows``
-    as for ``exchanged_linears``. No all-to-all, no padding of tokens, no token count to agree on: one
-    collective per call where ``exchanged_linears`` takes two."""
-    n = group.size()
-    mine = [F.linear(flat, w, b) for w, b in zip(weights, biases)]
-    local = mine[0] if len(mine) == 1 else torch.cat(mine, dim=1)
-    del mine
-    owned = [sum(r[s] for r in rows) for s in range(n)]
-    everyone = everyones(local, 0.0, group, shape=[flat.size(0), max(owned)])  # (ranks, tokens, widest)
-    blocks = [everyone[s, :, :owned[s]].split([r[s] for r in rows], dim=1) for s in range(n)]
-    return [torch.cat([block[m] for block in blocks], dim=1) for m in range(len(weights))]
 
 
 def exchanged_linears_input_grad(grads: list[torch.Tensor], weights: list[torch.Tensor], rows: list[list[int]],

@@ -2,12 +2,12 @@
 
 Generating token by token, FSDP2 would gather every unit for every token's forward; kept gathered instead,
 each rank holds the whole model beside its shard. Here each frozen ``nn.Linear`` (LoRA's base layers, the
-projections LoRA leaves alone) computes from its own rows where they lie. Every rank runs the same rows,
-all the ranks' completions (train/generation.py), so each multiplies all the tokens by its rows and one
-all-gather gives every rank the whole outputs (parallel/exchange.py ``replicated_linears``): moved per
-token, the outputs of the layer, a few KB, never its weights. Each rank reads only its shard of the weights
-per token, 1/N of what a gathered model reads. The projections that read the same tensor (q, k and v;
-gate and up) share one all-gather of their outputs (``_Round``): four collectives per Llama layer and token.
+projections LoRA leaves alone) computes from its own rows where they lie: every rank's inputs are
+all-gathered, each rank multiplies them by its rows, and one all-to-all brings each rank its outputs
+(parallel/exchange.py): moved per token, the inputs and outputs of the layer, a few KB, never its weights.
+Each rank reads only its shard of the weights per token, 1/N of what a gathered model reads. The projections
+that read the same tensor (q, k and v; gate and up) share one gather of their inputs and one all-to-all of
+their outputs (``_Round``).
 Everything else in the units, small beside the projections (LoRA's A and B, norms), is gathered once for
 the generation and read through an instance attribute that shadows the sharded parameter
 (runtime/compat ``shadow_parameter``), as FSDP's own unsharded views do; a 2-D frozen weight that is not an
@@ -15,17 +15,15 @@ the generation and read through an instance attribute that shadows the sharded p
 forward hooks are paused meanwhile (``fsdp2_forward_hooks_paused``): no unit gathers or reshards.
 
 Every forward inside is a collective, as in the lockstep generation (train/generation.py): all ranks run
-each one, on the same rows, each with their KV cache and sampling. The row-sharded embedding tables are
-used the same way by sharded_embeddings.exchanged. DoRA reads its base weight whole: not supported
+each one. Each rank keeps its own rows, KV cache and sampling. The row-sharded embedding tables are
+exchanged the same way by sharded_embeddings.exchanged. DoRA reads its base weight whole: not supported
 here (the planner keeps such runs on the gathered paths).
 
 In training too (``exchange_in_place``, ``RunPlan.layers_exchanged``: where a step's few tokens weigh less
 than the layers FSDP2 would gather for them twice), the frozen projections leave FSDP for good: their rows
 are sharded here as DTensors (loaded like any shard), and their forward is the exchange, whose backward
 runs it in reverse for the inputs' gradient (parallel/exchange.py ``ExchangedLinear``). FSDP2's units then
-hold only what trains and the small rest, gathered as before. There each rank has its own tokens: every
-rank's inputs are all-gathered, each rank multiplies them by its rows, and one all-to-all brings each rank
-its outputs (``ExchangedLinear``).
+hold only what trains and the small rest, gathered as before.
 
 The token count the ranks pad to is found once per decoder layer's forward (each layer has its ``_Round``,
 started by its forward and recomputed with it under activation checkpointing) and the inputs it gathered
@@ -45,7 +43,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
 from shardtune.model.structure import decoder_layers
-from shardtune.parallel.exchange import ExchangedLinear, everyones, replicated_linears
+from shardtune.parallel.exchange import ExchangedLinear, everyones
 from shardtune.parallel.sharded_embeddings import ShardedEmbedding, ShardedHead, row_counts, shard_rows
 from shardtune.runtime import compat
 
@@ -68,7 +66,6 @@ class _Round:
         self.gatherer: _ExchangedForward | None = None  # whose call gathered ``everyone``
         self.followers: dict[_ExchangedForward, list[_ExchangedForward]] = {}
         self.ahead: dict[_ExchangedForward, torch.Tensor] = {}  # outputs computed ahead, for ``source``
-        self.replicated = False  # every rank runs the same tokens (generation): ``replicated_linears``
 
     def reset(self, *_: object) -> None:
         self.tokens = None
@@ -90,15 +87,11 @@ class _Round:
             calls = [call]
         else:
             calls = [call, *self.followers.get(call, [])]
-            self._start(x, call)
+            # FSDP's mixed precision casts a unit's inputs to the weights' dtype; so here
+            self._gather(x.detach().to(call.compute_dtype(x)), x, call)
         parts = [c.parts(x) for c in calls]
-        weights, biases, rows = [w for w, _, _ in parts], [b for _, b, _ in parts], [r for _, _, r in parts]
-        if self.replicated:
-            inputs = x.detach().to(call.compute_dtype(x))
-            outs = [out.view(*x.shape[:-1], out.size(-1)) for out in
-                    replicated_linears(inputs.reshape(-1, x.size(-1)), weights, biases, rows, self.group)]
-        else:
-            outs = ExchangedLinear.apply(x, self.everyone, weights, biases, rows, self.group, self.drop)
+        outs = ExchangedLinear.apply(x, self.everyone, [w for w, _, _ in parts], [b for _, b, _ in parts],
+                                     [r for _, _, r in parts], self.group, self.drop)
         self.ahead.update(zip(calls[1:], outs[1:]))
         return outs[0]
 
@@ -110,18 +103,14 @@ class _Round:
                                              s.stride() == x.stride() and s.dtype == x.dtype)) and \
             self.version == x._version
 
-    def _start(self, x: torch.Tensor, call: _ExchangedForward) -> None:
-        """``x`` as the inputs now served, ``call`` the first to read them: every rank's gathered unless every
-        rank runs the same tokens."""
+    def _gather(self, inputs: torch.Tensor, x: torch.Tensor, call: _ExchangedForward) -> None:
+        flat = inputs.reshape(-1, inputs.size(-1))
+        if self.tokens is None:
+            count = torch.tensor([flat.size(0)], device=flat.device)
+            dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.group)
+            self.tokens = int(count.item())
         self.ahead.clear()
-        if not self.replicated:
-            # FSDP's mixed precision casts a unit's inputs to the weights' dtype; so here
-            flat = x.detach().to(call.compute_dtype(x)).reshape(-1, x.size(-1))
-            if self.tokens is None:
-                count = torch.tensor([flat.size(0)], device=flat.device)
-                dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.group)
-                self.tokens = int(count.item())
-            self.everyone = everyones(flat, 0.0, self.group, shape=[self.tokens, flat.size(1)])
+        self.everyone = everyones(flat, 0.0, self.group, shape=[self.tokens, flat.size(1)])
         # held: its memory cannot become another tensor's meanwhile
         self.source, self.version, self.gatherer = x, x._version, call
 
@@ -205,10 +194,8 @@ def exchange_in_place(model: nn.Module, mesh: DeviceMesh, dtype: torch.dtype) ->
 def exchanged_layers(model: nn.Module, group: dist.ProcessGroup, dtype: torch.dtype) -> Iterator[None]:
     """``model``'s FSDP2 units computed from their row shards until the block ends (module doc); ``group``:
     the ranks that hold one copy of the model between them; ``dtype``: the compute dtype (FSDP2's
-    ``param_dtype``). Every forward inside must run the same tokens on every rank of ``group`` (no backward):
-    the projections gather their outputs, not their inputs, those exchanged for good
-    (``exchange_in_place``) too until the block ends. Every unit is sharded on entry and left sharded, its
-    hooks back, even on an error."""
+    ``param_dtype``). Every unit is sharded on entry and left sharded, its hooks back, even on an error.
+    Projections exchanged for good (``exchange_in_place``) stay as they are."""
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     shadowed: list[tuple[nn.Module, str]] = []
     with contextlib.ExitStack() as stack:
@@ -218,9 +205,6 @@ def exchanged_layers(model: nn.Module, group: dist.ProcessGroup, dtype: torch.dt
         rounds, handles = _rounds(model, group)
         for handle in handles:
             stack.callback(handle.remove)
-        for round_ in {*rounds.values(), *(m.forward.round for m in model.modules() if _exchanged(m))}:
-            round_.replicated = True  # the context's own rounds go with it; those for good are set back
-            stack.callback(setattr, round_, "replicated", False)
         stack.callback(_unshadow, shadowed)
         for module in model.modules():
             if isinstance(module, (ShardedEmbedding, ShardedHead)) or _exchanged(module):

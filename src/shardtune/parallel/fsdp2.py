@@ -8,7 +8,6 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager as ContextManager
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
@@ -135,19 +134,17 @@ class FSDP2(Strategy):
         return self._reduced(model)
 
     @contextlib.contextmanager
-    def gathered_for_generation(self, model: nn.Module, keep: bool, exchange: bool = False
-                                ) -> Iterator[dist.ProcessGroup | None]:
+    def gathered_for_generation(self, model: nn.Module, keep: bool, exchange: bool = False) -> Iterator[None]:
         # The row-sharded tables are used vocabulary-parallel, never gathered (sharded_embeddings.exchanged).
-        # ``exchange``: neither are the layers (exchanged_layers.py), on a shard group of several ranks, each
-        # of which generates the whole group's rows.
+        # ``exchange``: neither are the layers (exchanged_layers.py), on a shard group of several ranks.
         # ``keep``: every unit is gathered once and its forwards run without FSDP2's hooks (a forward per token
         # would otherwise pay every unit's pre- and post-forward hook); after, the hooks are back and every
         # unit is sharded again, before any backward or optimizer step, even when generation failed.
         group = shard_mesh(self.mesh)
         if exchange and group.size() > 1:
-            with sharded_embeddings.exchanged(model, replicated=True), \
+            with sharded_embeddings.exchanged(model), \
                     exchanged_layers(model, group.get_group(), self.mp.param_dtype or torch.float32):
-                yield group.get_group()
+                yield
             return
         units = [m for m in model.modules() if isinstance(m, FSDPModule)] if keep else []
         with contextlib.ExitStack() as stack:

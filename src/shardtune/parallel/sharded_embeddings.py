@@ -30,11 +30,8 @@ lookup and the logits). Inside ``exchanged`` (GRPO's generation, where every ran
 in lockstep) the tables are used vocabulary-parallel instead and never gathered: the ranks' token ids and
 last hidden states (a few KB) are all-gathered, each rank looks up and projects them on its own rows, and
 one all-to-all returns to each rank its embeddings (a sum in which one owner's row meets zeros: exact)
-and its logits, each rank's block of the vocabulary computed by its owner. Where every rank runs the same
-rows (``replicated``: the layers exchanged too, parallel/exchanged_layers.py), nothing is gathered first:
-each rank looks up the ids in its rows and an all-reduce sums the embeddings, each rank computes its block
-of the logits and an all-gather joins them. Held: the rank's rows, as in training; moved per token: the
-logits once, not the table.
+and its logits, each rank's block of the vocabulary computed by its owner. Held: the rank's rows, as in
+training; moved per token: the logits once, not the table.
 """
 
 from __future__ import annotations
@@ -50,7 +47,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from shardtune.parallel.exchange import everyones as _everyones
-from shardtune.parallel.exchange import exchanged_linear, replicated_linears
+from shardtune.parallel.exchange import exchanged_linear
 
 
 def row_counts(total: int, world: int) -> list[int]:
@@ -85,12 +82,11 @@ class ShardedEmbedding(nn.Module):
         self.weight, self.group = weight, group
         self.rows = row_counts(self.num_embeddings, group.size())
         self.exchange = False  # inside ``exchanged``: every rank's ids looked up on the rows here
-        self.replicated = False  # and they are the same ids on every rank
 
     @torch.no_grad()
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.exchange:
-            return _replicated_lookup(self, ids) if self.replicated else _exchanged_lookup(self, ids)
+            return _exchanged_lookup(self, ids)
         # Exchanged when that is cheaper (a few tokens, a large table)
         size = exchange_size(self, ids.numel(), lookup_cost(self.embedding_dim, self.weight.to_local().element_size()))
         if size is not None:
@@ -121,11 +117,10 @@ class ShardedHead(nn.Module):
         self.weight, self.group = weight, group
         self.rows = row_counts(self.out_features, group.size())
         self.exchange = False  # inside ``exchanged``: every rank's hidden states projected on the rows here
-        self.replicated = False  # and they are the same hidden states on every rank
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.exchange and not torch.is_grad_enabled():  # generating: no backward to prepare
-            return _replicated_logits(self, hidden) if self.replicated else _exchanged_logits(self, hidden)
+            return _exchanged_logits(self, hidden)
         return _ShardedLinear.apply(hidden, self.weight.to_local(), self.rows, self.group)
 
     def blocks(self) -> Iterator[tuple[int, torch.Tensor]]:
@@ -138,18 +133,17 @@ class ShardedHead(nn.Module):
 
 
 @contextlib.contextmanager
-def exchanged(model: nn.Module, replicated: bool = False) -> Iterator[None]:
+def exchanged(model: nn.Module) -> Iterator[None]:
     """Each row-sharded table of ``model`` used vocabulary-parallel until the block ends (module doc): every
-    forward inside is a collective, so every rank runs each one, with as many rows (generation's lockstep).
-    ``replicated``: every rank runs the same rows, so each rank's share of every token is all that moves."""
+    forward inside is a collective, so every rank runs each one, with as many rows (generation's lockstep)."""
     modules = [m for m in model.modules() if isinstance(m, (ShardedEmbedding, ShardedHead))]
     try:
         for m in modules:
-            m.exchange, m.replicated = True, replicated
+            m.exchange = True
         yield
     finally:
         for m in modules:
-            m.exchange, m.replicated = False, False
+            m.exchange = False
 
 
 def _blocks(module: ShardedEmbedding | ShardedHead) -> Iterator[tuple[int, torch.Tensor]]:
@@ -171,28 +165,6 @@ def _exchanged_lookup(module: ShardedEmbedding, ids: torch.Tensor) -> torch.Tens
     received = torch.empty_like(send)
     dist.all_to_all_single(received, send, group=group)
     return received.sum(0)[:ids.size(0), :ids.size(1)]
-
-
-def _replicated_lookup(module: ShardedEmbedding, ids: torch.Tensor) -> torch.Tensor:
-    """``ids``' embeddings, the same ids on every rank: each rank looks up those in its rows (zeros for the
-    others) and one all-reduce sums them: one owner's row meets zeros, exact."""
-    local = module.weight.to_local()
-    shifted = ids - first_row(module)
-    mine = (shifted >= 0) & (shifted < local.size(0))
-    picked = nn.functional.embedding(shifted.clamp(0, max(local.size(0) - 1, 0)), local) if local.size(0) \
-        else local.new_zeros(*ids.shape, module.embedding_dim)
-    picked.masked_fill_(~mine.unsqueeze(-1), 0.0)
-    dist.all_reduce(picked, group=module.group)
-    return picked
-
-
-def _replicated_logits(module: ShardedHead, hidden: torch.Tensor) -> torch.Tensor:
-    """``hidden``'s logits, the same hidden states on every rank: each rank's block of the vocabulary computed
-    by its owner and all-gathered."""
-    local = module.weight.to_local()
-    flat = hidden.reshape(-1, hidden.size(-1)).to(local.dtype)
-    out = replicated_linears(flat, [local], [None], [module.rows], module.group)[0]
-    return out.view(*hidden.shape[:-1], sum(module.rows))
 
 
 def _exchanged_logits(module: ShardedHead, hidden: torch.Tensor) -> torch.Tensor:

@@ -176,10 +176,9 @@ def all_reduce_sum(value: float | int, device: torch.device) -> float:
     return t.item()
 
 
-def all_gather_object(obj: object, group: dist.ProcessGroup | None = None) -> list:
-    """Every rank's ``obj`` (of ``group``'s ranks, default all), in rank order."""
-    out: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
+def all_gather_object(obj: object) -> list:
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
     return out
 
 

@@ -9,13 +9,11 @@ nothing). How the weights are spread decides only how a forward runs:
   own rows are done; when the planner found that they fit (``RunPlan.generation_gathered``: ``keep``), the
   layers are gathered once and kept for the whole generation (``Strategy.gathered_for_generation``), the
   same numbers without a gather per token; or the layers are never gathered either
-  (``RunPlan.generation_exchanged``: ``exchange``): every rank of a shard group then runs all the group's
-  rows (the same forwards, the same samples: each rank keeps its own rows' completions), each projection
-  computes them on the rows here and one all-gather joins the outputs (parallel/exchanged_layers.py);
-  the row-sharded embedding tables are never gathered (each rank looks up and projects every rank's
-  tokens on its own rows: parallel/sharded_embeddings.py); a 4-bit base's NF4 weights are then dequantized
-  once for the generation (the rank's rows only, when exchanged), not in every token's forward, when they
-  fit too
+  (``RunPlan.generation_exchanged``: ``exchange``): each projection computes every rank's tokens on the rows
+  here and sends each rank its outputs (parallel/exchanged_layers.py); the row-sharded embedding tables are
+  never gathered (each rank looks up and projects every rank's tokens on its own rows:
+  parallel/sharded_embeddings.py); a 4-bit base's NF4 weights are then dequantized once for the generation
+  (the rank's rows only, when exchanged), not in every token's forward, when they fit too
   (``RunPlan.generation_dequantized``: ``dequantized``; model/nf4_torchao.py, the same values);
 * DDP and single: each rank holds the whole model and generates on its own, without collectives (DDP's
   wrapper, which would broadcast buffers in every forward, is left out).
@@ -37,7 +35,6 @@ from shardtune.config import traits
 from shardtune.model.attention import sdpa_attention
 from shardtune.model.nf4_torchao import dequantized_once
 from shardtune.parallel import Strategy
-from shardtune.runtime import distributed
 from shardtune.runtime.distributed import Worker
 from shardtune.train.sampling import Completion, SamplingSettings, hf_cache, hf_next_logits, sample
 
@@ -79,13 +76,6 @@ def generate(model: nn.Module, strategy: Strategy, worker: Worker, prompts: Sequ
     inner = strategy.unwrap(model)  # the peft model: FSDP2's units are inside it, DDP's wrapper outside
     once = dequantized_once() if (keep or exchange) and dequantized else contextlib.nullcontext()
     weights = strategy.gathered_for_generation(model, keep, exchange)
-    with inference(model, strategy), weights as together, sdpa_attention(inner), once:
-        if together is None:
-            return sample(hf_next_logits(inner), prompts, keys, settings, seed, step, hf_cache(inner),
-                          worker.device, keep_going=lockstep(worker, strategy))
-        # the exchange's ranks all run all their rows (module doc); each keeps its own
-        shares = distributed.all_gather_object((list(map(list, prompts)), list(keys)), group=together)
-        done = sample(hf_next_logits(inner), [p for s in shares for p in s[0]], [k for s in shares for k in s[1]],
-                      settings, seed, step, hf_cache(inner), worker.device, keep_going=lockstep(worker, strategy))
-        first = sum(len(s[0]) for s in shares[:together.rank()])
-        return done[first:first + len(prompts)]
+    with inference(model, strategy), weights, sdpa_attention(inner), once:
+        return sample(hf_next_logits(inner), prompts, keys, settings, seed, step, hf_cache(inner), worker.device,
+                      keep_going=lockstep(worker, strategy))

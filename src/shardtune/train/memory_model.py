@@ -421,25 +421,22 @@ def _generation_terms(f: Facts, s: Setting, n: int, vocab: int, kept: dict[str, 
     run on CPU; row-sharded tables are never gathered: sharded_embeddings.exchanged), one
     layer's prefill activations (no_grad) and the last position's logits with the sampler's fp64 softmax
     and cumulative sum; dequantized once (``generation_dequantized``), every NF4 weight in the compute dtype
-    (the rank's rows of each when exchanged). Exchanged (``generation_exchanged``), no layer is gathered, and
-    each rank runs the rows of its whole shard group: their KV cache, activations and logits. The
-    vocabulary-parallel head's gather (the rank's block of the logits, every rank's, then joined) is about two
-    logits' worth, inside the forward, before the sampler's temporaries exist: within the logits term."""
+    (the rank's rows of each when exchanged). Exchanged (``generation_exchanged``), no layer is gathered.
+    The vocabulary-parallel head's exchange (the rank's block of every rank's logits, then its own logits
+    received) is two logits' worth, inside the forward, before the sampler's temporaries exist: within the
+    logits term."""
     rows, tokens = s.generation_rows, s.generation_tokens
-    exchanged = s.generation_exchanged and n > 1 and traits(s.strategy).shards
-    if exchanged:  # every rank of a shard group runs all the group's rows (train/generation.py)
-        rows *= n
     # through CPU FSDP2's shared ``buffers`` a gathered unit is one copy; else FSDP2's buffer and copy-out
     copies = 1 if buffers else GATHER_COPIES.get((s.strategy, "cuda"), 0)
     gathered = copies * f.block_bytes if n > 1 else 0.0
     root = f.root_bytes - (row_sharded_bytes(f) if traits(s.strategy).row_tables else 0)
     exchange = 0.0
-    if exchanged:
+    if s.generation_exchanged and n > 1 and traits(s.strategy).shards:
         # no layer gathered: what is not a frozen projection (LoRA's weights, norms, a table not used by
-        # rows) is gathered once; each projection's outputs, the widest (the MLP's, about four hidden states a
-        # token) at the prefill: the rank's rows of them, every rank's gathered, and joined
+        # rows) is gathered once; each projection's inputs from every rank, the widest (the MLP's, about
+        # four hidden states a token) at the prefill, with its outputs sent and received
         gathered = root + f.trainable_params * f.compute_itemsize
-        exchange = 3 * rows * tokens * 4 * f.hidden * f.compute_itemsize
+        exchange = exchange_buffers(f, n, rows * tokens)
     elif s.generation_gathered and n > 1 and traits(s.strategy).shards:
         gathered = f.layers * f.block_bytes + root + max(0, copies - 1) * f.block_bytes
     prefill = 8 * rows * tokens * f.hidden * f.compute_itemsize
