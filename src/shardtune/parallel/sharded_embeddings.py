@@ -243,6 +243,13 @@ def lookup_cost(width: int, itemsize: int) -> ExchangeCost:
     return ExchangeCost(8 + width * itemsize, 2 * width * itemsize)
 
 
+def lookup_buffers(ranks: int, piece: int, width: int, itemsize: int) -> int:
+    """What an exchanged lookup (``_lookup_exchanging``) holds beside its output while a piece of ``piece``
+    tokens a rank is worked on: every rank's ids of the piece and, per gathered token, ``lookup_cost``'s held
+    bytes; then the piece's sum. The planner (train/memory_model.py) counts this."""
+    return ranks * piece * (8 + lookup_cost(width, itemsize).held) + piece * width * itemsize
+
+
 def exchange_cheaper(ranks: int, tokens: int, moved_per_token: int, table_bytes: int, passes: int = 1) -> bool:
     """The one rule of the choice, on numbers alone (``exchange_size`` applies it at run time, the planner,
     train/memory_model.py, ahead of it): exchanging ``tokens`` a rank (the most any rank has) beats broadcasting

@@ -16,7 +16,7 @@ import torch
 
 from shardtune.config import traits
 from shardtune.model.footprint import Facts, Saved
-from shardtune.parallel.sharded_embeddings import lookup_cost, planned_piece
+from shardtune.parallel.sharded_embeddings import lookup_buffers, lookup_cost, planned_piece
 from shardtune.runtime import cpu_tuning
 from shardtune.runtime.budget import memory_per_rank
 from shardtune.runtime.memory import MB
@@ -186,9 +186,8 @@ def _fsdp2_moments(device: str, f: Facts, n: int, copies: int, acts: float, work
     window = 2 if device == "cpu" else 3
     gathered = max((sum(units[i:i + window - 1]) + copies * units[i + window - 1]
                     for i in range(len(units) - window + 1)), default=copies * sum(units))
-    if pieces.get("embed"):  # every rank's ids of a piece, their embeddings here and those received, the sum
-        piece, item = pieces["embed"], f.compute_itemsize
-        embed = n * piece * (8 + 2 * f.hidden * item) + piece * f.hidden * item
+    if pieces.get("embed"):  # the tokens exchanged a piece at a time
+        embed = float(lookup_buffers(n, pieces["embed"], f.hidden, f.compute_itemsize))
     elif f.tables_by_rows["embed"]:
         embed = f.embed_bytes / n
     else:  # gathered: in a unit of its own when untied, else in the root with the tied head
