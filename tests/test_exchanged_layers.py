@@ -49,7 +49,13 @@ def generate_on_ranks(rank: int, world_size: int, model_dir: str, quantize: str)
     kept = generate(model, strategy, worker, prompts, keys, settings, seed=1, step=0, keep=True)
     handles = [m.register_forward_pre_hook(watch) for m in model.modules()
                if type(m) is nn.Linear and not m.weight.requires_grad]  # the base weights, LoRA's aside
-    exchanged = generate(model, strategy, worker, prompts, keys, settings, seed=1, step=0, exchange=True)
+    reduced = []  # all-reduces while exchanged: the widest prompt's, then one a token (the lockstep's), none a layer
+    all_reduce = torch.distributed.all_reduce
+    torch.distributed.all_reduce = lambda *a, **k: reduced.append(1) or all_reduce(*a, **k)
+    try:
+        exchanged = generate(model, strategy, worker, prompts, keys, settings, seed=1, step=0, exchange=True)
+    finally:
+        torch.distributed.all_reduce = all_reduce
     for h in handles:
         h.remove()
 
@@ -60,7 +66,7 @@ def generate_on_ranks(rank: int, world_size: int, model_dir: str, quantize: str)
     leftovers = [n for n, m in model.named_modules() if {"weight", "bias", "forward"} & set(vars(m))]
     distributed.teardown()
     return {"kept": [c.ids for c in kept], "exchanged": [c.ids for c in exchanged], "seen": seen,
-            "loss": float(loss), "leftovers": leftovers}
+            "loss": float(loss), "leftovers": leftovers, "reduced": len(reduced), "tokens": settings.max_new_tokens}
 
 
 @pytest.mark.parametrize("arch,quantize,world", [("llama", "", WORLD), ("qwen2", "", WORLD), ("llama", "nf4", 2),
@@ -69,11 +75,14 @@ def test_generation_from_row_shards_gives_the_gathered_models_completions(tmp_pa
     """Three ranks (nf4: two, which must split its rows evenly), prompts of different widths, LoRA on every
     projection (qwen2: q, k and v with biases; nf4: 4-bit base weights; gpt2: Conv1D projections, gathered once
     instead): the exchanged generation samples the same tokens as the gathered one, no projection's weight is
-    ever gathered while it runs, and training's forward works after it."""
+    ever gathered while it runs, no token count is agreed on per layer (every rank's prompts are padded alike:
+    one all-reduce for the generation, then the lockstep's one a token), and training's forward works after
+    it."""
     d = str(make_model(tmp_path / "model", arch, row_scales=bool(quantize), hidden=64))
     results = run_ranks(generate_on_ranks, world, d, quantize)
     for r in results:
         assert r["exchanged"] == r["kept"]
+        assert 0 < r["reduced"] <= r["tokens"]
         assert all(r["seen"]) and (bool(r["seen"]) != (arch == "gpt2"))
         assert r["leftovers"] == []
         assert torch.isfinite(torch.tensor(r["loss"]))

@@ -107,8 +107,9 @@ def test_sharded_head_gradient_equals_the_dense_one():
 
 
 def exchanged_on_ranks(rank: int, world_size: int) -> dict:
-    """Generation's use of row-sharded tables (``exchanged``): each rank its own ids, of its own width, and
-    its own last hidden states; what a rank holds meanwhile."""
+    """Generation's use of row-sharded tables (``exchanged``): each rank its own ids (as many as every other
+    rank's: generation pads every rank's prompts alike) and its own last hidden states; what a rank holds
+    meanwhile."""
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -125,7 +126,7 @@ def exchanged_on_ranks(rank: int, world_size: int) -> dict:
     weight = shard_rows(dense.weight, mesh)
     model = nn.ModuleList([ShardedEmbedding(dense, weight, mesh.get_group()),
                            ShardedHead(projection, weight, mesh.get_group())])
-    ids = (torch.arange(4 * (5 + 3 * rank)).reshape(4, -1) * (1499 + rank)) % 6001  # widths 5, 8, 11
+    ids = (torch.arange(4 * 7).reshape(4, -1) * (1499 + rank)) % 6001  # as many on each rank (generation pads)
     torch.manual_seed(10 + rank)
     hidden = torch.randn(4, 1, 64)
     with torch.no_grad(), exchanged(model), LiveBytes() as live:
@@ -138,9 +139,9 @@ def exchanged_on_ranks(rank: int, world_size: int) -> dict:
 
 
 def test_generation_uses_row_sharded_tables_without_gathering_them():
-    """Every rank's own ids (prompts of different widths) and hidden states, looked up and projected on the
-    ranks' rows: the embeddings exact, the logits the dense ones, and nothing near a table held beside the
-    rank's rows (a table gathered whole was the largest thing kept while generating; here the logits are)."""
+    """Every rank's own ids and hidden states, looked up and projected on the ranks' rows: the embeddings exact,
+    the logits the dense ones, and nothing near a table held beside the rank's rows (a table gathered whole was
+    the largest thing kept while generating; here the logits are)."""
     for r in run_ranks(exchanged_on_ranks, WORLD):
         assert r["exact"]
         torch.testing.assert_close(r["logits"], r["dense"], rtol=1e-6, atol=1e-6)

@@ -25,9 +25,10 @@ are sharded here as DTensors (loaded like any shard), and their forward is the e
 runs it in reverse for the inputs' gradient (parallel/exchange.py ``ExchangedLinear``). FSDP2's units then
 hold only what trains and the small rest, gathered as before.
 
-The token count the ranks pad to is found once per decoder layer's forward (each layer has its ``_Round``,
-started by its forward and recomputed with it under activation checkpointing) and the inputs it gathered
-are let go when the layer's forward ends, or its backward begins (a recompute stops early).
+In training the token count the ranks pad to is found once per decoder layer's forward (each layer has its
+``_Round``, started by its forward and recomputed with it under activation checkpointing); while generating
+every rank's forwards carry as many tokens, so none is agreed on. The inputs a round gathered are let go
+when the layer's forward ends, or its backward begins (a recompute stops early).
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ class _Round:
         self.gatherer: _ExchangedForward | None = None  # whose call gathered ``everyone``
         self.followers: dict[_ExchangedForward, list[_ExchangedForward]] = {}
         self.ahead: dict[_ExchangedForward, torch.Tensor] = {}  # outputs computed ahead, for ``source``
+        self.equal = False  # every rank's forward carries as many tokens (generation): no count to agree on
 
     def reset(self, *_: object) -> None:
         self.tokens = None
@@ -105,7 +107,9 @@ class _Round:
 
     def _gather(self, inputs: torch.Tensor, x: torch.Tensor, call: _ExchangedForward) -> None:
         flat = inputs.reshape(-1, inputs.size(-1))
-        if self.tokens is None:
+        if self.tokens is None and self.equal:
+            self.tokens = flat.size(0)
+        elif self.tokens is None:
             count = torch.tensor([flat.size(0)], device=flat.device)
             dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.group)
             self.tokens = int(count.item())
@@ -194,8 +198,10 @@ def exchange_in_place(model: nn.Module, mesh: DeviceMesh, dtype: torch.dtype) ->
 def exchanged_layers(model: nn.Module, group: dist.ProcessGroup, dtype: torch.dtype) -> Iterator[None]:
     """``model``'s FSDP2 units computed from their row shards until the block ends (module doc); ``group``:
     the ranks that hold one copy of the model between them; ``dtype``: the compute dtype (FSDP2's
-    ``param_dtype``). Every unit is sharded on entry and left sharded, its hooks back, even on an error.
-    Projections exchanged for good (``exchange_in_place``) stay as they are."""
+    ``param_dtype``). Every forward inside must carry as many tokens on every rank (generation pads every rank's
+    prompts alike): no token count is agreed on per layer, for the projections exchanged for good
+    (``exchange_in_place``) either until the block ends. Every unit is sharded on entry and left sharded, its
+    hooks back, even on an error."""
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     shadowed: list[tuple[nn.Module, str]] = []
     with contextlib.ExitStack() as stack:
@@ -205,6 +211,9 @@ def exchanged_layers(model: nn.Module, group: dist.ProcessGroup, dtype: torch.dt
         rounds, handles = _rounds(model, group)
         for handle in handles:
             stack.callback(handle.remove)
+        for round_ in {*rounds.values(), *(m.forward.round for m in model.modules() if _exchanged(m))}:
+            round_.equal = True  # the block's own rounds go with it; those for good are set back
+            stack.callback(setattr, round_, "equal", False)
         stack.callback(_unshadow, shadowed)
         for module in model.modules():
             if isinstance(module, (ShardedEmbedding, ShardedHead)) or _exchanged(module):

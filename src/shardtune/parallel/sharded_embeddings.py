@@ -135,7 +135,8 @@ class ShardedHead(nn.Module):
 @contextlib.contextmanager
 def exchanged(model: nn.Module) -> Iterator[None]:
     """Each row-sharded table of ``model`` used vocabulary-parallel until the block ends (module doc): every
-    forward inside is a collective, so every rank runs each one, with as many rows (generation's lockstep)."""
+    forward inside is a collective, so every rank runs each one, with as many tokens (generation's lockstep,
+    every rank's prompts padded alike)."""
     modules = [m for m in model.modules() if isinstance(m, (ShardedEmbedding, ShardedHead))]
     try:
         for m in modules:
@@ -152,11 +153,11 @@ def _blocks(module: ShardedEmbedding | ShardedHead) -> Iterator[tuple[int, torch
 
 
 def _exchanged_lookup(module: ShardedEmbedding, ids: torch.Tensor) -> torch.Tensor:
-    """``ids``' embeddings: every rank's ids (padded with -1, an id no rank owns) looked up on the rows here,
-    and each rank's own sent back."""
+    """``ids``' embeddings: every rank's ids (as many on each: ``exchanged``) looked up on the rows here, and each
+    rank's own sent back."""
     group = module.group
     local = module.weight.to_local()
-    everyone = _everyones(ids, -1, group) - sum(module.rows[:group.rank()])
+    everyone = _everyones(ids, -1, group, shape=list(ids.shape)) - sum(module.rows[:group.rank()])
     mine = (everyone >= 0) & (everyone < local.size(0))
     picked = nn.functional.embedding(everyone.clamp(0, max(local.size(0) - 1, 0)), local) if local.size(0) \
         else local.new_zeros(*everyone.shape, module.embedding_dim)
@@ -171,7 +172,8 @@ def _exchanged_logits(module: ShardedHead, hidden: torch.Tensor) -> torch.Tensor
     """``hidden``'s logits: every rank's hidden states times the rows here, then each rank's columns back."""
     local = module.weight.to_local()
     flat = hidden.reshape(-1, hidden.size(-1)).to(local.dtype)
-    out = exchanged_linear(_everyones(flat, 0.0, module.group), flat.size(0), local, None, module.rows, module.group)
+    out = exchanged_linear(_everyones(flat, 0.0, module.group, shape=list(flat.shape)), flat.size(0), local, None,
+                           module.rows, module.group)
     return out.view(*hidden.shape[:-1], sum(module.rows))
 
 

@@ -6,15 +6,17 @@ nothing). How the weights are spread decides only how a forward runs:
 
 * FSDP2: every forward gathers each unit's weights as in training, so every rank runs a forward per token
   while any rank has an unfinished row (``keep_going``: an all-reduce per token), feeding padding once its
-  own rows are done; when the planner found that they fit (``RunPlan.generation_gathered``: ``keep``), the
-  layers are gathered once and kept for the whole generation (``Strategy.gathered_for_generation``), the
-  same numbers without a gather per token; or the layers are never gathered either
-  (``RunPlan.generation_exchanged``: ``exchange``): each projection computes every rank's tokens on the rows
-  here and sends each rank its outputs (parallel/exchanged_layers.py); the row-sharded embedding tables are
-  never gathered (each rank looks up and projects every rank's tokens on its own rows:
-  parallel/sharded_embeddings.py); a 4-bit base's NF4 weights are then dequantized once for the generation
-  (the rank's rows only, when exchanged), not in every token's forward, when they fit too
-  (``RunPlan.generation_dequantized``: ``dequantized``; model/nf4_torchao.py, the same values);
+  own rows are done, its prompts left-padded to the widest of every rank's (``widest_prompt``): every
+  forward then carries as many tokens on every rank; when the planner found that they fit
+  (``RunPlan.generation_gathered``: ``keep``), the layers are gathered once and kept for the whole
+  generation (``Strategy.gathered_for_generation``), the same numbers without a gather per token; or the
+  layers are never gathered either (``RunPlan.generation_exchanged``: ``exchange``): each projection
+  computes every rank's tokens on the rows here and sends each rank its outputs
+  (parallel/exchanged_layers.py); the row-sharded embedding tables are never gathered (each rank looks up
+  and projects every rank's tokens on its own rows: parallel/sharded_embeddings.py); a 4-bit base's NF4
+  weights are then dequantized once for the generation (the rank's rows only, when exchanged), not in every
+  token's forward, when they fit too (``RunPlan.generation_dequantized``: ``dequantized``;
+  model/nf4_torchao.py, the same values);
 * DDP and single: each rank holds the whole model and generates on its own, without collectives (DDP's
   wrapper, which would broadcast buffers in every forward, is left out).
 
@@ -53,10 +55,23 @@ def inference(model: nn.Module, strategy: Strategy) -> Iterator[None]:
         model.train(was_training)
 
 
+def in_lockstep(worker: Worker, strategy: Strategy) -> bool:
+    """Whether every forward of the generation is a collective: a sharded strategy on several ranks."""
+    return worker.world_size > 1 and traits(strategy.name).shards
+
+
+def widest_prompt(prompts: Sequence[Sequence[int]], worker: Worker) -> int:
+    """The longest prompt of every rank's (one all-reduce): in lockstep every rank pads to it, so each forward
+    carries as many tokens on every rank and the exchanges need not agree on a count per layer."""
+    width = torch.tensor([max(len(p) for p in prompts)], device=worker.device)
+    torch.distributed.all_reduce(width, op=torch.distributed.ReduceOp.MAX)
+    return int(width.item())
+
+
 def lockstep(worker: Worker, strategy: Strategy):
     """``keep_going`` for ``sample``: under a sharded strategy every forward is a collective, so all ranks
     step while any has an unfinished row; otherwise None (each rank stops when its own rows are done)."""
-    if worker.world_size == 1 or not traits(strategy.name).shards:
+    if not in_lockstep(worker, strategy):
         return None
 
     def keep_going(unfinished: bool) -> bool:
@@ -76,6 +91,7 @@ def generate(model: nn.Module, strategy: Strategy, worker: Worker, prompts: Sequ
     inner = strategy.unwrap(model)  # the peft model: FSDP2's units are inside it, DDP's wrapper outside
     once = dequantized_once() if (keep or exchange) and dequantized else contextlib.nullcontext()
     weights = strategy.gathered_for_generation(model, keep, exchange)
+    width = widest_prompt(prompts, worker) if in_lockstep(worker, strategy) else 0
     with inference(model, strategy), weights, sdpa_attention(inner), once:
         return sample(hf_next_logits(inner), prompts, keys, settings, seed, step, hf_cache(inner), worker.device,
-                      keep_going=lockstep(worker, strategy))
+                      keep_going=lockstep(worker, strategy), width=width)

@@ -99,9 +99,9 @@ def pick(logits: torch.Tensor, settings: SamplingSettings, generators: Sequence[
     return tokens.clamp(max=logits.size(-1) - 1)
 
 
-def _left_padded(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device
+def _left_padded(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device, width: int = 0
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    width = max(len(p) for p in prompts)
+    width = max(width, *(len(p) for p in prompts))
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, p in enumerate(prompts):
@@ -115,16 +115,18 @@ def _left_padded(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.de
 
 def sample(next_logits: NextLogits, prompts: Sequence[Sequence[int]], keys: Sequence[tuple[int, int]],
            settings: SamplingSettings, seed: int, step: int, new_cache: Callable[[], object],
-           device: torch.device | str = "cpu", keep_going: Callable[[bool], bool] | None = None) -> list[Completion]:
+           device: torch.device | str = "cpu", keep_going: Callable[[bool], bool] | None = None,
+           width: int = 0) -> list[Completion]:
     """A completion of each prompt; ``keys[i]`` = (prompt index, completion index) seeds row i's stream.
 
     ``new_cache()``: an empty KV cache (``hf_cache(model)``). ``keep_going(local_unfinished)``: whether to run
-    another step; by default while a row here is unfinished (under FSDP: the all-ranks answer)."""
+    another step; by default while a row here is unfinished (under FSDP: the all-ranks answer). ``width``: the
+    prompts are left-padded to at least this many tokens (the widest of every rank's, in lockstep)."""
     if len(keys) != len(prompts):
         raise ValueError(f"{len(prompts)} prompts but {len(keys)} keys")
     device = torch.device(device)
     generators = [completion_generator(seed, step, p, c) for p, c in keys]
-    ids, mask, positions = _left_padded(prompts, settings.pad_id, device)
+    ids, mask, positions = _left_padded(prompts, settings.pad_id, device, width)
     cache = new_cache()
     eos = set(settings.eos_ids)
     done = [False] * len(prompts)
