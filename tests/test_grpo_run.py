@@ -185,19 +185,29 @@ def test_two_ranks_train_like_one(grpo_root, one_rank, strategy):
     same_training(one_rank, grpo_root / f"two-{strategy}", 4)
 
 
-def test_two_fsdp2_ranks_train_like_one_on_a_4bit_base(grpo_root):
-    """--quantize nf4: 2 FSDP2 ranks (gathering the 4-bit data to generate) against 1 rank on the same 4-bit
-    base; 2 steps of one iteration each, so the second batch is sampled by the trained adapter, and β > 0, so
-    the reference is the 4-bit base with the adapter off."""
+def test_two_fsdp2_ranks_train_like_one_on_a_4bit_base(grpo_root, monkeypatch):
+    """--quantize nf4: 2 FSDP2 ranks (gathering the 4-bit data to generate), and 2 ranks computing from the 4-bit
+    row shards in generation and training (the rules lowered to the tiny model's layers), against 1 rank on the
+    same 4-bit base; 2 steps of one iteration each, so the second batch is sampled by the trained adapter, and
+    β > 0, so the reference is the 4-bit base with the adapter off."""
+    from shardtune.train import choice
+
     from tiny import make_model
 
     model = make_model(grpo_root / "model-64", "llama", hidden=64, row_scales=True)  # NF4's blocks divide it
-    runs = {"nf4-one": ("--strategy", "single"), "nf4-two": ("--strategy", "fsdp2", "--nproc", "2",
-                                                             "--micro-batch-size", "2")}
+    two = ("--strategy", "fsdp2", "--nproc", "2", "--micro-batch-size", "2")
+    runs = {"nf4-one": ("--strategy", "single"), "nf4-two": two,
+            "nf4-two-exchanged": (*two, "--activation-checkpointing")}
     for out, extra in runs.items():
+        if out == "nf4-two-exchanged":
+            monkeypatch.setitem(choice.EXCHANGE_PAYS_FROM, "cpu", 1)
+            monkeypatch.setattr(choice, "EXCHANGED_HIDDENS", 0)
         args = argv(grpo_root, out, "--quantize", "nf4", "--steps", "2", "--num-iterations", "1", *extra)
         args[args.index("--model") + 1] = str(model)
         assert main(args) == 0
+    exchanged = json.loads((grpo_root / "nf4-two-exchanged" / "summary.json").read_text())["run_plan"]
+    assert exchanged["generation_exchanged"] is True and exchanged["layers_exchanged"] is True
+    same_training(grpo_root / "nf4-one", grpo_root / "nf4-two-exchanged", 2)
     summary = json.loads((grpo_root / "nf4-two" / "summary.json").read_text())
     # the tiny model fits gathered and dequantized: each 4-bit weight is dequantized once per generation (the
     # one rank dequantizes in every forward), and the completions below are the same
