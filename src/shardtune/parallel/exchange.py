@@ -52,11 +52,13 @@ def exchanged_linears(everyone: torch.Tensor, tokens: int, weights: list[torch.T
     ``weights``, ``biases`` this rank's rows of each, ``rows`` each one's row counts per rank. Each rank sends
     every rank, token by token, its rows' outputs of all the layers side by side."""
     n, padded, me = everyone.size(0), everyone.size(1), group.rank()
-    flat = everyone.reshape(n * padded, -1)
-    outs = [F.linear(flat, w, b).view(n, padded, -1) for w, b in zip(weights, biases)]
-    send = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # rank r's tokens at [r]
-    del outs
+    flat = everyone.reshape(n * padded, -1)  # rank r's tokens at rows r·padded …
     owned = [sum(r[s] for r in rows) for s in range(n)]  # rows of all the layers each rank holds
+    send = flat.new_empty(n * padded, owned[me])
+    col = 0
+    for w, b, r in zip(weights, biases, rows):  # each layer's outputs straight into their columns of ``send``
+        _linear_into(send[:, col:col + r[me]], flat, w, b)
+        col += r[me]
     received = send.new_empty(padded * sum(owned))
     dist.all_to_all_single(received, send.reshape(-1), [padded * k for k in owned], [padded * owned[me]] * n,
                            group=group)
@@ -64,6 +66,18 @@ def exchanged_linears(everyone: torch.Tensor, tokens: int, weights: list[torch.T
     blocks = [b.view(padded, k).split([r[s] for r in rows], dim=1)
               for s, (b, k) in enumerate(zip(received.split([padded * k for k in owned]), owned))]
     return [torch.cat([block[m] for block in blocks], dim=1)[:tokens] for m in range(len(weights))]
+
+
+def _linear_into(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """``F.linear(x, weight, bias)`` written into ``out``, a block of columns of a wider matrix: BLAS writes it
+    through its leading dimension, no temporary (as sharded_embeddings._logits). A 4-bit weight goes through
+    ``F.linear``, which dequantizes it, and is copied."""
+    if type(weight) is not torch.Tensor:
+        out.copy_(F.linear(x, weight, bias))
+    elif bias is None:
+        torch.mm(x, weight.t(), out=out)
+    else:
+        torch.addmm(bias, x, weight.t(), out=out)
 
 
 def exchanged_linears_input_grad(grads: list[torch.Tensor], weights: list[torch.Tensor], rows: list[list[int]],
@@ -76,11 +90,17 @@ def exchanged_linears_input_grad(grads: list[torch.Tensor], weights: list[torch.
     n, me, tokens = group.size(), group.rank(), grads[0].size(0)
     # a 4-bit (NF4) weight is dequantized here, its rows only, as F.linear does it in the forward
     weights = [w if type(w) is torch.Tensor else w.get_original_weight() for w in weights]
-    if tokens != padded:
-        grads = [torch.cat([g, g.new_zeros(padded - tokens, g.size(1))]) for g in grads]
-    by_owner = [g.split(r, dim=1) for g, r in zip(grads, rows)]
-    send = torch.cat([torch.cat([b[s] for b in by_owner], dim=1).reshape(-1) for s in range(n)])
     owned = [sum(r[s] for r in rows) for s in range(n)]
+    # to each owner, every layer's gradients on its rows side by side, for this rank's tokens padded with zeros
+    send = grads[0].new_empty(padded * sum(owned))
+    for s, block in enumerate(send.split([padded * k for k in owned])):
+        block = block.view(padded, owned[s])
+        block[tokens:].zero_()
+        col = 0
+        for g, r in zip(grads, rows):
+            first = sum(r[:s])
+            block[:tokens, col:col + r[s]].copy_(g[:, first:first + r[s]])
+            col += r[s]
     received = send.new_empty(n * padded * owned[me])
     dist.all_to_all_single(received, send, [padded * owned[me]] * n, [padded * k for k in owned], group=group)
     del send
