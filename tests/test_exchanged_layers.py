@@ -177,16 +177,24 @@ def train_on_ranks(rank: int, world_size: int, model_dir: str, exchange: bool, c
             return function.apply(*args)
 
     exchanged_layers.ExchangedLinear = Counted
+    reduced = []  # all-reduces in the step's forward and backward
+    all_reduce = torch.distributed.all_reduce
+    torch.distributed.all_reduce = lambda *a, **k: reduced.append(1) or all_reduce(*a, **k)
     model.train()
-    loss = model(input_ids=ids, labels=ids).loss
-    exchanged_layers.ExchangedLinear = function
-    loss.backward()  # recomputing under checkpointing: the hooks see those calls too
+    try:
+        loss = model(input_ids=ids, labels=ids).loss
+        exchanged_layers.ExchangedLinear = function
+        loss.backward()  # recomputing under checkpointing: the hooks see those calls too
+    finally:
+        exchanged_layers.ExchangedLinear = function
+        torch.distributed.all_reduce = all_reduce
     # nothing of the step left held by the exchange (a recompute stops before the end of the layer's forward)
     held = [m.forward.round.source is not None or bool(m.forward.round.ahead)
             for m in model.modules() if "forward" in vars(m)]
     grads = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.requires_grad}
     distributed.teardown()
-    return {"loss": loss.item(), "grads": grads, "outside": outside, "exchanges": exchanges, "held": held}
+    return {"loss": loss.item(), "grads": grads, "outside": outside, "exchanges": exchanges, "held": held,
+            "reduced": len(reduced)}
 
 
 @pytest.mark.parametrize("checkpointing,dtype,quantize", [(False, "fp32", ""), (True, "fp32", ""),
@@ -196,7 +204,8 @@ def test_training_from_row_shards_gives_fsdp2s_loss_and_gradients(tmp_path, chec
     uneven rows, a different sequence width on each rank, with and without activation checkpointing, in
     bf16 with LoRA's weights fp32 as on GPUs, and a 4-bit base on two ranks, each loading and dequantizing its
     own rows): the losses and every LoRA gradient are those of the plain FSDP2 model (bf16: to its rounding,
-    the input gradients being summed over the ranks' rows in another order)."""
+    the input gradients being summed over the ranks' rows in another order), with one all-reduce more: the
+    token count every rank pads to, agreed on once for the model's forward."""
     d = str(make_model(tmp_path / "model", "qwen2", hidden=64, row_scales=bool(quantize)))  # q, k, v with biases
     world = 2 if quantize else WORLD  # NF4's rows split by whole blocks: evenly
     plain = run_ranks(train_on_ranks, world, d, False, checkpointing, dtype, quantize)
@@ -207,6 +216,8 @@ def test_training_from_row_shards_gives_fsdp2s_loss_and_gradients(tmp_path, chec
         # per layer: q, k and v in one all-to-all, then o, then gate and up, then down
         assert e["exchanges"] == [3, 1, 2, 1] * 2 and p["exchanges"] == [], str(e["exchanges"])
         assert e["held"] and not any(e["held"]) and p["held"] == []
+        # the token count the ranks pad to: agreed on once for the model's forward, not per layer or recompute
+        assert e["reduced"] == p["reduced"] + 1, (e["reduced"], p["reduced"])
         assert e["loss"] == pytest.approx(p["loss"], rel=tol["rtol"] / 10)
         assert e["grads"].keys() == p["grads"].keys()
         for name, grad in p["grads"].items():

@@ -25,9 +25,11 @@ are sharded here as DTensors (loaded like any shard), and their forward is the e
 runs it in reverse for the inputs' gradient (parallel/exchange.py ``ExchangedLinear``). FSDP2's units then
 hold only what trains and the small rest, gathered as before.
 
-In training the token count the ranks pad to is found once per decoder layer's forward (each layer has its
-``_Round``, started by its forward and recomputed with it under activation checkpointing); while generating
-every rank's forwards carry as many tokens, so none is agreed on. The inputs a round gathered are let go
+In training the token count the ranks pad to is agreed on once per forward of the whole model (``_Pass``: one
+all-reduce, read on the host, where a decoder layer each would stall a GPU's queue once a layer), which every
+decoder layer of that forward shares; a layer recomputed under activation checkpointing, after the model's
+forward, pads as its own forward did. While generating every rank's forwards carry as many tokens, so none is
+agreed on. The inputs a round gathered are let go
 when the layer's forward ends, or its backward begins (a recompute stops early).
 """
 
@@ -49,6 +51,41 @@ from shardtune.parallel.sharded_embeddings import ShardedEmbedding, ShardedHead,
 from shardtune.runtime import compat
 
 
+class _Pass:
+    """The token count agreed on for one forward of the whole model (module doc): learned from the first
+    exchange that needs it, with one all-reduce, and shared by every decoder layer's round in that forward; the
+    hidden states keep their token count from layer to layer. ``running``: between the model's forward hooks;
+    outside them (a recompute in backward) each round keeps the count of its own forward."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+        self.running = False
+        self.local: int | None = None  # this rank's token count in the forward
+        self.tokens: int | None = None  # every rank's largest
+
+    def start(self, *_: object) -> None:
+        self.running, self.local, self.tokens = True, None, None
+
+    def end(self, *_: object) -> None:
+        self.running = False
+
+    def agreed(self, local: int, device: torch.device) -> int:
+        """The count every rank pads ``local`` tokens to: agreed on now (every rank together) unless this forward
+        of the model has already."""
+        if not self.running or self.tokens is None:
+            count = torch.tensor([local], device=device)
+            dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.group)
+            tokens = int(count.item())
+            if not self.running:
+                return tokens
+            self.local, self.tokens = local, tokens
+        if local != self.local:
+            raise RuntimeError(f"exchanged layers: a decoder layer's forward carries {local} tokens where the "
+                               f"model's first carried {self.local}; the exchange pads every layer of a forward "
+                               "to one count agreed on for it")
+        return self.tokens
+
+
 class _Round:
     """What the exchanges of one decoder layer's forward share: the padded token count (every rank's largest,
     found once per forward), the last inputs gathered, with the tensor they came from, and the outputs computed
@@ -58,8 +95,8 @@ class _Round:
     later ones find their inputs gathered already; from then on the first one computes all of them and sends
     their outputs in one all-to-all, and the others take theirs when they are called with that tensor."""
 
-    def __init__(self, group: dist.ProcessGroup) -> None:
-        self.group = group
+    def __init__(self, group: dist.ProcessGroup, pass_: _Pass) -> None:
+        self.group, self.pass_ = group, pass_
         self.tokens: int | None = None
         self.source: torch.Tensor | None = None
         self.version = -1
@@ -70,7 +107,8 @@ class _Round:
         self.equal = False  # every rank's forward carries as many tokens (generation): no count to agree on
 
     def reset(self, *_: object) -> None:
-        self.tokens = None
+        if self.pass_.running:  # else a recompute in backward: padded as its own forward was
+            self.tokens = None
         self.drop()
 
     def drop(self, *_: object) -> None:
@@ -110,9 +148,11 @@ class _Round:
         if self.tokens is None and self.equal:
             self.tokens = flat.size(0)
         elif self.tokens is None:
-            count = torch.tensor([flat.size(0)], device=flat.device)
-            dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.group)
-            self.tokens = int(count.item())
+            self.tokens = self.pass_.agreed(flat.size(0), flat.device)
+        elif flat.size(0) > self.tokens:
+            raise RuntimeError(f"exchanged layers: a recomputed decoder layer carries {flat.size(0)} tokens, more "
+                               f"than the {self.tokens} its forward padded to: another forward ran between it "
+                               "and its backward")
         self.ahead.clear()
         self.everyone = everyones(flat, 0.0, self.group, shape=[self.tokens, flat.size(1)])
         # held: its memory cannot become another tensor's meanwhile
@@ -164,11 +204,14 @@ def _exchanged(module: nn.Module) -> bool:
 
 def _rounds(model: nn.Module, group: dist.ProcessGroup) -> tuple[dict[nn.Module, _Round], list]:
     """A ``_Round`` for each decoder layer's modules (one for the rest of the model), started by the layer's
-    forward and let go at its end; returns {module: its round} and the hooks' handles."""
+    forward and let go at its end, all sharing the ``_Pass`` of the model's forward; returns {module: its
+    round} and the hooks' handles."""
     rounds: dict[nn.Module, _Round] = {}
-    handles = []
+    pass_ = _Pass(group)
+    # first: the model's own round starts within its pass
+    handles = [model.register_forward_pre_hook(pass_.start), model.register_forward_hook(pass_.end)]
     for owner in [*decoder_layers(model), model]:
-        round_ = _Round(group)
+        round_ = _Round(group, pass_)
         handles += [owner.register_forward_pre_hook(round_.reset), owner.register_forward_hook(round_.drop)]
         for module in owner.modules():
             rounds.setdefault(module, round_)
