@@ -150,3 +150,36 @@ def test_seeds_and_settings():
                        ({"max_new_tokens": 0}, "max_completion_length"), ({"eos_ids": ()}, "EOS")]:
         with pytest.raises(ConfigError, match=match):
             settings(**bad)
+
+
+def test_no_prompts_or_an_empty_one_is_named():
+    def next_logits(ids, mask, positions, cache):
+        raise AssertionError("never called")
+
+    for prompts, match in [([], "no prompts"), ([[3], []], "prompt #1 has no tokens")]:
+        with pytest.raises(ValueError, match=match):
+            sample(next_logits, prompts, [(i, 0) for i in range(len(prompts))], settings(), 0, 0, lambda: None)
+
+
+def widest_on_ranks(rank: int, world_size: int, rows: list[int]) -> str | int:
+    from shardtune.runtime import distributed
+    from shardtune.train.generation import widest_prompt
+
+    worker = distributed.init_worker()
+    try:
+        return widest_prompt([[1] * (2 + rank + i) for i in range(rows[rank])], worker)
+    except ValueError as err:
+        return str(err)
+    finally:
+        distributed.teardown()
+
+
+def test_lockstep_pads_to_every_ranks_widest_prompt_and_needs_as_many_rows_on_each():
+    """In lockstep every forward must carry as many tokens on every rank (the exchanges rely on it): the prompts
+    pad to every rank's widest, and a rank with another row count fails on every rank, named, not in a
+    collective."""
+    from dist_utils import run_ranks
+
+    assert run_ranks(widest_on_ranks, 2, [2, 2]) == [4, 4]
+    for found in run_ranks(widest_on_ranks, 2, [2, 3]):
+        assert "every rank must sample as many rows" in found and "between 2 and 3" in found

@@ -62,10 +62,16 @@ def in_lockstep(worker: Worker, strategy: Strategy) -> bool:
 
 def widest_prompt(prompts: Sequence[Sequence[int]], worker: Worker) -> int:
     """The longest prompt of every rank's (one all-reduce): in lockstep every rank pads to it, so each forward
-    carries as many tokens on every rank and the exchanges need not agree on a count per layer."""
-    width = torch.tensor([max(len(p) for p in prompts)], device=worker.device)
-    torch.distributed.all_reduce(width, op=torch.distributed.ReduceOp.MAX)
-    return int(width.item())
+    carries as many tokens on every rank and the exchanges need not agree on a count per layer. That holds only
+    if every rank has as many rows, checked in the same all-reduce (else ValueError, on every rank)."""
+    rows = len(prompts)
+    found = torch.tensor([max((len(p) for p in prompts), default=0), rows, -rows], device=worker.device)
+    torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX)
+    width, most, fewest = found.tolist()
+    if most != -fewest:
+        raise ValueError(f"generation in lockstep: every rank must sample as many rows; this rank has {rows}, "
+                         f"the ranks between {-fewest} and {most}")
+    return int(width)
 
 
 def lockstep(worker: Worker, strategy: Strategy):

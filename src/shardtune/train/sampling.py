@@ -101,7 +101,9 @@ def pick(logits: torch.Tensor, settings: SamplingSettings, generators: Sequence[
 
 def _left_padded(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device, width: int = 0
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    width = max(width, *(len(p) for p in prompts))
+    if not prompts:
+        raise ValueError("sampling: no prompts")
+    width = max([width, *(len(p) for p in prompts)])
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, p in enumerate(prompts):
