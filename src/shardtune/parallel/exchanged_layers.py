@@ -52,19 +52,18 @@ from shardtune.runtime import compat
 
 
 class _Pass:
-    """The token count agreed on for one forward of the whole model (module doc): learned from the first
-    exchange that needs it, with one all-reduce, and shared by every decoder layer's round in that forward; the
-    hidden states keep their token count from layer to layer. ``running``: between the model's forward hooks;
-    outside them (a recompute in backward) each round keeps the count of its own forward."""
+    """The token count agreed on for one forward of the whole model (module doc): learned at the first exchange
+    that needs it, with one all-reduce, and shared by every decoder layer's round in that forward (the hidden
+    states keep their token count from layer to layer). ``running``: between the model's forward hooks; outside
+    them (a recompute in backward) each round keeps the count of its own forward."""
 
     def __init__(self, group: dist.ProcessGroup) -> None:
         self.group = group
         self.running = False
-        self.local: int | None = None  # this rank's token count in the forward
         self.tokens: int | None = None  # every rank's largest
 
     def start(self, *_: object) -> None:
-        self.running, self.local, self.tokens = True, None, None
+        self.running, self.tokens = True, None
 
     def end(self, *_: object) -> None:
         self.running = False
@@ -72,18 +71,14 @@ class _Pass:
     def agreed(self, local: int, device: torch.device) -> int:
         """The count every rank pads ``local`` tokens to: agreed on now (every rank together) unless this forward
         of the model has already."""
-        if not self.running or self.tokens is None:
-            count = torch.tensor([local], device=device)
-            dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.group)
-            tokens = int(count.item())
-            if not self.running:
-                return tokens
-            self.local, self.tokens = local, tokens
-        if local != self.local:
-            raise RuntimeError(f"exchanged layers: a decoder layer's forward carries {local} tokens where the "
-                               f"model's first carried {self.local}; the exchange pads every layer of a forward "
-                               "to one count agreed on for it")
-        return self.tokens
+        if self.running and self.tokens is not None:
+            return self.tokens
+        count = torch.tensor([local], device=device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.group)
+        tokens = int(count.item())
+        if self.running:
+            self.tokens = tokens
+        return tokens
 
 
 class _Round:
@@ -149,10 +144,10 @@ class _Round:
             self.tokens = flat.size(0)
         elif self.tokens is None:
             self.tokens = self.pass_.agreed(flat.size(0), flat.device)
-        elif flat.size(0) > self.tokens:
-            raise RuntimeError(f"exchanged layers: a recomputed decoder layer carries {flat.size(0)} tokens, more "
-                               f"than the {self.tokens} its forward padded to: another forward ran between it "
-                               "and its backward")
+        if flat.size(0) > self.tokens:  # one count per forward: the ranks would disagree on the shape gathered
+            raise RuntimeError(f"exchanged layers: a projection's inputs carry {flat.size(0)} tokens, more than the "
+                               f"{self.tokens} every rank pads to in this forward of the model (agreed on at its "
+                               "first exchange, or kept from the forward a recompute repeats)")
         self.ahead.clear()
         self.everyone = everyones(flat, 0.0, self.group, shape=[self.tokens, flat.size(1)])
         # held: its memory cannot become another tensor's meanwhile
