@@ -197,7 +197,7 @@ def run_shardtune(name: str, extra: list[str], model: Path, data: Path, args: ar
             del os.environ[key]
     shown = [f"{k}={v}" for k, v in env.items()]
     row = {"name": name, "command": shlex.join([*shown, "shardtune", "finetune", *flags, "--steps", str(args.steps)]),
-           **({"env": env} if env else {}),
+           **({"env": env, "about": ROW_ABOUT[name]} if env else {}),
            **({"memory_per_rank": args.memory_per_rank} if args.memory_per_rank else {}),
            "wall_seconds": wall, "log": str(out / "log.txt"), "loadavg_before": load}
     metrics = out / "run" / "metrics.jsonl"
@@ -386,6 +386,10 @@ def verdicts(rows: list[dict], args: argparse.Namespace) -> list[str]:
 ROWS: dict[str, list[str]] = {"fsdp2": [], "fsdp2-nf4": ["--quantize", "nf4"], "fsdp2-glibc": []}
 #: a row's environment beside its flags
 ROW_ENV: dict[str, dict[str, str]] = {"fsdp2-glibc": {"SHARDTUNE_MALLOC": "default"}}
+#: what a row with an environment is, in the words the generated docs show
+ROW_ABOUT: dict[str, str] = {
+    "fsdp2-glibc": "the fsdp2 row with glibc's own allocator settings, as TRL's processes run, not the memory-first "
+                   "ones shardtune's CPU workers get (CPU only)"}
 
 
 def main() -> None:

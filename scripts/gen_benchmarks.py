@@ -322,9 +322,8 @@ def grpo_vs_trl(name: str, data: Result) -> list[str]:
     for r in data["rows"]:
         if r.get("env"):  # a recipe's environment: not planned, the planner counts shardtune's own settings
             shown = " ".join(f"`{k}={v}`" for k, v in r["env"].items())
-            lines[-1] += (f" {r['name']}: the {r['name'].split('-')[0]} row with {shown} (glibc's own allocator "
-                          "settings, as TRL's processes run, not the memory-first ones shardtune's CPU workers get; "
-                          "CPU only), not planned.")
+            about = r.get("about", "run with its environment")
+            lines[-1] += f" {r['name']}: {about}, with {shown}; not planned."
     lines.append("")
     rows = [[r["name"] + (f" (`--memory-per-rank {r['memory_per_rank']}`)" if r.get("memory_per_rank") else ""),
              r.get("generation_weights", "–" if r["name"] == "trl" else NOT_RECORDED),
