@@ -222,3 +222,23 @@ def test_training_from_row_shards_gives_fsdp2s_loss_and_gradients(tmp_path, chec
         assert e["grads"].keys() == p["grads"].keys()
         for name, grad in p["grads"].items():
             torch.testing.assert_close(e["grads"][name], grad, **tol, msg=name)
+
+
+def test_a_forward_that_raised_leaves_no_pass_open():
+    """A pass left open by a forward that raised would let a later recompute take a stale count for its own
+    forward's (``_Pass``): its end runs however the model's forward ends."""
+    from torch import nn
+
+    from shardtune.parallel.exchanged_layers import _rounds
+
+    class Failing(nn.Module):
+        def forward(self, x):
+            raise RuntimeError("out of memory")
+
+    model = Failing()
+    rounds, handles = _rounds(model, group=None)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        model(torch.zeros(2))
+    assert not rounds[model].pass_.running
+    for h in handles:
+        h.remove()

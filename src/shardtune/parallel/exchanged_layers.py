@@ -26,11 +26,11 @@ runs it in reverse for the inputs' gradient (parallel/exchange.py ``ExchangedLin
 hold only what trains and the small rest, gathered as before.
 
 In training the token count the ranks pad to is agreed on once per forward of the whole model (``_Pass``: one
-all-reduce, read on the host, where a decoder layer each would stall a GPU's queue once a layer), which every
+all-reduce, read on the host, where one per decoder layer would stall a GPU's queue once a layer), which every
 decoder layer of that forward shares; a layer recomputed under activation checkpointing, after the model's
 forward, pads as its own forward did. While generating every rank's forwards carry as many tokens, so none is
-agreed on. The inputs a round gathered are let go
-when the layer's forward ends, or its backward begins (a recompute stops early).
+agreed on. The inputs a round gathered are let go when the layer's forward ends, or its backward begins (a
+recompute stops early).
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ class _Pass:
 
 class _Round:
     """What the exchanges of one decoder layer's forward share: the padded token count (every rank's largest,
-    found once per forward), the last inputs gathered, with the tensor they came from, and the outputs computed
+    the model forward's ``_Pass``), the last inputs gathered, with the tensor they came from, and the outputs computed
     ahead for the projections that read the same inputs.
 
     The projections that read one tensor (q, k and v; gate and up) are learned in the first forward, where the
@@ -203,8 +203,9 @@ def _rounds(model: nn.Module, group: dist.ProcessGroup) -> tuple[dict[nn.Module,
     round} and the hooks' handles."""
     rounds: dict[nn.Module, _Round] = {}
     pass_ = _Pass(group)
-    # first: the model's own round starts within its pass
-    handles = [model.register_forward_pre_hook(pass_.start), model.register_forward_hook(pass_.end)]
+    # first: the model's own round starts within its pass; ended even by a forward that raised
+    handles = [model.register_forward_pre_hook(pass_.start),
+               model.register_forward_hook(pass_.end, always_call=True)]
     for owner in [*decoder_layers(model), model]:
         round_ = _Round(group, pass_)
         handles += [owner.register_forward_pre_hook(round_.reset), owner.register_forward_hook(round_.drop)]
