@@ -33,7 +33,9 @@ def everyones(part: torch.Tensor, fill: float, group: dist.ProcessGroup, shape: 
         padded = part.new_full(shape, fill)
         padded[tuple(slice(0, n) for n in part.shape)] = part
     out = part.new_empty(group.size(), *shape)
-    dist.all_gather(list(out.unbind(0)), padded, group=group)  # the one spelling torch 2.11-2.13 share
+    # into one tensor: a list of outputs costs NCCL a flat buffer and a copy per call; gloo takes the ranks'
+    # parts concatenated along the first dimension, not stacked
+    dist.all_gather_into_tensor(out.view(group.size() * shape[0], *shape[1:]), padded, group=group)
     return out
 
 
