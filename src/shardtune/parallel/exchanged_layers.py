@@ -48,7 +48,7 @@ from torch.distributed.tensor import DTensor, Shard
 from shardtune.model.structure import decoder_layers
 from shardtune.parallel.exchange import ExchangedLinear, everyones
 from shardtune.parallel.sharded_embeddings import ShardedEmbedding, ShardedHead, row_counts, shard_rows
-from shardtune.runtime import compat
+from shardtune.runtime import compat, distributed
 
 
 class _Pass:
@@ -73,9 +73,7 @@ class _Pass:
         of the model has already."""
         if self.running and self.tokens is not None:
             return self.tokens
-        count = torch.tensor([local], device=device)
-        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.group)
-        tokens = int(count.item())
+        tokens = distributed.all_reduce_max(local, device, self.group)
         if self.running:
             self.tokens = tokens
         return tokens

@@ -48,6 +48,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from shardtune.parallel.exchange import everyones as _everyones
 from shardtune.parallel.exchange import exchanged_linear
+from shardtune.runtime import distributed
 
 
 def row_counts(total: int, world: int) -> list[int]:
@@ -276,9 +277,7 @@ def exchange_size(module: ShardedEmbedding | ShardedHead, tokens: int, cost: Exc
     table (``exchange_cheaper``); None when broadcasting its rows is. A collective (one all-reduce of one
     number, read on the host), so every rank chooses alike."""
     local = module.weight.to_local()
-    most = torch.tensor([tokens], device=local.device)
-    dist.all_reduce(most, op=dist.ReduceOp.MAX, group=module.group)
-    size = int(most.item())
+    size = distributed.all_reduce_max(tokens, local.device, module.group)
     table = sum(module.rows) * local.size(-1) * local.element_size()
     return size if exchange_cheaper(module.group.size(), size, cost.moved, table, passes) else None
 

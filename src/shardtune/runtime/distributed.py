@@ -176,6 +176,13 @@ def all_reduce_sum(value: float | int, device: torch.device) -> float:
     return t.item()
 
 
+def all_reduce_max(value: int, device: torch.device, group: dist.ProcessGroup | None = None) -> int:
+    """The largest ``value`` of ``group``'s ranks (default all): one all-reduce, read on the host."""
+    t = torch.tensor([value], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return int(t.item())
+
+
 def all_gather_object(obj: object) -> list:
     out: list = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
