@@ -56,6 +56,21 @@ def generate_on_ranks(rank: int, world_size: int, model_dir: str, quantize: str)
         exchanged = generate(model, strategy, worker, prompts, keys, settings, seed=1, step=0, exchange=True)
     finally:
         torch.distributed.all_reduce = all_reduce
+    # every rank sampling all three ranks' rows: no all-to-all, no lockstep all-reduce (only the widest prompt's
+    # and the embeddings' sums, one a forward)
+    calls: dict[str, int] = {"all_reduce": 0, "all_to_all_single": 0}
+    originals = {name: getattr(torch.distributed, name) for name in calls}
+
+    def counted(name: str):
+        return lambda *a, **k: calls.__setitem__(name, calls[name] + 1) or originals[name](*a, **k)
+    for name in calls:
+        setattr(torch.distributed, name, counted(name))
+    try:
+        replicated = generate(model, strategy, worker, prompts, keys, settings, seed=1, step=0, exchange=True,
+                              replicated=True)
+    finally:
+        for name, original in originals.items():
+            setattr(torch.distributed, name, original)
     for h in handles:
         h.remove()
 
@@ -65,7 +80,8 @@ def generate_on_ranks(rank: int, world_size: int, model_dir: str, quantize: str)
     loss.backward()
     leftovers = [n for n, m in model.named_modules() if {"weight", "bias", "forward"} & set(vars(m))]
     distributed.teardown()
-    return {"kept": [c.ids for c in kept], "exchanged": [c.ids for c in exchanged], "seen": seen,
+    return {"kept": [c.ids for c in kept], "exchanged": [c.ids for c in exchanged],
+            "replicated": [c.ids for c in replicated], "calls": calls, "seen": seen,
             "loss": float(loss), "leftovers": leftovers, "reduced": len(reduced), "tokens": settings.max_new_tokens}
 
 
@@ -77,11 +93,13 @@ def test_generation_from_row_shards_gives_the_gathered_models_completions(tmp_pa
     instead): the exchanged generation samples the same tokens as the gathered one, no projection's weight is
     ever gathered while it runs, no token count is agreed on per layer (every rank's prompts are padded alike:
     one all-reduce for the generation, then the lockstep's one a token), and training's forward works after
-    it."""
+    it. Every rank sampling all the ranks' rows (``replicated``), each rank gets its own rows' same completions,
+    and no all-to-all runs: each projection's outputs are all-gathered."""
     d = str(make_model(tmp_path / "model", arch, row_scales=bool(quantize), hidden=64))
     results = run_ranks(generate_on_ranks, world, d, quantize)
     for r in results:
-        assert r["exchanged"] == r["kept"]
+        assert r["exchanged"] == r["kept"] and r["replicated"] == r["kept"]
+        assert r["calls"]["all_to_all_single"] == 0 and 0 < r["calls"]["all_reduce"] <= 1 + r["tokens"]
         assert 0 < r["reduced"] <= r["tokens"]
         assert all(r["seen"]) and (bool(r["seen"]) != (arch == "gpt2"))
         assert r["leftovers"] == []
@@ -91,7 +109,7 @@ def test_generation_from_row_shards_gives_the_gathered_models_completions(tmp_pa
 def exchange_grads_on_ranks(rank: int, world_size: int) -> dict:
     import torch.distributed as dist
 
-    from shardtune.parallel.exchange import ExchangedLinear, everyones
+    from shardtune.parallel.exchange import ExchangedLinear, everyones, replicated_linears
     from shardtune.parallel.sharded_embeddings import row_counts
     from shardtune.runtime import distributed
 
@@ -117,17 +135,22 @@ def exchange_grads_on_ranks(rank: int, world_size: int) -> dict:
     x_ref = xs[rank].clone().requires_grad_()
     refs = [torch.nn.functional.linear(x_ref, w, b) for w, b in whole]
     sum((o * u).sum() for o, u in zip(refs[:2], upstream)).backward()
+    # the same inputs on every rank (a replicated generation): each rank's rows' outputs all-gathered
+    same = torch.randn(4, 5, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    replicated = replicated_linears(same, [w for w, _ in mine], [b for _, b in mine], rows, group)
     distributed.teardown()
-    return {"outs": [(o.detach(), r.detach()) for o, r in zip(outs, refs)], "grad": (x.grad, x_ref.grad)}
+    return {"outs": [(o.detach(), r.detach()) for o, r in zip(outs, refs)], "grad": (x.grad, x_ref.grad),
+            "replicated": [(o, torch.nn.functional.linear(same, w, b)) for o, (w, b) in zip(replicated, whole)]}
 
 
 def test_exchanged_linear_gives_the_whole_weights_outputs_and_input_gradients():
     """Training through the exchange (frozen row-sharded weights, parallel/exchange.py ``ExchangedLinear``): on
     three ranks, three layers of the same inputs exchanged together, with uneven rows, a different token count on
     each rank (one with none) and one layer's outputs unused: every rank's outputs and its inputs' gradient equal
-    those of the whole weights on its own tokens."""
+    those of the whole weights on its own tokens. With the same inputs on every rank (``replicated_linears``), every
+    rank gets the whole weights' outputs."""
     for r in run_ranks(exchange_grads_on_ranks, WORLD):
-        for got, want in [*r["outs"], r["grad"]]:
+        for got, want in [*r["outs"], r["grad"], *r["replicated"]]:
             assert got.shape == want.shape
             torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 

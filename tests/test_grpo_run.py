@@ -130,22 +130,26 @@ def test_a_run_trains_and_logs_trl_metrics(one_rank):
 
 def test_two_fsdp2_ranks_generating_from_row_shards_train_like_one(grpo_root, one_rank, monkeypatch):
     """FSDP2 where generation computes from the row shards (``EXCHANGE_PAYS_FROM`` lowered to the tiny model's
-    layers): no layer gathered to generate, and the same completions, losses and adapter as one rank."""
+    layers), each rank its own rows (``REPLICATED_READS_UP_TO`` at 0): no layer gathered to generate, and the same
+    completions, losses and adapter as one rank."""
     from shardtune.train import choice
 
     monkeypatch.setitem(choice.EXCHANGE_PAYS_FROM, "cpu", 1)
+    monkeypatch.setitem(choice.REPLICATED_READS_UP_TO, "cpu", 0)
     assert main(argv(grpo_root, "two-exchanged", "--strategy", "fsdp2", "--nproc", "2", "--steps", "4",
                      "--micro-batch-size", "2")) == 0
     summary = json.loads((grpo_root / "two-exchanged" / "summary.json").read_text())
     assert summary["run_plan"]["generation_exchanged"] is True and summary["run_plan"]["generation_gathered"] is False
+    assert summary["run_plan"]["generation_replicated"] is False
     same_training(one_rank, grpo_root / "two-exchanged", 4)
 
 
 def test_two_fsdp2_ranks_training_from_row_shards_train_like_one(grpo_root, one_rank, monkeypatch):
     """FSDP2 where training computes from the row shards too (``EXCHANGED_HIDDENS`` lowered so that the exchange
     pays for the tiny model): the frozen projections never enter FSDP, their forward and backward (recomputed
-    under activation checkpointing) move activations between the ranks, and completions, losses, gradient norms
-    and adapter are one rank's."""
+    under activation checkpointing) move activations between the ranks, both ranks sample all the rows (the tiny
+    KV cache is within ``REPLICATED_READS_UP_TO``), and completions, losses, gradient norms and adapter are one
+    rank's."""
     from shardtune.train import choice
 
     monkeypatch.setitem(choice.EXCHANGE_PAYS_FROM, "cpu", 1)
@@ -154,12 +158,14 @@ def test_two_fsdp2_ranks_training_from_row_shards_train_like_one(grpo_root, one_
                      "--micro-batch-size", "2", "--activation-checkpointing")) == 0
     plan = json.loads((grpo_root / "two-layers-exchanged" / "summary.json").read_text())["run_plan"]
     assert plan["layers_exchanged"] is True and plan["generation_exchanged"] is True
+    assert plan["generation_replicated"] is True
     same_training(one_rank, grpo_root / "two-layers-exchanged", 4)
 
 
 def test_hsdp_ranks_training_from_row_shards_train_like_one(grpo_root, one_rank, monkeypatch):
     """HSDP (4 ranks in 2 replica groups) with the layers exchanged in training: each group's 2 ranks split the
-    rows between them and exchange only within their group; completions, losses and adapter are one rank's."""
+    rows between them and exchange only within their group, where each rank samples all of its group's rows;
+    completions, losses and adapter are one rank's."""
     from shardtune.train import choice
 
     monkeypatch.setitem(choice.EXCHANGE_PAYS_FROM, "cpu", 1)
@@ -167,7 +173,7 @@ def test_hsdp_ranks_training_from_row_shards_train_like_one(grpo_root, one_rank,
     assert main(argv(grpo_root, "hsdp-layers-exchanged", "--strategy", "fsdp2", "--nproc", "4",
                      "--replicate-groups", "2", "--steps", "4", "--micro-batch-size", "2")) == 0
     plan = json.loads((grpo_root / "hsdp-layers-exchanged" / "summary.json").read_text())["run_plan"]
-    assert plan["layers_exchanged"] is True and plan["replicate_groups"] == 2
+    assert plan["layers_exchanged"] is True and plan["replicate_groups"] == 2 and plan["generation_replicated"]
     same_training(one_rank, grpo_root / "hsdp-layers-exchanged", 4)
 
 
@@ -207,6 +213,7 @@ def test_two_fsdp2_ranks_train_like_one_on_a_4bit_base(grpo_root, monkeypatch):
         assert main(args) == 0
     exchanged = json.loads((grpo_root / "nf4-two-exchanged" / "summary.json").read_text())["run_plan"]
     assert exchanged["generation_exchanged"] is True and exchanged["layers_exchanged"] is True
+    assert exchanged["generation_replicated"] is True
     same_training(grpo_root / "nf4-one", grpo_root / "nf4-two-exchanged", 2)
     summary = json.loads((grpo_root / "nf4-two" / "summary.json").read_text())
     # the tiny model fits gathered and dequantized: each 4-bit weight is dequantized once per generation (the
@@ -361,6 +368,37 @@ def test_generation_computes_from_row_shards_where_that_pays(grpo_root, capsys, 
     exchanged, dora = plan(), plan("--lora-variant", "dora")
     assert exchanged["generation_exchanged"] is True and exchanged["generation_gathered"] is False
     assert dora["generation_exchanged"] is False and dora["generation_gathered"] is True
+
+
+def test_every_rank_samples_all_rows_where_the_kv_cache_it_reads_is_small_and_fits(grpo_root, capsys, monkeypatch):
+    """Exchanged, every rank samples all of its shard group's rows where the other ranks' KV cache it then reads per
+    layer stays within ``REPLICATED_READS_UP_TO`` and the predicted peak, which holds every row's KV cache, fits;
+    else each rank samples its own rows."""
+    from shardtune.runtime.memory import MB
+    from shardtune.train import choice
+
+    monkeypatch.setitem(choice.EXCHANGE_PAYS_FROM, "cpu", 1)
+
+    def plan(budget: str = "1TiB") -> dict:
+        code = main(["plan", *argv(grpo_root, "plan")[1:], "--batch-size", "256", "--max-completion-length", "256",
+                     "--nproc", "2", "--strategy", "fsdp2", "--micro-batch-size", "1", "--memory-per-rank", budget,
+                     "--json"])
+        assert code == 0
+        return json.loads(capsys.readouterr().out)
+
+    replicated = plan()
+    monkeypatch.setitem(choice.REPLICATED_READS_UP_TO, "cpu", 0)
+    own = plan()
+    monkeypatch.undo()
+    monkeypatch.setitem(choice.EXCHANGE_PAYS_FROM, "cpu", 1)
+    below = plan(f"{int((replicated['fsdp2']['peak_mb'] - 0.05) * MB)}B")
+    assert replicated["run_plan"]["generation_replicated"] is True
+    assert not own["run_plan"]["generation_replicated"] and not below["run_plan"]["generation_replicated"]
+    for p in (replicated, own, below):
+        assert p["run_plan"]["generation_exchanged"] and p["fsdp2"]["peak_at"] == "generation (KV cache)"
+    # both ranks' rows: twice the KV cache of a rank's own
+    assert replicated["fsdp2"]["terms"]["kv_cache"] == pytest.approx(2 * own["fsdp2"]["terms"]["kv_cache"], rel=1e-3)
+    assert below["fsdp2"]["peak_mb"] == own["fsdp2"]["peak_mb"] < replicated["fsdp2"]["peak_mb"]
 
 
 def test_training_computes_from_row_shards_where_a_step_moves_fewer_bytes(grpo_root, capsys, monkeypatch, tmp_path):

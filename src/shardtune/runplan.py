@@ -96,6 +96,10 @@ class RunPlan:
     #: FSDP2 on a shard group of several ranks: no layer is gathered for the generation, each projection
     #: computes every rank's tokens from its row shards (parallel/exchanged_layers.py); decided likewise
     generation_exchanged: bool = False
+    #: exchanged, every rank of a shard group samples all of the group's rows: no input moves, each projection's
+    #: outputs are all-gathered (half the collectives); decided likewise, where the other ranks' KV cache that
+    #: each rank then reads costs less than the collectives spared (``choice.REPLICATED_READS_UP_TO``)
+    generation_replicated: bool = False
     #: FSDP2 on a shard group of several ranks, GRPO's training too: the frozen projections stay row-sharded
     #: outside FSDP and compute every rank's tokens where they lie, in forward and backward
     #: (parallel/exchanged_layers.py ``exchange_in_place``); decided likewise, from the bytes a step moves
@@ -127,6 +131,7 @@ class RunPlan:
                                        generation_gathered=self.generation_gathered,
                                        generation_dequantized=self.generation_dequantized,
                                        generation_exchanged=self.generation_exchanged,
+                                       generation_replicated=self.generation_replicated,
                                        layers_exchanged=self.layers_exchanged)
         if expected != self:
             diff = {k: (v, getattr(self, k)) for k, v in dataclasses.asdict(expected).items()

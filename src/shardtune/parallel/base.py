@@ -7,6 +7,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager as ContextManager
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from shardtune.parallel.mesh import ContextGroup
@@ -50,13 +51,16 @@ class Strategy:
         accumulate on this rank; the micro-batch run with it True reduces the sum once per step."""
         return contextlib.nullcontext()
 
-    def gathered_for_generation(self, model: nn.Module, keep: bool, exchange: bool = False) -> ContextManager:
+    def gathered_for_generation(self, model: nn.Module, keep: bool, exchange: bool = False,
+                                replicated: bool = False) -> ContextManager[dist.ProcessGroup | None]:
         """Around a generation's token-by-token no_grad forwards: with ``keep``, a sharded strategy gathers
         the weights once and keeps them for all of them (the planner decided that they fit:
         ``RunPlan.generation_gathered``), sharding them again when the block ends, even on an error; with
         ``exchange``, FSDP2 gathers none and computes each projection from its row shards instead
-        (``RunPlan.generation_exchanged``: parallel/exchanged_layers.py). Here every rank holds the whole
-        model already: nothing to do."""
+        (``RunPlan.generation_exchanged``: parallel/exchanged_layers.py), and with ``replicated`` too, every
+        rank of a shard group runs all of the group's rows (``RunPlan.generation_replicated``): the block
+        gives that group, whose rows the caller must gather (None: each rank runs its own). Here every rank
+        holds the whole model already: nothing to do."""
         return contextlib.nullcontext()
 
     def after_inference(self, model: nn.Module) -> None:

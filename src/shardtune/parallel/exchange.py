@@ -6,7 +6,9 @@ each rank multiplies all of them by its rows, and one all-to-all returns to each
 block of them computed by its owner. Each output is the same dot product the whole weight would give.
 Used by the vocabulary-parallel tables (sharded_embeddings.exchanged) and the decoder's linear layers
 (exchanged_layers.py) while GRPO generates, and by frozen linear layers in training (``ExchangedLinear``:
-backward runs the exchange in reverse, so the inputs' gradient moves, never the weight).
+backward runs the exchange in reverse, so the inputs' gradient moves, never the weight). Where every rank
+holds every rank's inputs already (a generation whose ranks all run all of their group's rows), no input
+moves: each rank's outputs are all-gathered (``replicated_linears``).
 """
 
 from __future__ import annotations
@@ -68,6 +70,27 @@ def exchanged_linears(everyone: torch.Tensor, tokens: int, weights: list[torch.T
     blocks = [b.view(padded, k).split([r[s] for r in rows], dim=1)
               for s, (b, k) in enumerate(zip(received.split([padded * k for k in owned]), owned))]
     return [torch.cat([block[m] for block in blocks], dim=1)[:tokens] for m in range(len(weights))]
+
+
+def replicated_linears(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None],
+                       rows: list[list[int]], group: dist.ProcessGroup) -> list[torch.Tensor]:
+    """The outputs of several layers of the same inputs (q, k and v; gate and up) whose rows are spread as
+    ``rows``, for inputs ``x`` (tokens, in features) that every rank of ``group`` holds alike: each rank
+    multiplies them by its rows (``weights``, ``biases``) and one all-gather gives every rank all of them
+    (tensor parallelism's column-parallel layer). Half the collectives of ``exchanged_linears``, which needs
+    no rank to hold another's inputs. Returns each layer's (tokens, sum(rows))."""
+    n, me = group.size(), group.rank()
+    owned = [sum(r[s] for r in rows) for s in range(n)]
+    send = x.new_empty(x.size(0), max(owned))  # padded to the widest rank's: all-gather takes one shape
+    col = 0
+    for w, b, r in zip(weights, biases, rows):
+        _linear_into(send[:, col:col + r[me]], x, w, b)
+        col += r[me]
+    received = send.new_empty(n, *send.shape)
+    dist.all_gather_into_tensor(received.view(n * send.size(0), -1), send, group=group)
+    del send
+    blocks = [received[s, :, :owned[s]].split([r[s] for r in rows], dim=1) for s in range(n)]
+    return [torch.cat([block[m] for block in blocks], dim=1) for m in range(len(weights))]
 
 
 def _linear_into(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:

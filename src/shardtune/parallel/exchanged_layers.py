@@ -31,6 +31,12 @@ decoder layer of that forward shares; a layer recomputed under activation checkp
 forward, pads as its own forward did. While generating every rank's forwards carry as many tokens, so none is
 agreed on. The inputs a round gathered are let go when the layer's forward ends, or its backward begins (a
 recompute stops early).
+
+Where every rank of the group runs every rank's rows (``replicated``: a generation of few tokens, whose forwards
+are all latency; ``RunPlan.generation_replicated``), each rank holds the inputs of every rank already: each
+multiplies them by its rows and one all-gather hands every rank all the outputs (exchange.py
+``replicated_linears``): per projection one collective instead of two. Every rank then holds the same outputs
+of each projection, and the same logits (the head's are all-gathered too), so every rank samples the same tokens.
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
 from shardtune.model.structure import decoder_layers
-from shardtune.parallel.exchange import ExchangedLinear, everyones
+from shardtune.parallel.exchange import ExchangedLinear, everyones, replicated_linears
 from shardtune.parallel.sharded_embeddings import ShardedEmbedding, ShardedHead, row_counts, shard_rows
 from shardtune.runtime import compat, distributed
 
@@ -98,6 +104,7 @@ class _Round:
         self.followers: dict[_ExchangedForward, list[_ExchangedForward]] = {}
         self.ahead: dict[_ExchangedForward, torch.Tensor] = {}  # outputs computed ahead, for ``source``
         self.equal = False  # every rank's forward carries as many tokens (generation): no count to agree on
+        self.replicated = False  # every rank's forward carries every rank's tokens: nothing to gather
 
     def reset(self, *_: object) -> None:
         if self.pass_.running:  # else a recompute in backward: padded as its own forward was
@@ -120,9 +127,17 @@ class _Round:
             calls = [call]
         else:
             calls = [call, *self.followers.get(call, [])]
-            # FSDP's mixed precision casts a unit's inputs to the weights' dtype; so here
-            self._gather(x.detach().to(call.compute_dtype(x)), x, call)
+            if self.replicated:
+                self._hold(x, call)
+            else:  # FSDP's mixed precision casts a unit's inputs to the weights' dtype; so here
+                self._gather(x.detach().to(call.compute_dtype(x)), x, call)
         parts = [c.parts(x) for c in calls]
+        if self.replicated:
+            flat = x.detach().to(call.compute_dtype(x)).reshape(-1, x.size(-1))
+            outs = [out.view(*x.shape[:-1], out.size(-1)) for out in replicated_linears(
+                flat, [w for w, _, _ in parts], [b for _, b, _ in parts], [r for _, _, r in parts], self.group)]
+            self.ahead.update(zip(calls[1:], outs[1:]))
+            return outs[0]
         outs = ExchangedLinear.apply(x, self.everyone, [w for w, _, _ in parts], [b for _, b, _ in parts],
                                      [r for _, _, r in parts], self.group, self.drop)
         self.ahead.update(zip(calls[1:], outs[1:]))
@@ -146,9 +161,13 @@ class _Round:
             raise RuntimeError(f"exchanged layers: a projection's inputs carry {flat.size(0)} tokens, more than the "
                                f"{self.tokens} every rank pads to in this forward of the model (agreed on at its "
                                "first exchange, or kept from the forward a recompute repeats)")
-        self.ahead.clear()
         self.everyone = everyones(flat, 0.0, self.group, shape=[self.tokens, flat.size(1)])
-        # held: its memory cannot become another tensor's meanwhile
+        self._hold(x, call)
+
+    def _hold(self, x: torch.Tensor, call: _ExchangedForward) -> None:
+        """``x`` as the tensor whose outputs are computed (``call``'s, and those computed ahead). Held: its memory
+        cannot become another tensor's meanwhile."""
+        self.ahead.clear()
         self.source, self.version, self.gatherer = x, x._version, call
 
 
@@ -232,13 +251,16 @@ def exchange_in_place(model: nn.Module, mesh: DeviceMesh, dtype: torch.dtype) ->
 
 
 @contextlib.contextmanager
-def exchanged_layers(model: nn.Module, group: dist.ProcessGroup, dtype: torch.dtype) -> Iterator[None]:
+def exchanged_layers(model: nn.Module, group: dist.ProcessGroup, dtype: torch.dtype,
+                     replicated: bool = False) -> Iterator[None]:
     """``model``'s FSDP2 units computed from their row shards until the block ends (module doc); ``group``:
     the ranks that hold one copy of the model between them; ``dtype``: the compute dtype (FSDP2's
     ``param_dtype``). Every forward inside must carry as many tokens on every rank (generation pads every rank's
     prompts alike): no token count is agreed on per layer, for the projections exchanged for good
-    (``exchange_in_place``) either until the block ends. Every unit is sharded on entry and left sharded, its
-    hooks back, even on an error."""
+    (``exchange_in_place``) either until the block ends. ``replicated``: every forward inside carries the same
+    tokens on every rank of ``group`` (each runs all of the group's rows), so each projection's outputs are
+    all-gathered and no input moves. Every unit is sharded on entry and left sharded, its hooks back, even on an
+    error."""
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     shadowed: list[tuple[nn.Module, str]] = []
     with contextlib.ExitStack() as stack:
@@ -249,8 +271,10 @@ def exchanged_layers(model: nn.Module, group: dist.ProcessGroup, dtype: torch.dt
         for handle in handles:
             stack.callback(handle.remove)
         for round_ in {*rounds.values(), *(m.forward.round for m in model.modules() if _exchanged(m))}:
-            round_.equal = True  # the block's own rounds go with it; those for good are set back
+            # the block's own rounds go with it; those for good are set back
+            round_.equal, round_.replicated = True, replicated
             stack.callback(setattr, round_, "equal", False)
+            stack.callback(setattr, round_, "replicated", False)
         stack.callback(_unshadow, shadowed)
         for module in model.modules():
             if isinstance(module, (ShardedEmbedding, ShardedHead)) or _exchanged(module):

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager as ContextManager
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
@@ -134,17 +135,19 @@ class FSDP2(Strategy):
         return self._reduced(model)
 
     @contextlib.contextmanager
-    def gathered_for_generation(self, model: nn.Module, keep: bool, exchange: bool = False) -> Iterator[None]:
+    def gathered_for_generation(self, model: nn.Module, keep: bool, exchange: bool = False,
+                                replicated: bool = False) -> Iterator[dist.ProcessGroup | None]:
         # The row-sharded tables are used vocabulary-parallel, never gathered (sharded_embeddings.exchanged).
-        # ``exchange``: neither are the layers (exchanged_layers.py), on a shard group of several ranks.
+        # ``exchange``: neither are the layers (exchanged_layers.py), on a shard group of several ranks;
+        # ``replicated``: whose ranks each run all of the group's rows (given to the caller, who gathers them).
         # ``keep``: every unit is gathered once and its forwards run without FSDP2's hooks (a forward per token
         # would otherwise pay every unit's pre- and post-forward hook); after, the hooks are back and every
         # unit is sharded again, before any backward or optimizer step, even when generation failed.
         group = shard_mesh(self.mesh)
         if exchange and group.size() > 1:
-            with sharded_embeddings.exchanged(model), \
-                    exchanged_layers(model, group.get_group(), self.mp.param_dtype or torch.float32):
-                yield
+            with sharded_embeddings.exchanged(model, replicated), \
+                    exchanged_layers(model, group.get_group(), self.mp.param_dtype or torch.float32, replicated):
+                yield group.get_group() if replicated else None
             return
         units = [m for m in model.modules() if isinstance(m, FSDPModule)] if keep else []
         with contextlib.ExitStack() as stack:
@@ -154,7 +157,7 @@ class FSDP2(Strategy):
             for unit in units:
                 stack.enter_context(compat.fsdp2_forward_hooks_paused(unit))
             stack.enter_context(sharded_embeddings.exchanged(model))
-            yield
+            yield None
 
     def after_inference(self, model: nn.Module) -> None:
         # Units that keep their parameters gathered after forward (the last layer, the head) reshard in

@@ -47,7 +47,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from shardtune.parallel.exchange import everyones as _everyones
-from shardtune.parallel.exchange import exchanged_linear
+from shardtune.parallel.exchange import exchanged_linear, replicated_linears
 from shardtune.runtime import distributed
 
 
@@ -83,6 +83,7 @@ class ShardedEmbedding(nn.Module):
         self.weight, self.group = weight, group
         self.rows = row_counts(self.num_embeddings, group.size())
         self.exchange = False  # inside ``exchanged``: every rank's ids looked up on the rows here
+        self.replicated = False  # and every rank holds them all already
 
     @torch.no_grad()
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -118,6 +119,7 @@ class ShardedHead(nn.Module):
         self.weight, self.group = weight, group
         self.rows = row_counts(self.out_features, group.size())
         self.exchange = False  # inside ``exchanged``: every rank's hidden states projected on the rows here
+        self.replicated = False  # and every rank holds them all already
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.exchange and not torch.is_grad_enabled():  # generating: no backward to prepare
@@ -134,18 +136,19 @@ class ShardedHead(nn.Module):
 
 
 @contextlib.contextmanager
-def exchanged(model: nn.Module) -> Iterator[None]:
+def exchanged(model: nn.Module, replicated: bool = False) -> Iterator[None]:
     """Each row-sharded table of ``model`` used vocabulary-parallel until the block ends (module doc): every
     forward inside is a collective, so every rank runs each one, with as many tokens (generation's lockstep,
-    every rank's prompts padded alike)."""
+    every rank's prompts padded alike). ``replicated``: every rank's forwards carry the same tokens (each runs
+    every rank's rows), so nothing is gathered: the lookups are summed, the logits all-gathered."""
     modules = [m for m in model.modules() if isinstance(m, (ShardedEmbedding, ShardedHead))]
     try:
         for m in modules:
-            m.exchange = True
+            m.exchange, m.replicated = True, replicated
         yield
     finally:
         for m in modules:
-            m.exchange = False
+            m.exchange, m.replicated = False, False
 
 
 def _blocks(module: ShardedEmbedding | ShardedHead) -> Iterator[tuple[int, torch.Tensor]]:
@@ -158,21 +161,31 @@ def _exchanged_lookup(module: ShardedEmbedding, ids: torch.Tensor) -> torch.Tens
     rank's own sent back."""
     group = module.group
     local = module.weight.to_local()
+    if module.replicated:  # every rank's ids are these: each rank's rows looked up, summed
+        out = _picked(local, ids - sum(module.rows[:group.rank()]), module.embedding_dim)
+        dist.all_reduce(out, group=group)
+        return out
     everyone = _everyones(ids, -1, group, shape=list(ids.shape)) - sum(module.rows[:group.rank()])
-    mine = (everyone >= 0) & (everyone < local.size(0))
-    picked = nn.functional.embedding(everyone.clamp(0, max(local.size(0) - 1, 0)), local) if local.size(0) \
-        else local.new_zeros(*everyone.shape, module.embedding_dim)
-    send = torch.where(mine.unsqueeze(-1), picked, 0.0)
-    del picked, mine
-    received = torch.empty_like(send)
-    dist.all_to_all_single(received, send, group=group)
+    received = torch.empty(*everyone.shape, module.embedding_dim, dtype=local.dtype, device=local.device)
+    dist.all_to_all_single(received, _picked(local, everyone, module.embedding_dim), group=group)
     return received.sum(0)[:ids.size(0), :ids.size(1)]
+
+
+def _picked(local: torch.Tensor, ids: torch.Tensor, width: int) -> torch.Tensor:
+    """The rows here of ``ids`` (shifted to this rank's first row), zeros where an id is not one of them."""
+    mine = (ids >= 0) & (ids < local.size(0))
+    picked = nn.functional.embedding(ids.clamp(0, max(local.size(0) - 1, 0)), local) if local.size(0) \
+        else local.new_zeros(*ids.shape, width)
+    return torch.where(mine.unsqueeze(-1), picked, 0.0)
 
 
 def _exchanged_logits(module: ShardedHead, hidden: torch.Tensor) -> torch.Tensor:
     """``hidden``'s logits: every rank's hidden states times the rows here, then each rank's columns back."""
     local = module.weight.to_local()
     flat = hidden.reshape(-1, hidden.size(-1)).to(local.dtype)
+    if module.replicated:  # every rank's hidden states are these: each rank's block of the logits all-gathered
+        out = replicated_linears(flat, [local], [None], [module.rows], module.group)[0]
+        return out.view(*hidden.shape[:-1], sum(module.rows))
     out = exchanged_linear(_everyones(flat, 0.0, module.group, shape=list(flat.shape)), flat.size(0), local, None,
                            module.rows, module.group)
     return out.view(*hidden.shape[:-1], sum(module.rows))

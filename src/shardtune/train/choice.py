@@ -226,6 +226,23 @@ def exchanges_to_generate(cfg: Config, setting: Setting) -> bool:
 EXCHANGE_PAYS_FROM = {"cpu": 64 * MB, "cuda": 1024 * MB}
 
 
+#: Replicated (every rank of a shard group sampling all of the group's rows), a token's forward spends one
+#: collective a projection instead of the exchange's two, and each rank reads, in every layer, the other ranks'
+#: KV cache too: worth it where those bytes are below what a rank reads in about the time of the collectives
+#: spared, half of those ``EXCHANGE_PAYS_FROM`` weighs.
+REPLICATED_READS_UP_TO = {device: limit // 2 for device, limit in EXCHANGE_PAYS_FROM.items()}
+
+
+def replicates_to_generate(search: Search, setting: Setting) -> bool:
+    """Whether an exchanged generation (``generation_exchanged``) spares collectives by having every rank of a
+    shard group sample all of the group's rows (``generation_replicated``): where the KV cache of the other ranks'
+    rows that a token's forward then reads in each layer stays within ``REPLICATED_READS_UP_TO``."""
+    shards = setting.ranks // setting.replicate_groups
+    f = search.facts
+    others = (shards - 1) * setting.generation_rows * setting.generation_tokens * f.kv_bytes_per_token
+    return others / max(f.layers, 1) <= REPLICATED_READS_UP_TO[search.device]
+
+
 #: A frozen projection's exchange moves, per token and decoder layer, about this many hidden states: the inputs
 #: of the attention's projections, its output's and the MLP's (four gathered), and their outputs (Llama's MLP is
 #: about 2.7 hidden states wide: gate's, up's and down's outputs, q's, k's, v's and o's).
@@ -257,8 +274,10 @@ def generation_gathered(search: Search, setting: Setting, budget: int | None) ->
     while the per-token gathering moves every layer for every token). A 4-bit base's NF4 weights are then
     dequantized once per generation (``generation_dequantized``) when the peak with all of them (the rank's
     rows, exchanged) in the compute dtype fits too. Exchanged, training computes from the row shards too where
-    that moves fewer bytes (``exchanges_to_train``: ``layers_exchanged``). A setting that does not generate, or
-    whose strategy gathers nothing for a forward (``gathers_to_generate``), is returned unchanged."""
+    that moves fewer bytes (``exchanges_to_train``: ``layers_exchanged``), and every rank of a shard group samples
+    all of the group's rows where that pays (``replicates_to_generate``) and fits (``generation_replicated``).
+    A setting that does not generate, or whose strategy gathers nothing for a forward (``gathers_to_generate``),
+    is returned unchanged."""
     chosen, prediction = setting, search.predict(setting)
     if not gathers_to_generate(setting):
         return chosen, prediction
@@ -277,6 +296,10 @@ def generation_gathered(search: Search, setting: Setting, budget: int | None) ->
         if pays or base is None:
             how = {"generation_exchanged": True, "layers_exchanged": exchanges_to_train(search, setting)}
             base = search.predict(dataclasses.replace(setting, **how))  # never above the per-token gathering
+            if replicates_to_generate(search, setting):
+                replicated = fits(dataclasses.replace(setting, **how, generation_replicated=True))
+                if replicated is not None:
+                    how, base = {**how, "generation_replicated": True}, replicated
     if base is None:
         return chosen, prediction
     chosen, prediction = dataclasses.replace(setting, **how), base

@@ -12,7 +12,10 @@ nothing). How the weights are spread decides only how a forward runs:
   generation (``Strategy.gathered_for_generation``), the same numbers without a gather per token; or the
   layers are never gathered either (``RunPlan.generation_exchanged``: ``exchange``): each projection
   computes every rank's tokens on the rows here and sends each rank its outputs
-  (parallel/exchanged_layers.py); the row-sharded embedding tables are never gathered (each rank looks up
+  (parallel/exchanged_layers.py), or, where every rank of a shard group samples all of the group's rows
+  (``RunPlan.generation_replicated``: ``replicated``, the same completions on each), each rank's outputs are
+  all-gathered, one collective a projection instead of two, and no all-reduce decides when to stop (every
+  rank sees every row); the row-sharded embedding tables are never gathered (each rank looks up
   and projects every rank's tokens on its own rows: parallel/sharded_embeddings.py); a 4-bit base's NF4
   weights are then dequantized once for the generation (the rank's rows only, when exchanged), not in every
   token's forward, when they fit too (``RunPlan.generation_dequantized``: ``dequantized``;
@@ -89,15 +92,39 @@ def lockstep(worker: Worker, strategy: Strategy):
 
 def generate(model: nn.Module, strategy: Strategy, worker: Worker, prompts: Sequence[Sequence[int]],
              keys: Sequence[tuple[int, int]], settings: SamplingSettings, seed: int, step: int,
-             keep: bool = False, dequantized: bool = False, exchange: bool = False) -> list[Completion]:
+             keep: bool = False, dequantized: bool = False, exchange: bool = False,
+             replicated: bool = False) -> list[Completion]:
     """This rank's completions of ``prompts`` (token ids), row i seeded by ``keys[i]`` = (prompt index, completion
     index) and ``step`` (the generation batch); every rank calls it with as many rows. ``keep``: the weights
-    stay gathered for the whole generation; ``exchange``: none is gathered, each rank computes from its rows;
-    with either, ``dequantized``: the NF4 ones are dequantized once (module doc)."""
+    stay gathered for the whole generation; ``exchange``: none is gathered, each rank computes from its rows,
+    and with ``replicated`` too, every rank of a shard group samples all of the group's rows; with ``keep`` or
+    ``exchange``, ``dequantized``: the NF4 ones are dequantized once (module doc)."""
     inner = strategy.unwrap(model)  # the peft model: FSDP2's units are inside it, DDP's wrapper outside
     once = dequantized_once() if (keep or exchange) and dequantized else contextlib.nullcontext()
-    weights = strategy.gathered_for_generation(model, keep, exchange)
+    weights = strategy.gathered_for_generation(model, keep, exchange, replicated)
     width = widest_prompt(prompts, worker) if in_lockstep(worker, strategy) else 0
-    with inference(model, strategy), weights, sdpa_attention(inner), once:
-        return sample(hf_next_logits(inner), prompts, keys, settings, seed, step, hf_cache(inner), worker.device,
-                      keep_going=lockstep(worker, strategy), width=width)
+    with inference(model, strategy), weights as group, sdpa_attention(inner), once:
+        if group is None:
+            return sample(hf_next_logits(inner), prompts, keys, settings, seed, step, hf_cache(inner),
+                          worker.device, keep_going=lockstep(worker, strategy), width=width)
+        # every rank of the group samples the same rows from the same logits: each stops when all are done
+        every_prompt, every_key = group_rows(prompts, keys, width, group, worker.device)
+        done = sample(hf_next_logits(inner), every_prompt, every_key, settings, seed, step, hf_cache(inner),
+                      worker.device, width=width)
+        return done[group.rank() * len(prompts):(group.rank() + 1) * len(prompts)]
+
+
+def group_rows(prompts: Sequence[Sequence[int]], keys: Sequence[tuple[int, int]], width: int,
+               group: torch.distributed.ProcessGroup, device: torch.device
+               ) -> tuple[list[list[int]], list[tuple[int, int]]]:
+    """The prompts and keys of every rank of ``group`` in its rank order (one all-gather); each rank has as many,
+    none wider than ``width`` (``widest_prompt``)."""
+    table = torch.zeros(len(prompts), 3 + width, dtype=torch.long)
+    for i, (prompt, key) in enumerate(zip(prompts, keys)):
+        table[i, :3] = torch.tensor([len(prompt), *key])
+        table[i, 3:3 + len(prompt)] = torch.tensor(list(prompt))
+    table = table.to(device)
+    every = table.new_empty(group.size() * len(prompts), 3 + width)
+    torch.distributed.all_gather_into_tensor(every, table, group=group)
+    rows = every.tolist()
+    return [row[3:3 + row[0]] for row in rows], [(row[1], row[2]) for row in rows]

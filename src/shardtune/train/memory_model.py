@@ -270,6 +270,8 @@ class Setting:
     generation_dequantized: bool = False
     #: GRPO under FSDP2: no layer gathered, each projection exchanged (``RunPlan.generation_exchanged``)
     generation_exchanged: bool = False
+    #: exchanged, every rank of a shard group samples all of its rows (``RunPlan.generation_replicated``)
+    generation_replicated: bool = False
     #: GRPO under FSDP2, training too: the frozen projections outside FSDP, exchanged (``RunPlan.layers_exchanged``)
     layers_exchanged: bool = False
 
@@ -420,11 +422,17 @@ def _generation_terms(f: Facts, s: Setting, n: int, vocab: int, kept: dict[str, 
     run on CPU; row-sharded tables are never gathered: sharded_embeddings.exchanged), one
     layer's prefill activations (no_grad) and the last position's logits with the sampler's fp64 softmax
     and cumulative sum; dequantized once (``generation_dequantized``), every NF4 weight in the compute dtype
-    (the rank's rows of each when exchanged). Exchanged (``generation_exchanged``), no layer is gathered.
+    (the rank's rows of each when exchanged). Exchanged (``generation_exchanged``), no layer is gathered;
+    replicated too (``generation_replicated``), every rank of the shard group holds the KV cache, activations
+    and logits of all the group's rows, and a projection's outputs of them all (its rows', the gathered, the cut).
     The vocabulary-parallel head's exchange (the rank's block of every rank's logits, then its own logits
     received) is two logits' worth, inside the forward, before the sampler's temporaries exist: within the
     logits term."""
     rows, tokens = s.generation_rows, s.generation_tokens
+    shards = n // max(s.replicate_groups, 1)
+    replicated = s.generation_replicated and s.generation_exchanged and shards > 1 and traits(s.strategy).shards
+    if replicated:
+        rows *= shards
     # through CPU FSDP2's shared ``buffers`` a gathered unit is one copy; else FSDP2's buffer and copy-out
     copies = 1 if buffers else GATHER_COPIES.get((s.strategy, "cuda"), 0)
     gathered = copies * f.block_bytes if n > 1 else 0.0
@@ -435,7 +443,10 @@ def _generation_terms(f: Facts, s: Setting, n: int, vocab: int, kept: dict[str, 
         # rows) is gathered once; each projection's inputs from every rank, the widest (the MLP's, about
         # four hidden states a token) at the prefill, with its outputs sent and received
         gathered = root + f.trainable_params * f.compute_itemsize
-        exchange = exchange_buffers(f, n, rows * tokens)
+        # replicated: every rank holds every rank's inputs already; its rows' outputs, all of them gathered and
+        # each projection's cut from those
+        exchange = 3 * rows * tokens * 4 * f.hidden * f.compute_itemsize if replicated else \
+            exchange_buffers(f, n, rows * tokens)
     elif s.generation_gathered and n > 1 and traits(s.strategy).shards:
         gathered = f.layers * f.block_bytes + root + max(0, copies - 1) * f.block_bytes
     prefill = 8 * rows * tokens * f.hidden * f.compute_itemsize

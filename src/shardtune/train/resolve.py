@@ -91,6 +91,7 @@ def _generation(cfg: Config, plan: RunPlan, search: Search) -> RunPlan:
     return dataclasses.replace(plan, generation_gathered=chosen.generation_gathered,
                                generation_dequantized=chosen.generation_dequantized,
                                generation_exchanged=chosen.generation_exchanged,
+                               generation_replicated=chosen.generation_replicated,
                                layers_exchanged=chosen.layers_exchanged)
 
 
@@ -100,10 +101,13 @@ def _generation_said(search: Search, setting: Setting, chosen: Setting, budget: 
         return format_size(search.predict(dataclasses.replace(setting, **kept)).peak_mb * MB)
 
     if chosen.generation_exchanged:
-        how = {"generation_exchanged": True, "layers_exchanged": chosen.layers_exchanged}
+        how = {"generation_exchanged": True, "layers_exchanged": chosen.layers_exchanged,
+               "generation_replicated": chosen.generation_replicated}
         said = "generation and training compute from the row shards" if chosen.layers_exchanged else \
             "generation computes from the row shards"
         said, what = f"{said}, gathering no layer", "rows"
+        if chosen.generation_replicated:
+            said += ", every rank sampling all of its shard group's rows"
     elif chosen.generation_gathered:
         how, said, what = {"generation_gathered": True}, "generation keeps the weights gathered", "ones"
     else:

@@ -68,7 +68,7 @@ class Rollouts:
     def __init__(self, cfg: Config, trainee: Trainee, tokenizer, prompts: list[Example],
                  records: list[tuple[int, dict]], split: BatchSplit, rewards: list[RewardFunction], attention: str,
                  dtype: torch.dtype, gathered: bool = False, dequantized: bool = False, exchanged: bool = False,
-                 remote: RemoteGenerator | None = None) -> None:
+                 replicated: bool = False, remote: RemoteGenerator | None = None) -> None:
         assert isinstance(trainee.objective, Grpo)
         self.cfg, self.t, self.tokenizer, self.split, self.rewards = cfg, trainee, tokenizer, split, rewards
         self.objective: Grpo = trainee.objective
@@ -89,6 +89,7 @@ class Rollouts:
         self.gathered = gathered  # the weights stay gathered while generating (RunPlan.generation_gathered)
         self.exchanged = exchanged  # or never gathered, computed from the rows (RunPlan.generation_exchanged)
         self.dequantized = dequantized  # and NF4 ones dequantized once (RunPlan.generation_dequantized)
+        self.replicated = replicated  # each rank of a shard group samples all its rows (generation_replicated)
         self.remote = remote  # --vllm-url: the completions come from a vLLM server instead
 
     # ------------------------------------------------------------------------------------------ a step's items
@@ -119,7 +120,7 @@ class Rollouts:
         else:
             done = generate(self.t.model, self.t.strategy, w, [self.prompts[p].input_ids for p, _ in mine], mine,
                             self.settings, self.cfg.train.seed, index, keep=self.gathered,
-                            dequantized=self.dequantized, exchange=self.exchanged)
+                            dequantized=self.dequantized, exchange=self.exchanged, replicated=self.replicated)
         ids = [c.ids for c in done]
         try:
             found: object = self._score(mine, ids, step)
