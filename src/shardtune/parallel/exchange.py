@@ -37,7 +37,7 @@ def everyones(part: torch.Tensor, fill: float, group: dist.ProcessGroup, shape: 
     out = part.new_empty(group.size(), *shape)
     # into one tensor: a list of outputs costs NCCL a flat buffer and a copy per call; gloo takes the ranks'
     # parts concatenated along the first dimension, not stacked
-    dist.all_gather_into_tensor(out.view(group.size() * shape[0], *shape[1:]), padded, group=group)
+    dist.all_gather_single(out.view(group.size() * shape[0], *shape[1:]), padded, group=group)
     return out
 
 
@@ -87,7 +87,7 @@ def replicated_linears(x: torch.Tensor, weights: list[torch.Tensor], biases: lis
         _linear_into(send[:, col:col + r[me]], x, w, b)
         col += r[me]
     received = send.new_empty(n, *send.shape)
-    dist.all_gather_into_tensor(received.view(n * send.size(0), -1), send, group=group)
+    dist.all_gather_single(received.view(n * send.size(0), -1), send, group=group)
     del send
     blocks = [received[s, :, :owned[s]].split([r[s] for r in rows], dim=1) for s in range(n)]
     return [torch.cat([block[m] for block in blocks], dim=1) for m in range(len(weights))]

@@ -125,6 +125,6 @@ def group_rows(prompts: Sequence[Sequence[int]], keys: Sequence[tuple[int, int]]
         table[i, 3:3 + len(prompt)] = torch.tensor(list(prompt))
     table = table.to(device)
     every = table.new_empty(group.size() * len(prompts), 3 + width)
-    torch.distributed.all_gather_into_tensor(every, table, group=group)
+    torch.distributed.all_gather_single(every, table, group=group)
     rows = every.tolist()
     return [row[3:3 + row[0]] for row in rows], [(row[1], row[2]) for row in rows]
