@@ -58,18 +58,13 @@ def exchanged_linears(everyone: torch.Tensor, tokens: int, weights: list[torch.T
     n, padded, me = everyone.size(0), everyone.size(1), group.rank()
     flat = everyone.reshape(n * padded, -1)  # rank r's tokens at rows r·padded …
     owned = [sum(r[s] for r in rows) for s in range(n)]  # rows of all the layers each rank holds
-    send = flat.new_empty(n * padded, owned[me])
-    col = 0
-    for w, b, r in zip(weights, biases, rows):  # each layer's outputs straight into their columns of ``send``
-        _linear_into(send[:, col:col + r[me]], flat, w, b)
-        col += r[me]
+    send = _rows_outputs(flat.new_empty(n * padded, owned[me]), flat, weights, biases, rows, me)
     received = send.new_empty(padded * sum(owned))
     dist.all_to_all_single(received, send.reshape(-1), [padded * k for k in owned], [padded * owned[me]] * n,
                            group=group)
     del send
-    blocks = [b.view(padded, k).split([r[s] for r in rows], dim=1)
-              for s, (b, k) in enumerate(zip(received.split([padded * k for k in owned]), owned))]
-    return [torch.cat([block[m] for block in blocks], dim=1)[:tokens] for m in range(len(weights))]
+    by_rank = [b.view(padded, k) for b, k in zip(received.split([padded * k for k in owned]), owned)]
+    return [out[:tokens] for out in _per_layer(by_rank, rows)]
 
 
 def replicated_linears(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None],
@@ -81,16 +76,30 @@ def replicated_linears(x: torch.Tensor, weights: list[torch.Tensor], biases: lis
     no rank to hold another's inputs. Returns each layer's (tokens, sum(rows))."""
     n, me = group.size(), group.rank()
     owned = [sum(r[s] for r in rows) for s in range(n)]
-    send = x.new_empty(x.size(0), max(owned))  # padded to the widest rank's: all-gather takes one shape
+    # padded to the widest rank's: all-gather takes one shape
+    send = _rows_outputs(x.new_empty(x.size(0), max(owned)), x, weights, biases, rows, me)
+    received = send.new_empty(n, *send.shape)
+    dist.all_gather_single(received.view(n * send.size(0), -1), send, group=group)
+    del send
+    return _per_layer([received[s, :, :owned[s]] for s in range(n)], rows)
+
+
+def _rows_outputs(send: torch.Tensor, x: torch.Tensor, weights: list[torch.Tensor],
+                  biases: list[torch.Tensor | None], rows: list[list[int]], me: int) -> torch.Tensor:
+    """``send`` with each layer's outputs of ``x`` on rank ``me``'s rows written straight into their columns,
+    side by side in the layers' order (columns beyond them left as they are)."""
     col = 0
     for w, b, r in zip(weights, biases, rows):
         _linear_into(send[:, col:col + r[me]], x, w, b)
         col += r[me]
-    received = send.new_empty(n, *send.shape)
-    dist.all_gather_single(received.view(n * send.size(0), -1), send, group=group)
-    del send
-    blocks = [received[s, :, :owned[s]].split([r[s] for r in rows], dim=1) for s in range(n)]
-    return [torch.cat([block[m] for block in blocks], dim=1) for m in range(len(weights))]
+    return send
+
+
+def _per_layer(by_rank: list[torch.Tensor], rows: list[list[int]]) -> list[torch.Tensor]:
+    """Each layer's whole outputs, from every rank's block of its rows' outputs of all the layers side by side
+    (``_rows_outputs``, rank order): the layers' columns cut from each block and joined across the ranks."""
+    blocks = [block.split([r[s] for r in rows], dim=1) for s, block in enumerate(by_rank)]
+    return [torch.cat([block[m] for block in blocks], dim=1) for m in range(len(rows))]
 
 
 def _linear_into(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:

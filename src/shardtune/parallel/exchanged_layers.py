@@ -131,15 +131,14 @@ class _Round:
                 self._hold(x, call)
             else:  # FSDP's mixed precision casts a unit's inputs to the weights' dtype; so here
                 self._gather(x.detach().to(call.compute_dtype(x)), x, call)
-        parts = [c.parts(x) for c in calls]
+        weights, biases, rows = zip(*(c.parts(x) for c in calls))
         if self.replicated:
             flat = x.detach().to(call.compute_dtype(x)).reshape(-1, x.size(-1))
-            outs = [out.view(*x.shape[:-1], out.size(-1)) for out in replicated_linears(
-                flat, [w for w, _, _ in parts], [b for _, b, _ in parts], [r for _, _, r in parts], self.group)]
-            self.ahead.update(zip(calls[1:], outs[1:]))
-            return outs[0]
-        outs = ExchangedLinear.apply(x, self.everyone, [w for w, _, _ in parts], [b for _, b, _ in parts],
-                                     [r for _, _, r in parts], self.group, self.drop)
+            outs = [out.view(*x.shape[:-1], out.size(-1))
+                    for out in replicated_linears(flat, list(weights), list(biases), list(rows), self.group)]
+        else:
+            outs = ExchangedLinear.apply(x, self.everyone, list(weights), list(biases), list(rows), self.group,
+                                         self.drop)
         self.ahead.update(zip(calls[1:], outs[1:]))
         return outs[0]
 

@@ -161,11 +161,12 @@ def _exchanged_lookup(module: ShardedEmbedding, ids: torch.Tensor) -> torch.Tens
     rank's own sent back."""
     group = module.group
     local = module.weight.to_local()
+    first = sum(module.rows[:group.rank()])  # this rank's first row
     if module.replicated:  # every rank's ids are these: each rank's rows looked up, summed
-        out = _picked(local, ids - sum(module.rows[:group.rank()]), module.embedding_dim)
+        out = _picked(local, ids - first, module.embedding_dim)
         dist.all_reduce(out, group=group)
         return out
-    everyone = _everyones(ids, -1, group, shape=list(ids.shape)) - sum(module.rows[:group.rank()])
+    everyone = _everyones(ids, -1, group, shape=list(ids.shape)) - first
     received = torch.empty(*everyone.shape, module.embedding_dim, dtype=local.dtype, device=local.device)
     dist.all_to_all_single(received, _picked(local, everyone, module.embedding_dim), group=group)
     return received.sum(0)[:ids.size(0), :ids.size(1)]
