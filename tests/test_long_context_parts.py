@@ -77,12 +77,27 @@ def test_offloaded_saves_come_back_unchanged_once_each():
     torch.testing.assert_close(loss.detach(), want)
     for n, p in model.named_parameters():
         if n in want_grads:
-            # fp32 sums over 128 tokens may round another way once tensors sit elsewhere (seen about once in
-            # 20 runs, on the final norm): an element that nearly cancels is compared to the tensor's scale
-            scale = want_grads[n].abs().max().item()
-            torch.testing.assert_close(p.grad, want_grads[n], rtol=1e-4, atol=1e-5 * scale, msg=n)
+            torch.testing.assert_close(p.grad, want_grads[n], msg=n)
     assert not offloader.host and not offloader.back  # nothing outlives its use in backward
     assert len(copies) == 2 * saved  # out once and back once each, shared tensors included
+
+
+def test_a_tensor_laid_where_a_moved_one_was_is_another_tensor():
+    """Once a saved tensor has moved out its memory is freed, and the next tensor of its size may get the
+    same address (a GPU's caching allocator hands it on at once): backward must get each one's own values.
+    Both tensors here lie on one buffer, so they have the same address, shape and dtype for sure."""
+    memory = bytearray(4 * 8 * 4)
+    w = torch.randn(4, 8, requires_grad=True)
+    offloader = Offloader(torch.device("cpu"), min_bytes=1, copy=lambda t, device: t.detach().clone())
+    with offloader.hooks():
+        first = torch.frombuffer(memory, dtype=torch.float32).view(4, 8).fill_(2.0)
+        y = w * first  # saved for w's gradient, then moved out: nothing else holds it
+        del first
+        second = torch.frombuffer(memory, dtype=torch.float32).view(4, 8).fill_(3.0)
+        y = y + w * second
+    y.sum().backward()
+    torch.testing.assert_close(w.grad, torch.full((4, 8), 5.0))
+    assert offloader.moved == 2 * 4 * 8 * 4
 
 
 def test_offloading_is_not_installed_on_a_cpu():

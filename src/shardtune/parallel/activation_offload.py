@@ -9,7 +9,8 @@ layer ahead of the backward that needs it (torchtune's and TRL's approach; writt
 
 Correctness rules the code keeps: a GPU tensor is referenced until its copy out has finished (its
 memory is not reused under the copy); the compute stream waits for a copy back before using it; a
-tensor saved by several layers (rotary tables) is moved once; small tensors and parameters stay. On a
+tensor saved by several layers (rotary tables) is moved once, and only while that tensor lives (a new
+tensor at a freed one's address, shape and dtype is another tensor); small tensors and parameters stay. On a
 CPU there is nothing to move to: ``plan`` and ``finetune`` say so, and the hooks are not installed.
 ``Offloader(device, copy=...)`` lets the tests drive the bookkeeping on a CPU with plain copies.
 """
@@ -21,6 +22,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 #: tensors smaller than this stay where they are (the copy would cost more than it frees)
 MIN_BYTES = 1 << 20
@@ -42,7 +44,7 @@ class Offloader:
         self.host: dict[int, torch.Tensor] = {}  # handle → host copy
         self.pending: dict[int, tuple[torch.Tensor, object]] = {}  # handle → (GPU tensor, copy-out event)
         self.back: dict[int, tuple[torch.Tensor, object]] = {}  # handle → (GPU copy, copy-back event)
-        self.keys: dict[tuple, int] = {}
+        self.keys: dict[tuple, tuple[int, StorageWeakRef]] = {}  # where a saved tensor lies → its handle
         self.uses: dict[int, int] = {}  # handle → saves not yet unpacked (a shared tensor is saved by several)
         self.moved = 0  # bytes moved out (tests, metrics)
         self._next = 0
@@ -55,12 +57,15 @@ class Offloader:
                 or t.numel() * t.element_size() < self.min_bytes):
             return t
         key = _storage_key(t)
-        if key in self.keys:
-            self.uses[self.keys[key]] += 1
-            return self.keys[key]
+        known = self.keys.get(key)
+        # Once moved out, a tensor's device memory is freed, and the allocator hands the same address to
+        # the next tensor of its size (the next layer's input): a key alone would give backward the wrong one.
+        if known is not None and not known[1].expired():
+            self.uses[known[0]] += 1
+            return known[0]
         handle = self._next
         self._next += 1
-        self.keys[key] = handle
+        self.keys[key] = (handle, StorageWeakRef(t.untyped_storage()))
         self.uses[handle] = 1
         self.host[handle] = self._out(t, handle)
         self.moved += t.numel() * t.element_size()
