@@ -3,6 +3,7 @@
     python bench/gpu_check.py env                       # the machine; which multi-rank mode applies
     python bench/gpu_check.py prepare CACHE [--quick]   # models and data, as KEY=path lines for the shell
     python bench/gpu_check.py check ROW --out RUN_DIR [--plan PLAN.json] [--expect key=value ...]
+                                                        [--same-as OTHER_RUN_DIR]   # the same losses
     python bench/gpu_check.py check-json ROW FILE --keys k1,k2   # eval/generate/harness outputs
     python bench/gpu_check.py ballast --leave GiB       # hold all but GiB of the GPU until killed
     python bench/gpu_check.py collect RESULTS.jsonl OUT.json [--merge --order ROW,ROW]   # exit 1 on a FAIL
@@ -35,6 +36,10 @@ sys.path.insert(0, str(HERE.parent / "tests"))
 #: holds outside it) must stay below this.
 PLAN_BAND = float(os.environ.get("PLAN_BAND", "0.25"))
 DEVICE = os.environ.get("GPU_CHECK_DEVICE", "cuda")
+#: a run that must compute what another computed (only where tensors wait is different) matches its
+#: loss and gradient norm at every step within this, relative: bf16 kernels on a GPU are not bitwise
+#: deterministic, while a wrong saved tensor changes the gradient by far more
+SAME_RUN_BAND = 0.02
 
 
 def _results() -> Path | None:
@@ -178,6 +183,27 @@ def planner_numbers(plan: dict, summary: dict, problems: list[str]) -> dict:
     return numbers
 
 
+def same_steps(got: list[dict], want: list[dict], problems: list[str]) -> dict:
+    """Each step's loss and gradient norm against another run's of the same batches."""
+    if not want:
+        problems.append("the run to compare with has no metrics.jsonl")
+        return {}
+    if len(got) != len(want):
+        problems.append(f"{len(got)} steps against {len(want)} in the run to compare with")
+    worst = 0.0
+    for g, w in zip(got, want):
+        for key in ("loss", "grad_norm"):
+            a, b = g.get(key), w.get(key)
+            if not _finite(a, b):
+                problems.append(f"step {g.get('step')}: {key} {a} against {b}")
+                continue
+            off = abs(a - b) / max(abs(b), 1e-12)
+            worst = max(worst, off)
+            if off > SAME_RUN_BAND:
+                problems.append(f"step {g.get('step')}: {key} {a:.6g} against {b:.6g} in the run to compare with")
+    return {"worst_step_difference": round(worst, 5)}
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     run = Path(args.out)
     problems: list[str] = []
@@ -226,6 +252,8 @@ def cmd_check(args: argparse.Namespace) -> int:
             problems.append(f"the automatic choice used {whole:.0f} MB, above the {args.budget_gib:.1f} GiB left")
     if args.plan:
         numbers.update(planner_numbers(json.loads(Path(args.plan).read_text()), s, problems))
+    if args.same_as:
+        numbers.update(same_steps(metrics, _metrics(Path(args.same_as)), problems))
     return verdict(args.row, problems, numbers)
 
 
@@ -365,6 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--val", action="store_true", help="a finite val_loss is expected")
     p.add_argument("--loss-down", action="store_true")
     p.add_argument("--budget-gib", type=float, help="the whole measured peak must stay below this")
+    p.add_argument("--same-as", help="a run of the same batches whose losses and gradient norms this one must have")
     p.set_defaults(func=cmd_check)
     p = sub.add_parser("check-json")
     p.add_argument("row")

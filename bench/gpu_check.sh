@@ -19,8 +19,9 @@
 # killed in its middle. `--dry-run --limit S` shows which rows would fit S. --pending runs the rows of the
 # results file (of the full list, or of --only) recorded as failed or not run first, then those it does
 # not hold, and merges the new verdicts into the file: a row judged again replaces its entry, the others
-# keep theirs. A row that uses another's adapter (eval, generate, harness: sft-val; eval-nf4: nf4) brings
-# that row along when its adapter is not in $CACHE. The 1.1B model is prepared only for a row using it.
+# keep theirs. A row that uses another's adapter (eval, generate, harness: sft-val; eval-nf4: nf4) or run
+# (long-offload: long-context's losses) brings that row along when its adapter is not in $CACHE. The 1.1B
+# model is prepared only for a row using it.
 #
 # One borrowed GPU session (15 minutes of device time, each tiny row ~45 s, a machine start 1-2 min) gets
 # through part of the list; every session runs, in one `run` of timeout_s ~540 carrying `.whl`:
@@ -156,8 +157,8 @@ why_not() {
     tests) [ $TESTS = 1 ] || echo "notrun not asked for (--with-tests)" ;;
   esac
 }
-# needs ROW: the row whose adapter ROW uses
-needs() { case $1 in eval|generate|harness) echo sft-val ;; eval-nf4) echo nf4 ;; esac; }
+# needs ROW: the row whose adapter (or run, to compare with) ROW uses
+needs() { case $1 in eval|generate|harness) echo sft-val ;; eval-nf4) echo nf4 ;; long-offload) echo long-context ;; esac; }
 # cost ROW: its estimated wall time in seconds
 cost() {
   if [ "$1" = env ] || [ -n "$(why_not "$1")" ]; then echo 0
@@ -329,8 +330,9 @@ row_auto-limit() {  # the automatic choice against the device's real limit: a ba
 # planner says so; then with the checkpointed layer inputs in pinned host memory (a side stream on CUDA)
 LONG_RUN=(--seq-len 16384 --packing --micro-batch-size 1 --batch-size "$N" --strategy fsdp2 --activation-checkpointing)
 row_long-context() { planned long-context "${BIG_RUN[@]}" "${LONG_RUN[@]}" -- --expect activation_offload=False; }
-row_long-offload() {
-  planned long-offload "${BIG_RUN[@]}" "${LONG_RUN[@]}" --activation-offload -- --expect activation_offload=True
+row_long-offload() {  # where the layer inputs wait changes nothing else: long-context's losses and gradients
+  planned long-offload "${BIG_RUN[@]}" "${LONG_RUN[@]}" --activation-offload -- --expect activation_offload=True \
+    --same-as "$RUNS/long-context"
 }
 row_context-parallel() {  # the sequence cut over two GPUs: NCCL's all-to-all
   finetune context-parallel "${TINY_RUN[@]}" --strategy fsdp2 --context-parallel 2 -- --expect context_parallel=2

@@ -106,6 +106,29 @@ def test_a_run_off_the_gpu_or_without_nccl_or_scaling_fields_fails(tmp_path, cap
     assert gpu_check.main(["collect", str(tmp_path / "none.jsonl"), str(tmp_path / "out.json")]) == 1  # no rows
 
 
+@pytest.mark.parametrize("grad_norm, passes", [(1.005, True), (1.3, False)])
+def test_a_run_that_must_compute_what_another_did_fails_on_another_gradient(tmp_path, monkeypatch, capsys,
+                                                                           grad_norm, passes):
+    """long-offload against long-context: within bf16's noise it passes; a gradient off by 30% at one step
+    (a wrong tensor in backward) fails, naming the step."""
+    runs = {}
+    for name, norm in (("long-context", 1.0), ("long-offload", grad_norm)):
+        runs[name] = tmp_path / name
+        runs[name].mkdir()
+        (runs[name] / "summary.json").write_text(json.dumps(_summary()))
+        steps = [{"step": 1, "loss": 2.0, "grad_norm": 1.0}, {"step": 2, "loss": 1.9, "grad_norm": norm}]
+        (runs[name] / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in steps))
+    monkeypatch.setenv("GPU_CHECK_RESULTS", str(tmp_path / "results.jsonl"))
+    code = gpu_check.main(["check", "long-offload", "--out", str(runs["long-offload"]),
+                           "--same-as", str(runs["long-context"])])
+    out = capsys.readouterr().out
+    assert (code == 0) == passes, out
+    assert ("step 2: grad_norm 1.3 against 1" in out) == (not passes), out
+    assert gpu_check.main(["check", "long-offload", "--out", str(runs["long-offload"]),
+                           "--same-as", str(tmp_path / "never-ran")]) == 1
+    assert "the run to compare with has no metrics.jsonl" in capsys.readouterr().out
+
+
 def _dry_rows(out: str) -> list[str]:
     return [line.split()[1].rstrip(":") for line in out.splitlines() if line.startswith("row ")]
 
