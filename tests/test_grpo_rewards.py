@@ -107,6 +107,10 @@ def test_answers_in_any_numeric_form_are_read_and_none_is_nan():
     ("return [1.0, 0.0, float('nan')]", r"returned nan .*return None for a completion the function does not apply"),
     ("return [float('inf')] * 3", r"returned inf"),
     ("return [[1.0]] * 3", r"returned list \[1.0\] as the reward of completion #0"),
+    # finite in Python, beyond float32 (rewards are float32, as in TRL): refused, not a crash in the tensor
+    ("return [0.0, -1e39, 0.0]", r"returned -1e\+39 \(beyond float32's range, ±3.403e\+38\) as the reward of "
+                                 r"completion #1"),
+    ("return [10 ** 400] * 3", r"returned 1000.* \(beyond a float's range\) as the reward of completion #0"),
 ])
 def test_a_wrong_answer_stops_the_run_naming_the_function_and_prompt(tmp_path, body, expected):
     path = write(tmp_path / "r.py", f"def bad(prompts, completions, **kwargs):\n    {body}\n")
@@ -125,6 +129,32 @@ def test_a_function_that_raises_is_named_with_the_prompt_it_fails_on(tmp_path):
     message = str(err.value)
     assert "reward function 'fragile'" in message and f"{path}:3: ValueError: invalid literal" in message
     assert "on train.jsonl record 8: 'What is 3+3?'" in message  # found by scoring one completion at a time
+
+
+def test_a_function_that_cannot_take_trls_arguments_is_named_with_them(tmp_path):
+    path = write(tmp_path / "r.py", """
+        def narrow(completions):
+            return [0.0] * len(completions)
+    """)
+    with pytest.raises(RewardError) as err:
+        scores([f"{path}:narrow"])
+    message = str(err.value)
+    assert "reward function 'narrow'" in message and "got an unexpected keyword argument 'prompts'" in message
+    assert "def narrow(prompts, completions, **kwargs)" in message
+    assert "(keyword arguments: answer, completion_ids, completions, log_extra" in message
+    assert "rewards.py" not in message
+
+
+def test_a_function_that_calls_sys_exit_is_named_instead_of_ending_the_process(tmp_path):
+    path = write(tmp_path / "r.py", """
+        import sys
+        def quits(prompts, completions, **kwargs):
+            sys.exit(0)
+    """)
+    with pytest.raises(RewardError) as err:
+        scores([f"{path}:quits"])
+    assert "reward function 'quits'" in str(err.value) and "SystemExit: 0" in str(err.value)
+    assert "on prompt #0: 'What is 2+2?'" in str(err.value)
 
 
 def test_a_missing_record_field_is_named():

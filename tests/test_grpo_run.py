@@ -40,6 +40,20 @@ def short(prompts, completions, **fields):
     return [0.0]
 
 
+def never(prompts, completions, **fields):
+    return [None] * len(completions)
+
+
+def sometimes(prompts, completions, completion_ids, answer, **fields):
+    """Not applicable to the prompts whose answer is 0 (two of them); the ids' sum elsewhere."""
+    return [None if a == "0" else (sum(ids) % 7) / 7 for ids, a in zip(completion_ids, answer)]
+
+
+def enormous(prompts, completions, completion_ids, **fields):
+    """Within float32, but their spread's square is not."""
+    return [3e38 * (sum(ids) % 2) for ids in completion_ids]
+
+
 def first_step_only(prompts, completions, trainer_state, **fields):
     """Tells completions apart at the first step only: then nothing is left to learn."""
     return [float(i % 2) if trainer_state.global_step == 0 else 0.0 for i in range(len(completions))]
@@ -289,7 +303,7 @@ def test_reward_problems_found_before_workers_start(grpo_root, capsys, no_worker
 
     _fails(capsys, main(with_reward(f"{root / 'missing.py'}:digits")), "missing.py", "--reward")
     _fails(capsys, main(with_reward(f"{root / 'rewards.py'}:nothing")), "has no 'nothing'",
-           "digits, first_step_only, picky, short")
+           "digits, enormous, first_step_only, never, picky, short, sometimes")
     _fails(capsys, main(with_reward("no_such_module_here:fn")), "no_such_module_here")
     _fails(capsys, main([*base, "--batch-size", "6"]), "option 'batch-size' (6)", "--num-generations 4")
     _fails(capsys, main([*base, "--reward-weights", "1,x"]), "option 'reward-weights'")
@@ -310,6 +324,37 @@ def test_a_reward_function_that_raises_stops_the_run_naming_it_and_the_prompt(gr
     del base[i:i + 2]
     del base[base.index("format=[0-9]") - 1:base.index("format=[0-9]") + 1]
     _fails(capsys, main(base), "reward function 'picky'", "ValueError: no sixes", "what is 3+3?")
+
+
+def _only_reward(base: list[str], root: Path, name: str) -> list[str]:
+    """``base`` with ``name`` of the rewards file as its one reward function."""
+    out = list(base)
+    out[out.index(f"{root / 'rewards.py'}:digits")] = f"{root / 'rewards.py'}:{name}"
+    del out[out.index("--reward-weights"):out.index("--reward-weights") + 2]
+    del out[out.index("format=[0-9]") - 1:out.index("format=[0-9]") + 1]
+    return out
+
+
+def test_a_batch_no_function_scores_stops_the_run_and_an_unscored_completion_is_said(grpo_root, capsys):
+    """Every prompt in the first batch: where no function scores any completion the run stops (exit 2, naming the
+    prompt) instead of training on zeros; where one prompt's completions alone are unscored, the log says so
+    (as TRL warns) and the run goes on. Rewards whose spread overflows float32 stop it too."""
+    base = argv(grpo_root, "never", "--strategy", "single", "--steps", "1", "--num-iterations", "1",
+                "--grpo-beta", "0", "--batch-size", "32")
+    _fails(capsys, main(_only_reward(base, grpo_root, "never")),
+           "no completion of the generation batch at step 1 got a reward", "every reward function ('never')",
+           "each of its 32 completions", "prompts.jsonl:")
+    assert not (grpo_root / "never" / "adapter").exists()
+    sometimes = _only_reward(argv(grpo_root, "sometimes", "--strategy", "single", "--steps", "1",
+                                  "--num-iterations", "1", "--grpo-beta", "0", "--batch-size", "32"),
+                             grpo_root, "sometimes")
+    assert main(sometimes) == 0
+    err = capsys.readouterr().err
+    assert "step 1: 8 of 32 completions got no reward (every function, 'sometimes', answered None)" in err, err
+    assert "'Question 0: what is 0+0?'" in err, err
+    _fails(capsys, main(_only_reward(argv(grpo_root, "enormous", "--strategy", "single", "--steps", "1"), grpo_root,
+                                     "enormous")),
+           "the rewards of the generation batch at step 1 overflow float32", "the largest answer is 3e+38")
 
 
 def test_the_planner_counts_generation(grpo_root, capsys):
@@ -518,4 +563,8 @@ def test_eval_reward_scores_base_and_adapter_completions(grpo_root, one_rank, ca
     assert tuned["reward"] == pytest.approx(tuned["rewards/digits/mean"] + 0.5 * tuned["rewards/format/mean"])
     assert tuned["samples"] != both["base"]["samples"]  # the adapter's completions differ from the base's
     assert json.loads((grpo_root / "eval.json").read_text()) == both
+    # a reward that applies to no held-out prompt measures nothing: exit 2, not a table of dashes
+    _fails(capsys, main(["eval", "--model", str(grpo_root / "model"), "--data", str(grpo_root / "prompts.jsonl"),
+                         "--reward", f"{grpo_root / 'rewards.py'}:never", "--max-new-tokens", "2"]),
+           "no completion of the held-out prompts got a reward", "prompts.jsonl:1: 'Question 0: what is 0+0?'")
 

@@ -21,7 +21,8 @@ are the records' other fields, each a list aligned with the completions (e.g. ``
 
 Answers: one per completion; ``None``, ``int``, ``float``, numpy / torch scalars and ``bool`` (1.0 / 0.0, as
 TRL reads them) are accepted. NaN and ±inf are refused (a NaN is usually a bug such as 0/0; ``None`` is the
-way to say "not applicable"), as is anything else. A function that raises, answers with the wrong count or
+way to say "not applicable"), as are values beyond float32's range (rewards are float32, as in TRL) and
+anything else. A function that raises, answers with the wrong count or
 with a refused value stops the run (RewardError, exit 2) naming the function and the prompt at fault; when
 it raised on a batch, it is called again one completion at a time to find the prompt it fails on.
 """
@@ -308,6 +309,10 @@ def _as_list(out: Any) -> list | None:
     return list(out) if isinstance(out, (list, tuple)) else None
 
 
+#: the largest reward float32 holds
+FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
 def _value(x: Any) -> float | None | str:
     """The reward as a float, None, or a string saying why it is refused."""
     if x is None:
@@ -320,10 +325,30 @@ def _value(x: Any) -> float | None | str:
         return float(x)
     if not isinstance(x, numbers.Real):
         return f"{type(x).__name__} {x!r:.60}"
-    v = float(x)
+    try:
+        v = float(x)
+    except OverflowError:
+        return f"{x!r:.60} (beyond a float's range)"
     if not math.isfinite(v):
         return f"{v} (return None for a completion the function does not apply to)"
+    if abs(v) > FLOAT32_MAX:  # rewards are held in float32, as in TRL
+        return f"{v:g} (beyond float32's range, ±{FLOAT32_MAX:.4g})"
     return v
+
+
+def _takes(fn: Callable, kwargs: dict, label: str) -> None:
+    """Refuse, naming it, a function whose signature cannot take TRL's keyword arguments (else the TypeError of
+    the call would point into this file)."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # no signature to read (some builtins): the call will tell
+        return
+    try:
+        signature.bind(**kwargs)
+    except TypeError as err:
+        raise RewardError(f"{label} cannot take the arguments reward functions get ({err}): define it as "
+                          f"def {getattr(fn, '__name__', 'reward')}(prompts, completions, **kwargs), TRL's "
+                          f"convention (keyword arguments: {', '.join(sorted(kwargs))})") from None
 
 
 def _row_kwargs(kwargs: dict, i: int) -> dict:
@@ -335,7 +360,7 @@ def _failing_row(fn: Callable, kwargs: dict, n: int) -> int | None:
     for i in range(n):
         try:
             _call(fn, _row_kwargs(kwargs, i))
-        except Exception:  # noqa: BLE001 - looking for the row, whatever it raises
+        except (Exception, SystemExit):  # noqa: BLE001 - looking for the row, whatever it raises
             return i
     return None
 
@@ -371,11 +396,12 @@ def score(rewards: Sequence[RewardFunction], prompts: Sequence[str | list[dict]]
     out = torch.empty(n, len(rewards), dtype=torch.float32)
     for j, reward in enumerate(rewards):
         label = f"reward function {reward.name!r}" + (f" (--reward {reward.spec})" if reward.spec else "")
+        _takes(reward.fn, kwargs, label)
         try:
             answer = _call(reward.fn, kwargs)
         except RewardError:
             raise
-        except Exception as err:  # noqa: BLE001 - the user's function: any failure stops the run, named
+        except (Exception, SystemExit) as err:  # noqa: BLE001 - the user's function (sys.exit too): named
             row = _failing_row(reward.fn, kwargs, n)
             at = f"on {where(row)}" if row is not None else f"on a batch of {n} (each completion alone passes)"
             raise RewardError(f"{label} raised {_where(err, None)}\n  {at}") from None
@@ -393,6 +419,20 @@ def score(rewards: Sequence[RewardFunction], prompts: Sequence[str | list[dict]]
                                   f"  on {where(i)}")
             out[i, j] = math.nan if v is None else v
     return out
+
+
+def unscored(rewards: Sequence[RewardFunction], table: torch.Tensor, where: Callable[[int], str], what: str,
+             why: str) -> torch.Tensor:
+    """(completions,) True where every function answered None for the completion of ``table`` (``score``'s):
+    it has no reward. None of them scored is no measure at all: RewardError, naming ``what`` they are, the
+    first one's prompt (``where(0)``) and ``why`` that stops the command."""
+    none = torch.isnan(table).all(dim=1)
+    if len(none) and bool(none.all()):
+        names = ", ".join(repr(r.name) for r in rewards)
+        raise RewardError(f"no completion of {what} got a reward: every reward function ({names}) answered None "
+                          f"(not applicable) for each of its {len(none)} completions, the first on {where(0)}. "
+                          f"{why}: give a reward function that scores these prompts")
+    return none
 
 
 def weights_of(rewards: Sequence[RewardFunction]) -> torch.Tensor:

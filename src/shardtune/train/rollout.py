@@ -49,7 +49,14 @@ from shardtune.train.grpo_advantages import completion_metrics, group_advantages
 from shardtune.train.loss_head import score
 from shardtune.train.objectives.grpo import Grpo, Rollout, make_mask, per_sequence
 from shardtune.train.remote_generation import RemoteGenerator
-from shardtune.train.rewards import RewardError, RewardFunction, completions_for, weights_of
+from shardtune.train.rewards import (
+    RewardError,
+    RewardFunction,
+    completions_for,
+    describe_prompt,
+    unscored,
+    weights_of,
+)
 from shardtune.train.rewards import score as rewards_of
 from shardtune.train.sampler_correction import importance_ratio, sampler_table, wants_sampler_logps
 from shardtune.train.sampling import SamplingSettings, stop_ids
@@ -136,6 +143,7 @@ class Rollouts:
         scores = torch.cat([s[2] for s in shares])  # type: ignore[misc]
         names = [r.name for r in self.rewards]
         adv = group_advantages(scores, weights_of(self.rewards), self.G, self.cfg.grpo.scale_rewards, names=names)
+        self._check_scored(scores, adv.rewards, adv.metrics["reward_std"], prompts, step)
         metrics = {**adv.metrics, **completion_metrics([len(c) for c in completions], truncated)}
         rollout = Rollout(index, prompts, completions, truncated, scores, adv.advantages,
                           make_mask(completions, truncated, self.cfg.grpo.mask_truncated_completions), metrics,
@@ -156,6 +164,30 @@ class Rollouts:
         if self.cfg.grpo.beta > 0:
             rollout.ref = self._logps(self._reference)
         self._write_samples(rollout, adv.rewards, step)
+
+    def _check_scored(self, scores: torch.Tensor, totals: torch.Tensor, spread: float, prompts: list[int],
+                      step: int) -> None:
+        """What the batch's rewards can teach, on every rank alike (every rank holds them all). A completion every
+        function answered None for has no reward and advantage 0 (TRL warns): said once a batch. A batch with no
+        reward at all, or whose weighted rewards overflow float32 (TRL's dtype) in their sum or spread, leaves
+        nothing to learn: the run stops (exit 2) rather than train on zeros."""
+        def where(i: int) -> str:
+            line, record = self.records[prompts[i // self.G]]
+            return f"{location(self.cfg.data.train, line)}: {describe_prompt(prompt_of(record))}"
+
+        batch = f"the generation batch at step {step + 1}"
+        none = unscored(self.rewards, scores, where, batch, "GRPO learns nothing from such a batch")
+        names = ", ".join(repr(r.name) for r in self.rewards)
+        if bool(none.any()) and self.t.worker.is_main:
+            log.warning("step %d: %d of %d completions got no reward (every function, %s, answered None), so they "
+                        "teach nothing (advantage 0, as in TRL); the first on %s", step + 1, int(none.sum()),
+                        len(none), names, where(int(none.nonzero()[0])))
+        scored = totals[~none]
+        if not bool(torch.isfinite(scored).all()) or (scored.numel() > 1 and not math.isfinite(spread)):
+            largest = scores.nan_to_num(0.0).abs().max().item()
+            raise RewardError(f"the rewards of {batch} overflow float32 (TRL's dtype for them) once weighted, summed "
+                              f"or squared for their spread: the largest answer is {largest:g} (functions {names}, "
+                              f"weights {self.cfg.grpo.reward_weights or 'all 1'}); scale them down")
 
     def _micro_batches(self) -> int:
         s = self.split
