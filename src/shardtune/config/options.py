@@ -211,10 +211,12 @@ class GrpoConfig:
                                "--batch-size counts completions, so it must be a multiple of this.", range=Range(2))
     max_completion_length: int = opt(256, "max-completion-length", WARN,
                                      "GRPO: tokens a completion may have (it ends at EOS or here).", range=AT_LEAST_1)
-    temperature: float = opt(1.0, "temperature", WARN, "GRPO: sampling temperature (0: greedy).", range=AT_LEAST_0)
+    temperature: float = opt(1.0, "temperature", WARN, "GRPO: sampling temperature, above 0 (greedy sampling gives "
+                             "every completion of a prompt alike: nothing to learn).", range=AT_LEAST_0)
     top_p: float = opt(1.0, "top-p", WARN, "GRPO: nucleus sampling; 1 keeps every token.",
                        range=Range(0, 1, low_open=True))
-    top_k: int = opt(0, "top-k", WARN, "GRPO: sample among the k most likely tokens (0: off).", range=AT_LEAST_0)
+    top_k: int = opt(0, "top-k", WARN, "GRPO: sample among the k most likely tokens (0: off; 1 would be greedy).",
+                     range=AT_LEAST_0)
     mask_truncated_completions: bool = opt(
         False, "mask-truncated-completions", WARN, "GRPO: completions cut by --max-completion-length count no "
         "token in the loss (they are still counted in completions/clipped_ratio).")

@@ -95,6 +95,11 @@ def validate_grpo(cfg: Config) -> None:
     if weights is not None and len(weights) != len(g.reward):
         raise ConfigError(f"option 'reward-weights' has {len(weights)} weights for {len(g.reward)} --reward "
                           "functions: give one weight per function")
+    greedy = "--temperature 0" if g.temperature == 0 else "--top-k 1" if g.top_k == 1 else None
+    if greedy:
+        raise ConfigError(f"option '{greedy[2:].split()[0]}': {greedy} samples greedily, so the {g.num_generations} "
+                          "completions of a prompt come out alike, no group has an advantage and GRPO learns "
+                          "nothing: sample (TRL's default --temperature 1, --top-k 0)")
     if cfg.train.batch_size % g.num_generations:
         raise ConfigError(f"option 'batch-size' ({cfg.train.batch_size}) counts completions under --objective grpo "
                           f"and must hold whole groups of --num-generations {g.num_generations}: use a multiple of "
