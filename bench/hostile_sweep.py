@@ -245,6 +245,32 @@ def _reused_pid_lock(r: Path) -> None:
                                                         "pid": SLEEPERS[-1].pid, "started": time.time() - 3600}))
 
 
+GRPO_REWARDS = """
+import sys
+def beyond_float32(prompts, completions, **kwargs):
+    return [1e39] * len(completions)
+def never(prompts, completions, **kwargs):
+    return [None] * len(completions)
+def exits(prompts, completions, **kwargs):
+    sys.exit(0)
+def narrow(completions):
+    return [0.0] * len(completions)
+"""
+
+
+def _grpo_files(r: Path) -> None:
+    write_jsonl(r / "prompts.jsonl", [{"prompt": f"What is {i}+{i}?", "answer": str(2 * i)} for i in range(8)])
+    (r / "rewards.py").write_text(GRPO_REWARDS)
+    write_jsonl(r / "questions.jsonl", [{"question": f"What is {i}+{i}?"} for i in range(8)])
+
+
+def grpo(reward: str, *extra: str) -> Callable[[Path], list[str]]:
+    """A GRPO fine-tune on the sweep's prompts with one reward function of GRPO_REWARDS."""
+    return ft("--objective", "grpo", "--reward", f"{{r}}/rewards.py:{reward}", "--num-generations", "4",
+              "--batch-size", "8", "--max-completion-length", "4", "--strategy", "single", *extra,
+              data="prompts.jsonl", out="grpo")
+
+
 def _one_schedule(r: Path) -> str | None:
     """The resumed steps' rates are this run's schedule (3 steps, no warmup) at those steps (docs/checkpoints.md)."""
     import math
@@ -378,6 +404,24 @@ CASES = [
          setup=_adapter_variant("huge-adapter", lambda t: t.update({k: v * 1e30 for k, v in t.items()}))),
     Case("DPO with chosen == rejected in every pair", ft("--objective", "dpo", data="same-pairs.jsonl", out="same"),
          words="the chosen and the rejected response are the same", setup=_identical_pairs),
+    # --- GRPO: reward functions and sampling that leave nothing to learn ------------------------------
+    Case("GRPO reward beyond float32", grpo("beyond_float32"), words="beyond float32's range", setup=_grpo_files,
+         check=lambda r: _absent(r / "grpo" / "adapter")),
+    Case("GRPO reward None for every completion", grpo("never"), setup=_grpo_files,
+         words="no completion of the generation batch at step 1 got a reward",
+         check=lambda r: _absent(r / "grpo" / "adapter")),
+    Case("GRPO reward calling sys.exit(0)", grpo("exits"), words="SystemExit: 0", setup=_grpo_files),
+    Case("GRPO reward without TRL's arguments", grpo("narrow"), setup=_grpo_files,
+         words="cannot take the arguments reward functions get"),
+    Case("GRPO --temperature 0", grpo("never", "--temperature", "0"), words="samples greedily", setup=_grpo_files),
+    Case("GRPO --top-k 1", grpo("never", "--top-k", "1"), words="samples greedily", setup=_grpo_files),
+    Case("GRPO on records without a prompt", lambda r: [*grpo("never")(r)[:3], "--data", str(r / "questions.jsonl"),
+                                                        *grpo("never")(r)[5:]],
+         words="no 'prompt' field", setup=_grpo_files),
+    Case("eval --reward None for every prompt", lambda r: [
+        "eval", "--model", str(r / "model"), "--data", str(r / "prompts.jsonl"), "--reward",
+        f"{r / 'rewards.py'}:never", "--max-new-tokens", "2"],
+         words="no completion of the held-out prompts got a reward", setup=_grpo_files),
     Case("--eval-every without --val-data", ft("--eval-every", "2", out="evalevery"), words="option 'eval-every'"),
     Case("--resume of a finished run", ft("--resume", "--save-every", "1", out="ckpt"), words="has finished all its",
          keep=lambda r: r / "ckpt"),
