@@ -315,6 +315,7 @@ def test_reward_problems_found_before_workers_start(grpo_root, capsys, no_worker
     _fails(capsys, main([*base, "--temperature", "0"]), "option 'temperature': --temperature 0 samples greedily",
            "the 4 completions of a prompt come out alike")
     _fails(capsys, main([*base, "--top-k", "1"]), "option 'top-k': --top-k 1 samples greedily")
+    _fails(capsys, main([*base, "--reward-weights", "0,0"]), "option 'reward-weights' (0,0) weighs every --reward 0")
 
 
 def test_a_reward_function_that_raises_stops_the_run_naming_it_and_the_prompt(grpo_root, capsys):

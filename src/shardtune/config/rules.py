@@ -100,6 +100,9 @@ def validate_grpo(cfg: Config) -> None:
         raise ConfigError(f"option '{greedy[2:].split()[0]}': {greedy} samples greedily, so the {g.num_generations} "
                           "completions of a prompt come out alike, no group has an advantage and GRPO learns "
                           "nothing: sample (TRL's default --temperature 1, --top-k 0)")
+    if weights is not None and not any(weights):
+        raise ConfigError(f"option 'reward-weights' ({g.reward_weights}) weighs every --reward 0: every completion's "
+                          "reward would be 0 and GRPO would learn nothing; give at least one function a weight")
     if cfg.train.batch_size % g.num_generations:
         raise ConfigError(f"option 'batch-size' ({cfg.train.batch_size}) counts completions under --objective grpo "
                           f"and must hold whole groups of --num-generations {g.num_generations}: use a multiple of "
