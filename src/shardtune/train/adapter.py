@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -48,17 +49,21 @@ def peft_config_dict(model: nn.Module, strategy: Strategy, base_model_path: str)
 
 
 def save_adapter(
-    model: nn.Module, strategy: Strategy, keys: dict[str, str], out: Path, base_model_path: str, model_dir: ModelDir
+    model: nn.Module, strategy: Strategy, keys: dict[str, str], out: Path, base_model_path: str, model_dir: ModelDir,
+    refuse: Callable[[dict[str, torch.Tensor]], None] | None = None,
 ) -> Path:
     """Write ``out`` (adapter_config.json + adapter_model.safetensors) on rank 0; a collective.
 
     ``keys``: {adapter file key: trainable parameter name}, from ``adapter_key_map`` before sharding.
-    ``model_dir``: the base model, whose fingerprint the adapter records.
+    ``model_dir``: the base model, whose fingerprint the adapter records. ``refuse``: called on every rank with
+    the whole adapter (the same on each) before anything is written; what it raises stops the write.
     """
     full = strategy.full_tensors(model, list(keys.values()))
+    tensors = {k: full[n] for k, n in keys.items()}
+    if refuse is not None:
+        refuse(tensors)
     if strategy.worker.is_main:
-        write_adapter({k: full[n] for k, n in keys.items()}, peft_config_dict(model, strategy, base_model_path), out,
-                      model_fingerprint(model_dir))
+        write_adapter(tensors, peft_config_dict(model, strategy, base_model_path), out, model_fingerprint(model_dir))
     dist.barrier()
     return out
 

@@ -19,18 +19,22 @@ is learned any more, and an adapter written from these weights would be garbage 
 run ends there as for a non-finite loss; the checkpoints written from that update on hold the blown-up
 weights and are deleted, so the newest one left (and named, with the command that resumes from it)
 is the last good one. A gradient of 0 with a loss of exactly 0 is no such sign: GRPO's step has nothing
-to learn when every group's completions were rewarded alike (all advantages 0).
+to learn when every group's completions were rewarded alike (all advantages 0). A run in which every
+step was such a step ends with a fresh LoRA's B = 0: ``refuse_no_op`` stops it non-zero before an adapter
+that changes nothing is written.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Mapping
 from pathlib import Path
 
+import torch
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-from shardtune.config import FLAGS
+from shardtune.config import FLAGS, LoraConfig
 from shardtune.errors import ShardtuneError
 from shardtune.train.checkpoint_files import discard_checkpoints, find_latest, resume_command
 
@@ -47,6 +51,32 @@ ZERO_GRAD_STEPS = 3
 
 class Diverged(ShardtuneError, RuntimeError):
     """Training produced a non-finite loss or gradient norm; the message names the step and what to do."""
+
+
+class LearnedNothing(ShardtuneError, RuntimeError):
+    """The run ended with an adapter that changes nothing (``refuse_no_op``); the message says what can cause it."""
+
+
+def refuse_no_op(tensors: Mapping[str, torch.Tensor], lora: LoraConfig, objective: str, steps: int) -> None:
+    """Raise LearnedNothing where the adapter about to be written is a fresh LoRA's start: every ``lora_B`` still
+    exactly 0 (B starts at zero), so B·A adds nothing to any layer. Every step's gradient was then exactly 0 (Adam
+    moves a weight only by a gradient): the run learned nothing, and such an adapter is not written.
+
+    Only where B is all that decides it: a fresh LoRA (no --init-adapter), without DoRA's magnitudes, trained
+    biases or --lora-modules-to-save. ``tensors``: the full adapter, the same on every rank (a gather), so every
+    rank raises alike."""
+    if lora.init_adapter or lora.variant != "lora" or lora.bias != "none" or lora.modules_to_save:
+        return
+    bs = [t for k, t in tensors.items() if "lora_B" in k]
+    if not bs or any(bool(t.any()) for t in bs):
+        return
+    why = ("every group's completions were rewarded alike at every step, so every advantage was 0 (a constant "
+           "reward, a task no completion of the base solves yet, or every completion masked by "
+           "--mask-truncated-completions): give rewards that tell a group's completions apart, or more steps"
+           if objective == "grpo" else "every step's gradient was exactly 0")
+    raise LearnedNothing(f"the run learned nothing in its {steps} step(s): every lora_B weight is still exactly 0, "
+                         f"so the adapter would change no layer; {why}. No adapter was written "
+                         "(metrics.jsonl shows each step)")
 
 
 class TrainingGuard:

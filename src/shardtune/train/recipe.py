@@ -26,7 +26,7 @@ from shardtune.runtime.memory import MemoryMonitor
 from shardtune.runtime.worker_failures import Stopped
 from shardtune.train.adapter import save_adapter
 from shardtune.train.checkpoint import Checkpointer, TrainState
-from shardtune.train.guard import TrainingGuard
+from shardtune.train.guard import TrainingGuard, refuse_no_op
 from shardtune.train.job import Job, setup
 from shardtune.train.metrics import MetricsLog, Progress, write_json_atomic
 from shardtune.train.oom import out_of_memory
@@ -133,8 +133,13 @@ def run(cfg: Config, plan: RunPlan | None = None) -> dict:
                 log.warning("%s", message)
             raise Stopped(result["stopped_by"], message)
         with memory.phase("save"), stage("save"):
+            steps = result["state"].step
+
+            def refuse(tensors: dict) -> None:  # a run that learned nothing writes no adapter (guard.py)
+                refuse_no_op(tensors, cfg.lora, cfg.train.objective, steps)
+
             adapter = save_adapter(job.model, job.strategy, job.built.adapter_keys, out / "adapter", cfg.model.path,
-                                   job.model_dir)
+                                   job.model_dir, refuse=refuse)
         summary = run_summary(job, plan, memory, result, adapter, load_seconds, time.perf_counter() - started)
         if worker.is_main:
             write_json_atomic(out / "summary.json", summary)
