@@ -255,6 +255,8 @@ def exits(prompts, completions, **kwargs):
     sys.exit(0)
 def narrow(completions):
     return [0.0] * len(completions)
+def constant(prompts, completions, **kwargs):
+    return [1.0] * len(completions)
 """
 
 
@@ -413,6 +415,10 @@ CASES = [
     Case("GRPO reward calling sys.exit(0)", grpo("exits"), words="SystemExit: 0", setup=_grpo_files),
     Case("GRPO reward without TRL's arguments", grpo("narrow"), setup=_grpo_files,
          words="cannot take the arguments reward functions get"),
+    Case("GRPO constant reward: nothing learned", grpo("constant", "--steps", "2"), setup=_grpo_files,
+         words="the run learned nothing in its 2 step(s)", check=lambda r: _absent(r / "grpo" / "adapter")),
+    Case("GRPO --reward-weights 0", grpo("constant", "--reward-weights", "0"), words="weighs every --reward 0",
+         setup=_grpo_files),
     Case("GRPO --temperature 0", grpo("never", "--temperature", "0"), words="samples greedily", setup=_grpo_files),
     Case("GRPO --top-k 1", grpo("never", "--top-k", "1"), words="samples greedily", setup=_grpo_files),
     Case("GRPO on records without a prompt", lambda r: [*grpo("never")(r)[:3], "--data", str(r / "questions.jsonl"),
