@@ -61,7 +61,7 @@ def _figures(model, tokenizer, examples, records, functions: list[RewardFunction
     from shardtune.train.data.batch import pad_id
     from shardtune.train.data.prompts import fields_of, prompt_of
     from shardtune.train.data.sources import location
-    from shardtune.train.rewards import completions_for, describe_prompt, score, unscored, weights_of
+    from shardtune.train.rewards import completions_for, prompt_at, score, unscored, weights_of
     from shardtune.train.sampling import SamplingSettings, hf_cache, hf_next_logits, sample, stop_ids
 
     settings = SamplingSettings(max_new_tokens, tuple(stop_ids(model, tokenizer)), pad_id(tokenizer), temperature)
@@ -77,11 +77,11 @@ def _figures(model, tokenizer, examples, records, functions: list[RewardFunction
     prompts = [prompt_of(r) for r in recs]
     fields = [fields_of(r) for r in recs]
     keys = sorted({k for f in fields for k in f})
+    sources = [location(data, n) for n, _ in records]
     table = score(functions, prompts, completions_for(prompts, texts), ids, {k: [f.get(k) for f in fields]
-                                                                             for k in keys},
-                  sources=[location(data, n) for n, _ in records])
-    none = unscored(functions, table, lambda i: f"{location(data, records[i][0])}: {describe_prompt(prompts[i])}",
-                    "the held-out prompts", "A mean reward of nothing measures nothing")
+                                                                             for k in keys}, sources=sources)
+    none = unscored(functions, table, lambda i: prompt_at(sources[i], prompts[i]), "the held-out prompts",
+                    "A mean reward of nothing measures nothing")
     total = (table * weights_of(functions)).nansum(dim=1)
     total[none] = math.nan
     out: dict[str, Any] = {"reward": _mean(total)}

@@ -290,6 +290,11 @@ def describe_prompt(prompt: str | list[dict], limit: int = 80) -> str:
     return repr(text if len(text) <= limit else text[:limit - 1] + "…")
 
 
+def prompt_at(source: str, prompt: str | list[dict]) -> str:
+    """Where a prompt comes from and its text, as error messages and warnings name it."""
+    return f"{source}: {describe_prompt(prompt)}"
+
+
 def _call(fn: Callable, kwargs: dict) -> Any:
     out = fn(**kwargs)
     if inspect.isawaitable(out):
@@ -390,8 +395,7 @@ def score(rewards: Sequence[RewardFunction], prompts: Sequence[str | list[dict]]
                   log_extra=lambda column, values: log.extra[column].extend(values))
 
     def where(i: int) -> str:
-        src = sources[i] if sources is not None else f"prompt #{i}"
-        return f"{src}: {describe_prompt(prompts[i])}"
+        return prompt_at(sources[i] if sources is not None else f"prompt #{i}", prompts[i])
 
     out = torch.empty(n, len(rewards), dtype=torch.float32)
     for j, reward in enumerate(rewards):

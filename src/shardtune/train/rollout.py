@@ -53,7 +53,7 @@ from shardtune.train.rewards import (
     RewardError,
     RewardFunction,
     completions_for,
-    describe_prompt,
+    prompt_at,
     unscored,
     weights_of,
 )
@@ -173,7 +173,7 @@ class Rollouts:
         nothing to learn: the run stops (exit 2) rather than train on zeros."""
         def where(i: int) -> str:
             line, record = self.records[prompts[i // self.G]]
-            return f"{location(self.cfg.data.train, line)}: {describe_prompt(prompt_of(record))}"
+            return prompt_at(location(self.cfg.data.train, line), prompt_of(record))
 
         batch = f"the generation batch at step {step + 1}"
         none = unscored(self.rewards, scores, where, batch, "GRPO learns nothing from such a batch")
