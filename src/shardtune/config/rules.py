@@ -95,11 +95,11 @@ def validate_grpo(cfg: Config) -> None:
     if weights is not None and len(weights) != len(g.reward):
         raise ConfigError(f"option 'reward-weights' has {len(weights)} weights for {len(g.reward)} --reward "
                           "functions: give one weight per function")
-    greedy = "--temperature 0" if g.temperature == 0 else "--top-k 1" if g.top_k == 1 else None
-    if greedy:
-        raise ConfigError(f"option '{greedy[2:].split()[0]}': {greedy} samples greedily, so the {g.num_generations} "
-                          "completions of a prompt come out alike, no group has an advantage and GRPO learns "
-                          "nothing: sample (TRL's default --temperature 1, --top-k 0)")
+    for flag, value, greedy in (("temperature", g.temperature, 0), ("top-k", g.top_k, 1)):
+        if value == greedy:
+            raise ConfigError(f"option '{flag}': --{flag} {greedy} samples greedily, so the {g.num_generations} "
+                              "completions of a prompt come out alike, no group has an advantage and GRPO learns "
+                              "nothing: sample (TRL's default --temperature 1, --top-k 0)")
     if weights is not None and not any(weights):
         raise ConfigError(f"option 'reward-weights' ({g.reward_weights}) weighs every --reward 0: every completion's "
                           "reward would be 0 and GRPO would learn nothing; give at least one function a weight")
