@@ -266,11 +266,11 @@ def _grpo_files(r: Path) -> None:
     write_jsonl(r / "questions.jsonl", [{"question": f"What is {i}+{i}?"} for i in range(8)])
 
 
-def grpo(reward: str, *extra: str) -> Callable[[Path], list[str]]:
-    """A GRPO fine-tune on the sweep's prompts with one reward function of GRPO_REWARDS."""
+def grpo(reward: str, *extra: str, data: str = "prompts.jsonl") -> Callable[[Path], list[str]]:
+    """A GRPO fine-tune on ``data`` (the sweep's prompts) with one reward function of GRPO_REWARDS."""
     return ft("--objective", "grpo", "--reward", f"{{r}}/rewards.py:{reward}", "--num-generations", "4",
               "--batch-size", "8", "--max-completion-length", "4", "--strategy", "single", *extra,
-              data="prompts.jsonl", out="grpo")
+              data=data, out="grpo")
 
 
 def _one_schedule(r: Path) -> str | None:
@@ -421,9 +421,8 @@ CASES = [
          setup=_grpo_files),
     Case("GRPO --temperature 0", grpo("never", "--temperature", "0"), words="samples greedily", setup=_grpo_files),
     Case("GRPO --top-k 1", grpo("never", "--top-k", "1"), words="samples greedily", setup=_grpo_files),
-    Case("GRPO on records without a prompt", lambda r: [*grpo("never")(r)[:3], "--data", str(r / "questions.jsonl"),
-                                                        *grpo("never")(r)[5:]],
-         words="no 'prompt' field", setup=_grpo_files),
+    Case("GRPO on records without a prompt", grpo("never", data="questions.jsonl"), words="no 'prompt' field",
+         setup=_grpo_files),
     Case("eval --reward None for every prompt", lambda r: [
         "eval", "--model", str(r / "model"), "--data", str(r / "prompts.jsonl"), "--reward",
         f"{r / 'rewards.py'}:never", "--max-new-tokens", "2"],
