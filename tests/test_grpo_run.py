@@ -364,9 +364,10 @@ def test_a_batch_no_function_scores_stops_the_run_and_an_unscored_completion_is_
 def test_a_run_whose_every_group_was_rewarded_alike_writes_no_adapter(grpo_root, capsys):
     """format=. matches every completion: each group's rewards are equal at every step and every advantage is 0,
     so the fresh LoRA's B stays exactly 0. The run says it learned nothing and ends 2 without writing an adapter
-    that changes nothing; metrics.jsonl keeps its steps."""
-    base = _only_reward(argv(grpo_root, "alike", "--strategy", "single", "--steps", "2", "--num-iterations", "1",
-                             "--grpo-beta", "0"), grpo_root, "digits")
+    that changes nothing; metrics.jsonl keeps its steps. On 2 FSDP2 ranks: each decides from the gathered adapter,
+    so both stop alike and none is left waiting."""
+    base = _only_reward(argv(grpo_root, "alike", "--strategy", "fsdp2", "--nproc", "2", "--steps", "2",
+                             "--num-iterations", "1", "--grpo-beta", "0"), grpo_root, "digits")
     base[base.index(f"{grpo_root / 'rewards.py'}:digits")] = "format=."
     _fails(capsys, main(base), "the run learned nothing in its 2 step(s): every lora_B weight is still exactly 0",
            "every group's completions were rewarded alike at every step", "No adapter was written")
