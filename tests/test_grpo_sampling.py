@@ -72,13 +72,20 @@ def test_completions_do_not_depend_on_how_the_prompts_are_batched(tiny_model, kn
     assert [c.ids for c in run(tiny_model, ROWS, KEYS, s, seed=1, eos_bias=bias)] != [c.ids for c in whole]
 
 
-def test_greedy_is_generate_s_greedy(tiny_model):
-    """temperature 0 through the KV cache: the tokens ``generate`` picks, on left-padded prompts of different
-    lengths (positions count real tokens only)."""
-    got = run(tiny_model, PROMPTS, [(i, 0) for i in range(len(PROMPTS))], settings(temperature=0.0))
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma3", "qwen2", "phi3", "gpt2", "falcon"])
+def test_greedy_is_generate_s_greedy(tiny_model, arch, tmp_path):
+    """temperature 0 through the KV cache: the tokens ``generate`` picks (through its own growing cache), on
+    left-padded prompts of different lengths (positions count real tokens only), for each kind of attention and
+    cache: sliding windows shorter than the rows (Mistral), sliding and global layers (Gemma 3), ALiBi-less
+    learned positions (GPT-2), Falcon's fused projections."""
+    from transformers import AutoModelForCausalLM
+
+    model = tiny_model if arch == "llama" else AutoModelForCausalLM.from_pretrained(
+        make_model(tmp_path / arch, arch, chat_template=False), dtype=torch.float32).eval()
+    got = run(model, PROMPTS, [(i, 0) for i in range(len(PROMPTS))], settings(temperature=0.0))
     for prompt, completion in zip(PROMPTS, got):
         with torch.no_grad():
-            ref = tiny_model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=12, eos_token_id=EOS,
+            ref = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=12, eos_token_id=EOS,
                                       pad_token_id=PAD, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
         expected = ref[0, len(prompt):].tolist()
         if EOS in expected:
@@ -101,7 +108,7 @@ def test_stops_at_eos_flags_truncation_and_keeps_ranks_in_step():
         return logits
 
     out = sample(next_logits, [[1, 2, 3], [4]], [(0, 0), (1, 0)], settings(max_new_tokens=6, temperature=0.0), 0, 0,
-                 new_cache=lambda: None)
+                 new_cache=lambda tokens: None)
     assert out[0].ids == [5, 5, EOS] and not out[0].truncated
     assert out[1].ids == [5] * 6 and out[1].truncated
     assert calls[0] == (torch.Size([2, 3]), torch.Size([2, 3]), [2, 0])  # prefill, left-padded
@@ -110,7 +117,7 @@ def test_stops_at_eos_flags_truncation_and_keeps_ranks_in_step():
 
     calls.clear()
     steps = []
-    out = sample(next_logits, [[1]], [(0, 0)], settings(max_new_tokens=6, temperature=0.0), 0, 0, lambda: None,
+    out = sample(next_logits, [[1]], [(0, 0)], settings(max_new_tokens=6, temperature=0.0), 0, 0, lambda tokens: None,
                  keep_going=lambda unfinished: steps.append(unfinished) or len(steps) < 4)
     assert out[0].ids == [5, 5, EOS] and len(calls) == 4  # done after 3, one more step for the other ranks
     assert steps == [True, True, False, False]
@@ -158,7 +165,7 @@ def test_no_prompts_or_an_empty_one_is_named():
 
     for prompts, match in [([], "no prompts"), ([[3], []], "prompt #1 has no tokens")]:
         with pytest.raises(ValueError, match=match):
-            sample(next_logits, prompts, [(i, 0) for i in range(len(prompts))], settings(), 0, 0, lambda: None)
+            sample(next_logits, prompts, [(i, 0) for i in range(len(prompts))], settings(), 0, 0, lambda tokens: None)
 
 
 def widest_on_ranks(rank: int, world_size: int, rows: list[int]) -> str | int:

@@ -41,13 +41,26 @@ def make_tokenizer(chat_template: bool = True):
 def tiny_config(arch: str, tied: bool, hidden: int = 32, vocab: int = VOCAB):
     """``hidden``: the width (the MLP is twice as wide); NF4 tests need multiples of its 64-blocks.
     ``vocab``: the embedding rows (the tokenizer uses the first ``VOCAB``)."""
-    from transformers import FalconConfig, GPT2Config, LlamaConfig, Phi3Config, Qwen2Config
+    from transformers import (
+        FalconConfig,
+        Gemma3TextConfig,
+        GPT2Config,
+        LlamaConfig,
+        MistralConfig,
+        Phi3Config,
+        Qwen2Config,
+    )
 
     common = dict(vocab_size=vocab, tie_word_embeddings=tied, bos_token_id=256, eos_token_id=257, pad_token_id=258)
     dims = dict(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=256)
     if arch == "llama":
         return LlamaConfig(**dims, **common)
+    if arch == "mistral":  # a window shorter than the tests' rows, so that attention slides
+        return MistralConfig(**dims, sliding_window=5, **common)
+    if arch == "gemma3":  # sliding and global layers, each kind with its own cache
+        return Gemma3TextConfig(**dims, head_dim=8, sliding_window=5,
+                                layer_types=["sliding_attention", "full_attention"], **common)
     if arch == "qwen2":
         return Qwen2Config(**dims, **common)
     if arch == "phi3":

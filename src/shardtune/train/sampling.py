@@ -116,20 +116,21 @@ def _left_padded(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.de
 
 
 def sample(next_logits: NextLogits, prompts: Sequence[Sequence[int]], keys: Sequence[tuple[int, int]],
-           settings: SamplingSettings, seed: int, step: int, new_cache: Callable[[], object],
+           settings: SamplingSettings, seed: int, step: int, new_cache: Callable[[int], object],
            device: torch.device | str = "cpu", keep_going: Callable[[bool], bool] | None = None,
            width: int = 0) -> list[Completion]:
     """A completion of each prompt; ``keys[i]`` = (prompt index, completion index) seeds row i's stream.
 
-    ``new_cache()``: an empty KV cache (``hf_cache(model)``). ``keep_going(local_unfinished)``: whether to run
-    another step; by default while a row here is unfinished (under FSDP: the all-ranks answer). ``width``: the
-    prompts are left-padded to at least this many tokens (the widest of every rank's, in lockstep)."""
+    ``new_cache(tokens)``: an empty KV cache for rows of up to ``tokens`` tokens (``hf_cache(model)``).
+    ``keep_going(local_unfinished)``: whether to run another step; by default while a row here is unfinished
+    (under FSDP: the all-ranks answer). ``width``: the prompts are left-padded to at least this many tokens
+    (the widest of every rank's, in lockstep)."""
     if len(keys) != len(prompts):
         raise ValueError(f"{len(prompts)} prompts but {len(keys)} keys")
     device = torch.device(device)
     generators = [completion_generator(seed, step, p, c) for p, c in keys]
     ids, mask, positions = _left_padded(prompts, settings.pad_id, device, width)
-    cache = new_cache()
+    cache = new_cache(ids.size(1) + settings.max_new_tokens)
     eos = set(settings.eos_ids)
     done = [False] * len(prompts)
     out: list[list[int]] = [[] for _ in prompts]
@@ -151,12 +152,18 @@ def sample(next_logits: NextLogits, prompts: Sequence[Sequence[int]], keys: Sequ
     return [Completion(ids, truncated=not ids or ids[-1] not in eos) for ids in out]
 
 
-def hf_cache(model: nn.Module) -> Callable[[], object]:
-    """An empty ``DynamicCache`` for ``model`` (its config gives sliding-window layers their own kind)."""
-    from transformers import DynamicCache
+def hf_cache(model: nn.Module) -> Callable[[int], object]:
+    """An empty ``StaticCache`` of ``model`` for rows of up to the given tokens (its config gives sliding-window
+    layers their own kind).
+
+    Why static: the rows' length is known before the first token (prompt width + max_new_tokens), so each
+    layer's keys and values are allocated once and written in place. A ``DynamicCache`` concatenates each
+    layer's whole cache with every new token: a copy of the cache per token, and on the CPU a new block of a
+    slightly larger size each time, which leaves holes in the heap that the next token's block cannot use."""
+    from transformers import StaticCache
 
     config = getattr(model, "config", None)
-    return lambda: DynamicCache(config=config)
+    return lambda tokens: StaticCache(config=config, max_cache_len=tokens)
 
 
 def hf_next_logits(model: nn.Module) -> NextLogits:
