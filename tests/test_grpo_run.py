@@ -375,6 +375,21 @@ def test_a_run_whose_every_group_was_rewarded_alike_writes_no_adapter(grpo_root,
     assert [m["rewards/format/std"] for m in metrics(grpo_root / "alike")] == [0.0, 0.0]
 
 
+def test_a_run_from_an_init_adapter_that_learned_nothing_writes_no_adapter(grpo_root, one_rank, capsys):
+    """From --init-adapter B is not 0: with every group rewarded alike at every step the adapter would be the one
+    given, exactly; the run says so, and that 3 steps in a row had nothing to learn (not a bad --lr), and ends 2."""
+    base = _only_reward(argv(grpo_root, "alike-init", "--strategy", "single", "--steps", "3", "--num-iterations",
+                             "1", "--grpo-beta", "0", "--init-adapter", str(one_rank / "adapter")), grpo_root, "digits")
+    base[base.index(f"{grpo_root / 'rewards.py'}:digits")] = "format=."
+    code = main(base)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "the run learned nothing in its 3 step(s): every weight is exactly the one --init-adapter " \
+        f"{one_rank / 'adapter'} started from" in err and "No adapter was written" in err, err
+    assert "(steps 1-3): these batches had nothing to learn" in err and "a far too large --lr" not in err, err
+    assert not (grpo_root / "alike-init" / "adapter").exists()
+
+
 def test_the_planner_counts_generation(grpo_root, capsys):
     """`shardtune plan` adds generation's moment: a KV cache for every completion a rank samples at once."""
     def kv_cache(batch: int) -> dict:

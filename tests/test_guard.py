@@ -104,3 +104,33 @@ def test_guard_warns_once_when_the_gradient_is_zero_from_the_start(tmp_path, cap
         guard.check(step, 2.0, 0.0)
     assert caplog.text.count("exactly 0 for 3 steps in a row (steps 1-3)") == 1
     assert "right after an optimizer step" not in caplog.text
+
+
+def test_steps_with_nothing_to_learn_are_said_as_such_not_blamed_on_the_lr(tmp_path, caplog):
+    """A loss of exactly 0 with a gradient of 0 (GRPO: every group's completions rewarded alike) is no sign of a
+    bad --lr: a run of them says the batches had nothing to learn."""
+    caplog.set_level(logging.WARNING, logger="shardtune")
+    guard = TrainingGuard(Path(tmp_path), 1e-3, True)
+    guard.check(1, -0.3, 0.7)
+    for step in range(2, 7):
+        guard.check(step, 0.0, 0.0)
+    assert caplog.text.count("the loss and the gradient norm have been exactly 0 for 3 steps in a row "
+                             "(steps 2-4): these batches had nothing to learn") == 1
+    assert "--lr" not in caplog.text
+
+
+def test_an_adapter_equal_to_the_init_adapter_it_started_from_is_refused():
+    """From --init-adapter, B is not 0: the run learned nothing where every tensor is exactly the starting one
+    (compared in the dtype written: a bf16 file read into fp32 weights); one element moved is learning."""
+    from shardtune.config import LoraConfig
+    from shardtune.train.guard import LearnedNothing, refuse_no_op
+
+    start = {"m.lora_A.weight": torch.randn(4, 8).bfloat16(), "m.lora_B.weight": torch.randn(8, 4).bfloat16()}
+    end = {k: v.float() for k, v in start.items()}
+    lora = LoraConfig(init_adapter="/runs/sft/adapter")
+    with pytest.raises(LearnedNothing, match="every weight is exactly the one --init-adapter /runs/sft/adapter "
+                                             "started from"):
+        refuse_no_op(end, lora, "grpo", 3, start)
+    end["m.lora_B.weight"][2, 1] += 1e-3
+    refuse_no_op(end, lora, "grpo", 3, start)
+    refuse_no_op({**end, "m.extra": torch.zeros(2)}, lora, "grpo", 3, start)  # not in the file: not its start

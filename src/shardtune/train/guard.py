@@ -19,9 +19,10 @@ is learned any more, and an adapter written from these weights would be garbage 
 run ends there as for a non-finite loss; the checkpoints written from that update on hold the blown-up
 weights and are deleted, so the newest one left (and named, with the command that resumes from it)
 is the last good one. A gradient of 0 with a loss of exactly 0 is no such sign: GRPO's step has nothing
-to learn when every group's completions were rewarded alike (all advantages 0). A run in which every
-step was such a step ends with a fresh LoRA's B = 0: ``refuse_no_op`` stops it non-zero before an adapter
-that changes nothing is written.
+to learn when every group's completions were rewarded alike (all advantages 0), and a run of them is said
+as that, not as a sign of a bad --lr. A run in which every step was such a step ends with the adapter it
+started from (a fresh LoRA's B = 0, or the --init-adapter weights): ``refuse_no_op`` stops it non-zero
+before an adapter that changes nothing is written.
 """
 
 from __future__ import annotations
@@ -57,25 +58,32 @@ class LearnedNothing(ShardtuneError, RuntimeError):
     """The run ended with an adapter that changes nothing (``refuse_no_op``); the message says what can cause it."""
 
 
-def refuse_no_op(tensors: Mapping[str, torch.Tensor], lora: LoraConfig, objective: str, steps: int) -> None:
-    """Raise LearnedNothing where the adapter about to be written is a fresh LoRA's start: every ``lora_B`` still
-    exactly 0 (B starts at zero), so B·A adds nothing to any layer. Every step's gradient was then exactly 0 (Adam
-    moves a weight only by a gradient): the run learned nothing, and such an adapter is not written.
+def refuse_no_op(tensors: Mapping[str, torch.Tensor], lora: LoraConfig, objective: str, steps: int,
+                 start: Mapping[str, torch.Tensor] | None = None) -> None:
+    """Raise LearnedNothing where the adapter about to be written changes nothing the run started from.
 
-    Only where B is all that decides it: a fresh LoRA (no --init-adapter), without DoRA's magnitudes, trained
-    biases or --lora-modules-to-save. ``tensors``: the full adapter, the same on every rank (a gather), so every
-    rank raises alike."""
-    if lora.init_adapter or lora.variant != "lora" or lora.bias != "none" or lora.modules_to_save:
-        return
-    bs = [t for k, t in tensors.items() if "lora_B" in k]
-    if not bs or any(bool(t.any()) for t in bs):
-        return
+    A fresh LoRA: every ``lora_B`` still exactly 0 (B starts at zero), so B·A adds nothing to any layer. Only
+    where B is all that decides it: without DoRA's magnitudes, trained biases or --lora-modules-to-save.
+    From --init-adapter (``start``: its tensors, keyed as ``tensors``): every tensor exactly the starting one,
+    in the dtype written, so the adapter is the one given. Either way every step's gradient was exactly 0 (Adam
+    moves a weight only by a gradient): the run learned nothing, and such an adapter is not written.
+    ``tensors``: the full adapter, the same on every rank (a gather), so every rank raises alike."""
+    if lora.init_adapter:
+        if start is None or not all(k in start and torch.equal(t, start[k].to(t.dtype)) for k, t in tensors.items()):
+            return
+        what = f"every weight is exactly the one --init-adapter {lora.init_adapter} started from"
+    else:
+        if lora.variant != "lora" or lora.bias != "none" or lora.modules_to_save:
+            return
+        bs = [t for k, t in tensors.items() if "lora_B" in k]
+        if not bs or any(bool(t.any()) for t in bs):
+            return
+        what = "every lora_B weight is still exactly 0, so the adapter would change no layer"
     why = ("every group's completions were rewarded alike at every step, so every advantage was 0 (a constant "
            "reward, a task no completion of the base solves yet, or every completion masked by "
            "--mask-truncated-completions): give rewards that tell a group's completions apart, or more steps"
            if objective == "grpo" else "every step's gradient was exactly 0")
-    raise LearnedNothing(f"the run learned nothing in its {steps} step(s): every lora_B weight is still exactly 0, "
-                         f"so the adapter would change no layer; {why}. No adapter was written "
+    raise LearnedNothing(f"the run learned nothing in its {steps} step(s): {what}; {why}. No adapter was written "
                          "(metrics.jsonl shows each step)")
 
 
@@ -88,6 +96,7 @@ class TrainingGuard:
         self.out, self.lr, self.is_main, self.lora_alpha = Path(out), lr, is_main, lora_alpha
         self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
         self.zero_run = 0
+        self.zero_loss_run = 0  # ... of which the loss was exactly 0 too
         self.last_norm: float | None = None
         self.skipped = 0  # fp16: steps the scaler skipped (gradient overflow), this run
         self.overflow_run = 0  # ... of them in a row, up to the last step
@@ -124,7 +133,13 @@ class TrainingGuard:
                 f"was written{gone}; {self._kept(step - 1)}")
         self.last_norm = grad_norm
         self.zero_run = self.zero_run + 1 if grad_norm == 0 else 0
-        if self.zero_run == ZERO_GRAD_STEPS and self.is_main and self.lora_alpha == 0:
+        self.zero_loss_run = self.zero_loss_run + 1 if grad_norm == 0 and loss == 0 else 0
+        if self.zero_loss_run == ZERO_GRAD_STEPS and self.is_main:  # nothing to learn: no sign of a bad --lr
+            log.warning("the loss and the gradient norm have been exactly 0 for %d steps in a row (steps %d-%d): "
+                        "these batches had nothing to learn (GRPO: every group's completions were rewarded alike, "
+                        "so every advantage was 0); rewards that tell a group's completions apart give a gradient",
+                        ZERO_GRAD_STEPS, step - ZERO_GRAD_STEPS + 1, step)
+        elif self.zero_run == ZERO_GRAD_STEPS and self.is_main and self.lora_alpha == 0:
             log.warning("the gradient norm has been exactly 0 for %d steps in a row (steps %d-%d): --lora-alpha 0 "
                         "scales every LoRA update to nothing, so nothing is learned; give --lora-alpha > 0 "
                         "(e.g. twice --lora-r)", ZERO_GRAD_STEPS, step - ZERO_GRAD_STEPS + 1, step)

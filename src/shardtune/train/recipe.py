@@ -15,6 +15,7 @@ import torch
 
 from shardtune.config import Config
 from shardtune.errors import ShardtuneError
+from shardtune.model.init_adapter import read_adapter
 from shardtune.runplan import RunPlan
 from shardtune.runtime import distributed
 from shardtune.runtime.cpu_tuning import tune_malloc
@@ -136,7 +137,8 @@ def run(cfg: Config, plan: RunPlan | None = None) -> dict:
             steps = result["state"].step
 
             def refuse(tensors: dict) -> None:  # a run that learned nothing writes no adapter (guard.py)
-                refuse_no_op(tensors, cfg.lora, cfg.train.objective, steps)
+                start = read_adapter(cfg.lora.init_adapter)[1] if cfg.lora.init_adapter else None
+                refuse_no_op(tensors, cfg.lora, cfg.train.objective, steps, start)
 
             adapter = save_adapter(job.model, job.strategy, job.built.adapter_keys, out / "adapter", cfg.model.path,
                                    job.model_dir, refuse=refuse)
