@@ -65,18 +65,37 @@ class _Head:
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.targets is None:  # generation, or any caller that wants logits
             return self.original(hidden)
+        targets, kept = self.targets, _with_targets(self.targets)
+        if kept is not None:  # only positions with a target are scored (``_with_targets``)
+            hidden = hidden.reshape(-1, hidden.size(-1)).index_select(0, kept)
+            targets = targets.reshape(-1).index_select(0, kept)
         blocks, weight, bias = _blocks_of(self.module)
         vocab = weight.size(0) if weight is not None else self.module.out_features
         chunk = chunk_tokens(vocab, self.chunk)
         size = exchange_size(self.module, hidden)
         if size is not None:
-            logps, correct = ExchangedTargetLogProbs.apply(hidden, self.targets, self.module, self.transform,
-                                                           chunk, size)
+            logps, correct = ExchangedTargetLogProbs.apply(hidden, targets, self.module, self.transform, chunk, size)
         else:
-            logps, correct = TargetLogProbs.apply(hidden, self.targets, blocks, bias, self.transform, chunk,
+            logps, correct = TargetLogProbs.apply(hidden, targets, blocks, bias, self.transform, chunk,
                                                   weight is not None)
+        if kept is not None:  # 0 and False where there is no target, as the head gives there
+            n = self.targets.numel()
+            logps = logps.new_zeros(n).index_copy(0, kept, logps).view(self.targets.shape)
+            correct = correct.new_zeros(n).index_copy(0, kept, correct).view(self.targets.shape)
         self.correct = correct
         return logps
+
+
+def _with_targets(targets: torch.Tensor) -> torch.Tensor | None:
+    """The flat positions of ``targets`` that have one, or None where all do.
+
+    Why: a position without a target (a prompt's tokens in prompt/response records, preference pairs and GRPO's
+    rows; padding) would cost the head's two matmuls over the vocabulary for a log-probability nobody reads, and
+    the head is a large share of a small model's step (SmolLM2's 49,152 rows). TRL's ``logits_to_keep`` skips
+    the prompts the same way. Reading the count is one device-to-host copy per forward."""
+    has = targets.reshape(-1) != IGNORE
+    count = int(has.sum())
+    return None if count == has.numel() else has.nonzero().squeeze(1)
 
 
 def _blocks_of(head: nn.Module) -> tuple[Callable[[], Iterator[tuple[int, torch.Tensor]]], torch.Tensor | None,
