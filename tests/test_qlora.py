@@ -259,7 +259,10 @@ def test_plan_counts_nf4_and_plans_for_cuda_from_a_config_json_alone(tmp_path):
     assert bf16.terms["weights"] - nf4.terms["weights"] == pytest.approx(saved_mb, rel=0.05)
     # planned for GPUs on this CPU machine: the CUDA context and one NCCL communicator's buffers
     assert nf4.terms["runtime"] == CUDA_CONTEXT_MB + NCCL_COMM_MB and nf4.fits
-    assert nf4.terms["dequant"] == pytest.approx(64 * 128 * 2 / 2**20) and bf16.terms["dequant"] == 0
+    # the largest weight (64 x 128) dequantized in bf16, beside its codes as int32 and their looked-up bf16 values
+    weights = 64 * 128
+    assert nf4.terms["dequant"] == pytest.approx((weights * 2 + weights / 2 * (4 + 2 * 2)) / 2**20)
+    assert bf16.terms["dequant"] == 0
     with pytest.raises(ConfigError) as refused:  # plan's row says what finetune says, in the same words
         validate(build_config({**options, "quantize": "nf4", "strategy": "fsdp1", "data": "d", "out": "o"}))
     assert strategy_rows(build_config({**options, "quantize": "nf4"}), 4 << 30)["fsdp1"][0].note == str(refused.value)
@@ -311,3 +314,43 @@ def test_dequantized_once_reuses_each_weights_values_inside_the_block_only(monke
     assert nf4_torchao._kept is None  # let go
     F.linear(x, weights[0])
     assert len(made) == 3  # outside the block, each matmul dequantizes again
+
+
+def test_the_planner_counts_what_dequantizing_a_weight_holds_at_once():
+    """The planner's ``dequantizing`` against the process's peak while ``dequantize`` runs, every block of 4 KiB
+    or more its own mapping (so the resident memory is what is held), for a weight smaller and one larger than a
+    chunk, in fp32 and bf16: measured in a process of its own."""
+    import json
+    import subprocess
+
+    from shardtune.model.footprint import Facts
+    from shardtune.train.memory_model import dequantizing
+
+    script = """
+import ctypes, json, sys
+ctypes.CDLL(None).mallopt(-3, 4096)  # M_MMAP_THRESHOLD: every block of 4 KiB or more mapped on its own
+import torch
+from shardtune.model import nf4_torchao
+
+def status(key):
+    return int(next(line for line in open("/proc/self/status") if line.startswith(key)).split()[1]) * 1024
+
+module, got = nf4_torchao.nf4_module(), []
+for dtype in (torch.float32, torch.bfloat16):
+    for rows in (1024, 8192):  # 1024 x 1024 / 2 packed bytes: half a chunk; 8192 x 1024 / 2: four chunks
+        t = module.NF4Tensor.from_tensor(torch.randn(rows, 1024, dtype=dtype), 64, 256)
+        nf4_torchao.dequantize(t)  # the code table, made once
+        open("/proc/self/clear_refs", "w").write("5")  # the peak starts again from what is resident now
+        before = status("VmRSS")
+        out = nf4_torchao.dequantize(t)
+        got.append([str(dtype), t.numel(), status("VmHWM") - before])
+        del out
+print(json.dumps(got))
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for dtype, weights, held in json.loads(proc.stdout.splitlines()[-1]):
+        itemsize = 4 if dtype == "torch.float32" else 2
+        facts = Facts(0, 0, 0, itemsize, 0, 0, 0, 0, {}, [], 0, 0, 0, dequant_bytes=weights * itemsize)
+        # the kernel's resident-memory count lags by up to 64 pages a thread
+        assert dequantizing(facts) == pytest.approx(held, rel=0.03, abs=256 * 1024), (dtype, weights)

@@ -16,6 +16,7 @@ import torch
 
 from shardtune.config import traits
 from shardtune.model.footprint import Facts, Saved
+from shardtune.model.nf4_torchao import DEQUANT_CHUNK
 from shardtune.parallel.sharded_embeddings import lookup_buffers, lookup_cost, planned_piece
 from shardtune.runtime import cpu_tuning
 from shardtune.runtime.budget import memory_per_rank
@@ -95,9 +96,10 @@ TERMS: dict[str, str] = {
               "of a piece; without it (a trained head) the full logits and their gradient",
     "kv_cache": "GRPO's generation: the KV cache of the completions a rank samples at once (keys and values "
                 "of every layer for prompt + completion tokens), with the last position's logits",
-    "dequant": "--quantize nf4: the largest 4-bit weight dequantized to the compute dtype for its matmul "
-               "(forward and backward); while loading, a rank's bf16 slice of it being quantized; in GRPO's "
-               "generation, when they fit, every 4-bit weight dequantized once for the whole generation",
+    "dequant": "--quantize nf4: the largest 4-bit weight dequantized to the compute dtype for its matmul, with "
+               "its codes and values a chunk at a time (forward, backward, and each token of GRPO's generation); "
+               "while loading, a rank's bf16 slice of it being quantized; in GRPO's generation, when they fit, "
+               "every 4-bit weight dequantized once for the whole generation",
 }
 #: Bytes per weight while a bf16 slice is quantized (the slice, its scaled copy, one code byte per
 #: weight, the packed codes), as a multiple of the slice's bf16 bytes: torchao's to_nf4 steps.
@@ -342,7 +344,7 @@ def predict(f: Facts, s: Setting, device: str) -> Prediction:
     moments = _moments(strategy, device, layers, n, acts, workspace, logits_fwd, logits_bwd, unit, pieces)
     if f.dequant_bytes:  # one 4-bit weight dequantized at a time (exchanged: the rank's rows of it)
         exchanged = s.layers_exchanged and n > 1 and t.shards
-        moments["backward through the layers"]["dequant"] = f.dequant_bytes / (n if exchanged else 1)
+        moments["backward through the layers"]["dequant"] = dequantizing(f, n if exchanged else 1)
         # loading: the shard so far plus one slice being quantized (no gradients or optimizer yet)
         moments["loading (a weight's slice quantized)"] = {
             "dequant": QUANTIZE_SLICE_COPIES * f.quantize_slice_bytes / n,
@@ -421,8 +423,9 @@ def _generation_terms(f: Facts, s: Setting, n: int, vocab: int, kept: dict[str, 
     compute dtype next to the shards, plus one unit's gather buffer, or the shared ``buffers`` kept for the
     run on CPU; row-sharded tables are never gathered: sharded_embeddings.exchanged), one
     layer's prefill activations (no_grad) and the last position's logits with the sampler's fp64 softmax
-    and cumulative sum; dequantized once (``generation_dequantized``), every NF4 weight in the compute dtype
-    (the rank's rows of each when exchanged). Exchanged (``generation_exchanged``), no layer is gathered;
+    and cumulative sum; a 4-bit base's weights dequantized for each matmul, one at a time (``dequantizing``), or
+    once (``generation_dequantized``), every NF4 weight in the compute dtype (the rank's rows of each when
+    exchanged). Exchanged (``generation_exchanged``), no layer is gathered;
     replicated too (``generation_replicated``), every rank of the shard group holds the KV cache, activations
     and logits of all the group's rows, and a projection's outputs of them all (its rows', the gathered, the cut).
     The vocabulary-parallel head's exchange (the rank's block of every rank's logits, then its own logits
@@ -450,10 +453,26 @@ def _generation_terms(f: Facts, s: Setting, n: int, vocab: int, kept: dict[str, 
     elif s.generation_gathered and n > 1 and traits(s.strategy).shards:
         gathered = f.layers * f.block_bytes + root + max(0, copies - 1) * f.block_bytes
     prefill = 8 * rows * tokens * f.hidden * f.compute_itemsize
-    dequant = f.nf4_dequantized_bytes / (n if s.generation_exchanged else 1) if s.generation_dequantized else 0.0
+    rows_of = n if s.generation_exchanged else 1  # exchanged: each rank dequantizes its rows of a weight
+    if not f.dequant_bytes:
+        dequant = 0.0
+    elif s.generation_dequantized:  # every weight's values kept, the last one's temporaries beside them
+        dequant = f.nf4_dequantized_bytes / rows_of + dequantizing(f, rows_of) - f.dequant_bytes / rows_of
+    else:  # each matmul of each token dequantizes its weight, one at a time
+        dequant = dequantizing(f, rows_of)
     return {"kv_cache": rows * tokens * f.kv_bytes_per_token + rows * vocab * (f.compute_itemsize + 4 + 16),
             "blocks": gathered, "buffers": buffers, "activations": prefill + exchange, "grads": -kept["grads"],
             "dequant": dequant}
+
+
+def dequantizing(f: Facts, rows_of: int = 1) -> float:
+    """What dequantizing the largest 4-bit weight holds at once (model/nf4_torchao.py ``_dequantize``), ``rows_of``
+    ranks holding a share of its rows each: the values in the compute dtype and, a chunk of ``DEQUANT_CHUNK``
+    packed bytes at a time, their codes as int32 and the chunk's values looked up in the table (the compute
+    dtype's), about 2.5 times the values alone in fp32, 3 times in bf16."""
+    weights = f.dequant_bytes / f.compute_itemsize / rows_of
+    packed = min(weights / 2, DEQUANT_CHUNK)
+    return weights * f.compute_itemsize + packed * (4 + 2 * f.compute_itemsize)
 
 
 def _head_terms(f: Facts, tokens: int, vocab: int, blocks: int, chunk_override: int = 0,
