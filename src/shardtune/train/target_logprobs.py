@@ -193,12 +193,16 @@ def scoring_cost(width: int, itemsize: int, ranks: int, grad: bool) -> sharded.E
 
 def exchange_size(head: nn.Module, hidden: torch.Tensor) -> int | None:
     """The tokens every rank pads to when ``head`` is row-sharded and scoring by exchange is the cheaper way
-    (sharded_embeddings.exchange_size, a collective); None otherwise."""
+    (sharded_embeddings.exchange_size, a collective); None otherwise.
+
+    Costed as a pass with a gradient, as the planner costs it, whether or not this one has one: every pass that
+    scores the same tokens (the policy, the reference, GRPO's old policy) then takes the same path, so their
+    log-probabilities agree to the bit where their weights do (DPO's rewards are exactly 0 at the first step,
+    GRPO's first ratio exactly 1), on any number of ranks as on one."""
     if not isinstance(head, ShardedHead):
         return None
     width = hidden.size(-1)
-    grad = torch.is_grad_enabled() and hidden.requires_grad
-    cost = scoring_cost(width, head.weight.to_local().element_size(), head.group.size(), grad)
+    cost = scoring_cost(width, head.weight.to_local().element_size(), head.group.size(), grad=True)
     return sharded.exchange_size(head, hidden.numel() // width, cost)
 
 
