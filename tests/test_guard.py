@@ -134,3 +134,25 @@ def test_an_adapter_equal_to_the_init_adapter_it_started_from_is_refused():
     end["m.lora_B.weight"][2, 1] += 1e-3
     refuse_no_op(end, lora, "grpo", 3, start)
     refuse_no_op({**end, "m.extra": torch.zeros(2)}, lora, "grpo", 3, start)  # not in the file: not its start
+
+
+def test_an_init_adapter_gone_by_the_save_leaves_the_adapter_written_unchecked(tmp_path, caplog):
+    """The starting adapter is read again at the save to compare with: moved or broken since the start, the run's
+    adapter is written anyway (said in the log), never lost to a failed comparison."""
+    from safetensors.torch import save_file
+
+    from shardtune.config import build_config
+    from shardtune.train.recipe import starting_adapter
+
+    caplog.set_level(logging.WARNING, logger="shardtune")
+    adapter = tmp_path / "sft-adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 8, "lora_alpha": 16}')
+    save_file({"m.lora_A.weight": torch.ones(8, 4), "m.lora_B.weight": torch.zeros(4, 8)},
+              str(adapter / "adapter_model.safetensors"))
+    cfg = build_config({"model": str(tmp_path), "init-adapter": str(adapter)})
+    assert torch.equal(starting_adapter(cfg)["m.lora_A.weight"], torch.ones(8, 4))
+    (adapter / "adapter_model.safetensors").write_bytes(b"\0" * 10)  # overwritten mid-run
+    assert starting_adapter(cfg) is None
+    assert f"--init-adapter {adapter} cannot be read any more" in caplog.text
+    assert starting_adapter(build_config({"model": str(tmp_path)})) is None

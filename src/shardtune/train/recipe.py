@@ -104,6 +104,20 @@ def _loop(job: Job, memory: MemoryMonitor, optimizer, scheduler, checkpoints: Ch
     return {"losses": losses, "fills": fills, "state": state, "stopped_by": stopped_by}
 
 
+def starting_adapter(cfg: Config) -> dict[str, torch.Tensor] | None:
+    """The --init-adapter's tensors, to tell a run that learned nothing from it; None without one, or where it
+    can no longer be read (moved or rewritten since the start): then the run's adapter is written unchecked
+    rather than lost."""
+    if not cfg.lora.init_adapter:
+        return None
+    try:
+        return read_adapter(cfg.lora.init_adapter)[1]
+    except (ShardtuneError, OSError) as err:
+        log.warning("--init-adapter %s cannot be read any more (%s): the adapter is written without comparing it "
+                    "with the one the run started from", cfg.lora.init_adapter, err)
+        return None
+
+
 def run(cfg: Config, plan: RunPlan | None = None) -> dict:
     """Fine-tune as this rank with rank 0's run plan; return the run's summary. Without a ``plan``
     (``python -m shardtune.train CONFIG.yaml`` started by hand) rank 0 resolves it. A stop by
@@ -137,8 +151,7 @@ def run(cfg: Config, plan: RunPlan | None = None) -> dict:
             steps = result["state"].step
 
             def refuse(tensors: dict) -> None:  # a run that learned nothing writes no adapter (guard.py)
-                start = read_adapter(cfg.lora.init_adapter)[1] if cfg.lora.init_adapter else None
-                refuse_no_op(tensors, cfg.lora, cfg.train.objective, steps, start)
+                refuse_no_op(tensors, cfg.lora, cfg.train.objective, steps, starting_adapter(cfg))
 
             adapter = save_adapter(job.model, job.strategy, job.built.adapter_keys, out / "adapter", cfg.model.path,
                                    job.model_dir, refuse=refuse)
