@@ -59,6 +59,11 @@ def _reference(model, inputs, targets):
     return torch.where(targets != IGNORE, logps, 0.0)
 
 
+def want_logits(model, inputs):
+    with torch.no_grad():
+        return model(**inputs).logits.float()
+
+
 def _grads(model, loss):
     model.zero_grad(set_to_none=True)
     loss.backward()
@@ -75,12 +80,15 @@ def test_scores_and_gradients_equal_the_full_logits(arch, tied):
     want = _reference(model, inputs, targets)
     want_grads = _grads(model, -(want * weights).sum())
     assert loss_head.install(model, chunk=4)  # 51 tokens: 13 chunks
-    got = loss_head.score(model, inputs, targets)
-    torch.testing.assert_close(got.logps, want, rtol=1e-5, atol=1e-5)
-    got_grads = _grads(model, -(got.logps * weights).sum())
-    assert set(got_grads) == set(want_grads) and want_grads
-    for name, g in want_grads.items():
-        torch.testing.assert_close(got_grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
+    # every position scored, and only those with a target, as the batches hand them (Forward.scored)
+    for scored in (None, (targets.reshape(-1) != IGNORE).nonzero().squeeze(1)):
+        got = loss_head.score(model, inputs, targets, scored=scored)
+        torch.testing.assert_close(got.logps, want, rtol=1e-5, atol=1e-5)
+        assert torch.equal(got.correct, (want_logits(model, inputs).argmax(-1) == targets) & (targets != IGNORE))
+        got_grads = _grads(model, -(got.logps * weights).sum())
+        assert set(got_grads) == set(want_grads) and want_grads
+        for name, g in want_grads.items():
+            torch.testing.assert_close(got_grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
     with torch.no_grad():  # the same model still generates: logits when nothing is scored
         torch.testing.assert_close(model(**inputs).logits.float().log_softmax(-1).gather(
             -1, targets.clamp(min=0)[..., None]).squeeze(-1).where(targets != IGNORE, 0.0), want)

@@ -48,6 +48,7 @@ def test_every_rank_runs_the_same_number_of_forwards():
         batcher = Batcher(Layout(examples, 1, 32, 0, torch.device("cpu"), attention, torch.float32))
         empty = batcher.packed([])
         assert empty.real_tokens == 0 and empty.items == [] and (empty.targets == IGNORE).all()
+        assert empty.scored is not None and empty.scored.numel() == 0  # the head scores nothing
         assert (empty.owners == -1).all() and empty.inputs["input_ids"].numel() == 1
 
 
@@ -94,7 +95,7 @@ def test_a_packed_step_reads_no_device_value_on_the_host(tmp_path):
                                                  dtype=torch.float32)
     assert use_shardtune_attention(model) == "shardtune"
     loss_head.install(model)
-    loss_head.score(model, fwd.inputs, fwd.targets).logps.sum().backward()
+    loss_head.score(model, fwd.inputs, fwd.targets, scored=fwd.scored).logps.sum().backward()
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
@@ -118,7 +119,7 @@ def test_packed_token_losses_and_gradients_equal_padded(tmp_path, arch, attentio
 
     def scored(fwd):
         model.zero_grad()
-        logps = loss_head.score(model, fwd.inputs, fwd.targets).logps
+        logps = loss_head.score(model, fwd.inputs, fwd.targets, scored=fwd.scored).logps  # as the recipe scores
         per_record = dict(zip(fwd.items, sequence_sums(logps, fwd).tolist()))
         logps.sum().backward()
         return per_record, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}

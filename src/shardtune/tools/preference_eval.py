@@ -48,7 +48,7 @@ def pair_logps(model, examples, pad_id: int, batch_size: int, progress=None) -> 
         batcher = Batcher(Layout(examples, 2, 0, pad_id, param.device, impl, param.dtype))
         for start in range(0, n, batch_size):
             fwd = batcher.padded(list(range(start, min(n, start + batch_size))))
-            scores = loss_head.score(model, fwd.inputs, fwd.targets)
+            scores = loss_head.score(model, fwd.inputs, fwd.targets, scored=fwd.scored)
             out.append(sequence_sums(scores.logps, fwd).view(-1, 2).cpu())
             if progress is not None:
                 progress(len(fwd.items))

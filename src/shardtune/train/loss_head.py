@@ -60,13 +60,14 @@ class _Head:
         self.module, self.transform, self.chunk = module, transform, chunk
         self.original = module.forward
         self.targets: torch.Tensor | None = None
+        self.scored: torch.Tensor | None = None  # the flat positions of targets that have one (None: all)
         self.correct: torch.Tensor | None = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.targets is None:  # generation, or any caller that wants logits
             return self.original(hidden)
-        targets, kept = self.targets, _with_targets(self.targets)
-        if kept is not None:  # only positions with a target are scored (``_with_targets``)
+        targets, kept = self.targets, self.scored
+        if kept is not None:  # only positions with a target are scored (``score``)
             hidden = hidden.reshape(-1, hidden.size(-1)).index_select(0, kept)
             targets = targets.reshape(-1).index_select(0, kept)
         blocks, weight, bias = _blocks_of(self.module)
@@ -84,18 +85,6 @@ class _Head:
             correct = correct.new_zeros(n).index_copy(0, kept, correct).view(self.targets.shape)
         self.correct = correct
         return logps
-
-
-def _with_targets(targets: torch.Tensor) -> torch.Tensor | None:
-    """The flat positions of ``targets`` that have one, or None where all do.
-
-    Why: a position without a target (a prompt's tokens in prompt/response records, preference pairs and GRPO's
-    rows; padding) would cost the head's two matmuls over the vocabulary for a log-probability nobody reads, and
-    the head is a large share of a small model's step (SmolLM2's 49,152 rows). TRL's ``logits_to_keep`` skips
-    the prompts the same way. Reading the count is one device-to-host copy per forward."""
-    has = targets.reshape(-1) != IGNORE
-    count = int(has.sum())
-    return None if count == has.numel() else has.nonzero().squeeze(1)
 
 
 def _blocks_of(head: nn.Module) -> tuple[Callable[[], Iterator[tuple[int, torch.Tensor]]], torch.Tensor | None,
@@ -153,23 +142,27 @@ def _head_state(model: nn.Module) -> _Head | None:
 
 
 @contextlib.contextmanager
-def _scoring(state: _Head, targets: torch.Tensor) -> Iterator[None]:
+def _scoring(state: _Head, targets: torch.Tensor, scored: torch.Tensor | None) -> Iterator[None]:
     saved = [(cfg, attr, getattr(cfg, attr)) for cfg, attr, _ in state.transform.neutral]
-    state.targets = targets
+    state.targets, state.scored = targets, scored
     for cfg, attr, value in state.transform.neutral:
         setattr(cfg, attr, value)
     try:
         yield
     finally:
-        state.targets = None
+        state.targets = state.scored = None
         for cfg, attr, value in saved:
             setattr(cfg, attr, value)
 
 
 def score(model: nn.Module, inputs: dict[str, torch.Tensor], targets: torch.Tensor,
-          temperature: float = 1.0) -> Scores:
+          temperature: float = 1.0, scored: torch.Tensor | None = None) -> Scores:
     """One forward of ``model`` on ``inputs``, scored against ``targets`` (rows, width): the token each
-    position predicts, IGNORE where none (see ``Scores``). ``temperature``: the log-probabilities of
+    position predicts, IGNORE where none (see ``Scores``). ``scored``: the flat positions that have a target
+    (data/batch.py ``Forward.scored``), the only ones the head then scores, as TRL's ``logits_to_keep`` leaves
+    out the prompt: a position without one (a prompt's token, padding) would cost the head's two matmuls over
+    the vocabulary for a log-probability nobody reads, and the head is a large share of a small model's step
+    (SmolLM2's 49,152 rows). None: every position. ``temperature``: the log-probabilities of
     logits / temperature (GRPO scores completions as they were sampled); the head scales its logits, or,
     after a softcap (which comes first), the full logits are divided."""
     state = _head_state(model)
@@ -185,7 +178,7 @@ def score(model: nn.Module, inputs: dict[str, torch.Tensor], targets: torch.Tens
     if temperature != 1.0:
         state.transform = dataclasses.replace(transform, scale=transform.scale / temperature)
     try:
-        with _scoring(state, targets):
+        with _scoring(state, targets, scored):
             logps = model(**inputs).logits
     finally:
         state.transform = transform

@@ -61,7 +61,7 @@ class Reference:
         if self.table is not None:
             return self.table[fwd.items].to(fwd.targets.device)
         with contextlib.nullcontext() if self.adapters_on else adapters_disabled(model):
-            scores = score(model, fwd.inputs, fwd.targets)
+            scores = score(model, fwd.inputs, fwd.targets, scored=fwd.scored)
         return self.objective.reference_of(scores, fwd)
 
 

@@ -229,7 +229,7 @@ class Rollouts:
         forwards = self.batcher.step(list(range(self.split.batch_size)), self.split, w.rank, self.cfg.data.packing)
         with inference(t.model, t.strategy), context():
             for fwd in forwards:
-                scores = score(t.model, fwd.inputs, fwd.targets, self.objective.temperature)
+                scores = score(t.model, fwd.inputs, fwd.targets, self.objective.temperature, fwd.scored)
                 seq = per_sequence(scores.logps, fwd, width).cpu()
                 mine.update(zip(fwd.items, seq[:len(fwd.items)]))
         shares = distributed.all_gather_object(mine) if w.world_size > 1 else [mine]

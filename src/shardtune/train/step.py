@@ -60,7 +60,7 @@ def train_step(t: Trainee, batcher: Batcher, batch: list[int], forwards: list[Fo
         reference = t.reference.values(t.model, fwd) if t.reference is not None else None
         with t.strategy.gradient_sync(t.model, enabled=n == len(forwards) - 1):
             with offloaded(device, t.offload):
-                scores = score(t.model, fwd.inputs, fwd.targets, t.objective.temperature)
+                scores = score(t.model, fwd.inputs, fwd.targets, t.objective.temperature, fwd.scored)
             terms = t.objective.terms(scores, fwd, batcher, norms, reference)
             # Gradient sync averages over ranks; multiplying by world_size turns that average back into
             # the sum over ranks, so the gradient is that of the global batch's loss whatever the split.
@@ -87,7 +87,7 @@ def evaluation_sums(t: Trainee, batcher: Batcher, n_items: int, micro: int, toge
     sums = torch.zeros(1 + len(t.objective.metrics), dtype=torch.float64, device=worker.device)
     for fwd in batcher.lockstep(n_items, micro, worker.rank, worker.world_size, together):
         reference = t.reference.values(t.model, fwd) if t.reference is not None else None
-        scores = score(t.model, fwd.inputs, fwd.targets)
+        scores = score(t.model, fwd.inputs, fwd.targets, scored=fwd.scored)
         if fwd.items:
             terms = t.objective.terms(scores, fwd, batcher, norms, reference)
             sums += torch.cat([terms.loss.reshape(1), terms.sums]).double()

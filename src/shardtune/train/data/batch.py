@@ -96,6 +96,10 @@ class Forward:
     positions: int  # tokens the model computes, padding included
     sequences: int  # len(items) × per_item
     context: ContextGroup | None = None  # context parallelism: the rows are this rank's pieces
+    #: the flat positions of ``targets`` that have a target, None where all do: the only ones the loss head
+    #: scores (train/loss_head.py ``score``), found here on the host so that no forward waits on a device to
+    #: count them
+    scored: torch.Tensor | None = None
 
     @property
     def share(self) -> float:
@@ -200,8 +204,10 @@ class Batcher:
         context = self.layout.context
         if context is not None:
             inputs, targets, owned = self._piece(context, inputs, targets, owned, segments)
+        has = targets.reshape(-1) != IGNORE
+        scored = None if bool(has.all()) else has.nonzero().squeeze(1).to(self.layout.device)
         return Forward(inputs, targets.to(self.layout.device), owned.to(self.layout.device), items,
-                       self.tokens(items), targets.numel(), len(items) * self.layout.per_item, context)
+                       self.tokens(items), targets.numel(), len(items) * self.layout.per_item, context, scored)
 
     def _piece(self, context: ContextGroup, inputs: dict, targets: torch.Tensor, owned: torch.Tensor,
                segments: torch.Tensor | None) -> tuple[dict, torch.Tensor, torch.Tensor]:
