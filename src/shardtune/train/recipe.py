@@ -104,17 +104,18 @@ def _loop(job: Job, memory: MemoryMonitor, optimizer, scheduler, checkpoints: Ch
     return {"losses": losses, "fills": fills, "state": state, "stopped_by": stopped_by}
 
 
-def starting_adapter(cfg: Config) -> dict[str, torch.Tensor] | None:
+def starting_adapter(cfg: Config, is_main: bool = True) -> dict[str, torch.Tensor] | None:
     """The --init-adapter's tensors, to tell a run that learned nothing from it; None without one, or where it
     can no longer be read (moved or rewritten since the start): then the run's adapter is written unchecked
-    rather than lost."""
+    rather than lost (said once, by ``is_main``)."""
     if not cfg.lora.init_adapter:
         return None
     try:
         return read_adapter(cfg.lora.init_adapter)[1]
     except (ShardtuneError, OSError) as err:
-        log.warning("--init-adapter %s cannot be read any more (%s): the adapter is written without comparing it "
-                    "with the one the run started from", cfg.lora.init_adapter, err)
+        if is_main:
+            log.warning("--init-adapter %s cannot be read any more (%s): the adapter is written without comparing "
+                        "it with the one the run started from", cfg.lora.init_adapter, err)
         return None
 
 
@@ -151,7 +152,7 @@ def run(cfg: Config, plan: RunPlan | None = None) -> dict:
             steps = result["state"].step
 
             def refuse(tensors: dict) -> None:  # a run that learned nothing writes no adapter (guard.py)
-                refuse_no_op(tensors, cfg.lora, cfg.train.objective, steps, starting_adapter(cfg))
+                refuse_no_op(tensors, cfg.lora, cfg.train.objective, steps, starting_adapter(cfg, worker.is_main))
 
             adapter = save_adapter(job.model, job.strategy, job.built.adapter_keys, out / "adapter", cfg.model.path,
                                    job.model_dir, refuse=refuse)
