@@ -108,7 +108,10 @@ def _assert_adapters(a: Path, b: Path) -> None:
     ta, tb = (load_file(d / "adapter" / "adapter_model.safetensors") for d in (a, b))
     assert set(ta) == set(tb) and ta
     for k in ta:
-        assert (ta[k] - tb[k]).abs().max() < 1e-4, (a, b, k)  # after 3 AdamW steps at lr 1e-2
+        # After 3 AdamW steps at lr 1e-2 (the first step's gradients are compared at 1e-5 above). AdamW moves
+        # each element by lr · m / (√v + 1e-8): where a gradient is ~1e-8, fp32 rounding of ~1e-9 changes the
+        # step by ~10% of lr, so 1e-3 is the bound rounding allows; a wrong gradient or update moves by ~lr.
+        assert (ta[k] - tb[k]).abs().max() < 1e-3, (a, b, k, (ta[k] - tb[k]).abs().max().item())
 
 
 @pytest.fixture(scope="module")

@@ -39,6 +39,7 @@ from shardtune.train.grpo_loss import (
 from shardtune.train.rewards import RewardFunction, score, weights_of
 from shardtune.train.sampler_correction import MODES, importance_ratio, sampler_table
 
+from closeness import rel
 from tiny import make_model
 
 G = 4  # completions per prompt
@@ -256,12 +257,6 @@ def our_loss(o: Oracle, gen: dict, settings: GRPOSettings, iterations: int,
 def batch(oracle) -> tuple[dict, dict]:
     """TRL's and shardtune's generation batch (scale_rewards group): the loss cases share them."""
     return trl_generation(oracle, beta=0.04), our_generation(oracle)
-
-
-def rel(a: torch.Tensor | float, b: torch.Tensor | float, floor: float = 1e-12) -> float:
-    """max |a − b| / max |b|; ``floor``: the least denominator (for values that are ~0 by construction)."""
-    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
-    return ((a - b).abs().max() / b.abs().max().clamp(min=floor)).item()
 
 
 def assert_same_step(ours: dict, theirs: dict, case: str) -> None:
