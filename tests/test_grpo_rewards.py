@@ -181,6 +181,8 @@ def test_specs_that_do_not_load_are_refused_naming_them(tmp_path, monkeypatch):
         "needs:f": "importing 'needs' needs the module 'not_a_real_package_xyz', which is not installed$",
         "no_such_module_abc:f": "no module named 'no_such_module_abc' on the Python path",
         "good:ok(": "'ok\\(' is not a Python name",
+        "exact_match:answer": "the built-in exact_match takes its argument after '=': exact_match=answer",
+        "exact:answer": r"no module named 'exact' .*, or the built-in exact_match=\.\.\.\)",
         "reward_of_mine": "not a reward; give path/to/file.py:name, module:name or a built-in",
         "format": "the built-in format needs an argument: format=VALUE",
         "format=(unclosed": "format=\\(unclosed: not a valid regular expression",

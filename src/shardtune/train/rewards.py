@@ -30,6 +30,7 @@ it raised on a batch, it is called again one completion at a time to find the pr
 from __future__ import annotations
 
 import asyncio
+import difflib
 import functools
 import hashlib
 import importlib
@@ -179,8 +180,10 @@ def _load_module(module_name: str, attr: str, spec: str) -> Any:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as err:
         missing = err.name or module_name
-        hint = (f"no module named {module_name!r} on the Python path (a file is given as path/to/file.py:name)"
-                if missing == module_name else
+        close = difflib.get_close_matches(module_name, BUILTINS, n=1, cutoff=0.6)
+        builtin = f", or the built-in {close[0]}=..." if close else ""
+        hint = (f"no module named {module_name!r} on the Python path (a file is given as path/to/file.py:name"
+                f"{builtin})" if missing == module_name else
                 f"importing {module_name!r} needs the module {missing!r}, which is not installed")
         raise RewardError(f"--reward {spec}: {hint}") from None
     except Exception as err:  # noqa: BLE001 - the user's module: say where it failed
@@ -230,6 +233,8 @@ def load_reward(spec: str) -> tuple[str, Callable[..., Any]]:
     if not colon or not target:
         raise RewardError(f"--reward {spec!r}: not a reward; give path/to/file.py:name, module:name or a built-in "
                           f"({', '.join(BUILTINS)})")
+    if target in BUILTINS:  # the file:name colon where the built-ins take '='
+        raise RewardError(f"--reward {spec}: the built-in {target} takes its argument after '=': {target}={attr}")
     if target.endswith(".py") or "/" in target or "\\" in target:
         fn = _load_file(target, attr, spec)
     else:
