@@ -138,7 +138,8 @@ def test_hub_like_id_not_found_says_local_and_hub_both(train_jsonl: Path, tmp_pa
     assert "no local directory modles/smollm2-135m" in result.stderr and "Hugging Face cache" in result.stderr
 
 
-def test_nan_in_a_base_weight_is_named_at_load(tmp_path: Path, train_jsonl: Path) -> None:
+def test_nan_in_a_base_weight_is_named_at_load_once(tmp_path: Path, train_jsonl: Path) -> None:
+    """Every rank finds it; the launcher says it once, naming a rank, and none of torch's launcher lines."""
     from safetensors.torch import load_file, save_file
 
     model = make_model(tmp_path / "model", "llama")
@@ -147,9 +148,11 @@ def test_nan_in_a_base_weight_is_named_at_load(tmp_path: Path, train_jsonl: Path
     weights[name][0, 0] = float("nan")
     save_file(weights, str(model / "model.safetensors"), metadata={"format": "pt"})
     result = shardtune("finetune", "--model", str(model), "--data", str(train_jsonl), "--out", str(tmp_path / "o"),
-                       "--steps", "1", "--batch-size", "4", "--nproc", "1", "--dtype", "fp32")
-    assert result.returncode != 0
-    assert f"base weight {name} holds NaN" in result.stderr, result.stderr
+                       "--steps", "1", "--batch-size", "4", "--nproc", "2", "--dtype", "fp32")
+    assert result.returncode == 2
+    assert result.stderr.count(f"base weight {name} holds NaN") == 1, result.stderr
+    assert lines(result.stderr)[-1].startswith("error: rank ")
+    assert "exitcode" not in result.stderr and "elastic" not in result.stderr, result.stderr
     assert "--lr" not in result.stderr and "diverged" not in result.stderr
 
 

@@ -34,6 +34,8 @@ _NOISE = {
     "torch.utils._pytree": ("is an Enum subclass",),  # torchao registers its enums the old way
     "torchao": ("Failed to load",),  # each CUDA kernel library torchao ships, on a machine without it
     "torchao.kernel.intmm": ("Detected no triton",),
+    # the elastic agent's "failed (exitcode …)" is logged at ERROR, which _LAUNCHER_LOGGERS' level lets through
+    "torch.distributed.elastic.multiprocessing.api": ("failed (exitcode",),
 }
 # The elastic agent's own lines ("Sending process … closing signal", "failed (exitcode …)"): our
 # launcher names the failed rank and its error itself.
