@@ -156,7 +156,7 @@ def test_exchanged_linear_gives_the_whole_weights_outputs_and_input_gradients():
 
 
 def train_on_ranks(rank: int, world_size: int, model_dir: str, exchange: bool, checkpointing: bool,
-                   dtype: str = "fp32", quantize: str = "") -> dict:
+                   dtype: str = "fp32", quantize: str = "", scoring: bool = False) -> dict:
     import dataclasses
 
     from torch import nn
@@ -205,7 +205,17 @@ def train_on_ranks(rank: int, world_size: int, model_dir: str, exchange: bool, c
     torch.distributed.all_reduce = lambda *a, **k: reduced.append(1) or all_reduce(*a, **k)
     model.train()
     try:
-        loss = model(input_ids=ids, labels=ids).loss
+        if scoring:  # as every objective's step does: the loss head scores the targets (``score``)
+            from shardtune.train import loss_head
+            from shardtune.train.data.records import IGNORE
+
+            assert loss_head.install(model)
+            targets = torch.full_like(ids, IGNORE)
+            targets[:, :-1] = ids[:, 1:]
+            scored = (targets.reshape(-1) != IGNORE).nonzero().squeeze(-1)
+            loss = -loss_head.score(model, {"input_ids": ids}, targets, scored=scored).logps.mean()
+        else:
+            loss = model(input_ids=ids, labels=ids).loss
         exchanged_layers.ExchangedLinear = function
         loss.backward()  # recomputing under checkpointing: the hooks see those calls too
     finally:
@@ -213,7 +223,7 @@ def train_on_ranks(rank: int, world_size: int, model_dir: str, exchange: bool, c
         torch.distributed.all_reduce = all_reduce
     # nothing of the step left held by the exchange (a recompute stops before the end of the layer's forward)
     held = [m.forward.round.source is not None or bool(m.forward.round.ahead)
-            for m in model.modules() if "forward" in vars(m)]
+            for m in model.modules() if hasattr(vars(m).get("forward"), "round")]
     grads = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.requires_grad}
     distributed.teardown()
     return {"loss": loss.item(), "grads": grads, "outside": outside, "exchanges": exchanges, "held": held,
@@ -245,6 +255,44 @@ def test_training_from_row_shards_gives_fsdp2s_loss_and_gradients(tmp_path, chec
         assert e["grads"].keys() == p["grads"].keys()
         for name, grad in p["grads"].items():
             torch.testing.assert_close(e["grads"][name], grad, **tol, msg=name)
+
+
+@pytest.mark.parametrize("exchange", [False, True])
+def test_a_scored_forward_agrees_on_its_token_counts_once(tmp_path, exchange):
+    """A forward the loss head scores (every objective's step, ``score``), with the row-sharded embedding and
+    head exchanging tokens and, exchanged, the layers too (three ranks, a different width on each, activation
+    checkpointing): one all-reduce in its forward and backward, where the lookup, the layers and the head each
+    agreed on a count of their own (parallel/agreed_counts.py), and the loss and every LoRA gradient of the
+    plain FSDP2 model."""
+    d = str(make_model(tmp_path / "model", "qwen2", hidden=64))
+    plain = run_ranks(train_on_ranks, WORLD, d, False, True, "fp32", "", True)
+    ran = run_ranks(train_on_ranks, WORLD, d, exchange, True, "fp32", "", True) if exchange else plain
+    for p, r in zip(plain, ran):
+        assert r["reduced"] == 1, r["reduced"]
+        assert r["loss"] == pytest.approx(p["loss"], rel=1e-5)
+        for name, grad in p["grads"].items():
+            torch.testing.assert_close(r["grads"][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_counts_recorded_for_a_forward_are_agreed_on_at_the_first_ask(monkeypatch):
+    """Inside ``agreed_counts.forward`` the first part to ask agrees on both counts in one collective and the
+    later parts read them; a part that counts more than was recorded stops, named, rather than cutting its
+    tokens; outside, each ask is its own collective."""
+    from shardtune.parallel import agreed_counts
+    from shardtune.runtime import distributed
+
+    asked = []  # every rank's largest: here, one more than this rank's
+    monkeypatch.setattr(distributed, "all_reduce_max_each",
+                        lambda values, device, group=None: asked.append(list(values)) or [v + 1 for v in values])
+    group, cpu = object(), torch.device("cpu")
+    with agreed_counts.forward(tokens=10, scored=4):
+        assert agreed_counts.most("tokens", 10, cpu, group) == 11
+        assert agreed_counts.most("scored", 4, cpu, group) == 5
+        assert agreed_counts.most("tokens", 10, cpu, group) == 11
+        with pytest.raises(RuntimeError, match="12 tokens on this rank, more than the 11 agreed on"):
+            agreed_counts.most("tokens", 12, cpu, group)
+    assert asked == [[10, 4]]
+    assert agreed_counts.most("scored", 3, cpu, group) == 4 and asked[-1] == [3]
 
 
 def test_a_forward_that_raised_leaves_no_pass_open():

@@ -26,8 +26,9 @@ runs it in reverse for the inputs' gradient (parallel/exchange.py ``ExchangedLin
 hold only what trains and the small rest, gathered as before.
 
 In training the token count the ranks pad to is agreed on once per forward of the whole model (``_Pass``: one
-all-reduce, read on the host, where one per decoder layer would stall a GPU's queue once a layer), which every
-decoder layer of that forward shares; a layer recomputed under activation checkpointing, after the model's
+all-reduce, read on the host, where one per decoder layer would stall a GPU's queue once a layer; in a forward
+the loss head scores, the same one as the row-sharded tables', agreed_counts.py), which every decoder layer of
+that forward shares; a layer recomputed under activation checkpointing, after the model's
 forward, pads as its own forward did. While generating every rank's forwards carry as many tokens, so none is
 agreed on. The inputs a round gathered are let go when the layer's forward ends, or its backward begins (a
 recompute stops early).
@@ -52,9 +53,10 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
 from shardtune.model.structure import decoder_layers
+from shardtune.parallel import agreed_counts
 from shardtune.parallel.exchange import ExchangedLinear, everyones, replicated_linears
 from shardtune.parallel.sharded_embeddings import ShardedEmbedding, ShardedHead, row_counts, shard_rows
-from shardtune.runtime import compat, distributed
+from shardtune.runtime import compat
 
 
 class _Pass:
@@ -79,7 +81,7 @@ class _Pass:
         of the model has already."""
         if self.running and self.tokens is not None:
             return self.tokens
-        tokens = distributed.all_reduce_max(local, device, self.group)
+        tokens = agreed_counts.most("tokens", local, device, self.group)
         if self.running:
             self.tokens = tokens
         return tokens

@@ -15,7 +15,7 @@ rows, so in training (and scoring) the lookup and the loss head (train/loss_head
 cheaper way by one rule (``exchange_cheaper``; the planner, train/memory_model.py, applies it too):
 broadcasting the rows moves (ranks - 1) / ranks x vocabulary x hidden per pass, exchanging the tokens about
 (ranks - 1) x tokens x hidden (the hidden states gathered, the hidden states' gradient sent back), counted on
-the most tokens any rank has (one all-reduce of one number, so every rank chooses alike). Exchanged, every
+the most tokens any rank has (agreed on by every rank, so every rank chooses alike: agreed_counts.py). Exchanged, every
 rank's tokens are gathered and each rank computes on its own rows: the lookup sends each rank its embeddings
 (one owner's row plus zeros: exact); the loss head gathers every rank's per-token statistics (max, sum of exp,
 target logit, best token) and merges them as its stream of blocks does, and sums each rank's share of the
@@ -46,9 +46,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from shardtune.parallel import agreed_counts
 from shardtune.parallel.exchange import everyones as _everyones
 from shardtune.parallel.exchange import exchanged_linear, replicated_linears
-from shardtune.runtime import distributed
 
 
 def row_counts(total: int, world: int) -> list[int]:
@@ -286,12 +286,14 @@ def piece_tokens(ranks: int, rows_bytes: int, held_per_token: int) -> int:
 
 
 def exchange_size(module: ShardedEmbedding | ShardedHead, tokens: int, cost: ExchangeCost,
-                  passes: int = 1) -> int | None:
+                  passes: int = 1, kind: str = "tokens") -> int | None:
     """The most tokens any rank of ``module``'s group has, when exchanging them is the cheaper way to use the
-    table (``exchange_cheaper``); None when broadcasting its rows is. A collective (one all-reduce of one
-    number, read on the host), so every rank chooses alike."""
+    table (``exchange_cheaper``); None when broadcasting its rows is. ``tokens`` counts positions of ``kind``
+    (agreed_counts.py: the lookup's are the input's, the loss head's those it scores). Agreed on by every rank
+    (agreed_counts.most: one all-reduce per forward that scores, shared with the other parts), so every rank
+    chooses alike."""
     local = module.weight.to_local()
-    size = distributed.all_reduce_max(tokens, local.device, module.group)
+    size = agreed_counts.most(kind, tokens, local.device, module.group)
     table = sum(module.rows) * local.size(-1) * local.element_size()
     return size if exchange_cheaper(module.group.size(), size, cost.moved, table, passes) else None
 

@@ -178,9 +178,15 @@ def all_reduce_sum(value: float | int, device: torch.device) -> float:
 
 def all_reduce_max(value: int, device: torch.device, group: dist.ProcessGroup | None = None) -> int:
     """The largest ``value`` of ``group``'s ranks (default all): one all-reduce, read on the host."""
-    t = torch.tensor([value], device=device)
+    return all_reduce_max_each([value], device, group)[0]
+
+
+def all_reduce_max_each(values: list[int], device: torch.device, group: dist.ProcessGroup | None = None
+                        ) -> list[int]:
+    """The largest of each of ``values`` over ``group``'s ranks (default all): one all-reduce, read on the host."""
+    t = torch.tensor(values, dtype=torch.long, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return int(t.item())
+    return [int(v) for v in t.tolist()]
 
 
 def all_gather_object(obj: object) -> list:

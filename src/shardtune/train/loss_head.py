@@ -29,6 +29,7 @@ from torch import nn
 
 from shardtune.model.head import Transform, head_transform
 from shardtune.model.structure import base_model
+from shardtune.parallel import agreed_counts
 from shardtune.parallel.sharded_embeddings import ShardedHead
 from shardtune.train.data.records import IGNORE
 from shardtune.train.loss import token_cross_entropy
@@ -177,8 +178,10 @@ def score(model: nn.Module, inputs: dict[str, torch.Tensor], targets: torch.Tens
     transform = state.transform
     if temperature != 1.0:
         state.transform = dataclasses.replace(transform, scale=transform.scale / temperature)
+    # both counts the forward's parts pad to are known here, before it starts: agreed on once (agreed_counts.py)
+    counted = agreed_counts.forward(targets.numel(), targets.numel() if scored is None else scored.numel())
     try:
-        with _scoring(state, targets, scored):
+        with _scoring(state, targets, scored), counted:
             logps = model(**inputs).logits
     finally:
         state.transform = transform

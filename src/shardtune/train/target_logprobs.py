@@ -203,7 +203,7 @@ def exchange_size(head: nn.Module, hidden: torch.Tensor) -> int | None:
         return None
     width = hidden.size(-1)
     cost = scoring_cost(width, head.weight.to_local().element_size(), head.group.size(), grad=True)
-    return sharded.exchange_size(head, hidden.numel() // width, cost)
+    return sharded.exchange_size(head, hidden.numel() // width, cost, kind="scored")
 
 
 class ExchangedTargetLogProbs(torch.autograd.Function):
