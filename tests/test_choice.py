@@ -140,3 +140,50 @@ def test_plan_with_an_auto_option_computes_the_model_facts_once(root, monkeypatc
     assert doc["run_plan"]["strategy"] == "ddp" and doc["ddp"]["runs"]
     assert len(built) == 1
     assert len(traced) == len(set(traced)) == 3  # micro-batches 1, 2 and 4 records, each traced once
+
+
+def test_a_default_micro_batch_that_does_not_fit_gives_way_to_a_smaller_one(root):
+    """--micro-batch-size left out (every row of a rank in one forward) where that does not fit the budget: the
+    run takes fewer rows per forward, keeps the global batch and says why; given, the micro-batch stays and the
+    refusal names the one that fits."""
+    import shardtune
+
+    options = {k: v for k, v in _options(root, strategy="fsdp2").items() if k != "micro-batch-size"}
+    four = min(c.peak_mb for c, _ in candidates(build_config(options), 1 << 40))  # the default: 8 / 2 ranks
+    one = min(c.peak_mb for c, _ in candidates(build_config({**options, "micro-batch-size": 1}), 1 << 40))
+    assert one < four
+    budget = f"{one + 0.05:.3f}MiB"
+    summary = shardtune.finetune({**options, "steps": 1, "memory-per-rank": budget, "out": str(root / "shrunk")})
+    assert summary["strategy"] == "fsdp2" and summary["micro_batch_size"] < 4
+    assert "the default micro-batch" in summary["strategy_reason"]
+    with pytest.raises(ConfigError, match=r"It fits with --micro-batch-size 1\b"):
+        resolve(build_config({**options, "micro-batch-size": 4, "memory-per-rank": budget}))
+
+
+def test_a_sequence_too_long_for_every_rank_names_context_parallelism(root, capsys):
+    """A --seq-len that no micro-batch fits on one rank, under ddp: the refusal names the flags that cut each
+    sequence over the ranks, which `plan` then runs."""
+    argv = ["plan", "--model", str(root / "model"), "--nproc", "2", "--seq-len", "5000000", "--memory-per-rank",
+            "4GiB", "--micro-batch-size", "1"]
+    assert cli.main([*argv, "--strategy", "ddp"]) == 2
+    err = capsys.readouterr().err
+    fix = err.split("It fits with ")[1].split(".")[0]
+    assert fix.startswith("--strategy fsdp2 --context-parallel 2 --micro-batch-size 1"), err
+    assert cli.main([*argv, *fix.replace("--micro-batch-size 1", "").split()]) == 0
+    chosen = [line for line in capsys.readouterr().out.splitlines() if line.startswith("* ")]
+    fields = chosen[0].split()  # * strategy AC offload peak fits
+    assert fields[1] == "fsdp2" and fields[2] == "yes" and fields[5] == "yes", chosen
+
+
+def test_mlp_tiles_go_with_whole_layer_units(root, capsys):
+    """FSDP2's per-part units with MLP tiles (whose backward failed on a micro-batch of one row): refused when
+    given, naming the option, before anything is written; never paired by the choice."""
+    out = root / "parts"
+    assert cli.main(["finetune", "--model", str(root / "model"), "--data", str(root / "train.jsonl"), "--out",
+                     str(out), "--nproc", "2", "--strategy", "fsdp2", "--fsdp-unit", "part", "--mlp-tile", "32",
+                     "--micro-batch-size", "1", "--steps", "1"]) == 2
+    assert "option 'mlp-tile' (32) goes with whole-layer units" in capsys.readouterr().err
+    assert not out.exists()
+    found = [c for c, _ in candidates(_cfg(root, strategy="fsdp2", **{"mlp-tile": "auto"}), 1 << 40)]
+    assert any(c.fsdp_unit == "part" for c in found) and any(c.mlp_tile for c in found)
+    assert not any(c.fsdp_unit == "part" and c.mlp_tile for c in found)

@@ -151,8 +151,9 @@ class TrainConfig:
     batch_size: int = opt(8, "batch-size", WARN, "Global batch: records per optimizer step over all ranks.",
         range=AT_LEAST_1)
     micro_batch_size: int | str | None = opt(
-        None, "micro-batch-size", FREE, "Records per forward pass on one rank (default: batch-size / ranks); with "
-        "--packing, packed sequences per forward; 'auto': the largest that fits --memory-per-rank.", auto=True,
+        None, "micro-batch-size", FREE, "Records per forward pass on one rank (default: batch-size / ranks, fewer "
+        "when that does not fit the memory a rank may use); with --packing, packed sequences per forward; 'auto': "
+        "the largest that fits --memory-per-rank.", auto=True,
         range=AT_LEAST_1)
     lr: float = opt(2e-4, "lr", WARN, "Peak learning rate (AdamW).", range=POSITIVE)
     weight_decay: float = opt(0.0, "weight-decay", WARN, "AdamW weight decay.", range=AT_LEAST_0)

@@ -206,6 +206,10 @@ def combination_refusal(cfg: Config, strategy: str, ranks: int | None = None) ->
             return refused
     if cfg.parallel.cpu_offload and not t.cpu_offload:
         return f"option 'cpu-offload' needs an FSDP strategy, not '{strategy}'"
+    if t.fsdp_unit and cfg.parallel.fsdp_unit == "part" and cfg.parallel.mlp_tile not in (None, "auto", 0):
+        return (f"option 'mlp-tile' ({cfg.parallel.mlp_tile}) goes with whole-layer units: with --fsdp-unit part "
+                "every tile would gather the MLP's projections again, and their recomputation in backward does not "
+                "match its forward; use --fsdp-unit layer (or auto), or leave --mlp-tile out")
     return context_parallel_refusal(cfg, strategy, ranks)
 
 

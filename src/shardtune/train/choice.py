@@ -363,6 +363,8 @@ def candidates(cfg: Config, budget: int, lengths: Lengths | None = None,
                 for ac in acs:
                     for unit in units_to_try(strategy, cfg.parallel.fsdp_unit):
                         for tile in search.tiles_to_try():
+                            if tile and unit == "part":  # tiles go with whole-layer units (combination_refusal)
+                                continue
                             setting = dataclasses.replace(search.setting(strategy, ranks, micro), context_parallel=cp,
                                                           activation_checkpointing=ac, fsdp_unit=unit, mlp_tile=tile)
                             p = search.predict(setting)
@@ -396,13 +398,24 @@ def choose(cfg: Config, lengths: Lengths | None = None,
     search = search or Search(cfg, lengths)
     found = candidates(cfg, budget, lengths, search)
     fitting = sorted((c for c, fits in found if fits), key=Candidate.key)
-    asked = _asks_choice(cfg)
+    shrunk = not fitting and cfg.train.micro_batch_size is None
+    if shrunk:  # the default micro-batch does not fit: fewer rows per forward (the same global batch) may
+        acs = checkpointing_to_try(cfg)  # as the options given allow: only the micro-batch changes
+        found = [(c, fits) for c, fits in candidates(dataclasses.replace(
+            cfg, train=dataclasses.replace(cfg.train, micro_batch_size="auto")), budget, lengths, search)
+            if c.activation_checkpointing in acs]
+        fitting = sorted((c for c, fits in found if fits), key=Candidate.key)
+        shrunk = bool(fitting)
+    asked = _asks_choice(cfg) or shrunk
     if fitting:
         best = fitting[0]
         why = (f"fastest setting that fits {format_size(budget)} per rank ({where}): {best.describe()}, predicted "
                f"peak {format_size(best.peak_mb * MB)}; {len(fitting)} of {len(found)} settings fit; rule: no "
                f"context parallelism, then no activation checkpointing, then untiled MLPs, then fewest weight "
                f"collectives per step ({best.collectives}), then largest micro-batch")
+        if shrunk:
+            why = ("the default micro-batch (--batch-size / ranks: every row of a rank in one forward) does not fit, "
+                   f"so fewer rows per forward, the global batch kept by accumulating gradients; {why}")
         if not asked:  # only --mlp-tile auto was open: a word only when it tiles
             why = (f"MLP tiled ({best.mlp_tile} tokens per tile, --mlp-tile auto): untiled, the predicted peak "
                    f"exceeds {format_size(budget)} per rank ({where})") if best.mlp_tile else ""

@@ -91,21 +91,29 @@ class Longest:
 
 
 def frugal(setting: Setting, search: Search) -> tuple[Setting, tuple[str, ...]]:
-    """``setting`` with every memory saver that applies to it, and the flags that ask for those it lacked."""
+    """``setting`` with every memory saver that applies to it, and the flags that ask for those it lacked. MLP
+    tiles and FSDP2's per-part units do not go together (config ``combination_refusal``): of the two, the one
+    with the lower predicted peak."""
     cuda = search.device == "cuda"
     saver = dataclasses.replace(
-        setting, activation_checkpointing=True, mlp_tile=setting.mlp_tile or search.auto_tile,
-        activation_offload=setting.activation_offload or cuda,
-        cpu_offload=setting.cpu_offload or (cuda and traits(setting.strategy).cpu_offload),
-        fsdp_unit="part" if traits(setting.strategy).fsdp_unit else setting.fsdp_unit)
+        setting, activation_checkpointing=True, activation_offload=setting.activation_offload or cuda,
+        cpu_offload=setting.cpu_offload or (cuda and traits(setting.strategy).cpu_offload))
     flags = [flag for flag, before, after in (
         ("--activation-checkpointing", setting.activation_checkpointing, True),
-        ("--mlp-tile auto", bool(setting.mlp_tile) or search.cfg.parallel.mlp_tile == "auto", True),
         ("--activation-offload", setting.activation_offload, saver.activation_offload),
-        ("--cpu-offload", setting.cpu_offload, saver.cpu_offload),
-        ("--fsdp-unit part", setting.fsdp_unit == "part" or not traits(setting.strategy).fsdp_unit, True))
+        ("--cpu-offload", setting.cpu_offload, saver.cpu_offload))
         if after and not before]
-    return saver, tuple(flags)
+    tiled = (dataclasses.replace(saver, mlp_tile=setting.mlp_tile or search.auto_tile, fsdp_unit="layer"
+                                 if traits(setting.strategy).fsdp_unit else setting.fsdp_unit),
+             () if setting.mlp_tile or search.cfg.parallel.mlp_tile == "auto" else ("--mlp-tile auto",))
+    if traits(setting.strategy).fsdp_unit and setting.fsdp_unit == "part" and not setting.mlp_tile:
+        tiled = (tiled[0], (*tiled[1], "--fsdp-unit layer"))
+    ways = [tiled]
+    if traits(setting.strategy).fsdp_unit:
+        ways.append((dataclasses.replace(saver, mlp_tile=0, fsdp_unit="part"),
+                     () if setting.fsdp_unit == "part" else ("--fsdp-unit part",)))
+    best, added = min(ways, key=lambda way: search.predict(way[0]).peak_mb)
+    return best, (*flags, *added)
 
 
 def longest_rows(cfg: Config, search: Search, budget: int) -> dict[str, Longest]:
@@ -169,6 +177,27 @@ def _confirmed(search: Search, setting: Setting, width: int, budget: int) -> int
     return 0
 
 
+def _levers(cfg: Config, search: Search, best: Candidate, budget: int) -> tuple[str, ...]:
+    """The flags that make the requested width fit where the micro-batch and the context parallelism as given do
+    not (with the memory savers they need, ``frugal``): one row per forward (the global batch kept by
+    accumulation), then each row cut over more ranks (--context-parallel, on a strategy that carries it); ()
+    when neither does."""
+    ranks = cfg.parallel.nproc * cfg.parallel.nnodes
+    tries = [(best.strategy, best.context_parallel, ("--micro-batch-size 1",))] if best.micro_batch_size > 1 else []
+    able = next(s for s, t in STRATEGIES.items() if t.context_parallel)
+    for n in search.context_sizes(ranks, every=True):
+        if n > best.context_parallel:
+            strategy = () if best.strategy == able else (f"--strategy {able}",)
+            tries.append((able, n, (*strategy, f"--context-parallel {n}", "--micro-batch-size 1")))
+    for strategy, cp, flags in tries:
+        setting = dataclasses.replace(search.setting(strategy, ranks_of(strategy, ranks), 1), context_parallel=cp)
+        saver, extra = frugal(setting, search)
+        for tried, added in ((setting, ()), (saver, extra)):
+            if search.predict(tried).peak_mb * MB <= budget:
+                return (*flags, *added)
+    return ()
+
+
 def too_long(cfg: Config, search: Search, best: Candidate, budget: int, where: str) -> str:
     """The refusal of a run no setting fits: the smallest peak, and the longest --seq-len that would fit."""
     setting = dataclasses.replace(search.setting(best.strategy, cfg.parallel.nproc * cfg.parallel.nnodes,
@@ -183,6 +212,9 @@ def too_long(cfg: Config, search: Search, best: Candidate, budget: int, where: s
             f"budget from {where}. ")
     if most > given and most >= search.width:
         return text + f"It fits with {' '.join(flags)}."
+    levers = _levers(cfg, search, best, budget)
+    if levers:
+        return text + f"It fits with {' '.join(levers)}."
     if given or most:
         text += f"The longest --seq-len that fits is {given} as configured"
         text += f", {most} with {' '.join(flags)}" if most > given else ""
