@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
+from shardtune.runtime import distributed
+
 
 def everyones(part: torch.Tensor, fill: float, group: dist.ProcessGroup, shape: list[int] | None = None
               ) -> torch.Tensor:
@@ -26,9 +28,7 @@ def everyones(part: torch.Tensor, fill: float, group: dist.ProcessGroup, shape: 
     different widths in the prefill), so each is padded with ``fill`` to the largest: ``shape`` when the
     caller knows it (every rank must give the same), else found with one more collective."""
     if shape is None:
-        size = torch.tensor(part.shape, device=part.device)
-        dist.all_reduce(size, op=dist.ReduceOp.MAX, group=group)
-        shape = size.tolist()
+        shape = distributed.all_reduce_max_each(list(part.shape), part.device, group)
     if list(part.shape) == list(shape):
         padded = part.contiguous()
     else:

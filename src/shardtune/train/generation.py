@@ -40,7 +40,7 @@ from shardtune.config import traits
 from shardtune.model.attention import sdpa_attention
 from shardtune.model.nf4_torchao import dequantized_once
 from shardtune.parallel import Strategy
-from shardtune.runtime.distributed import Worker
+from shardtune.runtime.distributed import Worker, all_reduce_max, all_reduce_max_each
 from shardtune.train.sampling import Completion, SamplingSettings, hf_cache, hf_next_logits, sample
 
 
@@ -68,9 +68,8 @@ def widest_prompt(prompts: Sequence[Sequence[int]], worker: Worker) -> int:
     carries as many tokens on every rank and the exchanges need not agree on a count per layer. That holds only
     if every rank has as many rows, checked in the same all-reduce (else ValueError, on every rank)."""
     rows = len(prompts)
-    found = torch.tensor([max((len(p) for p in prompts), default=0), rows, -rows], device=worker.device)
-    torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX)
-    width, most, fewest = found.tolist()
+    width, most, fewest = all_reduce_max_each([max((len(p) for p in prompts), default=0), rows, -rows],
+                                              worker.device)
     if most != -fewest:
         raise ValueError(f"generation in lockstep: every rank must sample as many rows; this rank has {rows}, "
                          f"the ranks between {-fewest} and {most}")
@@ -84,9 +83,7 @@ def lockstep(worker: Worker, strategy: Strategy):
         return None
 
     def keep_going(unfinished: bool) -> bool:
-        flag = torch.tensor([1.0 if unfinished else 0.0], device=worker.device)
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-        return bool(flag.item())
+        return bool(all_reduce_max(int(unfinished), worker.device))
     return keep_going
 
 

@@ -7,8 +7,8 @@ import threading
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
+from shardtune.runtime import distributed
 from shardtune.train.checkpoint_files import find_latest, resume_command
 
 
@@ -48,6 +48,4 @@ class GracefulStop:
 
     def agreed(self) -> int:
         """The signal any rank received (0 when none did)."""
-        flag = torch.tensor([self.signum], dtype=torch.int64, device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return int(flag.item())
+        return distributed.all_reduce_max(self.signum, self.device)
