@@ -227,7 +227,7 @@ def test_two_fsdp2_ranks_train_like_one_on_a_4bit_base(grpo_root, monkeypatch):
         assert main(args) == 0
     exchanged = json.loads((grpo_root / "nf4-two-exchanged" / "summary.json").read_text())["run_plan"]
     assert exchanged["generation_exchanged"] is True and exchanged["layers_exchanged"] is True
-    assert exchanged["generation_replicated"] is True
+    assert exchanged["generation_replicated"] is True and exchanged["generation_dequantized"] is True
     same_training(grpo_root / "nf4-one", grpo_root / "nf4-two-exchanged", 2)
     summary = json.loads((grpo_root / "nf4-two" / "summary.json").read_text())
     # the tiny model fits gathered and dequantized: each 4-bit weight is dequantized once per generation (the
@@ -537,29 +537,51 @@ def test_generation_keeps_the_weights_gathered_only_where_they_fit(grpo_root, ca
 
 
 def test_a_4bit_base_is_dequantized_once_per_generation_only_where_it_fits(grpo_root, capsys):
-    """--quantize nf4, the weights kept gathered: the run plan dequantizes each 4-bit weight once per generation
-    (not in every token's forward) when the peak with all of them in the compute dtype fits too; just below
-    it, they stay 4-bit (the weights still gathered) and the prediction counts no dequantized weight."""
+    """--quantize nf4: the run plan keeps the weights gathered and dequantizes each 4-bit weight once per
+    generation (not in every token's forward) when the peak with all of them in the compute dtype fits; just
+    below it, generation computes from the row shards instead, each rank's rows dequantized once (kept gathered,
+    every token's forward would dequantize every layer whole); below that, the rows stay 4-bit, and the
+    prediction counts no dequantized weight. Where the exchange's buffers do not fit (a narrower model) or the
+    rows cannot be exchanged (DoRA), the weights stay gathered in 4-bit."""
     from shardtune.runtime.memory import MB
 
     from tiny import make_model
 
-    model = make_model(grpo_root / "model-64-plan", "llama", hidden=64, row_scales=True)  # NF4's blocks divide it
+    # NF4's blocks divide both widths; at 512 the dequantized weights outweigh the exchange's buffers
+    wide, narrow = (make_model(grpo_root / f"model-{h}-plan", "llama", hidden=h, row_scales=True) for h in (512, 256))
 
-    def plan(budget: str) -> dict:
+    def plan(model: Path, budget: str | dict, *extra: str) -> dict:
         args = argv(grpo_root, "plan")[1:]
         args[args.index("--model") + 1] = str(model)
+        if isinstance(budget, dict):  # just below that plan's peak
+            budget = f"{int((budget['fsdp2']['peak_mb'] - 0.05) * MB)}B"
         code = main(["plan", *args, "--quantize", "nf4", "--nproc", "2", "--strategy", "fsdp2",
-                     "--micro-batch-size", "1", "--memory-per-rank", budget, "--json"])
+                     "--micro-batch-size", "1", "--memory-per-rank", budget, "--json", *extra])
         assert code == 0
         return json.loads(capsys.readouterr().out)
 
-    once = plan("1TiB")
-    assert once["run_plan"]["generation_dequantized"] is True and once["fsdp2"]["peak_at"] == "generation (KV cache)"
+    def generation(run: dict) -> tuple[bool, bool, bool]:
+        return tuple(run["run_plan"][f"generation_{how}"] for how in ("gathered", "exchanged", "dequantized"))
+
+    once = plan(wide, "1TiB")
+    assert generation(once) == (True, False, True) and once["fsdp2"]["peak_at"] == "generation (KV cache)"
     assert once["fsdp2"]["terms"]["dequant"] > 0.05
-    tight = plan(f"{int((once['fsdp2']['peak_mb'] - 0.05) * MB)}B")
-    assert tight["run_plan"]["generation_gathered"] is True and tight["run_plan"]["generation_dequantized"] is False
-    assert tight["fsdp2"]["peak_mb"] < once["fsdp2"]["peak_mb"] - 0.05
+    rows = plan(wide, once)
+    assert generation(rows) == (False, True, True)
+    assert 0.05 < rows["fsdp2"]["terms"]["dequant"] < once["fsdp2"]["terms"]["dequant"]
+    assert rows["fsdp2"]["peak_mb"] < once["fsdp2"]["peak_mb"] - 0.05
+    tight = plan(wide, rows)
+    assert generation(tight) == (False, True, False) and tight["fsdp2"]["peak_mb"] < rows["fsdp2"]["peak_mb"] - 0.05
+
+    run = plan(narrow, plan(narrow, "1TiB"))
+    assert generation(run)[:2] == (False, True)
+    for _ in range(8):  # each budget just below the last plan's peak, until no exchanged generation fits
+        run = plan(narrow, run)
+        if not generation(run)[1]:
+            break
+    assert generation(run) == (True, False, False) and run["fsdp2"]["fits"]
+    dora = plan(wide, plan(wide, "1TiB", "--lora-variant", "dora"), "--lora-variant", "dora")
+    assert generation(dora) == (True, False, False)
 
 
 def test_steps_with_nothing_to_learn_are_no_divergence_under_ddp(grpo_root):

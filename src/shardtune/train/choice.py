@@ -265,15 +265,27 @@ def exchanges_to_train(search: Search, setting: Setting) -> bool:
     return moved <= f.block_bytes + f.nf4_dequantized_bytes / max(f.layers, 1)
 
 
+def dequantizes_gathered_per_token(search: Search, setting: Setting, budget: int | None) -> bool:
+    """Whether a 4-bit base's weights, kept gathered for a generation, fit ``budget`` only in NF4: every token's
+    forward would then dequantize every layer whole, which costs more than the exchange's collectives (on CPU,
+    bench/grpo_vs_trl.py's nf4 rows); exchanged, each rank dequantizes only its rows, and once where they fit."""
+    if not search.facts.nf4_dequantized_bytes or budget is None:
+        return False
+    kept = dataclasses.replace(setting, generation_gathered=True)
+    return search.predict(kept).peak_mb * MB <= budget < \
+        search.predict(dataclasses.replace(kept, generation_dequantized=True)).peak_mb * MB
+
+
 def generation_gathered(search: Search, setting: Setting, budget: int | None) -> tuple[Setting, Prediction]:
     """``setting`` with what GRPO's generation gathers decided, and the prediction it runs by. The weights stay
     gathered for the whole generation (``generation_gathered``) when the predicted peak with the whole model
     gathered fits ``budget`` (bytes per rank; None: nothing to judge by, not kept), unless computing from the
     row shards (``generation_exchanged``, where ``exchanges_to_generate``) is the faster way
     (``EXCHANGE_PAYS_FROM``); that is also taken whenever the gathered model does not fit (it gathers nothing,
-    while the per-token gathering moves every layer for every token). A 4-bit base's NF4 weights are then
-    dequantized once per generation (``generation_dequantized``) when the peak with all of them (the rank's
-    rows, exchanged) in the compute dtype fits too. Exchanged, training computes from the row shards too where
+    while the per-token gathering moves every layer for every token), and for a 4-bit base whose gathered
+    weights fit but not all of them dequantized (``dequantizes_gathered_per_token``). A 4-bit base's NF4 weights
+    are then dequantized once per generation (``generation_dequantized``) when the peak with all of them (the
+    rank's rows, exchanged) in the compute dtype fits too. Exchanged, training computes from the row shards too where
     that moves fewer bytes (``exchanges_to_train``: ``layers_exchanged``), and every rank of a shard group samples
     all of the group's rows where that pays (``replicates_to_generate``) and fits (``generation_replicated``).
     A setting that does not generate, or whose strategy gathers nothing for a forward (``gathers_to_generate``),
@@ -293,9 +305,13 @@ def generation_gathered(search: Search, setting: Setting, budget: int | None) ->
         f = search.facts  # a layer as a token's forward reads it: 4-bit weights dequantized, in the compute dtype
         read = f.block_bytes + f.nf4_dequantized_bytes / max(f.layers, 1)
         pays = read * (shards - 1) / shards >= EXCHANGE_PAYS_FROM[search.device]
-        if pays or base is None:
-            how = {"generation_exchanged": True, "layers_exchanged": exchanges_to_train(search, setting)}
-            base = search.predict(dataclasses.replace(setting, **how))  # never above the per-token gathering
+        rows = {"generation_exchanged": True, "layers_exchanged": exchanges_to_train(search, setting)}
+        exchanged = search.predict(dataclasses.replace(setting, **rows))  # never above the per-token gathering
+        # instead of 4-bit weights kept gathered, only where it fits too
+        fewer_dequantized = dequantizes_gathered_per_token(search, setting, budget) and \
+            exchanged.peak_mb * MB <= budget
+        if pays or base is None or fewer_dequantized:
+            how, base = rows, exchanged
             if replicates_to_generate(search, setting):
                 replicated = fits(dataclasses.replace(setting, **how, generation_replicated=True))
                 if replicated is not None:

@@ -27,6 +27,7 @@ from shardtune.train.choice import (
     Search,
     budget_of,
     choose,
+    dequantizes_gathered_per_token,
     gathers_to_generate,
     generation_gathered,
     untiled,
@@ -87,7 +88,7 @@ def _generation(cfg: Config, plan: RunPlan, search: Search) -> RunPlan:
     budget, where = budget_of(cfg)
     chosen = generation_gathered(search, setting, budget)[0]
     if budget is not None:
-        log.info("%s", _generation_said(search, setting, chosen, f"{format_size(budget)} per rank ({where})"))
+        log.info("%s", _generation_said(search, setting, chosen, budget, where))
     return dataclasses.replace(plan, generation_gathered=chosen.generation_gathered,
                                generation_dequantized=chosen.generation_dequantized,
                                generation_exchanged=chosen.generation_exchanged,
@@ -95,10 +96,13 @@ def _generation(cfg: Config, plan: RunPlan, search: Search) -> RunPlan:
                                layers_exchanged=chosen.layers_exchanged)
 
 
-def _generation_said(search: Search, setting: Setting, chosen: Setting, budget: str) -> str:
-    """The log line saying what generation keeps (``chosen``), with the predicted peaks that decided it."""
+def _generation_said(search: Search, setting: Setting, chosen: Setting, limit: int, where: str) -> str:
+    """The log line saying what generation keeps (``chosen``), with the predicted peaks that decided it, against
+    ``limit`` bytes per rank (from ``where``)."""
     def peak(**kept: bool) -> str:
         return format_size(search.predict(dataclasses.replace(setting, **kept)).peak_mb * MB)
+
+    budget = f"{format_size(limit)} per rank ({where})"
 
     if chosen.generation_exchanged:
         how = {"generation_exchanged": True, "layers_exchanged": chosen.layers_exchanged,
@@ -108,6 +112,10 @@ def _generation_said(search: Search, setting: Setting, chosen: Setting, budget: 
         said, what = f"{said}, gathering no layer", "rows"
         if chosen.generation_replicated:
             said += ", every rank sampling all of its shard group's rows"
+        if dequantizes_gathered_per_token(search, setting, limit):
+            whole = peak(generation_gathered=True, generation_dequantized=True)
+            said += f" (kept gathered, only the 4-bit weights fit, not dequantized ({whole}), and every token's " \
+                    f"forward would dequantize them whole)"
     elif chosen.generation_gathered:
         how, said, what = {"generation_gathered": True}, "generation keeps the weights gathered", "ones"
     else:
