@@ -32,6 +32,7 @@ METRICS = ("loss", "grad_norm", "mean_token_accuracy", "rewards/chosen", "reward
 def cp_root(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("cp")
     make_model(root / "model", "llama", hidden=64, row_scales=True)  # 64: NF4's blocks divide every weight
+    make_model(root / "gpt2", "gpt2")  # learned positions: each piece's must be its place in the whole row
     write_jsonl(root / "train.jsonl", instruction_records(12, seed=4))
     write_jsonl(root / "pairs.jsonl", preference_pairs(8))
     return root
@@ -116,7 +117,8 @@ def _assert_adapters(a: Path, b: Path) -> None:
 
 @pytest.fixture(scope="module")
 def cp_runs(cp_root) -> tuple[dict, list, list]:
-    """The cases on 1 process (the references), CP = 2 on 2 and CP = 2 × DP = 2 on 4 (plain and HSDP); both
+    """The cases on 1 process (the references), CP = 2 on 2 and CP = 2 × DP = 2 on 4 (plain and HSDP; GPT-2's
+    learned positions on 2, packed, so they restart inside the pieces); both
     SFT runs on unpacked rows also save a checkpoint at step 2, for the resume test."""
     sft, dpo = {"save-every": 2}, {"objective": "dpo"}
     nf4 = {"quantize": "nf4"}
@@ -124,6 +126,7 @@ def cp_runs(cp_root) -> tuple[dict, list, list]:
         _case(cp_root, "sft", "one", strategy="single", **sft),
         _case(cp_root, "dpo", "one", strategy="single", **dpo),
         _case(cp_root, "nf4", "one", strategy="single", **nf4),
+        _case(cp_root, "gpt2", "one", strategy="single", model=str(cp_root / "gpt2")),
     ], timeout=900)[0])
     cp = {"strategy": "fsdp2", "context-parallel": 2}
     two = run_ranks(train_cases, 2, [
@@ -131,6 +134,7 @@ def cp_runs(cp_root) -> tuple[dict, list, list]:
         _case(cp_root, "sft", "cp2", **{"micro-batch-size": 2}, **cp, **sft),
         _case(cp_root, "dpo", "cp2", **{"activation-checkpointing": True}, **cp, **dpo),
         _case(cp_root, "nf4", "cp2", **cp, **nf4),
+        _case(cp_root, "gpt2-packed", "cp2", model=str(cp_root / "gpt2"), packing=True, **cp),
     ], timeout=900)
     four = run_ranks(train_cases, 4, [
         _case(cp_root, "sft-packed", "cp2dp2", packing=True, **cp),
