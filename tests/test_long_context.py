@@ -157,6 +157,37 @@ def test_bad_tile_or_chunk_is_named(tiny_llama, tmp_path, capsys, flag, value):
     assert f"option '{flag}'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("extra, most", [
+    ([], 64),
+    (["--nproc", "2", "--strategy", "fsdp2", "--context-parallel", "2"], 32),  # a rank sees half of each row
+], ids=["one-rank", "cp2"])
+def test_a_tile_that_cuts_no_row_is_refused_not_ignored(tiny_llama, train_jsonl, tmp_path, capsys, launched, extra,
+                                                        most):
+    """A --mlp-tile of at least the tokens a rank's MLP sees of a row would leave every row whole: the run
+    says so before it starts, from the command line or a config file; one token fewer tiles."""
+    common = ["--model", str(tiny_llama), *ONE, "--seq-len", "64", *extra]
+    assert _plan(capsys, *common, "--mlp-tile", str(most - 1))["run_plan"]["mlp_tile"] == most - 1
+    config = tmp_path / "run.yaml"
+    config.write_text(f"mlp-tile: {most}\n")
+    for tile in (["--mlp-tile", str(most)], ["--config", str(config)], ["--mlp-tile", "1000000000"]):
+        out = tmp_path / "out"
+        assert main(["finetune", *common, *tile, "--data", str(train_jsonl), "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert "option 'mlp-tile'" in err and f"cuts nothing: a rank's MLP sees at most {most} tokens" in err, err
+        assert f"use a tile below {most}" in err
+        assert not launched and not out.exists()
+
+
+def test_a_grpo_tile_counts_the_completion(tiny_llama, tmp_path, capsys):
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "2+2=", "answer": "4"}] * 4)
+    common = ["--model", str(tiny_llama), *ONE, "--objective", "grpo", "--data", str(prompts), "--reward",
+              "exact_match", "--num-generations", "2", "--batch-size", "2", "--seq-len", "64",
+              "--max-completion-length", "32"]
+    assert _plan(capsys, *common, "--mlp-tile", "95")["run_plan"]["mlp_tile"] == 95  # cuts the 96-token rows
+    assert main(["plan", *common, "--mlp-tile", "96"]) == 2
+    assert "at most 96 tokens of a row (--seq-len 64 + --max-completion-length 32)" in capsys.readouterr().err
+
+
 def test_seq_len_beyond_positions_is_warned_unless_rope_scales(tiny_llama, train_jsonl, tmp_path, caplog,
                                                                 launched):
     caplog.set_level(logging.WARNING, logger="shardtune")

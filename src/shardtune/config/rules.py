@@ -33,6 +33,9 @@ def validate(cfg: Config, need_data: bool = True) -> None:
         raise ConfigError(f"{refused} (--nproc {cfg.parallel.nproc} x --nnodes {cfg.parallel.nnodes})")
     if cfg.parallel.memory_per_rank is not None:
         parse_size(cfg.parallel.memory_per_rank)
+    refused = tile_refusal(cfg)
+    if refused:
+        raise ConfigError(refused)
     if cfg.train.eval_every and not cfg.data.val:
         raise ConfigError(f"option 'eval-every' ({cfg.train.eval_every}) validates on --val-data, which is not given: "
                           "give --val-data FILE, or leave --eval-every out")
@@ -47,6 +50,25 @@ def validate(cfg: Config, need_data: bool = True) -> None:
             raise ConfigError(refused)
 
     validate_preference(cfg)
+
+
+def tile_refusal(cfg: Config) -> str | None:
+    """Why --mlp-tile cuts nothing (None: it may): a tile of at least the tokens a rank's MLP sees of a row
+    (--seq-len, with GRPO's completion, over the --context-parallel pieces) leaves every row whole, so the
+    option would be silently ignored."""
+    tile, seq_len = cfg.parallel.mlp_tile, cfg.data.seq_len
+    if not isinstance(tile, int) or not isinstance(seq_len, int):  # auto, or plan's --seq-len max
+        return None
+    completion = cfg.grpo.max_completion_length if cfg.train.objective == "grpo" else 0
+    pieces = cfg.parallel.context_parallel if isinstance(cfg.parallel.context_parallel, int) else 1
+    most = math.ceil((seq_len + completion) / max(pieces, 1))
+    if tile < most:
+        return None
+    row = f"--seq-len {seq_len}" + (f" + --max-completion-length {completion}" if completion else "")
+    over = f", over --context-parallel {pieces}" if pieces > 1 else ""
+    return (f"option 'mlp-tile' ({tile}) cuts nothing: a rank's MLP sees at most {most} tokens of a row ({row}"
+            f"{over}); use a tile below {most}, or leave --mlp-tile out (auto tiles where a run would not fit "
+            "without)")
 
 
 #: GRPO's options that correct for a vLLM sampler: refused without --vllm-url (the policy's own samples need none)
