@@ -286,6 +286,19 @@ def test_off_policy_mask_threshold_refused_where_it_cannot_mask(grpo_root, capsy
     _fails(capsys, main(sft), "option 'off-policy-mask-threshold' applies to --objective grpo only")
 
 
+def test_context_parallelism_refused_not_crashed(grpo_root, capsys, no_workers):
+    """Each rank samples and trains on its own completions: the ranks of a CP group would share none, so
+    --context-parallel is refused before a worker starts (it once failed inside the first step), and
+    ``plan`` weighs no CP size for GRPO."""
+    base = argv(grpo_root, "bad", "--nproc", "2", "--strategy", "fsdp2")
+    for strategy in ([], ["--strategy", "auto"]):
+        _fails(capsys, main([*base, *strategy, "--context-parallel", "2"]),
+               "option 'context-parallel' does not split --objective grpo", "leave --context-parallel out")
+    assert not (grpo_root / "bad").exists()
+    assert main(["plan", *base[1:], "--memory-per-rank", "2GiB", "--seq-len", "max", "--json"]) == 0
+    assert not any(" cp" in row for row in json.loads(capsys.readouterr().out)["longest"])
+
+
 def _fails(capsys, code: int, *expected: str) -> None:
     err = capsys.readouterr().err
     assert code == 2, err

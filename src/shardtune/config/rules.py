@@ -236,8 +236,9 @@ def combination_refusal(cfg: Config, strategy: str, ranks: int | None = None) ->
 
 
 #: the objectives context parallelism splits: their loss is a sum over target tokens, or a function of
-#: per-sequence sums (which the ranks of a CP group add up before it); every objective of OBJECTIVES
-CP_OBJECTIVES = OBJECTIVES
+#: per-sequence sums (which the ranks of a CP group add up before it). Not GRPO: each rank samples and
+#: trains on completions of its own (train/rollout.py), which the ranks of a CP group would have to share.
+CP_OBJECTIVES = tuple(o for o in OBJECTIVES if o != "grpo")
 
 
 def context_parallel_refusal(cfg: Config, strategy: str, ranks: int) -> str | None:
