@@ -685,6 +685,55 @@ CASES += [
         "export", "--model", str(r / "smollm2"), "--out", str(r / "w-smollm2" / "m.gguf")], code=0,
          setup=lambda r: (_copy_model("smollm2", _smollm2_template)(r), (r / "w-smollm2").mkdir(exist_ok=True)),
          check=_modelfile_has("w-smollm2", "TEMPLATE", 'SYSTEM """You are a helpful AI assistant named SmolLM')),
+    # --- long sequences and context parallelism (each case its own --out: a refused run must leave it absent) ---
+    *[Case(f"--context-parallel {value} on 2 ranks", ft("--nproc", "2", f"--context-parallel={value}",
+                                                        out=f"w-cp-{value}"),
+           words=words, check=lambda r, value=value: _absent(r / f"w-cp-{value}"))
+      for value, words in [("3", "option 'context-parallel'"), ("0", "option 'context-parallel'"),
+                           ("-2", "option 'context-parallel'"), ("abc", "argument --context-parallel")]],
+    *[Case(f"--context-parallel 2 {name}", ft("--context-parallel", "2", *extra, out=f"w-cp-{name}"),
+           words="option 'context-parallel'", check=lambda r, name=name: _absent(r / f"w-cp-{name}"))
+      for name, extra in [("ddp", ("--nproc", "2", "--strategy", "ddp")),
+                          ("fsdp1", ("--nproc", "2", "--strategy", "fsdp1")),
+                          ("single", ("--strategy", "single")), ("nproc-1", ("--nproc", "1"))]],
+    Case("--context-parallel 2 with --objective grpo",
+         lambda r: [*grpo("constant", "--nproc", "2", "--strategy", "fsdp2", "--context-parallel", "2")(r)],
+         words="option 'context-parallel'", setup=_grpo_files, check=lambda r: _absent(r / "grpo")),
+    Case("--context-parallel 2 on a GPT-2 (learned positions)",
+         ft("--nproc", "2", "--context-parallel", "2", model="gpt2", out="w-cp-gpt2"), code=0,
+         setup=lambda r: (r / "gpt2").exists() or make_model(r / "gpt2", "gpt2")),
+    *[Case(f"--context-parallel 2 {' '.join(extra)}", ft("--nproc", "2", "--context-parallel", "2", *extra,
+                                                         out=f"w-cp-{extra[-1].strip('-')}"), code=0)
+      for extra in [("--seq-len", "63"), ("--packing",), ("--quantize", "nf4")]],
+    *[Case(f"--{flag} {value}", ft(f"--{flag}={value}", out=f"w-{flag}{value}"), words=words,
+           check=lambda r, flag=flag, value=value: _absent(r / f"w-{flag}{value}")) for flag, value, words in [
+        ("mlp-tile", "0", "option 'mlp-tile'"), ("mlp-tile", "-1", "option 'mlp-tile'"),
+        ("mlp-tile", "64", "cuts nothing"), ("mlp-tile", "1000000000", "cuts nothing"),
+        ("mlp-tile", "x", "argument --mlp-tile"), ("loss-chunk", "0", "option 'loss-chunk'"),
+        ("loss-chunk", "-3", "option 'loss-chunk'")]],
+    Case("--mlp-tile 32 over --context-parallel 2 (a rank sees 32 tokens)",
+         ft("--nproc", "2", "--context-parallel", "2", "--mlp-tile", "32", out="w-cp-tile"),
+         words="cuts nothing", check=lambda r: _absent(r / "w-cp-tile")),
+    Case("--fsdp-unit part with --mlp-tile", ft("--nproc", "2", "--strategy", "fsdp2", "--fsdp-unit", "part",
+                                                "--mlp-tile", "4", "--activation-checkpointing", out="w-part-tile"),
+         words="option 'mlp-tile'", check=lambda r: _absent(r / "w-part-tile")),
+    # offloading saved tensors goes with any strategy, checkpointed or not; on CPU a no-op it says is one
+    Case("--activation-offload without checkpointing", ft("--activation-offload", "--no-activation-checkpointing",
+                                                          out="w-offload-nockpt"), code=0),
+    Case("--activation-offload under ddp", ft("--activation-offload", "--strategy", "ddp", "--nproc", "2",
+                                              out="w-offload-ddp"), code=0),
+    # --seq-len caps a row: short records in rows of up to 10^7 tokens are rows of their own length
+    Case("--seq-len 10^7 over short records", ft("--seq-len", "10000000", out="w-seq-huge"), code=0),
+    Case("--seq-len 1", ft("--seq-len", "1", out="w-seq-1"), words="no record has a target token within --seq-len 1",
+         check=lambda r: _absent(r / "w-seq-1")),
+    Case("plan --context-parallel 3 on 2 ranks", lambda r: [
+        "plan", "--model", str(r / "model"), "--nproc", "2", "--seq-len", "64", "--context-parallel", "3"],
+         words="option 'context-parallel'"),
+    # plan answers "nothing fits" on stdout: an answer, not a fault
+    Case("plan --seq-len 10^9", lambda r: ["plan", "--model", str(r / "model"), "--nproc", "2", "--seq-len",
+                                           "1000000000"], code=0),
+    Case("plan --mlp-tile 0", lambda r: ["plan", "--model", str(r / "model"), "--nproc", "2", "--mlp-tile", "0"],
+         words="option 'mlp-tile'"),
 ]
 
 
