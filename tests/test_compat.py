@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from types import SimpleNamespace
 
 import pytest
@@ -158,6 +159,73 @@ def test_fsdp2_forward_hooks_are_paused_and_put_back_in_order() -> None:
     (r,) = run_ranks(_hooks_paused_on_one_rank, 1)
     assert r["after"] == r["before"] and r["finite"]
     assert r["during"] == ([r["mine"]], [])  # only FSDP2's own left out
+
+
+def _frozen_shards_released(rank: int, world_size: int) -> dict:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from shardtune.runtime import distributed
+
+    distributed.init_worker()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Linear(5, 3))  # 5 rows: rank 1's shard is padded
+    model[0].requires_grad_(False)  # frozen, as a base; model[1] trains, as LoRA
+    whole = {n: p.detach().clone() for n, p in model.named_parameters()}
+    x = torch.randn(2, 4)
+    expected = model(x)
+    fully_shard(model[0])
+    unit = fully_shard(model)
+    cast = fully_shard(torch.nn.Linear(4, 4).requires_grad_(False),
+                       mp_policy=MixedPrecisionPolicy(param_dtype=torch.float64))  # gathered copy in another dtype
+    units = [model[0], unit]
+    padded = {id(p): p._sharded_param_data.clone() for u in units
+              for p in u._get_fsdp_state()._fsdp_param_group.fsdp_params}
+    sharded = dict(model.named_parameters())  # the DTensors; gathered, the module holds plain copies
+    result: dict = {}
+    for failing in (False, True):
+        try:
+            with contextlib.ExitStack() as stack:
+                freed = []
+                for u in [*units, cast]:
+                    u.unshard()
+                    freed.append(stack.enter_context(compat.fsdp2_frozen_shards_released(u)))
+                    stack.enter_context(compat.fsdp2_forward_hooks_paused(u))
+                result["freed"] = freed
+                result["held"] = {n: p.to_local().untyped_storage().nbytes() for n, p in sharded.items()}
+                with torch.no_grad():
+                    result["same_during"] = torch.equal(model(x), expected)
+                if failing:
+                    raise KeyError("generation failed")
+        except KeyError:
+            pass
+        for u in [*units, cast]:
+            u.reshard()
+        result[f"refilled_{failing}"] = all(
+            torch.equal(p._sharded_param_data, padded[id(p)])
+            for u in units for p in u._get_fsdp_state()._fsdp_param_group.fsdp_params)
+        with torch.no_grad():  # through FSDP2's hooks: gathered from the refilled shards
+            result[f"same_after_{failing}"] = torch.equal(model(x), expected)
+        for u in units:
+            u.reshard()
+    result["gathered_whole"] = all(torch.equal(p.full_tensor(), whole[n]) for n, p in model.named_parameters())
+    distributed.teardown()
+    return result
+
+
+def test_fsdp2_frozen_shards_are_freed_while_gathered_and_refilled_bit_for_bit() -> None:
+    """Held gathered, a rank holds its frozen weights once: the shards, rows of the gathered copy, are freed
+    and refilled from it when the block ends (padding too, on the rank whose rows do not fill its shard),
+    also when the block fails; trainable shards and a gathered copy cast to another dtype are left alone."""
+    from dist_utils import run_ranks
+
+    for rank, r in enumerate(run_ranks(_frozen_shards_released, 2)):
+        rows = 3 if rank == 0 else 2  # of the frozen weight's 5; rank 1's shard holds a padding row
+        assert r["freed"] == [(3 * 4 + 3) * 4, 0, 0], r["freed"]  # the padded weight and bias shards
+        assert r["held"]["0.weight"] == r["held"]["0.bias"] == 0
+        assert r["held"]["1.weight"] > 0 and r["held"]["1.bias"] > 0, (rows, r["held"])
+        assert r["same_during"], "the gathered copy was freed with the shard"
+        assert r["refilled_False"] and r["refilled_True"] and r["same_after_False"] and r["same_after_True"]
+        assert r["gathered_whole"]
 
 
 def test_fsdp2_forward_hooks_paused_names_a_missing_internal() -> None:

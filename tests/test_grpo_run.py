@@ -428,14 +428,15 @@ def test_generation_gathers_no_layer_where_the_gathered_model_does_not_fit(grpo_
 
     def plan(budget: str, *extra: str) -> dict:
         code = main(["plan", *argv(grpo_root, "plan")[1:], "--batch-size", "1024", "--max-completion-length", "256",
-                     "--nproc", "2", "--strategy", "fsdp2", "--micro-batch-size", "1", "--memory-per-rank", budget,
-                     "--json", *extra])
+                     "--nproc", "2", "--strategy", "fsdp2", "--fsdp-unit", "layer", "--micro-batch-size", "1",
+                     "--memory-per-rank", budget, "--json", *extra])
         assert code == 0
         return json.loads(capsys.readouterr().out)
 
     kept = plan("1TiB")
     assert kept["run_plan"]["generation_gathered"] is True and not kept["run_plan"]["generation_exchanged"]
-    below = f"{int((kept['fsdp2']['peak_mb'] - 0.05) * MB)}B"
+    # kept gathered, the frozen shards are freed: on this tiny model the two peaks lie a few KB apart
+    below = f"{int((kept['fsdp2']['peak_mb'] - 0.005) * MB)}B"
     exchanged, dora = plan(below), plan(below, "--lora-variant", "dora")
     assert exchanged["run_plan"]["generation_exchanged"] is True and not exchanged["run_plan"]["generation_gathered"]
     assert not dora["run_plan"]["generation_exchanged"] and not dora["run_plan"]["generation_gathered"]

@@ -141,8 +141,10 @@ class FSDP2(Strategy):
         # ``exchange``: neither are the layers (exchanged_layers.py), on a shard group of several ranks;
         # ``replicated``: whose ranks each run all of the group's rows (given to the caller, who gathers them).
         # ``keep``: every unit is gathered once and its forwards run without FSDP2's hooks (a forward per token
-        # would otherwise pay every unit's pre- and post-forward hook); after, the hooks are back and every
-        # unit is sharded again, before any backward or optimizer step, even when generation failed.
+        # would otherwise pay every unit's pre- and post-forward hook); meanwhile its frozen shards, rows of
+        # what is gathered, are freed (a rank then holds the model once, not once and a shard more), each
+        # refilled as the block ends; after, the hooks are back and every unit is sharded again, before any
+        # backward or optimizer step, even when generation failed.
         group = shard_mesh(self.mesh)
         if exchange and group.size() > 1:
             with sharded_embeddings.exchanged(model, replicated), \
@@ -151,9 +153,12 @@ class FSDP2(Strategy):
             return
         units = [m for m in model.modules() if isinstance(m, FSDPModule)] if keep else []
         with contextlib.ExitStack() as stack:
-            stack.callback(_resharded, units)
+            # one unit at a time, each way: its shards go as its gathered copy comes, and come back (refilled
+            # from it) just before it is sharded again, so that a rank never holds more than one unit twice
             for unit in units:
+                stack.callback(unit.reshard)
                 unit.unshard()
+                stack.enter_context(compat.fsdp2_frozen_shards_released(unit))
             for unit in units:
                 stack.enter_context(compat.fsdp2_forward_hooks_paused(unit))
             stack.enter_context(sharded_embeddings.exchanged(model))
@@ -197,11 +202,6 @@ class FSDP2(Strategy):
                    if isinstance(m, (sharded_embeddings.ShardedEmbedding, sharded_embeddings.ShardedHead))
                    for p in m.parameters()} | {id(p) for p in self._outside()}
         return {id(p) for p in model.parameters() if id(p) not in outside}
-
-
-def _resharded(units: list[FSDPModule]) -> None:
-    for unit in units:
-        unit.reshard()
 
 
 def _replace(model: nn.Module, old: nn.Module, new: nn.Module) -> nn.Module:

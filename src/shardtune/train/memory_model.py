@@ -75,7 +75,8 @@ TERMS: dict[str, str] = {
     "runtime": "the process before loading (torch, transformers, peft, process group, data) and what "
                f"training adds whatever the model (on GPU: the CUDA context, {CUDA_CONTEXT_MB} MB, and NCCL's "
                f"buffers, {NCCL_COMM_MB} MB per communicator: one on several ranks, three under HSDP)",
-    "weights": "the frozen base weights this rank holds: 1/N of them under FSDP, all of them under DDP/single",
+    "weights": "the frozen base weights this rank holds: 1/N of them under FSDP, all of them under DDP/single "
+               "(GRPO's generation kept gathered under FSDP2: only what it does not hold gathered)",
     "blocks": "decoder-layer weights all-gathered (unsharded) at once, in the compute dtype: FSDP1 whole "
               "layers; FSDP2 the unit computing plus the next one gathered (a layer's attention, MLP "
               "projections and norms are units of their own)",
@@ -352,7 +353,8 @@ def predict(f: Facts, s: Setting, device: str) -> Prediction:
     if s.generation_rows:
         # CPU FSDP2's shared gather buffers are kept for the whole run: generation gathers through them too
         buffers = next(iter(moments.values())).get("buffers", 0.0)
-        moments["generation (KV cache)"] = _generation_terms(f, s, n, saved.vocab, kept, buffers)
+        moments["generation (KV cache)"] = _generation_terms(f, s, n, saved.vocab, kept, buffers,
+                                                             offload and device == "cuda")
     moment, extra = max(moments.items(), key=lambda kv: sum(kv[1].values()))
     terms = {k: kept.get(k, 0.0) + extra.get(k, 0.0) for k in TERMS}
     note = ""
@@ -417,11 +419,13 @@ def exchange_buffers(f: Facts, n: int, tokens: int) -> float:
 
 
 def _generation_terms(f: Facts, s: Setting, n: int, vocab: int, kept: dict[str, float],
-                      buffers: float) -> dict[str, float]:
+                      buffers: float, shards_on_host: bool = False) -> dict[str, float]:
     """GRPO's generation, before the step's backward (no gradients yet): the KV cache of the rank's rows,
     the weights a forward gathers (a layer at a time under FSDP; kept gathered, the whole model in the
-    compute dtype next to the shards, plus one unit's gather buffer, or the shared ``buffers`` kept for the
-    run on CPU; row-sharded tables are never gathered: sharded_embeddings.exchanged), one
+    compute dtype, plus one unit's gather buffer, or the shared ``buffers`` kept for the run on CPU, while
+    the frozen shards it holds are freed (compat.fsdp2_frozen_shards_released: not NF4's, not those
+    ``shards_on_host`` under --cpu-offload on a GPU); row-sharded tables are never gathered:
+    sharded_embeddings.exchanged), one
     layer's prefill activations (no_grad) and the last position's logits with the sampler's fp64 softmax
     and cumulative sum; a 4-bit base's weights dequantized for each matmul, one at a time (``dequantizing``), or
     once (``generation_dequantized``), every NF4 weight in the compute dtype (the rank's rows of each when
@@ -440,7 +444,7 @@ def _generation_terms(f: Facts, s: Setting, n: int, vocab: int, kept: dict[str, 
     copies = 1 if buffers else GATHER_COPIES.get((s.strategy, "cuda"), 0)
     gathered = copies * f.block_bytes if n > 1 else 0.0
     root = f.root_bytes - (row_sharded_bytes(f) if traits(s.strategy).row_tables else 0)
-    exchange = 0.0
+    exchange = freed = 0.0
     if s.generation_exchanged and n > 1 and traits(s.strategy).shards:
         # no layer gathered: what is not a frozen projection (LoRA's weights, norms, a table not used by
         # rows) is gathered once; each projection's inputs from every rank, the widest (the MLP's, about
@@ -452,6 +456,8 @@ def _generation_terms(f: Facts, s: Setting, n: int, vocab: int, kept: dict[str, 
             exchange_buffers(f, n, rows * tokens)
     elif s.generation_gathered and n > 1 and traits(s.strategy).shards:
         gathered = f.layers * f.block_bytes + root + max(0, copies - 1) * f.block_bytes
+        if not shards_on_host:
+            freed = (f.frozen_bytes - f.nf4_bytes - (row_sharded_bytes(f) if traits(s.strategy).row_tables else 0)) / n
     prefill = 8 * rows * tokens * f.hidden * f.compute_itemsize
     rows_of = n if s.generation_exchanged else 1  # exchanged: each rank dequantizes its rows of a weight
     if not f.dequant_bytes:
@@ -462,7 +468,7 @@ def _generation_terms(f: Facts, s: Setting, n: int, vocab: int, kept: dict[str, 
         dequant = dequantizing(f, rows_of)
     return {"kv_cache": rows * tokens * f.kv_bytes_per_token + rows * vocab * (f.compute_itemsize + 4 + 16),
             "blocks": gathered, "buffers": buffers, "activations": prefill + exchange, "grads": -kept["grads"],
-            "dequant": dequant}
+            "dequant": dequant, "weights": -freed}
 
 
 def dequantizing(f: Facts, rows_of: int = 1) -> float:

@@ -183,3 +183,44 @@ def fsdp2_forward_hooks_paused(unit: nn.Module) -> Iterator[None]:
             table.clear()
             table.update(entries)
             table.update(added)
+
+
+@contextlib.contextmanager
+def fsdp2_frozen_shards_released(unit: nn.Module) -> Iterator[int]:
+    """While ``unit`` is held gathered (its ``unshard()`` done), each frozen parameter's own shard is rows of
+    the gathered copy: its storage is freed until the block ends, then refilled from the gathered copy (the
+    very bits the gather copied from it; the padding zero again) before anything can shard the unit again,
+    even on an error. Yields the bytes freed. Left alone: trainable parameters (the optimizer steps their
+    shards), and any whose gathered copy is not a plain tensor of the shard's dtype and device (a
+    mixed-precision cast, CPU offload, a tensor subclass such as NF4, a DTensor), or shares storage."""
+    what = "FSDP2's parameters (FSDPParamGroup.fsdp_params: _sharded_param_data, _unsharded_param)"
+    need(unit, what, "_get_fsdp_state")
+    group = unit._get_fsdp_state()._fsdp_param_group
+    freed: list[tuple[object, torch.Tensor, int]] = []
+    if group is not None:
+        need(group, what, "fsdp_params")
+        for param in group.fsdp_params:
+            need(param, what, "_sharded_param_data", "sharded_param", "padded_sharded_param_size", "sharded_size",
+                 "fsdp_placement", "mesh_info", "sharded_state")
+            if param.sharded_param.requires_grad or param.sharded_state.name != "UNSHARDED":
+                continue
+            shard, whole = param._sharded_param_data, getattr(param, "_unsharded_param", None)
+            if type(shard) is not torch.Tensor or whole is None or type(whole.data) is not torch.Tensor \
+                    or whole.dtype != shard.dtype or whole.device != shard.device or param.fsdp_placement.dim != 0 \
+                    or whole.untyped_storage().data_ptr() == shard.untyped_storage().data_ptr():
+                continue
+            storage = shard.untyped_storage()
+            # the storage must be the shard's alone (a view into a larger one would free its neighbours)
+            if storage.nbytes() and shard.storage_offset() == 0 and storage.nbytes() == shard.nbytes:
+                freed.append((param, whole, storage.nbytes()))
+                storage.resize_(0)
+    try:
+        yield sum(nbytes for _, _, nbytes in freed)
+    finally:
+        for param, whole, nbytes in freed:
+            param._sharded_param_data.untyped_storage().resize_(nbytes)
+            padded = param._sharded_param_data.view(param.padded_sharded_param_size)
+            rows, length = padded.size(0), param.sharded_size[0]
+            start = param.mesh_info.shard_mesh_rank * rows
+            padded[:length].copy_(whole.data[start:start + length])
+            padded[length:].zero_()
