@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import struct
@@ -208,6 +209,30 @@ def test_cli_plan_json_reads_no_weights(tmp_path: Path, capsys, monkeypatch) -> 
     weights.write_bytes(weights.read_bytes()[:-4])  # but a truncated file is refused, as finetune refuses it
     assert cli.main(["plan", "--model", str(broken)]) == 2
     assert f"{weights} is truncated" in capsys.readouterr().err
+
+
+def test_what_dora_saves_is_traced_the_same_whenever_garbage_is_collected(tmp_path: Path) -> None:
+    """DoRA's forward detaches its weight norm: that part of the graph, and what it saved, is freed on the way,
+    whenever Python's collector gets to it. The trace once counted it anyway and skipped a new saved tensor put
+    at a freed one's address, so the same ``plan`` answered differently from process to process. Now only
+    what is still saved when forward ends counts: collecting before each part of a layer changes nothing, and the two
+    identical layers' MLPs save the same."""
+    from shardtune.model.footprint import _saved_bytes, meta_lora_model
+    from shardtune.model.structure import decoder_layers
+
+    cfg = build_config({"model": str(make_model(tmp_path / "wide", "llama", hidden=512)), "lora-variant": "dora"})
+
+    def trace(collect: bool) -> tuple[list[int], list[int]]:
+        model = meta_lora_model(cfg)
+        if collect:
+            for module in (m for layer in decoder_layers(model) for m in layer.children()):
+                module.register_forward_pre_hook(lambda *_: (gc.collect(), None)[1])
+        saved = _saved_bytes(model, 1, 64, torch.float32, torch.device("cpu"))
+        return saved.per_layer, saved.mlp
+
+    traces = [trace(collect) for collect in (False, True, False)]
+    assert all(t == traces[0] for t in traces), traces
+    assert traces[0][1][0] == traces[0][1][1] > 0
 
 
 def test_cli_plan_table_and_bad_size(model_dir: Path, capsys) -> None:

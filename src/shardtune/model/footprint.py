@@ -10,6 +10,7 @@ layer. train/memory_model.py turns these facts into per-rank peaks.
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -137,18 +138,18 @@ def _saved_bytes(model: nn.Module, batch: int, seq: int, lora_dtype: torch.dtype
                                  requires_grad=p.requires_grad) for n, p in model.named_parameters()}
         buffers = {n: mode.from_tensor(b).to(device) for n, b in model.named_buffers()}
         skip = {storage_id(t) for t in params.values()}
-        seen: set[int] = set()
+        # {storage id: (the storage, weakly; its bytes, the layer saving it, whether in its MLP)}. Only what is
+        # still saved when forward ends counts: a part of the graph dropped on the way (DoRA's weight norm,
+        # detached) frees what it saved, and its storage's address may then serve a new one, which must count
+        # (an address once seen was skipped before: the trace then depended on where the allocator put things).
+        saved: dict[int, tuple[weakref.ref, int, int, bool]] = {}
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             key = storage_id(t)
-            if key not in skip and key not in seen:
-                seen.add(key)
-                nbytes = t.untyped_storage().nbytes()
-                if where[0] >= 0:
-                    per_layer[where[0]] += nbytes
-                    mlp[where[0]] += nbytes if in_mlp[0] else 0
-                else:
-                    other[0] += nbytes
+            if key not in skip and key not in saved:
+                storage = t.untyped_storage()
+                saved[key] = (weakref.ref(storage, lambda _, key=key: saved.pop(key, None)), storage.nbytes(),
+                              where[0], in_mlp[0])
             return t
 
         ids = torch.zeros(batch, seq, dtype=torch.long, device=device)
@@ -159,6 +160,12 @@ def _saved_bytes(model: nn.Module, batch: int, seq: int, lora_dtype: torch.dtype
         finally:
             for h in hooks:
                 h.remove()
+        for _, nbytes, i, in_layer_mlp in list(saved.values()):  # alive: ``logits`` holds the graph
+            if i >= 0:
+                per_layer[i] += nbytes
+                mlp[i] += nbytes if in_layer_mlp else 0
+            else:
+                other[0] += nbytes
         backward = 0
         if layers:
             heaviest = max(range(len(layers)), key=per_layer.__getitem__)
