@@ -359,6 +359,11 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
 
+    def completion_room(self) -> int:
+        """Tokens a row holds after its --seq-len part: GRPO's completion of up to --max-completion-length; 0
+        under the other objectives, whose rows are their records."""
+        return self.grpo.max_completion_length if self.train.objective == "grpo" else 0
+
     def flat(self) -> dict[str, Any]:
         """The options keyed by flag name: what ``config.yaml`` holds (as the user gave them: what ``auto``
         chose is the run plan's) and ``--config`` reads back."""

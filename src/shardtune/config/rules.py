@@ -59,7 +59,7 @@ def tile_refusal(cfg: Config) -> str | None:
     tile, seq_len = cfg.parallel.mlp_tile, cfg.data.seq_len
     if not isinstance(tile, int) or not isinstance(seq_len, int):  # auto, or plan's --seq-len max
         return None
-    completion = cfg.grpo.max_completion_length if cfg.train.objective == "grpo" else 0
+    completion = cfg.completion_room()
     pieces = cfg.parallel.context_parallel if isinstance(cfg.parallel.context_parallel, int) else 1
     most = math.ceil((seq_len + completion) / max(pieces, 1))
     if tile < most:

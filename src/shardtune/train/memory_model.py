@@ -522,7 +522,7 @@ def row_tokens(cfg: Config, lengths: Lengths | None) -> int:
     are padded to their micro-batch's longest record, so at most the data's longest (``lengths``,
     after --seq-len; unknown: --seq-len). GRPO's rows are a prompt and a completion of up to
     --max-completion-length tokens."""
-    completion = cfg.grpo.max_completion_length if cfg.train.objective == "grpo" else 0
+    completion = cfg.completion_room()
     if cfg.data.packing or lengths is None or not lengths.longest:
         return cfg.data.seq_len + completion
     return min(cfg.data.seq_len, lengths.longest) + completion

@@ -200,7 +200,7 @@ class Rollouts:
             prompt = list(self.prompts[rollout.prompts[r // self.G]].input_ids)
             examples.append(Example(prompt + ids, [IGNORE] * len(prompt) + ids))
         pad, attention, dtype = self.layout
-        seq_len = self.cfg.data.seq_len + self.cfg.grpo.max_completion_length
+        seq_len = self.cfg.data.seq_len + self.cfg.completion_room()
         self.batcher = Batcher(Layout(examples, 1, seq_len, pad, self.t.worker.device, attention, dtype))
         self.objective.rollout = rollout
 
