@@ -443,7 +443,8 @@ def _generation_terms(f: Facts, s: Setting, n: int, vocab: int, kept: dict[str, 
     # through CPU FSDP2's shared ``buffers`` a gathered unit is one copy; else FSDP2's buffer and copy-out
     copies = 1 if buffers else GATHER_COPIES.get((s.strategy, "cuda"), 0)
     gathered = copies * f.block_bytes if n > 1 else 0.0
-    root = f.root_bytes - (row_sharded_bytes(f) if traits(s.strategy).row_tables else 0)
+    by_rows = row_sharded_bytes(f) if traits(s.strategy).row_tables else 0  # never gathered, never freed
+    root = f.root_bytes - by_rows
     exchange = freed = 0.0
     if s.generation_exchanged and n > 1 and traits(s.strategy).shards:
         # no layer gathered: what is not a frozen projection (LoRA's weights, norms, a table not used by
@@ -457,7 +458,7 @@ def _generation_terms(f: Facts, s: Setting, n: int, vocab: int, kept: dict[str, 
     elif s.generation_gathered and n > 1 and traits(s.strategy).shards:
         gathered = f.layers * f.block_bytes + root + max(0, copies - 1) * f.block_bytes
         if not shards_on_host:
-            freed = (f.frozen_bytes - f.nf4_bytes - (row_sharded_bytes(f) if traits(s.strategy).row_tables else 0)) / n
+            freed = (f.frozen_bytes - f.nf4_bytes - by_rows) / n
     prefill = 8 * rows * tokens * f.hidden * f.compute_itemsize
     rows_of = n if s.generation_exchanged else 1  # exchanged: each rank dequantizes its rows of a weight
     if not f.dequant_bytes:
