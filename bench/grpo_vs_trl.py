@@ -220,11 +220,12 @@ def run_shardtune(name: str, extra: list[str], model: Path, data: Path, args: ar
 
 def generation_weights(run_plan: dict) -> str:
     """How the run generated, from its run plan: the layers exchanged (computed from the row shards; in
-    training too; every rank sampling all of its shard group's rows), kept gathered, or gathered per token; and
-    whether 4-bit weights were dequantized once."""
+    training too; every rank sampling all of its shard group's rows), kept gathered (into the training step
+    too), or gathered per token; and whether 4-bit weights were dequantized once."""
     how = "exchanged, training too" if run_plan.get("layers_exchanged") else \
         "exchanged" if run_plan.get("generation_exchanged") else \
         "kept gathered" if run_plan.get("generation_gathered") else "gathered per token"
+    how += " into training" if run_plan.get("generation_carried") else ""
     how += ", every rank all rows" if run_plan.get("generation_replicated") else ""
     return how + (", dequantized once" if run_plan.get("generation_dequantized") else "")
 

@@ -228,6 +228,84 @@ def test_fsdp2_frozen_shards_are_freed_while_gathered_and_refilled_bit_for_bit()
         assert r["gathered_whole"]
 
 
+def _held_into_training(rank: int, world_size: int) -> dict:
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+
+    from shardtune.runtime import distributed
+
+    distributed.init_worker()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Linear(5, 3))  # 5 rows: rank 1's shard is padded
+    model[0].requires_grad_(False)  # frozen, as a base; model[1] trains, as LoRA
+    x = torch.randn(2, 4) + rank
+    fully_shard(model[0])
+    unit = fully_shard(model)
+    units = [model[0], unit]
+    params = [p for u in units for p in u._get_fsdp_state()._fsdp_param_group.fsdp_params]
+    padded = {id(p): p._sharded_param_data.clone() for p in params}
+    gathers = [0]
+    real = _fsdp_param_group.foreach_all_gather
+
+    def counted(*args, **kwargs):
+        gathers[0] += 1
+        return real(*args, **kwargs)
+    _fsdp_param_group.foreach_all_gather = counted
+
+    def trained() -> tuple[int, torch.Tensor]:
+        gathers[0] = 0
+        model(x).square().sum().backward()
+        grad = model[1].weight.grad.full_tensor().clone()
+        model.zero_grad()
+        return gathers[0], grad
+
+    result: dict = {"plain": trained()}
+    for failing in (False, True):
+        try:
+            with contextlib.ExitStack() as stack:
+                for u in units:
+                    u.unshard()
+                    stack.enter_context(compat.fsdp2_frozen_shards_released(u, hold=lambda: True))
+                    stack.enter_context(compat.fsdp2_forward_hooks_paused(u))
+                with torch.no_grad():
+                    model(x)  # a generation's forwards
+                if failing:
+                    raise KeyError("generation failed")
+        except KeyError:
+            result["refilled_on_error"] = all(torch.equal(p._sharded_param_data, padded[id(p)]) for p in params)
+            for u in units:
+                u.reshard()
+            continue
+        group = model[0]._get_fsdp_state()._fsdp_param_group
+        result["still_freed"] = group.fsdp_params[0]._sharded_param_data.untyped_storage().nbytes() == 0
+        result["held"] = trained()
+        result["sharded_after"] = all(u._get_fsdp_state()._fsdp_param_group.is_sharded for u in units)
+        result["refilled"] = all(torch.equal(p._sharded_param_data, padded[id(p)]) for p in params)
+        result["reshards_after_forward_again"] = group.post_forward_mesh_info is not None
+        result["again"] = trained()
+    _fsdp_param_group.foreach_all_gather = real
+    distributed.teardown()
+    return result
+
+
+def test_fsdp2_units_held_from_generation_into_training_gather_nothing_and_match() -> None:
+    """A generation's gathered units held into training (``hold``): its forward and backward gather none of
+    them and give the same gradients; its backward shards every unit, each frozen shard refilled bit for bit
+    first, and FSDP2 is as before (the next step gathers and reshards after forward again). A failed block
+    refills at once."""
+    from dist_utils import run_ranks
+
+    for r in run_ranks(_held_into_training, 2):
+        gathers, grad = r["plain"]
+        assert gathers >= 2, gathers  # each unit at least once: the count sees FSDP2's gathers
+        assert r["still_freed"], "the frozen shard came back before the training that should use the gathered copy"
+        assert r["held"][0] == 0, f"held units were gathered again {r['held'][0]} times"
+        assert torch.equal(r["held"][1], grad)
+        assert r["sharded_after"] and r["refilled"] and r["reshards_after_forward_again"]
+        assert r["again"][0] == gathers and torch.equal(r["again"][1], grad)
+        assert r["refilled_on_error"]
+
+
 def test_fsdp2_forward_hooks_paused_names_a_missing_internal() -> None:
     with pytest.raises(PrivateAPIChanged, match="_get_fsdp_state"):
         with compat.fsdp2_forward_hooks_paused(torch.nn.Linear(2, 2)):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -200,8 +201,9 @@ def test_two_ranks_train_like_one(grpo_root, one_rank, strategy):
     assert code == 0
     summary = json.loads((grpo_root / f"two-{strategy}" / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["strategy"] == strategy
-    if strategy == "fsdp2":  # the tiny model fits gathered: generation keeps its weights gathered (one gather)
-        assert summary["run_plan"]["generation_gathered"] is True
+    if strategy == "fsdp2":  # the tiny model fits gathered: generation keeps its weights gathered (one gather), for
+        # the old and the reference log-probs and the training step after it too
+        assert summary["run_plan"]["generation_gathered"] is True and summary["run_plan"]["generation_carried"] is True
     same_training(one_rank, grpo_root / f"two-{strategy}", 4)
 
 
@@ -548,6 +550,37 @@ def test_generation_keeps_the_weights_gathered_only_where_they_fit(grpo_root, ca
     assert tight["run_plan"]["generation_gathered"] is False
     assert tight["fsdp2"]["terms"]["blocks"] < kept["fsdp2"]["terms"]["blocks"]
     assert tight["fsdp2"]["peak_mb"] < kept["fsdp2"]["peak_mb"] - 0.05
+
+
+def test_generation_keeps_the_weights_gathered_into_training_only_where_that_fits(grpo_root, tmp_path, capsys,
+                                                                                  caplog):
+    """Kept gathered, the weights stay so into the step's training (its forward and backward gather none) when the
+    training's predicted peak with the whole model held fits --memory-per-rank, and the log line says so; just
+    below it they are kept for the generation only, and the prediction counts the whole model in no training
+    moment (on a model whose layers outweigh the rounding)."""
+    from shardtune.runtime.memory import MB
+
+    wide = make_model(tmp_path / "wide", "llama", hidden=512)
+
+    def plan(budget: str) -> tuple[dict, str]:
+        caplog.clear()
+        args = ["plan", *argv(grpo_root, "plan")[1:], "--nproc", "2", "--strategy", "fsdp2", "--fsdp-unit", "part",
+                "--micro-batch-size", "4", "--memory-per-rank", budget, "--json"]
+        args[args.index("--model") + 1] = str(wide)
+        with caplog.at_level(logging.INFO, logger="shardtune"):
+            code = main(args)
+        assert code == 0
+        return json.loads(capsys.readouterr().out), caplog.text
+
+    held, said = plan("1TiB")
+    assert held["run_plan"]["generation_gathered"] is True and held["run_plan"]["generation_carried"] is True
+    assert held["fsdp2"]["peak_at"].endswith(", the generation's weights held"), held["fsdp2"]["peak_at"]
+    assert "generation keeps the weights gathered, and the training step after it too" in said, said
+    kept, said = plan(f"{int((held['fsdp2']['peak_mb'] - 0.05) * MB)}B")
+    assert kept["run_plan"]["generation_gathered"] is True and kept["run_plan"]["generation_carried"] is False
+    assert "the training step after it" not in said, said
+    assert not kept["fsdp2"]["peak_at"].endswith("held") and kept["fsdp2"]["peak_mb"] < held["fsdp2"]["peak_mb"]
+    assert kept["fsdp2"]["terms"]["blocks"] < held["fsdp2"]["terms"]["blocks"]
 
 
 def test_a_4bit_base_is_dequantized_once_per_generation_only_where_it_fits(grpo_root, capsys):

@@ -100,6 +100,10 @@ class RunPlan:
     #: outputs are all-gathered (half the collectives); decided likewise, where the other ranks' KV cache that
     #: each rank then reads costs less than the collectives spared (``choice.REPLICATED_READS_UP_TO``)
     generation_replicated: bool = False
+    #: kept gathered, the weights stay gathered from the generation into the training step that follows, until its
+    #: backward shards them: its forward and backward gather none (two gathers of the model spared a generation
+    #: batch); decided likewise, when the training's peak with the whole model gathered fits too
+    generation_carried: bool = False
     #: FSDP2 on a shard group of several ranks, GRPO's training too: the frozen projections stay row-sharded
     #: outside FSDP and compute every rank's tokens where they lie, in forward and backward
     #: (parallel/exchanged_layers.py ``exchange_in_place``); decided likewise, from the bytes a step moves
@@ -132,6 +136,7 @@ class RunPlan:
                                        generation_dequantized=self.generation_dequantized,
                                        generation_exchanged=self.generation_exchanged,
                                        generation_replicated=self.generation_replicated,
+                                       generation_carried=self.generation_carried,
                                        layers_exchanged=self.layers_exchanged)
         if expected != self:
             diff = {k: (v, getattr(self, k)) for k, v in dataclasses.asdict(expected).items()

@@ -52,15 +52,19 @@ class Strategy:
         return contextlib.nullcontext()
 
     def gathered_for_generation(self, model: nn.Module, keep: bool, exchange: bool = False,
-                                replicated: bool = False) -> ContextManager[dist.ProcessGroup | None]:
+                                replicated: bool = False, carry: bool = False
+                                ) -> ContextManager[dist.ProcessGroup | None]:
         """Around a generation's token-by-token no_grad forwards: with ``keep``, a sharded strategy gathers
         the weights once and keeps them for all of them (the planner decided that they fit:
         ``RunPlan.generation_gathered``), sharding them again when the block ends, even on an error; with
         ``exchange``, FSDP2 gathers none and computes each projection from its row shards instead
         (``RunPlan.generation_exchanged``: parallel/exchanged_layers.py), and with ``replicated`` too, every
         rank of a shard group runs all of the group's rows (``RunPlan.generation_replicated``): the block
-        gives that group, whose rows the caller must gather (None: each rank runs its own). Here every rank
-        holds the whole model already: nothing to do."""
+        gives that group, whose rows the caller must gather (None: each rank runs its own). With ``keep`` and
+        ``carry`` (``RunPlan.generation_carried``), when the block ends without an error the weights stay
+        gathered for the training that follows, until its backward shards them (the LoRA weights the block
+        generated with are the ones that training starts from): the caller must not ``after_inference``
+        before it. Here every rank holds the whole model already: nothing to do."""
         return contextlib.nullcontext()
 
     def after_inference(self, model: nn.Module) -> None:

@@ -136,7 +136,7 @@ class FSDP2(Strategy):
 
     @contextlib.contextmanager
     def gathered_for_generation(self, model: nn.Module, keep: bool, exchange: bool = False,
-                                replicated: bool = False) -> Iterator[dist.ProcessGroup | None]:
+                                replicated: bool = False, carry: bool = False) -> Iterator[dist.ProcessGroup | None]:
         # The row-sharded tables are used vocabulary-parallel, never gathered (sharded_embeddings.exchanged).
         # ``exchange``: neither are the layers (exchanged_layers.py), on a shard group of several ranks;
         # ``replicated``: whose ranks each run all of the group's rows (given to the caller, who gathers them).
@@ -144,7 +144,9 @@ class FSDP2(Strategy):
         # would otherwise pay every unit's pre- and post-forward hook); meanwhile its frozen shards, rows of
         # what is gathered, are freed (a rank then holds the model once, not once and a shard more), each
         # refilled as the block ends; after, the hooks are back and every unit is sharded again, before any
-        # backward or optimizer step, even when generation failed.
+        # backward or optimizer step, even when generation failed. ``carry`` (and no error): the units stay
+        # gathered and their shards freed until the training's backward shards each (refilled just before):
+        # its forward and backward then gather none of them, two gathers of the model spared a step.
         group = shard_mesh(self.mesh)
         if exchange and group.size() > 1:
             with sharded_embeddings.exchanged(model, replicated), \
@@ -152,17 +154,19 @@ class FSDP2(Strategy):
                 yield group.get_group() if replicated else None
             return
         units = [m for m in model.modules() if isinstance(m, FSDPModule)] if keep else []
+        held = False
         with contextlib.ExitStack() as stack:
             # one unit at a time, each way: its shards go as its gathered copy comes, and come back (refilled
             # from it) just before it is sharded again, so that a rank never holds more than one unit twice
             for unit in units:
-                stack.callback(unit.reshard)
+                stack.callback(lambda unit=unit: None if held else unit.reshard())
                 unit.unshard()
-                stack.enter_context(compat.fsdp2_frozen_shards_released(unit))
+                stack.enter_context(compat.fsdp2_frozen_shards_released(unit, hold=lambda: held))
             for unit in units:
                 stack.enter_context(compat.fsdp2_forward_hooks_paused(unit))
             stack.enter_context(sharded_embeddings.exchanged(model))
             yield None
+            held = carry and group.size() > 1
 
     def after_inference(self, model: nn.Module) -> None:
         # Units that keep their parameters gathered after forward (the last layer, the head) reshard in

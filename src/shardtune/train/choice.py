@@ -288,6 +288,8 @@ def generation_gathered(search: Search, setting: Setting, budget: int | None) ->
     rank's rows, exchanged) in the compute dtype fits too. Exchanged, training computes from the row shards too where
     that moves fewer bytes (``exchanges_to_train``: ``layers_exchanged``), and every rank of a shard group samples
     all of the group's rows where that pays (``replicates_to_generate``) and fits (``generation_replicated``).
+    Kept gathered, the weights stay so into the training step that follows (``generation_carried``: its forward
+    and backward gather none of them) when its predicted peak with all of them held fits too.
     A setting that does not generate, or whose strategy gathers nothing for a forward (``gathers_to_generate``),
     is returned unchanged."""
     chosen, prediction = setting, search.predict(setting)
@@ -324,6 +326,11 @@ def generation_gathered(search: Search, setting: Setting, budget: int | None) ->
         predicted = fits(once)
         if predicted is not None:
             chosen, prediction = once, predicted
+    if chosen.generation_gathered:  # two gathers of the model spared a step, where the training fits with it too
+        carried = dataclasses.replace(chosen, generation_carried=True)
+        predicted = fits(carried)
+        if predicted is not None:
+            chosen, prediction = carried, predicted
     return chosen, prediction
 
 

@@ -9,7 +9,9 @@ nothing). How the weights are spread decides only how a forward runs:
   own rows are done, its prompts left-padded to the widest of every rank's (``widest_prompt``): every
   forward then carries as many tokens on every rank; when the planner found that they fit
   (``RunPlan.generation_gathered``: ``keep``), the layers are gathered once and kept for the whole
-  generation (``Strategy.gathered_for_generation``), the same numbers without a gather per token; or the
+  generation (``Strategy.gathered_for_generation``), the same numbers without a gather per token, and where
+  the training that follows fits with them too (``RunPlan.generation_carried``: ``carry``), they stay gathered
+  until its backward shards them (the adapter is the one generation sampled with); or the
   layers are never gathered either (``RunPlan.generation_exchanged``: ``exchange``): each projection
   computes every rank's tokens on the rows here and sends each rank its outputs
   (parallel/exchanged_layers.py), or, where every rank of a shard group samples all of the group's rows
@@ -45,16 +47,20 @@ from shardtune.train.sampling import Completion, SamplingSettings, hf_cache, hf_
 
 
 @contextlib.contextmanager
-def inference(model: nn.Module, strategy: Strategy) -> Iterator[None]:
+def inference(model: nn.Module, strategy: Strategy, settle: bool = True) -> Iterator[None]:
     """Eval mode and no gradients for the forwards inside; after them, what the strategy keeps gathered for a
-    backward that will not come is let go, and the mode is restored."""
+    backward that will not come is let go (unless ``settle`` is false: a carried generation's weights, which
+    the backward that follows lets go; on an error, always), and the mode is restored."""
     was_training = model.training
     model.eval()
+    failed = True
     try:
         with torch.no_grad():
             yield
+        failed = False
     finally:
-        strategy.after_inference(model)
+        if settle or failed:
+            strategy.after_inference(model)
         model.train(was_training)
 
 
@@ -90,17 +96,20 @@ def lockstep(worker: Worker, strategy: Strategy):
 def generate(model: nn.Module, strategy: Strategy, worker: Worker, prompts: Sequence[Sequence[int]],
              keys: Sequence[tuple[int, int]], settings: SamplingSettings, seed: int, step: int,
              keep: bool = False, dequantized: bool = False, exchange: bool = False,
-             replicated: bool = False) -> list[Completion]:
+             replicated: bool = False, carry: bool = False) -> list[Completion]:
     """This rank's completions of ``prompts`` (token ids), row i seeded by ``keys[i]`` = (prompt index, completion
     index) and ``step`` (the generation batch); every rank calls it with as many rows. ``keep``: the weights
     stay gathered for the whole generation; ``exchange``: none is gathered, each rank computes from its rows,
     and with ``replicated`` too, every rank of a shard group samples all of the group's rows; with ``keep`` or
-    ``exchange``, ``dequantized``: the NF4 ones are dequantized once (module doc)."""
+    ``exchange``, ``dequantized``: the NF4 ones are dequantized once (module doc); with ``keep``, ``carry``: they
+    stay gathered for the training that follows (``RunPlan.generation_carried``), whose backward shards them:
+    nothing may step the adapter before it."""
     inner = strategy.unwrap(model)  # the peft model: FSDP2's units are inside it, DDP's wrapper outside
     once = dequantized_once() if (keep or exchange) and dequantized else contextlib.nullcontext()
-    weights = strategy.gathered_for_generation(model, keep, exchange, replicated)
+    carry = carry and keep
+    weights = strategy.gathered_for_generation(model, keep, exchange, replicated, carry)
     width = widest_prompt(prompts, worker) if in_lockstep(worker, strategy) else 0
-    with inference(model, strategy), weights as group, sdpa_attention(inner), once:
+    with inference(model, strategy, settle=not carry), weights as group, sdpa_attention(inner), once:
         if group is None:
             return sample(hf_next_logits(inner), prompts, keys, settings, seed, step, hf_cache(inner),
                           worker.device, keep_going=lockstep(worker, strategy), width=width)

@@ -275,6 +275,8 @@ class Setting:
     generation_exchanged: bool = False
     #: exchanged, every rank of a shard group samples all of its rows (``RunPlan.generation_replicated``)
     generation_replicated: bool = False
+    #: kept gathered, into the training step that follows too (``RunPlan.generation_carried``)
+    generation_carried: bool = False
     #: GRPO under FSDP2, training too: the frozen projections outside FSDP, exchanged (``RunPlan.layers_exchanged``)
     layers_exchanged: bool = False
 
@@ -353,8 +355,14 @@ def predict(f: Facts, s: Setting, device: str) -> Prediction:
     if s.generation_rows:
         # CPU FSDP2's shared gather buffers are kept for the whole run: generation gathers through them too
         buffers = next(iter(moments.values())).get("buffers", 0.0)
-        moments["generation (KV cache)"] = _generation_terms(f, s, n, saved.vocab, kept, buffers,
-                                                             offload and device == "cuda")
+        generation = _generation_terms(f, s, n, saved.vocab, kept, buffers, offload and device == "cuda")
+        if s.generation_carried and s.generation_gathered and n > 1 and t.shards:
+            # the training step after it starts with every unit gathered and its frozen shards freed, as the
+            # generation left them, each let go only by its backward: its every moment with all of them held
+            for name, terms in [(k, v) for k, v in moments.items() if not k.startswith("loading")]:
+                moments[f"{name}, the generation's weights held"] = {
+                    **terms, "blocks": generation["blocks"], "weights": generation["weights"]}
+        moments["generation (KV cache)"] = generation
     moment, extra = max(moments.items(), key=lambda kv: sum(kv[1].values()))
     terms = {k: kept.get(k, 0.0) + extra.get(k, 0.0) for k in TERMS}
     note = ""

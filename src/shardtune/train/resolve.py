@@ -93,6 +93,7 @@ def _generation(cfg: Config, plan: RunPlan, search: Search) -> RunPlan:
                                generation_dequantized=chosen.generation_dequantized,
                                generation_exchanged=chosen.generation_exchanged,
                                generation_replicated=chosen.generation_replicated,
+                               generation_carried=chosen.generation_carried,
                                layers_exchanged=chosen.layers_exchanged)
 
 
@@ -118,6 +119,8 @@ def _generation_said(search: Search, setting: Setting, chosen: Setting, limit: i
                     f"forward would dequantize them whole)"
     elif chosen.generation_gathered:
         how, said, what = {"generation_gathered": True}, "generation keeps the weights gathered", "ones"
+        if chosen.generation_carried:
+            how, said = {**how, "generation_carried": True}, f"{said}, and the training step after it too"
     else:
         return f"generation gathers the weights again for every token: kept gathered, the predicted peak " \
                f"{peak(generation_gathered=True)} exceeds {budget}"

@@ -59,7 +59,7 @@ from shardtune.train.rewards import (
 )
 from shardtune.train.rewards import score as rewards_of
 from shardtune.train.sampler_correction import importance_ratio, sampler_table, wants_sampler_logps
-from shardtune.train.sampling import SamplingSettings, stop_ids
+from shardtune.train.sampling import Completion, SamplingSettings, stop_ids
 from shardtune.train.step import Trainee
 
 log = logging.getLogger("shardtune")
@@ -75,7 +75,7 @@ class Rollouts:
     def __init__(self, cfg: Config, trainee: Trainee, tokenizer, prompts: list[Example],
                  records: list[tuple[int, dict]], split: BatchSplit, rewards: list[RewardFunction], attention: str,
                  dtype: torch.dtype, gathered: bool = False, dequantized: bool = False, exchanged: bool = False,
-                 replicated: bool = False, remote: RemoteGenerator | None = None) -> None:
+                 replicated: bool = False, carried: bool = False, remote: RemoteGenerator | None = None) -> None:
         assert isinstance(trainee.objective, Grpo)
         self.cfg, self.t, self.tokenizer, self.split, self.rewards = cfg, trainee, tokenizer, split, rewards
         self.objective: Grpo = trainee.objective
@@ -97,6 +97,7 @@ class Rollouts:
         self.exchanged = exchanged  # or never gathered, computed from the rows (RunPlan.generation_exchanged)
         self.dequantized = dequantized  # and NF4 ones dequantized once (RunPlan.generation_dequantized)
         self.replicated = replicated  # each rank of a shard group samples all its rows (generation_replicated)
+        self.carried = carried  # kept gathered into the step's training too (RunPlan.generation_carried)
         self.remote = remote  # --vllm-url: the completions come from a vLLM server instead
 
     # ------------------------------------------------------------------------------------------ a step's items
@@ -127,7 +128,21 @@ class Rollouts:
         else:
             done = generate(self.t.model, self.t.strategy, w, [self.prompts[p].input_ids for p, _ in mine], mine,
                             self.settings, self.cfg.train.seed, index, keep=self.gathered,
-                            dequantized=self.dequantized, exchange=self.exchanged, replicated=self.replicated)
+                            dequantized=self.dequantized, exchange=self.exchanged, replicated=self.replicated,
+                            carry=self.carried)
+        try:
+            self._made(index, step, prompts, mine, done, sampled)
+        except BaseException:
+            # a carried generation's weights are gathered still: sharded (their frozen shards refilled) before
+            # anything else may read them
+            self.t.strategy.after_inference(self.t.model)
+            raise
+
+    def _made(self, index: int, step: int, prompts: list[int], mine: list[tuple[int, int]], done: list[Completion],
+              sampled: list | None) -> None:
+        """Generation batch ``index``'s completions (this rank's, ``done``) scored and exchanged, its advantages,
+        and the log-probs the loss needs (``_make``)."""
+        w = self.t.worker
         ids = [c.ids for c in done]
         try:
             found: object = self._score(mine, ids, step)
@@ -227,7 +242,9 @@ class Rollouts:
         width = self.objective.rollout.width
         mine: dict[int, torch.Tensor] = {}
         forwards = self.batcher.step(list(range(self.split.batch_size)), self.split, w.rank, self.cfg.data.packing)
-        with inference(t.model, t.strategy), context():
+        # right after a carried generation: the weights it left gathered serve these forwards too, and stay for
+        # the training (the adapter is the same until its backward)
+        with inference(t.model, t.strategy, settle=not self.carried), context():
             for fwd in forwards:
                 scores = score(t.model, fwd.inputs, fwd.targets, self.objective.temperature, fwd.scored)
                 seq = per_sequence(scores.logps, fwd, width).cpu()

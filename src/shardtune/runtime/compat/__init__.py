@@ -9,7 +9,8 @@ instead of returning wrong slices or silently skipping work. Nothing outside thi
   reduce-scatter (``set_fsdp2_all_gather``/``set_fsdp2_reduce_scatter``, their call signatures checked
   by ``check_fsdp2_comm_interface``); a unit's forwards run without its hooks
   (``fsdp2_forward_hooks_paused``) and, held gathered, its frozen shards freed until refilled from the gathered
-  copy (``fsdp2_frozen_shards_released``); the collectives themselves are in parallel/gloo_comms.py.
+  copy (``fsdp2_frozen_shards_released``), or held so into the training that follows until FSDP2 shards it
+  (``fsdp2_held_until_resharded``); the collectives themselves are in parallel/gloo_comms.py.
 * ``dcp.py``: DCP's load-target protocol (``__create_chunk_list__`` / ``__get_tensor_shard__``):
   ``ShardView``, a tensor made of rectangles of a parameter, which ``dcp.load`` fills.
 * ``peft_layers.py``: peft's per-adapter device move, wrapped to record LoRA's initial values
@@ -33,6 +34,7 @@ from shardtune.runtime.compat.fsdp import (
     fsdp1_layout,
     fsdp2_forward_hooks_paused,
     fsdp2_frozen_shards_released,
+    fsdp2_held_until_resharded,
     set_fsdp2_all_gather,
     set_fsdp2_reduce_scatter,
 )
@@ -53,7 +55,7 @@ __all__ = [
     "FSDP2_COMM_CALLS", "FlatLayout", "LiveBytes", "PrivateAPIChanged", "ShardView", "adapters_disabled",
     "check_fsdp2_comm_interface", "check_load_target_protocol", "check_parameter_shadowing", "cpu_has_fast_bf16",
     "dtensor_local", "fake_mode", "fsdp1_flat_param", "fsdp1_layout", "fsdp2_forward_hooks_paused",
-    "fsdp2_frozen_shards_released", "nf4_tensor_module", "piece_boxes", "record_lora_init", "route_nf4_method",
-    "set_fsdp2_all_gather", "set_fsdp2_reduce_scatter",
+    "fsdp2_frozen_shards_released", "fsdp2_held_until_resharded", "nf4_tensor_module", "piece_boxes",
+    "record_lora_init", "route_nf4_method", "set_fsdp2_all_gather", "set_fsdp2_reduce_scatter",
     "shadow_parameter", "storage_id", "unshadow_parameter",
 ]

@@ -8,7 +8,7 @@ import contextlib
 import functools
 import inspect
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -186,13 +186,16 @@ def fsdp2_forward_hooks_paused(unit: nn.Module) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def fsdp2_frozen_shards_released(unit: nn.Module) -> Iterator[int]:
+def fsdp2_frozen_shards_released(unit: nn.Module, hold: Callable[[], bool] = lambda: False) -> Iterator[int]:
     """While ``unit`` is held gathered (its ``unshard()`` done), each frozen parameter's own shard is rows of
     the gathered copy: its storage is freed until the block ends, then refilled from the gathered copy (the
     very bits the gather copied from it; the padding zero again) before anything can shard the unit again,
     even on an error. Yields the bytes freed. Left alone: trainable parameters (the optimizer steps their
     shards), and any whose gathered copy is not a plain tensor of the shard's dtype and device (a
-    mixed-precision cast, CPU offload, a tensor subclass such as NF4, a DTensor), or shares storage."""
+    mixed-precision cast, CPU offload, a tensor subclass such as NF4, a DTensor), or shares storage.
+
+    ``hold()`` true when the block ends without an error: the unit stays gathered, its shards freed, for the
+    forwards and backwards that follow (``fsdp2_held_until_resharded``)."""
     what = "FSDP2's parameters (FSDPParamGroup.fsdp_params: _sharded_param_data, _unsharded_param)"
     need(unit, what, "_get_fsdp_state")
     group = unit._get_fsdp_state()._fsdp_param_group
@@ -216,11 +219,53 @@ def fsdp2_frozen_shards_released(unit: nn.Module) -> Iterator[int]:
                 storage.resize_(0)
     try:
         yield sum(nbytes for _, _, nbytes in freed)
-    finally:
-        for param, whole, nbytes in freed:
-            param._sharded_param_data.untyped_storage().resize_(nbytes)
-            padded = param._sharded_param_data.view(param.padded_sharded_param_size)
-            rows, length = padded.size(0), param.sharded_size[0]
-            start = param.mesh_info.shard_mesh_rank * rows
-            padded[:length].copy_(whole.data[start:start + length])
-            padded[length:].zero_()
+    except BaseException:
+        _refill(freed)
+        raise
+    if group is not None and hold():
+        fsdp2_held_until_resharded(unit, lambda: _refill(freed))
+    else:
+        _refill(freed)
+
+
+def _refill(freed: list[tuple[object, torch.Tensor, int]]) -> None:
+    """Each freed shard's storage back, its rows copied from the gathered copy, the padding zero."""
+    for param, whole, nbytes in freed:
+        param._sharded_param_data.untyped_storage().resize_(nbytes)
+        padded = param._sharded_param_data.view(param.padded_sharded_param_size)
+        rows, length = padded.size(0), param.sharded_size[0]
+        start = param.mesh_info.shard_mesh_rank * rows
+        padded[:length].copy_(whole.data[start:start + length])
+        padded[length:].zero_()
+    freed.clear()
+
+
+def fsdp2_held_until_resharded(unit: nn.Module, before: Callable[[], None] = lambda: None) -> None:
+    """``unit``, gathered now (its ``unshard()`` done, its hooks in place), stays gathered through the forwards
+    that follow, and their backward, until FSDP2 shards it again, whichever way: its post-backward, a
+    ``reshard()``, FSDP2's own reset. ``before()`` runs just before that, while the gathered copy still exists;
+    then the unit's ``reshard_after_forward`` is what it was, and the unit is FSDP2's as ever."""
+    what = "FSDP2's param group (_to_sharded, _to_sharded_post_forward, post_forward_mesh_info)"
+    need(unit, what, "_get_fsdp_state")
+    group = unit._get_fsdp_state()._fsdp_param_group
+    if group is None:
+        before()
+        return
+    need(group, what, "_to_sharded", "_to_sharded_post_forward", "post_forward_mesh_info", "is_unsharded")
+    if not group.is_unsharded:
+        raise PrivateAPIChanged(what, f"{type(unit).__name__} is not gathered: nothing to hold")
+    after_forward = group.post_forward_mesh_info
+    group.post_forward_mesh_info = None  # a forward leaves it gathered (FSDPParamGroup._reshard_after_forward)
+    names = ("_to_sharded", "_to_sharded_post_forward")
+
+    def released(name: str) -> Callable[[], None]:
+        def to_sharded() -> None:
+            for n in names:  # once: FSDP2's own methods from now on
+                group.__dict__.pop(n, None)
+            group.post_forward_mesh_info = after_forward
+            before()
+            getattr(group, name)()
+        return to_sharded
+
+    for name in names:
+        setattr(group, name, released(name))
