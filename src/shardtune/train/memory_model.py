@@ -89,9 +89,9 @@ TERMS: dict[str, str] = {
     "lora": "the trainable LoRA weights, fp32 (1/N of them under FSDP)",
     "grads": "their fp32 gradients (1/N under FSDP; DDP also keeps a bucket copy for its all-reduce)",
     "optimizer": "AdamW state: 2 fp32 values per trainable weight (1/N under FSDP)",
-    "activations": "tensors saved for backward, all layers, and the backward of one layer (with activation "
-                   "checkpointing: each layer's input, and the most one layer's recomputation and backward "
-                   "hold at once, traced on fake tensors)",
+    "activations": "tensors saved for backward, all layers, and what the backward of one layer adds to its "
+                   "saved set (with activation checkpointing: each layer's input, and the most one layer's "
+                   "recomputation and backward hold at once; both traced on fake tensors)",
     "logits": "the loss head: one chunk of tokens' logits in fp32 at a time, and what it keeps per token for "
               "backward (tokens × hidden); scoring FSDP2's row-sharded head by exchange, every rank's tokens "
               "of a piece; without it (a trained head) the full logits and their gradient",
@@ -306,7 +306,11 @@ def predict(f: Facts, s: Setting, device: str) -> Prediction:
         acts = inputs + saved.outside
         workspace = _recomputed_backward(saved, recomputed) + layer_input  # + the gradient from above
     else:
-        acts, workspace = sum(kept_by_layer) + saved.outside, max(recomputed, default=0)
+        # A layer's saved set exists already (in ``acts``): its backward adds what the traced recompute and
+        # backward holds beyond that set (its gradients' temporaries, and a tiled MLP's tile recomputed), and
+        # the gradient from above.
+        acts = sum(kept_by_layer) + saved.outside
+        workspace = max(0.0, _recomputed_backward(saved, recomputed) - max(kept_by_layer, default=0)) + layer_input
         if offloading:
             host_acts, acts = sum(kept_by_layer), 2 * max(kept_by_layer, default=0) + saved.outside
     if cp > 1:
