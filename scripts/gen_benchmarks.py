@@ -341,10 +341,14 @@ def grpo_vs_trl(name: str, data: Result) -> list[str]:
 def planner_check(name: str, data: Result) -> list[str]:
     rows = [r for r in data["rows"] if not isinstance(r.get("error"), str)]
     dtypes = sorted({r["dtype"] for r in rows}) or [NOT_RECORDED]
-    lines = header(name, data, ", ".join(dtypes), f"python bench/planner_check.py --config {data.get('config')}")
-    lines += [f"`shardtune plan --config {data.get('config')} --strategy S` against the train peak of `shardtune "
-              f"finetune` with the same flags and `--steps {data.get('steps')}` (RssAnon + RssShmem, worst rank); "
-              "\"above the runtime\": without the process before loading.", ""]
+    wide = data.get("config") == "--wide"
+    given = "--wide" if wide else f"--config {data.get('config')}"
+    source = "a random 512-wide Llama at 4 × 1,024 tokens (`--wide`)" if wide else code(given)
+    flags = " ".join(data.get("flags") or [])
+    lines = header(name, data, ", ".join(dtypes), f"python bench/planner_check.py {given}")
+    lines += [f"`shardtune plan` on {source}{', with ' + code(flags) if flags else ''}, `--strategy S`, against the "
+              f"train peak of `shardtune finetune` with the same flags and `--steps {data.get('steps')}` (RssAnon + "
+              "RssShmem, worst rank); \"above the runtime\": without the process before loading.", ""]
     lines += table(["strategy", "micro-batch", "planned MB", "measured MB", "error", "planned above the runtime",
                     "measured above the runtime", "peak at"],
                    [[r["strategy"], r["micro_batch_size"], r["planned_mb"], r["measured_mb"], f"{r['error']:+.1%}",
