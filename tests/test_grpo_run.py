@@ -333,15 +333,22 @@ def test_reward_problems_found_before_workers_start(grpo_root, capsys, no_worker
     _fails(capsys, main([*base, "--reward-weights", "0,0"]), "option 'reward-weights' (0,0) weighs every --reward 0")
 
 
-def test_a_reward_function_that_raises_stops_the_run_naming_it_and_the_prompt(grpo_root, capsys):
-    """The prompts from a ``datasets`` folder (save_to_disk) this time."""
-    base = argv(grpo_root, "raises", "--strategy", "single", "--steps", "1", "--num-iterations", "1",
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_reward_function_that_raises_stops_the_run_naming_it_and_the_prompt(grpo_root, capsys, ranks):
+    """The prompts from a ``datasets`` folder (save_to_disk) this time. On 2 FSDP2 ranks, whose generation leaves the
+    weights gathered for the training (``generation_carried``), the failure comes between the two: raised on every
+    rank, it ends the run 2 with the same message, none left waiting."""
+    spread = ("--strategy", "single") if ranks == 1 else ("--strategy", "fsdp2", "--nproc", "2")
+    base = argv(grpo_root, f"raises-{ranks}", *spread, "--steps", "1", "--num-iterations", "1",
                 "--grpo-beta", "0", "--batch-size", "24", data="hub")  # every prompt in the first batch
     swap = base.index(f"{grpo_root / 'rewards.py'}:digits")
     base[swap] = f"{grpo_root / 'rewards.py'}:picky"
     i = base.index("--reward-weights")
     del base[i:i + 2]
     del base[base.index("format=[0-9]") - 1:base.index("format=[0-9]") + 1]
+    if ranks == 2:
+        assert main(["plan", *base[1:], "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["run_plan"]["generation_carried"] is True
     _fails(capsys, main(base), "reward function 'picky'", "ValueError: no sixes", "what is 3+3?")
 
 
