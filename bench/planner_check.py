@@ -69,27 +69,15 @@ def check(config: str, strategy: str, steps: int, extra: list[str]) -> dict:
 
 def wide_config(cache: Path) -> str:
     """The ``--wide`` model, data and config (module doc), made once in ``cache``."""
-    import random
-
     sys.path.insert(0, str(ROOT / "tests"))
-    from tiny import make_tokenizer
+    from tiny import long_text_records, make_wide_llama
 
     cache.mkdir(parents=True, exist_ok=True)
     model, data, config = cache / "llama-wide-512", cache / "wide-records-1200.jsonl", cache / "planner-wide.yaml"
     if not (model / "config.json").exists():
-        import torch
-        from transformers import AutoModelForCausalLM, LlamaConfig
-
-        torch.manual_seed(0)
-        AutoModelForCausalLM.from_config(LlamaConfig(
-            hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
-            max_position_embeddings=2048, vocab_size=8192, bos_token_id=256, eos_token_id=257,
-            pad_token_id=258)).save_pretrained(model)
-        make_tokenizer(True).save_pretrained(model)
+        make_wide_llama(model, layers=4, vocab=8192)
     if not data.exists():
-        rnd = random.Random(0)
-        data.write_text("".join(json.dumps({"text": "".join(rnd.choice("abcdefgh ") for _ in range(1200))}) + "\n"
-                                for _ in range(64)))
+        long_text_records(data, 64, 1200)
     config.write_text(f"model: {model}\ndata: {data}\nnproc: 2\nseq-len: 1024\nbatch-size: 8\n"
                       "micro-batch-size: 4\ndtype: fp32\nlora-targets: all-linear\nfsdp-unit: part\n")
     return str(config)

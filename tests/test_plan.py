@@ -362,26 +362,13 @@ def test_without_checkpointing_a_layers_backward_adds_only_what_it_makes(tmp_pat
     adds its gradients' temporaries, not that set again. A real run's peak above the process before loading, on
     a model whose saved sets are most of the step (512 wide, 4 × 512 tokens, DoRA's set the larger), is predicted
     within 10 % (counting the set twice put DoRA's 16 % over)."""
-    import random
-
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
     from shardtune.train.memory_model import runtime_cpu_mb
     from shardtune.train.training_data import training_lengths
 
-    from tiny import make_tokenizer
+    from tiny import long_text_records, make_wide_llama
 
-    torch.manual_seed(0)
-    model = tmp_path / "wide"
-    AutoModelForCausalLM.from_config(LlamaConfig(
-        hidden_size=512, intermediate_size=1536, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
-        max_position_embeddings=1024, vocab_size=1024, bos_token_id=256, eos_token_id=257,
-        pad_token_id=258)).save_pretrained(model)
-    make_tokenizer(True).save_pretrained(model)
-    rnd = random.Random(0)
-    data = tmp_path / "long.jsonl"
-    data.write_text("".join(json.dumps({"text": "".join(rnd.choice("abcdefgh ") for _ in range(600))}) + "\n"
-                            for _ in range(8)))
+    model = make_wide_llama(tmp_path / "wide", layers=2, vocab=1024)
+    data = long_text_records(tmp_path / "long.jsonl", 8, 600)
     out = tmp_path / "run"
     options = {"model": str(model), "data": str(data), "out": str(out), "strategy": "single", "nproc": 1,
                "seq-len": 512, "batch-size": 4, "micro-batch-size": 4, "dtype": "fp32", "lora-targets": "all-linear",

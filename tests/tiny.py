@@ -95,6 +95,28 @@ def make_model(path: Path, arch: str = "llama", tied: bool = False, sharded: boo
     return path
 
 
+def make_wide_llama(path: Path, layers: int, vocab: int) -> Path:
+    """A random Llama 512 wide (MLP 1536, 8 heads, 4 key/value heads, 2,048 positions) with the tiny tokenizer:
+    wide enough that each layer's saved set, not the process, is most of a step's memory at long rows."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(LlamaConfig(
+        hidden_size=512, intermediate_size=1536, num_hidden_layers=layers, num_attention_heads=8,
+        num_key_value_heads=4, max_position_embeddings=2048, vocab_size=vocab, bos_token_id=256, eos_token_id=257,
+        pad_token_id=258)).save_pretrained(path)
+    make_tokenizer(True).save_pretrained(path)
+    return path
+
+
+def long_text_records(path: Path, n: int, chars: int) -> Path:
+    """``n`` records of ``chars`` random letters and spaces (one token each for the tiny tokenizer)."""
+    import random
+
+    rnd = random.Random(0)
+    return write_jsonl(path, [{"text": "".join(rnd.choice("abcdefgh ") for _ in range(chars))} for _ in range(n)])
+
+
 def write_jsonl(path: Path, records: list[dict]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return path
