@@ -658,6 +658,61 @@ def test_steps_with_nothing_to_learn_are_no_divergence_under_ddp(grpo_root):
     assert [(m["grad_norm"], m["frac_reward_zero_std"], m["loss"]) for m in rows[1:]] == [(0.0, 1.0, 0.0)] * 2
 
 
+def test_reward_functions_given_as_python_functions_train_as_their_specs(grpo_root, one_rank, monkeypatch):
+    """The Python API takes reward functions as objects (``reward=[fn]``, as TRL's ``reward_funcs``): a function of
+    a module's file is named for the workers by that file and trains as ``--reward FILE:NAME`` does (the first
+    generation batch's rewards, the first step's loss, the same completions)."""
+    import importlib.util
+    import sys
+
+    import shardtune
+
+    loader = importlib.util.spec_from_file_location("grpo_api_rewards", grpo_root / "rewards.py")
+    module = importlib.util.module_from_spec(loader)
+    monkeypatch.setitem(sys.modules, "grpo_api_rewards", module)  # imported, as a user's module is
+    loader.loader.exec_module(module)
+    args = argv(grpo_root, "api", "--strategy", "single", "--steps", "2")[1:]
+    options: dict = {}
+    for flag, value in zip(args[::2], args[1::2]):
+        key = flag.removeprefix("--")
+        options[key] = [*options.get(key, []), value] if key == "reward" else value
+    options["reward"] = [module.digits, "format=[0-9]"]
+    shardtune.finetune(options)
+    api, cli = metrics(grpo_root / "api"), metrics(one_rank)[:2]
+    assert [m["rewards/digits/mean"] for m in api] == [m["rewards/digits/mean"] for m in cli]
+    assert [m["reward"] for m in api] == [m["reward"] for m in cli] and api[0]["loss"] == cli[0]["loss"]
+    assert [c["completion"] for c in completions(grpo_root / "api")] == \
+        [c["completion"] for c in completions(one_rank) if c["step"] == 1]
+
+
+def test_reward_functions_the_workers_cannot_load_by_name_are_refused_before_they_start(grpo_root, no_workers,
+                                                                                         monkeypatch):
+    """A lambda, a function defined inside another, a ``functools.partial`` and one defined in the notebook or
+    script that runs (``__main__``) cannot reach the fresh worker processes: each is refused before they start,
+    naming it and saying what to do."""
+    import functools
+    import sys
+
+    import shardtune
+    from shardtune.train.rewards import RewardError
+
+    def inner(prompts, completions, **fields):
+        return [0.0] * len(completions)
+    notebook: dict = {"__name__": "__main__"}
+    exec("def in_a_cell(prompts, completions, **fields):\n    return [0.0] * len(completions)\n", notebook)
+    monkeypatch.setattr(sys.modules["__main__"], "in_a_cell", notebook["in_a_cell"], raising=False)
+    options = {"model": str(grpo_root / "model"), "data": str(grpo_root / "prompts.jsonl"),
+               "out": str(grpo_root / "refused-api"), "objective": "grpo"}
+    for reward, said in [(lambda prompts, completions, **f: [0.0], "<lambda>: not a module-level function"),
+                         (inner, "inner: not a module-level function"),
+                         (functools.partial(inner), "a partial, not a function"),
+                         (notebook["in_a_cell"], "in_a_cell: defined in a notebook or the script that runs")]:
+        with pytest.raises(RewardError, match="put it in a .py file") as err:
+            shardtune.finetune({**options, "reward": [reward]})
+        assert said in str(err.value), str(err.value)
+    assert not (grpo_root / "refused-api").exists()
+
+
 def test_eval_reward_scores_base_and_adapter_completions(grpo_root, one_rank, capsys):
     """`shardtune eval --reward`: greedy completions of held-out prompts, scored by the reward functions, for the
     base (the adapter switched off) and base + adapter."""

@@ -38,7 +38,9 @@ def _finetune(config: str | Path | dict[str, Any] | None, nproc: int | None, ver
         from shardtune.runtime.logs import set_verbose
 
         set_verbose(verbose)
-    overrides = dict(options)
+    overrides = _named_rewards(dict(options))
+    if isinstance(config, dict):
+        config = _named_rewards(config)
     if nproc is not None:
         overrides["nproc"] = nproc
     overrides.update(_torchrun_layout())
@@ -48,6 +50,17 @@ def _finetune(config: str | Path | dict[str, Any] | None, nproc: int | None, ver
     from shardtune.tools.vllm_check import warn_after_training
 
     return warn_after_training(launch(cfg, plan, asked))  # the adapter vLLM would refuse: say so now
+
+
+def _named_rewards(values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` with reward functions given as function objects (``reward=[fn]``, as TRL's ``reward_funcs``)
+    named as ``--reward`` takes them (``rewards.spec_of``): the workers load them by name."""
+    given = values.get("reward")
+    if given is None:
+        return values
+    from shardtune.train.rewards import spec_of
+
+    return {**values, "reward": [spec_of(r) for r in given] if isinstance(given, (list, tuple)) else spec_of(given)}
 
 
 def _torchrun_layout() -> dict[str, Any]:

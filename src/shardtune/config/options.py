@@ -205,7 +205,7 @@ class GrpoConfig:
     reward: list[str] | None = opt(
         None, "reward", WARN, "GRPO: a reward function, TRL's convention fn(prompts, completions, **fields): "
         "path/to/file.py:name, module:name, or a built-in (exact_match[=FIELD], contains[=FIELD], format=REGEX, "
-        "length=TOKENS); repeat the option for several.")
+        "length=TOKENS); repeat the option for several (from Python, also the functions themselves).")
     reward_weights: str | None = opt(
         None, "reward-weights", WARN, "GRPO: comma-separated weights, one per --reward (default 1 each).")
     num_generations: int = opt(8, "num-generations", WARN, "GRPO: completions sampled per prompt (a group); "

@@ -213,6 +213,35 @@ def _where(err: BaseException, path: Path | None) -> str:
     return f"{place}{type(err).__name__}: {err}"
 
 
+def spec_of(reward: Any) -> Any:
+    """``reward`` as ``--reward`` takes it: a function object (the Python API's ``reward=[fn]``, as TRL's
+    ``reward_funcs``) named by where fresh worker processes can load it (nothing is pickled to them), a function of
+    a package's module as ``package.module:name`` (the package must be importable there: installed, or on
+    PYTHONPATH), of a top-level module's file as ``path/to/file.py:name``; a SPEC string, or anything else, as it
+    is. A function those processes could not load by name (one defined in a
+    notebook cell or a script's ``__main__``, inside another function, a lambda, a ``functools.partial``, a
+    callable object) is refused, RewardError naming it and saying what to do."""
+    if isinstance(reward, str) or not callable(reward):
+        return reward
+    shown = getattr(reward, "__qualname__", None) or callable_name(reward)
+    module = sys.modules.get(getattr(reward, "__module__", None) or "")
+    name = getattr(reward, "__name__", "")
+    file = getattr(module, "__file__", None) if module is not None else None
+    if not inspect.isfunction(reward) and not inspect.iscoroutinefunction(reward):
+        why = f"a {type(reward).__name__}, not a function defined in a module"
+    elif name != shown or not name.isidentifier() or (module is not None and getattr(module, name, None) is not reward):
+        why = "not a module-level function of its module (a lambda, or defined inside another function)"
+    elif module is None or module.__name__ == "__main__" or not file:
+        why = "defined in a notebook or the script that runs, which the workers cannot import"
+    elif module.__package__:
+        return f"{module.__name__}:{name}"
+    else:
+        return f"{Path(file).resolve()}:{name}"
+    raise RewardError(f"reward {shown}: {why}; the workers are fresh processes that load a reward function by name: "
+                      f"put it in a .py file (in a notebook, a cell starting with %%writefile rewards.py) and give "
+                      f"reward=['rewards.py:{name if name.isidentifier() else 'NAME'}'], or import it from there")
+
+
 def callable_name(fn: Callable) -> str:
     """The name metrics use (TRL's): a function's ``__name__``, through ``functools.partial``, else the class's."""
     while isinstance(fn, functools.partial):
