@@ -658,6 +658,39 @@ def test_steps_with_nothing_to_learn_are_no_divergence_under_ddp(grpo_root):
     assert [(m["grad_norm"], m["frac_reward_zero_std"], m["loss"]) for m in rows[1:]] == [(0.0, 1.0, 0.0)] * 2
 
 
+@pytest.mark.parametrize("strategy", ["fsdp2", "ddp"])
+def test_sigterm_while_generating_stops_at_once_keeping_the_last_step(grpo_root, strategy):
+    """SIGTERM to the launcher while a step generates (long completions): the generation ends at the next token
+    on every rank (FSDP2: in lockstep, every forward a collective; DDP: each rank alone, agreeing after), the
+    step is not done (no metrics line, no checkpoint of it), the last finished step's checkpoint is written and
+    the stop message names it, exit 128 + SIGTERM."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from shardtune.train.checkpoint_files import find_latest
+
+    out = grpo_root / f"sigterm-{strategy}"
+    args = argv(grpo_root, out.name, "--strategy", "fsdp2" if strategy == "fsdp2" else "ddp", "--nproc", "2",
+                "--steps", "1000", "--num-iterations", "1", "--max-completion-length", "600", "--save-every", "1000")
+    proc = subprocess.Popen([sys.executable, "-m", "shardtune", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    metrics_file, deadline = out / "metrics.jsonl", time.monotonic() + 300
+    while not (metrics_file.is_file() and metrics_file.read_text().strip()):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"the run ended or stalled before step 1:\n{proc.communicate()[0][-3000:]}")
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)  # step 2 is generating its 600 tokens a row
+    output = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 128 + signal.SIGTERM, output[-3000:]
+    assert [m["step"] for m in metrics(out)] == [1], output[-3000:]
+    latest = find_latest(out)
+    assert latest is not None and latest.name == "step-1", output[-3000:]
+    assert f"stopped by SIGTERM; the newest complete checkpoint is {latest}" in output
+
+
 def test_reward_functions_given_as_python_functions_train_as_their_specs(grpo_root, one_rank, monkeypatch):
     """The Python API takes reward functions as objects (``reward=[fn]``, as TRL's ``reward_funcs``): a function of
     a module's file is named for the workers by that file and trains as ``--reward FILE:NAME`` does (the first

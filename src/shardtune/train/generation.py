@@ -33,7 +33,7 @@ logits (it scores only inside ``score``).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -42,8 +42,9 @@ from shardtune.config import traits
 from shardtune.model.attention import sdpa_attention
 from shardtune.model.nf4_torchao import dequantized_once
 from shardtune.parallel import Strategy
-from shardtune.runtime.distributed import Worker, all_reduce_max, all_reduce_max_each
+from shardtune.runtime.distributed import Worker, all_reduce_max_each
 from shardtune.train.sampling import Completion, SamplingSettings, hf_cache, hf_next_logits, sample
+from shardtune.train.stop import GenerationStopped
 
 
 @contextlib.contextmanager
@@ -82,28 +83,37 @@ def widest_prompt(prompts: Sequence[Sequence[int]], worker: Worker) -> int:
     return int(width)
 
 
-def lockstep(worker: Worker, strategy: Strategy):
+def lockstep(worker: Worker, strategy: Strategy, stopping: Callable[[], bool] | None = None):
     """``keep_going`` for ``sample``: under a sharded strategy every forward is a collective, so all ranks
-    step while any has an unfinished row; otherwise None (each rank stops when its own rows are done)."""
+    step while any has an unfinished row, and where ``stopping`` (whether this rank was asked to stop:
+    train/stop.py) is given, all of them raise GenerationStopped at the same token when any rank was (one
+    all-reduce a token either way); otherwise each rank stops when its own rows are done, or, asked to stop, at
+    once (None where there is nothing to ask)."""
     if not in_lockstep(worker, strategy):
-        return None
+        return None if stopping is None else lambda unfinished: unfinished and not stopping()
 
     def keep_going(unfinished: bool) -> bool:
-        return bool(all_reduce_max(int(unfinished), worker.device))
+        going, stop = all_reduce_max_each([int(unfinished), int(bool(stopping and stopping()))], worker.device)
+        if stop:
+            raise GenerationStopped
+        return bool(going)
     return keep_going
 
 
 def generate(model: nn.Module, strategy: Strategy, worker: Worker, prompts: Sequence[Sequence[int]],
              keys: Sequence[tuple[int, int]], settings: SamplingSettings, seed: int, step: int,
              keep: bool = False, dequantized: bool = False, exchange: bool = False,
-             replicated: bool = False, carry: bool = False) -> list[Completion]:
+             replicated: bool = False, carry: bool = False, stopping: Callable[[], bool] | None = None
+             ) -> list[Completion]:
     """This rank's completions of ``prompts`` (token ids), row i seeded by ``keys[i]`` = (prompt index, completion
     index) and ``step`` (the generation batch); every rank calls it with as many rows. ``keep``: the weights
     stay gathered for the whole generation; ``exchange``: none is gathered, each rank computes from its rows,
     and with ``replicated`` too, every rank of a shard group samples all of the group's rows; with ``keep`` or
     ``exchange``, ``dequantized``: the NF4 ones are dequantized once (module doc); with ``keep``, ``carry``: they
     stay gathered for the training that follows (``RunPlan.generation_carried``), whose backward shards them:
-    nothing may step the adapter before it."""
+    nothing may step the adapter before it. ``stopping``: whether this rank was asked to stop (``lockstep``); a
+    rank sampling alone then returns its rows unfinished, and the caller must agree with the others on
+    stopping (rows that every rank of a group samples stop only when done)."""
     inner = strategy.unwrap(model)  # the peft model: FSDP2's units are inside it, DDP's wrapper outside
     once = dequantized_once() if (keep or exchange) and dequantized else contextlib.nullcontext()
     carry = carry and keep
@@ -112,7 +122,7 @@ def generate(model: nn.Module, strategy: Strategy, worker: Worker, prompts: Sequ
     with inference(model, strategy, settle=not carry), weights as group, sdpa_attention(inner), once:
         if group is None:
             return sample(hf_next_logits(inner), prompts, keys, settings, seed, step, hf_cache(inner),
-                          worker.device, keep_going=lockstep(worker, strategy), width=width)
+                          worker.device, keep_going=lockstep(worker, strategy, stopping), width=width)
         # every rank of the group samples the same rows from the same logits: each stops when all are done
         every_prompt, every_key = group_rows(prompts, keys, width, group, worker.device)
         done = sample(hf_next_logits(inner), every_prompt, every_key, settings, seed, step, hf_cache(inner),

@@ -8,6 +8,7 @@ Tests and benches use ``setup(cfg)`` as their own entry point to a ready job.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -77,10 +78,12 @@ class Job:
         return Trainee(self.model, self.strategy, self.objective, reference, self.worker,
                        self.cfg.parallel.activation_offload)
 
-    def step(self, step: int) -> StepResult:
-        """Forward and backward of this rank's share of global batch ``step`` (no optimizer step)."""
+    def step(self, step: int, stopping: Callable[[], bool] | None = None) -> StepResult:
+        """Forward and backward of this rank's share of global batch ``step`` (no optimizer step). ``stopping``:
+        whether this rank was asked to stop; a GRPO step still generating then raises GenerationStopped on every
+        rank (train/stop.py)."""
         if self.rollouts is not None:  # the policy's own completions, sampled when the step starts a batch of them
-            batcher, batch, split = self.rollouts.batch(step)
+            batcher, batch, split = self.rollouts.batch(step, stopping)
         else:
             batcher, batch, split = self.batcher, self.sampler.global_batch(step), self.sampler.plan
         forwards = batcher.step(batch, split, self.worker.rank, self.cfg.data.packing)

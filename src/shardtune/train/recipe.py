@@ -33,7 +33,7 @@ from shardtune.train.metrics import MetricsLog, Progress, write_json_atomic
 from shardtune.train.oom import out_of_memory
 from shardtune.train.resolve import resolve
 from shardtune.train.schedule import optimizer_and_schedule
-from shardtune.train.stop import GracefulStop, stop_message
+from shardtune.train.stop import GenerationStopped, GracefulStop, stop_message
 from shardtune.train.summary import run_summary
 from shardtune.train.trackers import Trackers
 from shardtune.train.training_data import training_lengths
@@ -70,7 +70,13 @@ def _loop(job: Job, memory: MemoryMonitor, optimizer, scheduler, checkpoints: Ch
     with memory.phase("train"), GracefulStop(job.worker.device) as stop:
         for step in range(state.step, job.steps):
             started = time.perf_counter()
-            result = job.step(step)
+            try:
+                result = job.step(step, stopping=stop.requested)
+            except GenerationStopped:  # asked to stop while generating: the last finished step is kept
+                stopped_by = stop.agreed()
+                if state.step:
+                    checkpoints.save(state)
+                break
             job.scaler.unscale_(optimizer)  # fp16: clip and step see the true gradients
             grad_norm = job.strategy.clip_grad_norm(job.model, cfg.train.max_grad_norm)
             # before the optimizer step: no NaN weight is ever kept (fp16: an overflow is skipped and counted)

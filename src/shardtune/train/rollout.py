@@ -31,7 +31,7 @@ import contextlib
 import json
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -61,6 +61,7 @@ from shardtune.train.rewards import score as rewards_of
 from shardtune.train.sampler_correction import importance_ratio, sampler_table, wants_sampler_logps
 from shardtune.train.sampling import Completion, SamplingSettings, stop_ids
 from shardtune.train.step import Trainee
+from shardtune.train.stop import GenerationStopped
 
 log = logging.getLogger("shardtune")
 
@@ -102,16 +103,19 @@ class Rollouts:
 
     # ------------------------------------------------------------------------------------------ a step's items
 
-    def batch(self, step: int) -> tuple[Batcher, list[int], BatchSplit]:
+    def batch(self, step: int, stopping: Callable[[], bool] | None = None
+              ) -> tuple[Batcher, list[int], BatchSplit]:
         """The batcher of step ``step``'s generation batch (made first when the step starts a new one), its
-        items (every row) and how they split over ranks."""
+        items (every row) and how they split over ranks. ``stopping``: whether this rank was asked to stop
+        (train/stop.py); when any rank was, the generation ends early and GenerationStopped is raised on every
+        rank, before anything of the batch is kept."""
         index = step // self.mu
         if self.objective.rollout is None or self.objective.rollout.index != index:
-            self._make(index, step)
+            self._make(index, step, stopping)
         assert self.batcher is not None
         return self.batcher, list(range(self.split.batch_size)), self.split
 
-    def _make(self, index: int, step: int) -> None:
+    def _make(self, index: int, step: int, stopping: Callable[[], bool] | None = None) -> None:
         w = self.t.worker
         prompts = self.sampler.global_batch(index)
         rows = [(p, c) for p in prompts for c in range(self.G)]
@@ -129,8 +133,11 @@ class Rollouts:
             done = generate(self.t.model, self.t.strategy, w, [self.prompts[p].input_ids for p, _ in mine], mine,
                             self.settings, self.cfg.train.seed, index, keep=self.gathered,
                             dequantized=self.dequantized, exchange=self.exchanged, replicated=self.replicated,
-                            carry=self.carried)
+                            carry=self.carried, stopping=stopping)
         try:
+            # asked to stop after the generation's last token (or where no token could ask every rank)
+            if stopping is not None and distributed.all_reduce_max(int(stopping()), w.device):
+                raise GenerationStopped
             self._made(index, step, prompts, mine, done, sampled)
         except BaseException:
             # a carried generation's weights are gathered still: sharded (their frozen shards refilled) before

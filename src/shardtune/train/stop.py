@@ -1,4 +1,9 @@
-"""Stopping a run on SIGTERM/SIGINT: every rank finishes its step, checkpoints, and says how to resume."""
+"""Stopping a run on SIGTERM/SIGINT: every rank finishes its step, checkpoints, and says how to resume.
+
+A GRPO step that is still generating its batch stops sooner: the generation checks ``requested`` between tokens
+and ends when any rank was asked to stop (``GenerationStopped``), so a scheduler's grace period is not spent
+sampling completions that would be thrown away; the step is then not done, and the checkpoint is the last step's.
+"""
 
 from __future__ import annotations
 
@@ -17,6 +22,10 @@ def stop_message(signum: int, out: Path, nnodes: int = 1, node_rank: int = 0) ->
     where = f"the newest complete checkpoint is {latest}" if latest else "no complete checkpoint was written"
     command = resume_command(out, nnodes, node_rank)
     return f"stopped by {signal.Signals(signum).name}; {where}. To continue, run: {command}"
+
+
+class GenerationStopped(Exception):
+    """Raised on every rank when a generation ended early because a rank was asked to stop (agreed on by all)."""
 
 
 class GracefulStop:
@@ -45,6 +54,10 @@ class GracefulStop:
     def _handle(self, signum: int, frame: object) -> None:
         # Only a flag: logging or collectives from a signal handler can deadlock.
         self.signum = self.signum or signum
+
+    def requested(self) -> bool:
+        """Whether this rank received a signal (no collective)."""
+        return bool(self.signum)
 
     def agreed(self) -> int:
         """The signal any rank received (0 when none did)."""
