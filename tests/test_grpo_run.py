@@ -663,7 +663,7 @@ def test_sigterm_while_generating_stops_at_once_keeping_the_last_step(grpo_root,
     """SIGTERM to the launcher while a step generates (long completions): the generation ends at the next token
     on every rank (FSDP2: in lockstep, every forward a collective; DDP: each rank alone, agreeing after), the
     step is not done (no metrics line, no checkpoint of it), the last finished step's checkpoint is written and
-    the stop message names it, exit 128 + SIGTERM."""
+    the stop message names it, exit 128 + SIGTERM; once (DDP's run saves every step: not again)."""
     import signal
     import subprocess
     import sys
@@ -673,7 +673,8 @@ def test_sigterm_while_generating_stops_at_once_keeping_the_last_step(grpo_root,
 
     out = grpo_root / f"sigterm-{strategy}"
     args = argv(grpo_root, out.name, "--strategy", "fsdp2" if strategy == "fsdp2" else "ddp", "--nproc", "2",
-                "--steps", "1000", "--num-iterations", "1", "--max-completion-length", "600", "--save-every", "1000")
+                "--steps", "1000", "--num-iterations", "1", "--max-completion-length", "600",
+                "--save-every", "1" if strategy == "ddp" else "1000")
     proc = subprocess.Popen([sys.executable, "-m", "shardtune", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     metrics_file, deadline = out / "metrics.jsonl", time.monotonic() + 300
@@ -689,6 +690,7 @@ def test_sigterm_while_generating_stops_at_once_keeping_the_last_step(grpo_root,
     latest = find_latest(out)
     assert latest is not None and latest.name == "step-1", output[-3000:]
     assert f"stopped by SIGTERM; the newest complete checkpoint is {latest}" in output
+    assert output.count(f"checkpoint {latest} written") == 1, output[-3000:]
 
 
 def test_reward_functions_given_as_python_functions_train_as_their_specs(grpo_root, one_rank, monkeypatch):

@@ -67,14 +67,15 @@ def _loop(job: Job, memory: MemoryMonitor, optimizer, scheduler, checkpoints: Ch
     progress = Progress(job.steps, state.step, job.worker.is_main)
     losses, fills, stopped_by = [], [], 0
     guard = TrainingGuard(out, cfg.train.lr, job.worker.is_main, cfg.lora.alpha, job.scaler)
+    first = state.step  # a resumed run's checkpoint is there already
     with memory.phase("train"), GracefulStop(job.worker.device) as stop:
-        for step in range(state.step, job.steps):
+        for step in range(first, job.steps):
             started = time.perf_counter()
             try:
                 result = job.step(step, stopping=stop.requested)
             except GenerationStopped:  # asked to stop while generating: the last finished step is kept
                 stopped_by = stop.agreed()
-                if state.step:
+                if state.step != first and not checkpoints.due(state.step):  # else it is written already
                     checkpoints.save(state)
                 break
             job.scaler.unscale_(optimizer)  # fp16: clip and step see the true gradients
