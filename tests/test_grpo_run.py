@@ -696,8 +696,10 @@ def test_sigterm_while_generating_stops_at_once_keeping_the_last_step(grpo_root,
 def test_reward_functions_given_as_python_functions_train_as_their_specs(grpo_root, one_rank, monkeypatch):
     """The Python API takes reward functions as objects (``reward=[fn]``, as TRL's ``reward_funcs``): a function of
     a module's file is named for the workers by that file and trains as ``--reward FILE:NAME`` does (the first
-    generation batch's rewards, the first step's loss, the same completions)."""
+    generation batch's rewards, the first step's loss, the same completions); one of a package imported from
+    the caller's own ``sys.path`` (a notebook's ``sys.path.append``) reaches the workers as well."""
     import importlib.util
+    import os
     import sys
 
     import shardtune
@@ -711,8 +713,18 @@ def test_reward_functions_given_as_python_functions_train_as_their_specs(grpo_ro
     for flag, value in zip(args[::2], args[1::2]):
         key = flag.removeprefix("--")
         options[key] = [*options.get(key, []), value] if key == "reward" else value
-    options["reward"] = [module.digits, "format=[0-9]"]
+    # ``format`` from a package a notebook imported from its own sys.path: the workers get its folder
+    source = grpo_root / "notebook-src" / "api_scores"
+    source.mkdir(parents=True, exist_ok=True)
+    (source / "__init__.py").write_text("")
+    (source / "regex.py").write_text("import re\n\n\ndef format(prompts, completions, **fields):\n"
+                                     "    return [float(re.search('[0-9]', c) is not None) for c in completions]\n")
+    monkeypatch.syspath_prepend(str(source.parent))
+    from api_scores import regex
+    before = os.environ.get("PYTHONPATH")
+    options["reward"] = [module.digits, regex.format]
     shardtune.finetune(options)
+    assert os.environ.get("PYTHONPATH") == before  # set for the workers only
     api, cli = metrics(grpo_root / "api"), metrics(one_rank)[:2]
     assert [m["rewards/digits/mean"] for m in api] == [m["rewards/digits/mean"] for m in cli]
     assert [m["reward"] for m in api] == [m["reward"] for m in cli] and api[0]["loss"] == cli[0]["loss"]

@@ -38,6 +38,7 @@ def _finetune(config: str | Path | dict[str, Any] | None, nproc: int | None, ver
         from shardtune.runtime.logs import set_verbose
 
         set_verbose(verbose)
+    _reach_reward_packages([options, config])
     overrides = _named_rewards(dict(options))
     if isinstance(config, dict):
         config = _named_rewards(config)
@@ -61,6 +62,26 @@ def _named_rewards(values: dict[str, Any]) -> dict[str, Any]:
     from shardtune.train.rewards import spec_of
 
     return {**values, "reward": [spec_of(r) for r in given] if isinstance(given, (list, tuple)) else spec_of(given)}
+
+
+def _reach_reward_packages(sources: list[Any]) -> None:
+    """Put the folders of the reward functions' packages that this process imported from its own ``sys.path``
+    (a notebook's ``sys.path.append``) on the workers' PYTHONPATH: they import them by name. Set here, inside
+    ``finetune``'s ``kept_environ``, so that only the workers inherit it."""
+    import os
+
+    given = [r for values in sources if isinstance(values, dict) for r in _as_list(values.get("reward"))]
+    if not any(callable(r) for r in given):
+        return
+    from shardtune.train.rewards import worker_path
+
+    roots = worker_path(given)
+    if roots:
+        os.environ["PYTHONPATH"] = os.pathsep.join([*roots, *filter(None, [os.environ.get("PYTHONPATH")])])
+
+
+def _as_list(value: Any) -> list[Any]:
+    return list(value) if isinstance(value, (list, tuple)) else [] if value is None else [value]
 
 
 def _torchrun_layout() -> dict[str, Any]:

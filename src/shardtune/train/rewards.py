@@ -36,9 +36,12 @@ import hashlib
 import importlib
 import importlib.util
 import inspect
+import json
 import math
 import numbers
+import os
 import re
+import subprocess
 import sys
 import traceback
 from collections import defaultdict
@@ -215,12 +218,12 @@ def _where(err: BaseException, path: Path | None) -> str:
 
 def spec_of(reward: Any) -> Any:
     """``reward`` as ``--reward`` takes it: a function object (the Python API's ``reward=[fn]``, as TRL's
-    ``reward_funcs``) named by where fresh worker processes can load it (nothing is pickled to them), a function of
-    a package's module as ``package.module:name`` (the package must be importable there: installed, or on
-    PYTHONPATH), of a top-level module's file as ``path/to/file.py:name``; a SPEC string, or anything else, as it
-    is. A function those processes could not load by name (one defined in a
-    notebook cell or a script's ``__main__``, inside another function, a lambda, a ``functools.partial``, a
-    callable object) is refused, RewardError naming it and saying what to do."""
+    ``reward_funcs``) named by where fresh worker processes can load it (nothing is pickled to them), a function
+    of a package's module as ``package.module:name`` (``worker_path`` makes its package found there as here), of
+    a top-level module's file as ``path/to/file.py:name``; a SPEC string, or anything else, as it is. A function
+    those processes could not load by name (one defined in a notebook cell or a script's ``__main__``, inside
+    another function, a lambda, a ``functools.partial``, a callable object) is refused, RewardError naming it
+    and saying what to do."""
     if isinstance(reward, str) or not callable(reward):
         return reward
     shown = getattr(reward, "__qualname__", None) or callable_name(reward)
@@ -240,6 +243,34 @@ def spec_of(reward: Any) -> Any:
     raise RewardError(f"reward {shown}: {why}; the workers are fresh processes that load a reward function by name: "
                       f"put it in a .py file (in a notebook, a cell starting with %%writefile rewards.py) and give "
                       f"reward=['rewards.py:{name if name.isidentifier() else 'NAME'}'], or import it from there")
+
+
+def worker_path(rewards: Sequence[Any]) -> list[str]:
+    """The folders a fresh worker must have on its path to import the packages of ``rewards``' function
+    objects (those ``spec_of`` names ``package.module:name``): each package's folder, where a fresh interpreter
+    started here would not find that package there by itself (a notebook's ``sys.path.append("src")``). Empty
+    when it would (installed, on PYTHONPATH, in the working directory) or no function is a package's."""
+    roots: dict[str, str] = {}  # top-level package -> the folder that holds it, as this process imported it
+    for reward in rewards:
+        if isinstance(reward, str) or not inspect.isfunction(reward) and not inspect.iscoroutinefunction(reward):
+            continue
+        module = sys.modules.get(reward.__module__ or "")
+        if module is None or not module.__package__ or not getattr(module, "__file__", None):
+            continue
+        parts = module.__name__.split(".")
+        file = Path(module.__file__).absolute()
+        roots[parts[0]] = str(file.parents[len(parts) if file.stem == "__init__" else len(parts) - 1])
+    if not roots:
+        return []
+    # Where a worker's interpreter (same executable, environment and working directory) finds each package;
+    # find_spec of a top-level name runs none of its code.
+    probe = ("import importlib.util, json, sys\n"
+             "found = {n: importlib.util.find_spec(n) for n in sys.argv[1:]}\n"
+             "print(json.dumps({n: list(s.submodule_search_locations or []) if s else [] for n, s in found.items()}))")
+    done = subprocess.run([sys.executable, "-c", probe, *roots], capture_output=True, text=True, check=False)
+    seen = json.loads(done.stdout) if done.returncode == 0 else {}
+    return list(dict.fromkeys(root for top, root in roots.items()
+                              if os.path.realpath(Path(root, top)) not in map(os.path.realpath, seen.get(top, []))))
 
 
 def callable_name(fn: Callable) -> str:
