@@ -39,6 +39,12 @@ generation tokens/s (completion tokens of the batch / the slowest rank's generat
 tokens/s (prompt + completion tokens / the rest of the step); for shardtune rows ``shardtune plan --objective
 grpo ... --json``'s predicted peak against the measured one. Ratios ours/TRL. Writes
 bench/results/grpo-vs-trl.json (``--quick``: bench/.cache/grpo-vs-trl-quick.json).
+
+``--repeat N`` runs the rows N times, interleaved (every row once, then every row again...), because two
+runs of one recipe minutes apart on a shared 2-core machine differ by more than the differences measured.
+A row is then its run of median seconds per step (its other figures from that same run; the peak, each
+rank's largest of all runs), with every run's figures under ``runs``; the step-time verdict is the median of
+the paired ratios (run i against TRL's run i, the two run next to each other), with each pair's ratio.
 """
 
 from __future__ import annotations
@@ -218,6 +224,27 @@ def run_shardtune(name: str, extra: list[str], model: Path, data: Path, args: ar
     return row
 
 
+RUN_FIGURES = ("step_seconds_mean", "generation_seconds_mean", "train_seconds_mean", "peak_mb", "wall_seconds")
+
+
+def merged(runs: list[dict]) -> dict:
+    """One row from a recipe's repeated runs: the run of median seconds per step, each rank's peak the largest
+    of all runs, every run's figures under ``runs``; a run that failed makes the row that failure."""
+    if len(runs) == 1:
+        return runs[0]
+    failed = [r for r in runs if "error" in r]
+    if failed:
+        return failed[0]
+    ordered = sorted(runs, key=lambda r: r["step_seconds_mean"])
+    row = dict(ordered[(len(ordered) - 1) // 2])
+    row["peak_mb"] = [max(ranks) for ranks in zip(*(r["peak_mb"] for r in runs))]
+    row["runs"] = [{k: r[k] for k in RUN_FIGURES if k in r} for r in runs]
+    if isinstance(row.get("plan", {}).get("peak_mb"), float):  # against the peak the row now shows
+        row["plan"] = {**row["plan"], "error": round((row["plan"]["peak_mb"] - max(row["peak_mb"]))
+                                                     / max(row["peak_mb"]), 4)}
+    return row
+
+
 def generation_weights(run_plan: dict) -> str:
     """How the run generated, from its run plan: the layers exchanged (computed from the row shards; in
     training too; every rank sampling all of its shard group's rows), kept gathered (into the training step
@@ -339,7 +366,9 @@ def table(rows: list[dict]) -> str:
         pm = f"{p['peak_mb']:.0f}" if "peak_mb" in p else "-"
         pe = f"{p['error']:+.1%}" if isinstance(p.get("error"), float) else "-"
         gs = r.get("generation_seconds_mean")
-        lines.append(f"{label(r):<10} {peak:>13.0f} {r['step_seconds_mean']:>7.2f} {gs if gs else '-':>6} "
+        spread = [x["step_seconds_mean"] for x in r.get("runs", [])]
+        shown = f" ({min(spread):.2f}-{max(spread):.2f})" if spread else ""
+        lines.append(f"{label(r) + shown:<10} {peak:>13.0f} {r['step_seconds_mean']:>7.2f} {gs if gs else '-':>6} "
                      f"{r.get('generation_tokens_per_second', '-'):>9} {r.get('train_tokens_per_second', '-'):>11} "
                      f"{pr:>8} {ratio('step_seconds_mean'):>8} {ratio('generation_tokens_per_second'):>7} "
                      f"{pm:>10} {pe:>7}")
@@ -367,7 +396,13 @@ def verdicts(rows: list[dict], args: argparse.Namespace) -> list[str]:
         nf4 = r["name"] == "fsdp2-nf4"
         check(f"peak {what} / TRL" + (" (unquantized: no 4-bit TRL on CPU)" if nf4 else ""),
               max(r["peak_mb"]) / max(trl["peak_mb"]), 0.35 if nf4 else 0.6)
-        check(f"s/step {what} / TRL", r["step_seconds_mean"] / trl["step_seconds_mean"], 1.0)
+        pairs = [a["step_seconds_mean"] / b["step_seconds_mean"]
+                 for a, b in zip(r.get("runs", []), trl.get("runs", []))]
+        if len(pairs) > 1:  # run i against TRL's run i, the two next to each other in time
+            check(f"s/step {what} / TRL, the median of {len(pairs)} paired runs "
+                  f"({', '.join(f'{x:.2f}' for x in pairs)})", sorted(pairs)[(len(pairs) - 1) // 2], 1.0)
+        else:
+            check(f"s/step {what} / TRL", r["step_seconds_mean"] / trl["step_seconds_mean"], 1.0)
     for r in (r for r in rows if "error" not in r):
         p = r.get("plan", {})
         if isinstance(p.get("error"), float):
@@ -406,6 +441,8 @@ def main() -> None:
     parser.add_argument("--completion-tokens", type=int, default=32)
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--timeout", type=int, default=900, help="seconds per row")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="run the rows this many times, interleaved: a row is its median run (module doc)")
     parser.add_argument("--quick", action="store_true", help="2 layers, 16 + 8 tokens, 2 steps: the pipeline")
     parser.add_argument("--cache", type=Path, default=HERE / ".cache")
     parser.add_argument("--out", type=Path, default=None, help="default: bench/results/grpo-vs-trl.json")
@@ -457,12 +494,14 @@ def main() -> None:
         out.write_text(json.dumps(result, indent=1))
         print(f"wrote {out}")
         return
-    rows = []
-    for name in args.rows.split(","):
-        print(f"running {name} ...", flush=True)
-        row = run_trl(model, data, args) if name == "trl" else run_shardtune(name, ROWS[name], model, data, args)
-        rows.append(row)
-        print(json.dumps({k: v for k, v in row.items() if k not in ("command", "generation")})[:800], flush=True)
+    runs: dict[str, list[dict]] = {name: [] for name in args.rows.split(",")}
+    for i in range(args.repeat):  # interleaved: the runs of every row spread over the same minutes
+        for name, done in runs.items():
+            print(f"running {name}{f' ({i + 1} of {args.repeat})' if args.repeat > 1 else ''} ...", flush=True)
+            row = run_trl(model, data, args) if name == "trl" else run_shardtune(name, ROWS[name], model, data, args)
+            done.append(row)
+            print(json.dumps({k: v for k, v in row.items() if k not in ("command", "generation")})[:800], flush=True)
+    rows = [merged(done) for done in runs.values()]
     if args.add and out.is_file():  # the file's other rows kept, in their order; a row run again replaced
         new = {row_key(r): r for r in rows}
         kept = json.loads(out.read_text())["rows"]
@@ -473,7 +512,8 @@ def main() -> None:
 
     layers = 22 if args.size == "1.1b" else args.layers
     result = {**run_record(), "model": described, "size": args.size, "layers": layers,
-              "dtype": "fp32", "nproc": args.nproc, "steps": args.steps, "global_batch": args.batch,
+              "dtype": "fp32", "nproc": args.nproc, "steps": args.steps, "repeat": args.repeat,
+              "global_batch": args.batch,
               "generations": args.generations, "prompt_tokens": args.prompt_tokens,
               "completion_tokens": args.completion_tokens, "lora": LORA, "loadavg_end": loadavg(), "rows": rows,
               "table": text + "\n\n" + "\n".join(lines), "targets": lines}

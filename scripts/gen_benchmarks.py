@@ -324,10 +324,17 @@ def grpo_vs_trl(name: str, data: Result) -> list[str]:
             shown = " ".join(f"`{k}={v}`" for k, v in r["env"].items())
             about = r.get("about", "run with its environment")
             lines[-1] += f" {r['name']}: {about}, with {shown}; not planned."
+    if (data.get("repeat") or 1) > 1:
+        lines[-1] += (f" Rows with a range ran {data['repeat']} times, interleaved with TRL's runs: shown is the "
+                      "run of median seconds per step, the range over all runs, and each rank's largest peak.")
     lines.append("")
+
+    def step_time(r: dict) -> object:
+        runs = [x["step_seconds_mean"] for x in r.get("runs", [])]
+        return f"{r.get('step_seconds_mean')} ({min(runs)}–{max(runs)})" if runs else r.get("step_seconds_mean")
     rows = [[r["name"] + (f" (`--memory-per-rank {r['memory_per_rank']}`)" if r.get("memory_per_rank") else ""),
              r.get("generation_weights", "–" if r["name"] == "trl" else NOT_RECORDED),
-             job_error(r) or max(r["peak_mb"]), r.get("step_seconds_mean"),
+             job_error(r) or max(r["peak_mb"]), step_time(r),
              r.get("generation_seconds_mean"), r.get("generation_tokens_per_second"),
              r.get("train_tokens_per_second"), (r.get("plan") or {}).get("peak_mb"),
              _signed_pct((r.get("plan") or {}).get("error")),
