@@ -218,28 +218,33 @@ def test_the_demo_rewards_grade_the_sum_and_the_bare_number_format():
     assert got == [[1.0, 1.0], [1.0, 0.0], [0.0, 0.0], [0.0, 0.0], [1.0, 1.0]]
 
 
-def test_worker_path_names_the_folder_of_a_package_imported_from_sys_path_only(tmp_path, monkeypatch):
-    """A notebook's ``sys.path.append("src")`` does not reach the fresh workers: the folder of a reward function's
-    package imported from there is named for their PYTHONPATH; an installed package's, a file's module's and a
-    built-in's are not."""
+def test_worker_path_names_the_folder_of_a_module_found_through_sys_path_only(tmp_path, monkeypatch):
+    """A notebook's ``sys.path.append("src")`` does not reach the fresh workers: the folder a ``module:name`` spec's
+    package is found in through it is named for their PYTHONPATH, imported or not yet; an installed package's,
+    a file's function's and a built-in's are not, nor one the workers find by themselves."""
     import importlib
     import sys
 
-    from shardtune.train import rewards
     from shardtune.train.rewards import worker_path
 
-    write((tmp_path / "src" / "nb_only_pkg").mkdir(parents=True) or tmp_path / "src" / "nb_only_pkg" / "__init__.py",
-          "")
+    (tmp_path / "src" / "nb_only_pkg").mkdir(parents=True)
+    write(tmp_path / "src" / "nb_only_pkg" / "__init__.py", "")
     write(tmp_path / "src" / "nb_only_pkg" / "scores.py", """
         def score(prompts, completions, **fields):
             return [1.0] * len(completions)
     """)
+    write(tmp_path / "src" / "nb_only_module.py", "def score(prompts, completions, **fields):\n    return [1.0]\n")
     monkeypatch.syspath_prepend(str(tmp_path / "src"))
     monkeypatch.delitem(sys.modules, "nb_only_pkg", raising=False)
-    scores = importlib.import_module("nb_only_pkg.scores")
     monkeypatch.chdir(tmp_path)  # the working directory is on a worker's path: src/ is not
-    assert worker_path([scores.score, "format=x", rewards.completion_text]) == [str(tmp_path / "src")]
+    others = ["format=x:y", "exact_match", "shardtune.train.rewards:completion_text",
+              f"{tmp_path / 'src' / 'nb_only_module.py'}:score"]
+    assert worker_path(["nb_only_pkg.scores:score", *others]) == [str(tmp_path / "src")]  # not imported yet
+    assert worker_path(["nb_only_module:score"]) == [str(tmp_path / "src")]
+    importlib.import_module("nb_only_pkg.scores")
+    assert worker_path(["nb_only_pkg.scores:score"]) == [str(tmp_path / "src")]
+    assert worker_path(others) == []
     monkeypatch.setenv("PYTHONPATH", str(tmp_path / "src"))  # found by the workers themselves
-    assert worker_path([scores.score]) == []
+    assert worker_path(["nb_only_pkg.scores:score", "nb_only_module:score"]) == []
     monkeypatch.delitem(sys.modules, "nb_only_pkg.scores")
     monkeypatch.delitem(sys.modules, "nb_only_pkg")

@@ -38,7 +38,6 @@ def _finetune(config: str | Path | dict[str, Any] | None, nproc: int | None, ver
         from shardtune.runtime.logs import set_verbose
 
         set_verbose(verbose)
-    _reach_reward_packages([options, config])
     overrides = _named_rewards(dict(options))
     if isinstance(config, dict):
         config = _named_rewards(config)
@@ -46,6 +45,7 @@ def _finetune(config: str | Path | dict[str, Any] | None, nproc: int | None, ver
         overrides["nproc"] = nproc
     overrides.update(_torchrun_layout())
     asked = build_config(config, overrides)
+    _reach_reward_modules(asked.grpo.reward or [])
     with stage("preflight"):
         cfg, plan = preflight(asked)  # the run plan, resolved once for every rank
     from shardtune.tools.vllm_check import warn_after_training
@@ -64,24 +64,20 @@ def _named_rewards(values: dict[str, Any]) -> dict[str, Any]:
     return {**values, "reward": [spec_of(r) for r in given] if isinstance(given, (list, tuple)) else spec_of(given)}
 
 
-def _reach_reward_packages(sources: list[Any]) -> None:
-    """Put the folders of the reward functions' packages that this process imported from its own ``sys.path``
-    (a notebook's ``sys.path.append``) on the workers' PYTHONPATH: they import them by name. Set here, inside
-    ``finetune``'s ``kept_environ``, so that only the workers inherit it."""
+def _reach_reward_modules(specs: list[str]) -> None:
+    """Put the folders of the ``--reward module:name`` modules that this process finds through its own
+    ``sys.path`` (a notebook's ``sys.path.append``) on the workers' PYTHONPATH: they import them by name
+    (``rewards.worker_path``). Set here, inside ``finetune``'s ``kept_environ``, so that only the workers
+    inherit it."""
     import os
 
-    given = [r for values in sources if isinstance(values, dict) for r in _as_list(values.get("reward"))]
-    if not any(callable(r) for r in given):
+    if not specs:
         return
     from shardtune.train.rewards import worker_path
 
-    roots = worker_path(given)
-    if roots:
-        os.environ["PYTHONPATH"] = os.pathsep.join([*roots, *filter(None, [os.environ.get("PYTHONPATH")])])
-
-
-def _as_list(value: Any) -> list[Any]:
-    return list(value) if isinstance(value, (list, tuple)) else [] if value is None else [value]
+    folders = worker_path(specs)
+    if folders:
+        os.environ["PYTHONPATH"] = os.pathsep.join([*folders, *filter(None, [os.environ.get("PYTHONPATH")])])
 
 
 def _torchrun_layout() -> dict[str, Any]:

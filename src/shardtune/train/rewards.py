@@ -245,32 +245,52 @@ def spec_of(reward: Any) -> Any:
                       f"reward=['rewards.py:{name if name.isidentifier() else 'NAME'}'], or import it from there")
 
 
-def worker_path(rewards: Sequence[Any]) -> list[str]:
-    """The folders a fresh worker must have on its path to import the packages of ``rewards``' function
-    objects (those ``spec_of`` names ``package.module:name``): each package's folder, where a fresh interpreter
-    started here would not find that package there by itself (a notebook's ``sys.path.append("src")``). Empty
-    when it would (installed, on PYTHONPATH, in the working directory) or no function is a package's."""
-    roots: dict[str, str] = {}  # top-level package -> the folder that holds it, as this process imported it
-    for reward in rewards:
-        if isinstance(reward, str) or not inspect.isfunction(reward) and not inspect.iscoroutinefunction(reward):
-            continue
-        module = sys.modules.get(reward.__module__ or "")
-        if module is None or not module.__package__ or not getattr(module, "__file__", None):
-            continue
-        parts = module.__name__.split(".")
-        file = Path(module.__file__).absolute()
-        roots[parts[0]] = str(file.parents[len(parts) if file.stem == "__init__" else len(parts) - 1])
-    if not roots:
+def worker_path(specs: Sequence[str]) -> list[str]:
+    """The folders fresh workers must have on their path to import the modules of the ``module:name`` specs
+    among ``specs`` from where this process finds them, where a fresh interpreter started here (same executable,
+    environment and working directory) would not find them there by itself: a package a notebook found through
+    its own ``sys.path.append("src")``, named by ``spec_of`` or written by hand. Empty when it would (installed,
+    on PYTHONPATH, in the working directory) or no spec names a module."""
+    folders: dict[str, tuple[str, list[str]]] = {}  # top-level name -> (its folder, where it lies) as found here
+    for spec in specs:
+        target = _module_target(spec)
+        top = target.split(".")[0] if target else ""
+        try:  # an imported module's own spec; else found on this process's path, none of its code run
+            found = importlib.util.find_spec(top) if top.isidentifier() else None
+        except (ImportError, ValueError):
+            found = None
+        where = _locations(found.submodule_search_locations, found.origin if found.has_location else None) \
+            if found else []
+        if where:
+            folders[top] = (os.path.dirname(where[0]), where)
+    if not folders:
         return []
-    # Where a worker's interpreter (same executable, environment and working directory) finds each package;
-    # find_spec of a top-level name runs none of its code.
-    probe = ("import importlib.util, json, sys\n"
-             "found = {n: importlib.util.find_spec(n) for n in sys.argv[1:]}\n"
-             "print(json.dumps({n: list(s.submodule_search_locations or []) if s else [] for n, s in found.items()}))")
-    done = subprocess.run([sys.executable, "-c", probe, *roots], capture_output=True, text=True, check=False)
-    seen = json.loads(done.stdout) if done.returncode == 0 else {}
-    return list(dict.fromkeys(root for top, root in roots.items()
-                              if os.path.realpath(Path(root, top)) not in map(os.path.realpath, seen.get(top, []))))
+    probe = ("import importlib.util as u, json, sys\n"
+             "found = {n: u.find_spec(n) for n in sys.argv[1:]}\n"
+             "print(json.dumps({n: [list(s.submodule_search_locations or []), s.origin if s.has_location else None]"
+             " if s else [None, None] for n, s in found.items()}))")
+    done = subprocess.run([sys.executable, "-c", probe, *folders], capture_output=True, text=True, check=False)
+    there = json.loads(done.stdout) if done.returncode == 0 else {}
+    return list(dict.fromkeys(folder for top, (folder, where) in folders.items()
+                              if _locations(*there.get(top, [None, None])) != where))
+
+
+def _locations(search: Sequence[str] | None, origin: str | None) -> list[str]:
+    """Where a module found by ``importlib.util.find_spec`` lies (real paths): a package's folders (``search``),
+    else its file (``origin``); [] when it was not found or has no file."""
+    return [os.path.realpath(p) for p in (list(search or []) or ([origin] if origin else []))]
+
+
+def _module_target(spec: Any) -> str | None:
+    """The module a ``module:name`` SPEC names; None for a file's function, a built-in or anything else."""
+    if not isinstance(spec, str) or spec.strip().partition("=")[0] in BUILTINS:
+        return None
+    target, colon, _ = spec.strip().rpartition(":")
+    return target if colon and target and not _names_a_file(target) else None
+
+
+def _names_a_file(target: str) -> bool:
+    return target.endswith(".py") or "/" in target or "\\" in target
 
 
 def callable_name(fn: Callable) -> str:
@@ -295,7 +315,7 @@ def load_reward(spec: str) -> tuple[str, Callable[..., Any]]:
                           f"({', '.join(BUILTINS)})")
     if target in BUILTINS:  # the file:name colon where the built-ins take '='
         raise RewardError(f"--reward {spec}: the built-in {target} takes its argument after '=': {target}={attr}")
-    if target.endswith(".py") or "/" in target or "\\" in target:
+    if _names_a_file(target):
         fn = _load_file(target, attr, spec)
     else:
         fn = _load_module(target, attr, spec)
