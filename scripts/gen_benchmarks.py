@@ -216,6 +216,19 @@ def page_faults(name: str, data: Result) -> list[str]:
     return lines + table(["allocator", "fresh buffer GB/s", "reused buffer GB/s"], rows)
 
 
+def nf4_dequant(name: str, data: Result) -> list[str]:
+    lines = header(name, data, "the weight's own dtype (each row)", "python bench/nf4_dequant.py")
+    lines += [f"Mean of {data.get('repeat')} dequantizations of one NF4 weight on {cell(data.get('device'))}, "
+              f"{data.get('threads')} compute thread, allocator: {cell(data.get('malloc') or NOT_RECORDED)}, "
+              f"GLIBC_TUNABLES {cell(data.get('glibc_tunables') or 'unset')}; every recipe gives torchao's values "
+              "bit for bit.", ""]
+    recipes = list((data.get("rows") or [{}])[0].get("ms", {}))
+    rows = [[r["shape"], f"{r['rows']} x {r['cols']}", r["dtype"], *(r["ms"][k] for k in recipes),
+             *(r["ratio_to_torchao"][k] for k in recipes[1:])] for r in data.get("rows") or []]
+    return lines + table(["weight", "shape", "dtype", *(f"{k} ms" for k in recipes),
+                          *(f"{k} / torchao" for k in recipes[1:])], rows)
+
+
 def qlora_quality(name: str, data: Result) -> list[str]:
     derived = f"python bench/qlora_quality.py --model {data.get('model')} --n {len(data.get('prompts', []))}"
     lines = header(name, data, "bf16 logits as the reference", derived)
@@ -555,6 +568,7 @@ KINDS: list[tuple[str, str, Callable[[str, Any], list[str]]]] = [
     ("profile-", "Where a step's time goes: bench/step_profile.py", profile),
     ("big-data", "A million records: bench/big_data.py", big_data),
     ("page-faults", "Fresh against reused buffers: bench/page_faults.py", page_faults),
+    ("nf4-dequant", "Dequantizing an NF4 weight: bench/nf4_dequant.py", nf4_dequant),
     ("qlora-quality", "How far 4-bit weights move the logits: bench/qlora_quality.py", qlora_quality),
     ("preference-demo", "Preference tuning: the DPO demo", preference_demo),
     ("dpo-", "Preference tuning against TRL: bench/dpo_speed.py", dpo_speed),

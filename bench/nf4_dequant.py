@@ -1,0 +1,108 @@
+"""How fast an NF4 weight is dequantized: torchao's ``get_original_weight`` against shardtune's.
+
+    .venv/bin/python bench/nf4_dequant.py [--device cuda]
+
+Every NF4 matmul dequantizes its weight (a training micro-batch does it three times a weight under
+activation checkpointing: forward, recompute, backward). Times, per weight shape and dtype, the mean of
+``--repeat`` dequantizations (after one warm-up) with one compute thread and the allocator settings of
+shardtune's CPU workers (runtime/cpu_tuning.py: every buffer of 128 KiB or more is a fresh mapping, backed
+by huge pages; the process restarts itself with glibc's tunable for them):
+
+  torchao     torchao's own ``NF4Tensor.get_original_weight``
+  pair rows   shardtune's chunked dequantization as it was: each packed byte looked up as a row of two values
+              in a (256, 2) table
+  pair ints   shardtune's now (model/nf4_torchao.py): the same table with each pair's bits as one integer of
+              twice the width, a gather of single elements
+
+All three give the same values bit for bit (checked here). Shapes: the MLP and attention projections of a
+1.1B Llama (TinyLlama's) and of SmolLM2-135M. Prints a table with each row's ratio to torchao and writes
+bench/results/nf4-dequant.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from record import run_record
+from shardtune.model import nf4_torchao
+from shardtune.model.quantize import quantize_whole
+from shardtune.runtime.cpu_tuning import tune_malloc, worker_malloc_env
+
+HERE = Path(__file__).resolve().parent
+SHAPES = {"1.1b mlp": (5632, 2048), "1.1b q_proj": (2048, 2048), "135m mlp": (1536, 576), "135m q_proj": (576, 576)}
+
+
+def pair_rows(t: torch.Tensor) -> torch.Tensor:
+    """shardtune's dequantization before the pair table held integers: the same chunks, rows of two values."""
+    scalers = t.dequantize_scalers(t.quantized_scalers, t.quantization_factor, t.scaler_block_size)
+    half = t.block_size // 2
+    index = torch.arange(256, device=t.nf4.device)
+    pairs = torch.stack([t.nf4[index >> 4], t.nf4[index & 0b1111]], dim=-1)
+    out = torch.empty(t.quantized_data.numel() // half, half, 2, dtype=t.dtype, device=t.device)
+    blocks = max(1, nf4_torchao.DEQUANT_CHUNK // half)
+    for first in range(0, out.shape[0], blocks):
+        codes = t.quantized_data[first * half:(first + blocks) * half].to(torch.int32)
+        chunk = pairs.index_select(0, codes).view(-1, half, 2)
+        torch.mul(chunk, scalers[first:first + blocks, None, None], out=out[first:first + blocks])
+    return out.view(t.shape)
+
+
+def seconds(fn, t: torch.Tensor, repeat: int, device: torch.device) -> float:
+    fn(t)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    started = time.perf_counter()
+    for _ in range(repeat):
+        fn(t)
+    sync()
+    return (time.perf_counter() - started) / repeat
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--repeat", type=int, default=10)
+    args = parser.parse_args()
+    tunables = worker_malloc_env(args.device)  # read by glibc when a process starts: restart with them
+    if tunables:
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **tunables})
+    torch.set_num_threads(1)
+    malloc = tune_malloc() if args.device == "cpu" else None
+    device = torch.device(args.device)
+    module = nf4_torchao.nf4_module()
+    recipes = {"torchao": module.NF4Tensor._torchao_get_original_weight, "pair rows": pair_rows,
+               "pair ints": nf4_torchao.dequantize}
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for shape_name, shape in SHAPES.items():
+            weight = quantize_whole(torch.randn(*shape, dtype=dtype, device=device))  # as training's
+            reference = recipes["torchao"](weight)
+            for name, fn in recipes.items():
+                assert torch.equal(fn(weight), reference), f"{name} differs from torchao ({shape_name}, {dtype})"
+            times = {name: seconds(fn, weight, args.repeat, device) for name, fn in recipes.items()}
+            rows.append({"shape": shape_name, "rows": shape[0], "cols": shape[1], "dtype": str(dtype).split(".")[1],
+                         "ms": {k: round(v * 1e3, 3) for k, v in times.items()},
+                         "ratio_to_torchao": {k: round(v / times["torchao"], 3) for k, v in times.items()},
+                         "ns_per_weight": {k: round(v * 1e9 / weight.numel(), 3) for k, v in times.items()}})
+    head = f"{'weight':<12} {'dtype':<9}" + "".join(f" {n + ' ms':>13}" for n in recipes) + \
+        "".join(f" {n + '/torchao':>18}" for n in list(recipes)[1:])
+    print(head)
+    for r in rows:
+        print(f"{r['shape']:<12} {r['dtype']:<9}" + "".join(f" {r['ms'][n]:>13.2f}" for n in recipes) +
+              "".join(f" {r['ratio_to_torchao'][n]:>18.3f}" for n in list(recipes)[1:]))
+    result = {"bench": "nf4-dequant", "device": str(device), "malloc": malloc,
+              "glibc_tunables": os.environ.get("GLIBC_TUNABLES"), "repeat": args.repeat, "threads": 1,
+              "rows": rows, **run_record()}
+    suffix = "" if device.type == "cpu" else f"-{device.type}"
+    (HERE / "results" / f"nf4-dequant{suffix}.json").write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
