@@ -354,3 +354,115 @@ print(json.dumps(got))
         facts = Facts(0, 0, 0, itemsize, 0, 0, 0, 0, {}, [], 0, 0, 0, dequant_bytes=weights * itemsize)
         # the kernel's resident-memory count lags by up to 64 pages a thread
         assert dequantizing(facts) == pytest.approx(held, rel=0.03, abs=256 * 1024), (dtype, weights)
+
+
+@pytest.mark.parametrize("tile", [0, 8])
+def test_a_checkpointed_recompute_keeps_the_4bit_values_for_backward_the_same_gradients(tmp_path, monkeypatch, tile):
+    """Under activation checkpointing each NF4 weight is dequantized in the forward, the recompute and the
+    backward. With ``recompute_dequantized`` (parallelize: checkpoint's context_fn) the recompute's values serve
+    the backward: two dequantizations a weight a micro-batch instead of three, the same loss and LoRA gradients
+    bit for bit; a tiled MLP (its own checkpoints) keeps dequantizing its weights in backward, still exact."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from shardtune.parallel import parallelize
+    from shardtune.parallel.base import Strategy
+    from shardtune.runtime.distributed import Worker
+
+    path = make_model(tmp_path / "m", "llama", hidden=64, row_scales=True)
+    made = []
+    inner = nf4_torchao._dequantize
+    monkeypatch.setattr(nf4_torchao, "_dequantize", lambda t: made.append(t) or inner(t))
+    ids = torch.randint(3, 100, (2, 16))
+
+    def step(kept: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        selection = quantize.quantize_in_place(model)
+        lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+        model = get_peft_model(model, lora)
+        strategy = Strategy(Worker(0, 1, 0, torch.device("cpu")), torch.float32)
+        model = parallelize(model, strategy, lambda m: None, activation_checkpointing=True, mlp_tile=tile,
+                            recompute_dequantized=kept)
+        model.train()
+        made.clear()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+        return loss.detach(), grads, len(made) / len(selection.quantized)
+
+    loss, grads, dequantized = step(False)
+    kept_loss, kept_grads, kept_dequantized = step(True)
+    if not tile:
+        assert (dequantized, kept_dequantized) == (3, 2)
+    else:  # q, k, v, o of a layer's 7 weights spared their backward's; gate, up, down dequantized per tile
+        assert kept_dequantized == pytest.approx(dequantized - 4 / 7)
+    assert torch.equal(loss, kept_loss) and grads.keys() == kept_grads.keys()
+    assert all(torch.equal(grads[n], kept_grads[n]) for n in grads), "LoRA gradients differ"
+    assert nf4_torchao._saving_values == 0  # no context left open
+
+
+def test_the_plan_keeps_a_layers_4bit_values_from_its_recompute_only_where_they_fit(tmp_path, capsys):
+    """--quantize nf4 --activation-checkpointing: the run plan keeps each layer's dequantized weights from its
+    recompute for its backward (``recompute_dequantized``) when the predicted peak with them fits; that moment's
+    ``dequant`` term is then the layer's weights in the compute dtype beside the largest one's temporaries. Just
+    below that peak it is not kept, and the term is one weight's dequantization; without checkpointing there is no
+    recompute to keep from."""
+    import json
+
+    from shardtune.cli import main
+    from shardtune.runtime.memory import MB
+
+    model = make_model(tmp_path / "m", "llama", hidden=128, row_scales=True)  # MLP 256, 2 key/value heads of 32
+
+    def plan(budget: str, *extra: str) -> dict:
+        assert main(["plan", "--model", str(model), "--nproc", "2", "--strategy", "fsdp2", "--quantize", "nf4",
+                     "--batch-size", "2", "--seq-len", "32", "--dtype", "fp32", "--memory-per-rank", budget, "--json",
+                     *extra]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    kept = plan("1TiB", "--activation-checkpointing")
+    assert kept["run_plan"]["recompute_dequantized"] is True
+    assert kept["fsdp2"]["peak_at"] == "backward through the layers"
+    just_below = f"{int((kept['fsdp2']['peak_mb'] - 0.005) * MB)}B"
+    again = plan(just_below, "--activation-checkpointing")
+    assert again["run_plan"]["recompute_dequantized"] is False and again["fsdp2"]["fits"]
+    layer = (2 * 128 * 128 + 2 * 128 * 64 + 3 * 128 * 256) * 4  # q, o; k, v; gate, up, down: fp32
+    largest = 128 * 256 * 4
+    assert kept["fsdp2"]["terms"]["dequant"] - again["fsdp2"]["terms"]["dequant"] == \
+        pytest.approx((layer - largest) / MB, abs=1.5e-3)  # terms in MB to 3 decimals
+    assert plan("1TiB")["run_plan"]["recompute_dequantized"] is False  # no checkpointing
+
+
+def test_finetune_keeping_the_recomputes_4bit_values_trains_exactly_as_without(tmp_path, data_file, capsys):
+    """``shardtune finetune --quantize nf4 --activation-checkpointing`` on 2 fsdp2 ranks: with room for it the run
+    keeps each layer's dequantized weights from its recompute (the run's summary says so), with a budget just
+    below the planned peak it does not; both compute the same values, so the same losses and adapter bit for bit."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from shardtune.cli import main
+    from shardtune.runtime.memory import MB
+
+    model = make_model(tmp_path / "m", "llama", hidden=64, row_scales=True)
+    flags = ["--model", str(model), "--nproc", "2", "--strategy", "fsdp2", "--quantize", "nf4",
+             "--activation-checkpointing", "--dtype", "fp32", "--batch-size", "4", "--micro-batch-size", "2",
+             "--seq-len", "64"]
+    assert main(["plan", *flags, "--memory-per-rank", "1TiB", "--json"]) == 0
+    planned = json.loads(capsys.readouterr().out)["fsdp2"]["peak_mb"]
+
+    def run(name: str, budget: str) -> tuple[list[float], dict, bool]:
+        out = tmp_path / name
+        assert main(["finetune", *flags, "--data", str(data_file), "--out", str(out), "--steps", "2", "--lr", "1e-2",
+                     "--seed", "1", "--memory-per-rank", budget]) == 0
+        losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()
+                  if "loss" in json.loads(line)]
+        kept = json.loads((out / "summary.json").read_text())["run_plan"]["recompute_dequantized"]
+        return losses, load_file(out / "adapter" / "adapter_model.safetensors"), kept
+
+    losses, adapter, kept = run("kept", "1TiB")
+    plain_losses, plain_adapter, plain_kept = run("plain", f"{int((planned - 0.005) * MB)}B")
+    assert (kept, plain_kept) == (True, False)
+    assert losses == plain_losses and len(losses) == 2
+    assert adapter.keys() == plain_adapter.keys() and all(torch.equal(adapter[k], plain_adapter[k]) for k in adapter)

@@ -108,6 +108,11 @@ class RunPlan:
     #: outside FSDP and compute every rank's tokens where they lie, in forward and backward
     #: (parallel/exchanged_layers.py ``exchange_in_place``); decided likewise, from the bytes a step moves
     layers_exchanged: bool = False
+    #: --quantize nf4 under activation checkpointing: a layer's recompute keeps its NF4 weights' dequantized
+    #: values until their backward, which then dequantizes none (model/nf4_torchao.py
+    #: ``recompute_keeps_values``; one dequantization of each weight fewer a micro-batch, the same values);
+    #: decided likewise, when the peak with one layer's weights in the compute dtype fits
+    recompute_dequantized: bool = False
     why: str = ""  # what the automatic choice picked and why; "" when nothing was left to choose
 
     @property
@@ -137,7 +142,8 @@ class RunPlan:
                                        generation_exchanged=self.generation_exchanged,
                                        generation_replicated=self.generation_replicated,
                                        generation_carried=self.generation_carried,
-                                       layers_exchanged=self.layers_exchanged)
+                                       layers_exchanged=self.layers_exchanged,
+                                       recompute_dequantized=self.recompute_dequantized)
         if expected != self:
             diff = {k: (v, getattr(self, k)) for k, v in dataclasses.asdict(expected).items()
                     if getattr(self, k) != (BatchSplit(**v) if k == "batch" else v)}

@@ -70,6 +70,9 @@ class Facts:
     #: --quantize nf4: all NF4 weights in the compute dtype (what GRPO's generation keeps when it
     #: dequantizes each once: RunPlan.generation_dequantized); 0 without quantization
     nf4_dequantized_bytes: int = 0
+    #: --quantize nf4: the NF4 weights of the decoder layer that has the most, in the compute dtype (what a
+    #: layer's recompute keeps for its backward: RunPlan.recompute_dequantized); 0 without quantization
+    nf4_layer_dequantized_bytes: int = 0
     #: whether the loss head scores chunk by chunk (model/head.py); False: the full logits exist
     chunked_head: bool = True
     #: a KV cache's bytes per token over all layers (keys and values, compute dtype): generation (GRPO)
@@ -278,6 +281,8 @@ def model_facts(cfg: Config, device: torch.device, seq_len: int | None = None, m
         quantize_slice_bytes=largest_nf4.numel() * dtype.itemsize if largest_nf4 is not None else 0,
         nf4_bytes=sum(_nbytes(p, dtype, nf4) for i, p in params.items() if i in nf4),
         nf4_dequantized_bytes=sum(p.numel() for i, p in params.items() if i in nf4) * dtype.itemsize,
+        nf4_layer_dequantized_bytes=max((sum(p.numel() for i, p in _unique_params(layer).items() if i in nf4)
+                                         for layer in layers), default=0) * dtype.itemsize,
         chunked_head=head_transform(base, head)[0] is not None,
         **heads,
         kv_bytes_per_token=len(layers) * 2 * heads["kv_heads"] * heads["head_dim"] * dtype.itemsize,

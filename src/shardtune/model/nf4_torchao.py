@@ -1,11 +1,11 @@
-"""torchao's NF4 tensor, and bit-exact, leaner replacements for two of its methods.
+"""torchao's NF4 tensor, and bit-exact, leaner replacements for three of its operations.
 
-``nf4_module`` imports torchao's NF4 module and routes ``NF4Tensor``'s dequantization and
-nearest-code search through the versions here, after checking on a probe that they give exactly
+``nf4_module`` imports torchao's NF4 module and routes ``NF4Tensor``'s dequantization, nearest-code
+search and ``F.linear`` through the versions here, after checking on a probe that they give exactly
 torchao's values: the same 4-bit data as torchao, in a fraction of the memory and time. A torchao
 whose results differ fails loudly at import instead of computing something else. The module's
 private path, its fields and the routing are runtime/compat's (``nf4_tensor_module``,
-``route_nf4_method``); the probes, which say what "the same" means, are here.
+``route_nf4_method``, ``route_nf4_torch_function``); the probes, which say what "the same" means, are here.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import functools
 from collections.abc import Iterator
 
 import torch
+import torch.nn.functional as F
 
 from shardtune.config import ConfigError
 from shardtune.runtime import compat
@@ -35,6 +36,7 @@ def nf4_module():
         ) from None
     compat.route_nf4_method(module, "get_original_weight", dequantize, _same_dequantization(module))
     compat.route_nf4_method(module, "quantize_tensor_nearest", nearest_code, _same_nearest(module), static=True)
+    compat.route_nf4_torch_function(module, F.linear, linear, _same_linear(module))
     return module
 
 
@@ -56,6 +58,83 @@ def dequantized_once() -> Iterator[None]:
         yield
     finally:
         _kept = outer
+
+
+#: Inside ``recompute_keeps_values``: an NF4 matmul saves its weight's dequantized values for backward.
+_saving_values = 0
+
+
+@contextlib.contextmanager
+def recompute_keeps_values() -> Iterator[None]:
+    """Inside, each NF4 matmul saves its weight's dequantized values for its backward, not the NF4 weight:
+    the backward then does not dequantize the weight again. For activation checkpointing's forward and
+    recompute of a layer (``checkpoint_contexts``): the forward's saved tensors are dropped by the
+    checkpoint, so the values cost nothing there; the recompute's live until each weight's backward, a
+    layer's worth at most (the planner counts it: ``RunPlan.recompute_dequantized``). One dequantization
+    of each weight fewer per micro-batch, the same values."""
+    global _saving_values
+    _saving_values += 1
+    try:
+        yield
+    finally:
+        _saving_values -= 1
+
+
+def checkpoint_contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+    """``torch.utils.checkpoint``'s ``context_fn``: its forward and its recompute, each ``recompute_keeps_values``."""
+    return recompute_keeps_values(), recompute_keeps_values()
+
+
+class NF4Linear(torch.autograd.Function):
+    """torchao's ``LinearNF4`` (``F.linear`` on an NF4 weight): the input's gradient from the dequantized
+    weight, the weight frozen; the same values. Saves the NF4 weight for backward, or inside
+    ``recompute_keeps_values`` the values it dequantized (converted to the gradient's dtype in backward, as
+    torchao converts the weight)."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, input: torch.Tensor, weight: torch.Tensor
+                ) -> torch.Tensor:
+        values = weight.to(input.dtype)
+        ctx.save_for_backward(values if _saving_values else weight)
+        return F.linear(input, values)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad_output: torch.Tensor) -> tuple:
+        (weight,) = ctx.saved_tensors
+        return grad_output @ weight.to(grad_output.dtype), None
+
+
+def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` on an NF4 weight, as torchao's (the bias added after the product)."""
+    out = NF4Linear.apply(input, weight)
+    return out if bias is None else out + bias
+
+
+def _same_linear(module):
+    """Whether ``linear`` gives exactly torchao's ``F.linear`` output and input gradient on a probe, saving
+    the NF4 weight and saving its values, with a bias and without."""
+
+    def agrees(original) -> bool:
+        weight = module.NF4Tensor.from_tensor(torch.linspace(-3, 5, 4 * 2 * BLOCK).reshape(4, 2 * BLOCK), BLOCK, 2)
+        # fixed values: a probe must not draw from the caller's random stream
+        x, bias = torch.linspace(-1, 1, 3 * 2 * BLOCK).reshape(3, 2 * BLOCK), torch.ones(4)
+        grad = torch.linspace(-2, 3, 12).reshape(3, 4)
+
+        def run(fn, *extra) -> tuple[torch.Tensor, torch.Tensor]:
+            leaf = x.clone().requires_grad_()
+            out = fn(leaf, weight, *extra)
+            out.backward(grad)
+            return out.detach(), leaf.grad
+
+        for extra in ((), (bias,)):
+            expected = run(original, *extra)
+            with recompute_keeps_values():
+                kept = run(linear, *extra)
+            if not all(torch.equal(a, b) for a, b in zip((*run(linear, *extra), *kept), expected * 2)):
+                return False
+        return True
+
+    return agrees
 
 
 def dequantize(t: torch.Tensor, original=None) -> torch.Tensor:
@@ -198,12 +277,13 @@ def _same_nearest(module):
     around and between every pair of codes, for 32- and 16-bit inputs."""
 
     def agrees(original) -> bool:
+        uniform = torch.rand(4096, generator=torch.Generator().manual_seed(0))  # not the caller's random stream
         for dtype in (torch.float32, torch.bfloat16):
             nf4 = torch.linspace(-3, 5, 4 * 2 * BLOCK).reshape(4, 2 * BLOCK).to(dtype)
             lut = module.NF4Tensor.from_tensor(nf4, BLOCK, 2).nf4
             mids = (lut[1:] + lut[:-1]) / 2
             probe = torch.cat([lut, mids, torch.nextafter(mids, mids + 1), torch.nextafter(mids, mids - 1),
-                               torch.linspace(-1.2, 1.2, 4001, dtype=dtype), torch.rand(4096).to(dtype) * 2 - 1,
+                               torch.linspace(-1.2, 1.2, 4001, dtype=dtype), uniform.to(dtype) * 2 - 1,
                                torch.tensor([float("inf"), -float("inf"), float("nan")], dtype=dtype)])
             if not torch.equal(nearest_code(probe, lut).long(), original(probe, lut)):
                 return False

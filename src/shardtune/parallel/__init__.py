@@ -54,13 +54,15 @@ def parallelize(
     load: Callable[[nn.Module], object],
     activation_checkpointing: bool,
     mlp_tile: int = 0,
+    recompute_dequantized: bool = False,
 ) -> nn.Module:
     """Apply, in this order: MLP tiling → activation checkpointing → sharding (on meta) → loading → wrapping.
 
     Tiling replaces each MLP's forward, which the layer (checkpointed or not) calls; checkpointing goes
     before sharding so that sharding wraps the checkpointed blocks; sharding happens on the meta device,
     so that ``load`` allocates and reads only each rank's shard; wrappers that need real weights (DDP
-    broadcasts them) come last.
+    broadcasts them) come last. ``recompute_dequantized``: a checkpointed layer's recompute keeps its 4-bit
+    weights' dequantized values for their backward (``RunPlan.recompute_dequantized``).
     """
     if mlp_tile:
         from shardtune.parallel.tiling import tile_mlps
@@ -68,7 +70,12 @@ def parallelize(
         tile_mlps(decoder_layers(model), mlp_tile)
     if activation_checkpointing:
         base = base_model(model)
-        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        how: dict = {"use_reentrant": False}
+        if recompute_dequantized:
+            from shardtune.model.nf4_torchao import checkpoint_contexts
+
+            how["context_fn"] = checkpoint_contexts
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=how)
     model = strategy.shard(model)
     load(model)  # into the places the strategy made (Strategy.load_targets, host_params)
     return strategy.wrap(model)

@@ -70,7 +70,7 @@ def _build(model_dir: ModelDir, meta_model: nn.Module | None, cfg: Config, worke
     snapshot = take_snapshot(model, lora_init)
     model = parallelize(
         model, strategy, lambda m: load(m, model_dir, worker.device, snapshot, strategy),
-        plan.activation_checkpointing, plan.mlp_tile,
+        plan.activation_checkpointing, plan.mlp_tile, plan.recompute_dequantized,
     )
     return Built(model, strategy, plan.why or "requested", adapter_keys, total, trainable)
 

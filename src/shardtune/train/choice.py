@@ -334,6 +334,28 @@ def generation_gathered(search: Search, setting: Setting, budget: int | None) ->
     return chosen, prediction
 
 
+def recompute_dequantized(search: Search, setting: Setting, budget: int | None) -> tuple[Setting, Prediction]:
+    """``setting`` with whether a 4-bit base's recompute keeps each layer's dequantized weights for its backward
+    (``recompute_dequantized``: one dequantization of each weight fewer a micro-batch), and the prediction it runs
+    by: under activation checkpointing, where the training computes with whole weights (not
+    ``layers_exchanged``, whose backward dequantizes the rank's rows itself), when the predicted peak with them
+    fits ``budget`` (None: nothing to judge by, not kept)."""
+    prediction = search.predict(setting)
+    if not (search.facts.nf4_layer_dequantized_bytes and setting.activation_checkpointing) \
+            or setting.layers_exchanged or budget is None:
+        return setting, prediction
+    kept = dataclasses.replace(setting, recompute_dequantized=True)
+    predicted = search.predict(kept)
+    return (kept, predicted) if predicted.peak_mb * MB <= budget else (setting, prediction)
+
+
+def settled(search: Search, setting: Setting, budget: int | None) -> tuple[Setting, Prediction]:
+    """``setting`` with what is decided once its strategy, micro-batch and checkpointing are, each where it fits
+    ``budget``: GRPO's generation (``generation_gathered``), then a 4-bit base's recompute
+    (``recompute_dequantized``); and the prediction it runs by."""
+    return recompute_dequantized(search, generation_gathered(search, setting, budget)[0], budget)
+
+
 def rows_per_rank(cfg: Config, world: int, lengths: Lengths | None) -> int:
     """Sequences a rank runs per step: its records, or under --packing about as many packed rows as its
     records' tokens fill (``lengths``: the data's; unknown: one row per record)."""
@@ -506,7 +528,7 @@ def strategy_rows(cfg: Config, memory_per_rank: int | None = None, run: RunPlan 
                                           activation_checkpointing=ac, cpu_offload=off,
                                           fsdp_unit=unit_of(strategy, cfg.parallel.fsdp_unit),
                                           mlp_tile=tile_of(cfg))  # the search's cfg is from before the choice
-            p = generation_gathered(search, setting, budget)[1]
+            p = settled(search, setting, budget)[1]
             p.fits = None if budget is None else p.peak_mb * MB <= budget
             p.runs = run is not None and (run.strategy, run.activation_checkpointing, run.cpu_offload) == \
                 (strategy, ac, off)

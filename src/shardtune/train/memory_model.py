@@ -100,7 +100,8 @@ TERMS: dict[str, str] = {
     "dequant": "--quantize nf4: the largest 4-bit weight dequantized to the compute dtype for its matmul, with "
                "its codes and values a chunk at a time (forward, backward, and each token of GRPO's generation); "
                "while loading, a rank's bf16 slice of it being quantized; in GRPO's generation, when they fit, "
-               "every 4-bit weight dequantized once for the whole generation",
+               "every 4-bit weight dequantized once for the whole generation; under activation checkpointing, when "
+               "they fit, a layer's 4-bit weights dequantized by its recompute and kept for its backward",
 }
 #: Bytes per weight while a bf16 slice is quantized (the slice, its scaled copy, one code byte per
 #: weight, the packed codes), as a multiple of the slice's bf16 bytes: torchao's to_nf4 steps.
@@ -279,6 +280,9 @@ class Setting:
     generation_carried: bool = False
     #: GRPO under FSDP2, training too: the frozen projections outside FSDP, exchanged (``RunPlan.layers_exchanged``)
     layers_exchanged: bool = False
+    #: --quantize nf4 under activation checkpointing: a layer's recompute keeps its NF4 weights' values for its
+    #: backward (``RunPlan.recompute_dequantized``)
+    recompute_dequantized: bool = False
 
 
 def predict(f: Facts, s: Setting, device: str) -> Prediction:
@@ -351,7 +355,7 @@ def predict(f: Facts, s: Setting, device: str) -> Prediction:
     moments = _moments(strategy, device, layers, n, acts, workspace, logits_fwd, logits_bwd, unit, pieces)
     if f.dequant_bytes:  # one 4-bit weight dequantized at a time (exchanged: the rank's rows of it)
         exchanged = s.layers_exchanged and n > 1 and t.shards
-        moments["backward through the layers"]["dequant"] = dequantizing(f, n if exchanged else 1)
+        moments["backward through the layers"]["dequant"] = backward_dequant(f, s, n if exchanged else 1)
         # loading: the shard so far plus one slice being quantized (no gradients or optimizer yet)
         moments["loading (a weight's slice quantized)"] = {
             "dequant": QUANTIZE_SLICE_COPIES * f.quantize_slice_bytes / n,
@@ -482,6 +486,15 @@ def _generation_terms(f: Facts, s: Setting, n: int, vocab: int, kept: dict[str, 
     return {"kv_cache": rows * tokens * f.kv_bytes_per_token + rows * vocab * (f.compute_itemsize + 4 + 16),
             "blocks": gathered, "buffers": buffers, "activations": prefill + exchange, "grads": -kept["grads"],
             "dequant": dequant, "weights": -freed}
+
+
+def backward_dequant(f: Facts, s: Setting, rows_of: int = 1) -> float:
+    """What a 4-bit base's dequantization holds as backward goes through a layer: one weight dequantized at a time
+    (``dequantizing``), or, where the recompute keeps the values (``recompute_dequantized``), the layer's, the last
+    one's temporaries beside them (its backward then dequantizes none)."""
+    if s.recompute_dequantized and s.activation_checkpointing:
+        return (f.nf4_layer_dequantized_bytes - f.dequant_bytes) / rows_of + dequantizing(f, rows_of)
+    return dequantizing(f, rows_of)
 
 
 def dequantizing(f: Facts, rows_of: int = 1) -> float:

@@ -30,6 +30,7 @@ from shardtune.train.choice import (
     dequantizes_gathered_per_token,
     gathers_to_generate,
     generation_gathered,
+    recompute_dequantized,
     untiled,
 )
 from shardtune.train.longest import too_long
@@ -70,31 +71,51 @@ def resolve(cfg: Config, lengths: Lengths | None = None, model: nn.Module | None
     plan = RunPlan.of(cfg, ranks, kind, backend(kind, cfg.parallel.cpu_offload), why)
     if cfg.model.quantize == "nf4":
         quantize.check_sharding(quantize.select(search.model), plan)
-    return cfg, _generation(cfg, plan, search), chosen
+    return cfg, _settled(cfg, plan, search), chosen
 
 
-def _generation(cfg: Config, plan: RunPlan, search: Search) -> RunPlan:
-    """``plan`` with what GRPO's generation gathers decided (``choice.generation_gathered``): under FSDP2 on
-    several ranks no layer (``generation_exchanged``), else the weights kept for a whole generation when the
-    predicted peak with them fits the memory a rank may use; a 4-bit base's weights dequantized once when that
-    fits too (``generation_dequantized``); exchanged, training too where that moves fewer bytes
-    (``layers_exchanged``)."""
+def _settled(cfg: Config, plan: RunPlan, search: Search) -> RunPlan:
+    """``plan`` with what is decided from the memory a rank may use once its strategy is (``choice.settled``).
+
+    GRPO's generation (``choice.generation_gathered``): under FSDP2 on several ranks no layer gathered
+    (``generation_exchanged``), else the weights kept for a whole generation when the predicted peak with them
+    fits; a 4-bit base's weights dequantized once when that fits too (``generation_dequantized``); exchanged,
+    training too where that moves fewer bytes (``layers_exchanged``). Then, under activation checkpointing, a
+    4-bit base's recompute keeping each layer's dequantized weights for its backward where that fits too
+    (``choice.recompute_dequantized``)."""
     setting = dataclasses.replace(
         search.setting(plan.strategy, plan.world_size, plan.batch.micro_batch_size),
         activation_checkpointing=plan.activation_checkpointing, cpu_offload=plan.cpu_offload,
         fsdp_unit=plan.fsdp_unit, mlp_tile=plan.mlp_tile, context_parallel=plan.context_parallel)
-    if not gathers_to_generate(setting):
-        return plan
     budget, where = budget_of(cfg)
-    chosen = generation_gathered(search, setting, budget)[0]
-    if budget is not None:
-        log.info("%s", _generation_said(search, setting, chosen, budget, where))
+    if gathers_to_generate(setting):
+        generated = generation_gathered(search, setting, budget)[0]
+        if budget is not None:
+            log.info("%s", _generation_said(search, setting, generated, budget, where))
+        setting = generated
+    chosen = recompute_dequantized(search, setting, budget)[0]
+    if budget is not None and cfg.model.quantize == "nf4" and plan.activation_checkpointing \
+            and not chosen.layers_exchanged:
+        log.info("%s", _recompute_said(search, chosen, budget, where))
     return dataclasses.replace(plan, generation_gathered=chosen.generation_gathered,
                                generation_dequantized=chosen.generation_dequantized,
                                generation_exchanged=chosen.generation_exchanged,
                                generation_replicated=chosen.generation_replicated,
                                generation_carried=chosen.generation_carried,
-                               layers_exchanged=chosen.layers_exchanged)
+                               layers_exchanged=chosen.layers_exchanged,
+                               recompute_dequantized=chosen.recompute_dequantized)
+
+
+def _recompute_said(search: Search, chosen: Setting, limit: int, where: str) -> str:
+    """The log line saying whether a layer's recompute keeps its 4-bit weights dequantized for its backward
+    (``chosen``), with the predicted peak that decided it, against ``limit`` bytes per rank (from ``where``)."""
+    kept = format_size(search.predict(dataclasses.replace(chosen, recompute_dequantized=True)).peak_mb * MB)
+    budget = f"{format_size(limit)} per rank ({where})"
+    if chosen.recompute_dequantized:
+        return f"activation checkpointing: each layer's recompute keeps its 4-bit weights dequantized for its " \
+               f"backward: predicted peak {kept} of {budget}"
+    return f"activation checkpointing: each layer's backward dequantizes its 4-bit weights again (kept from its " \
+           f"recompute, the predicted peak {kept} would exceed {budget})"
 
 
 def _generation_said(search: Search, setting: Setting, chosen: Setting, limit: int, where: str) -> str:

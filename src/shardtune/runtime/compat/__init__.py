@@ -18,8 +18,9 @@ instead of returning wrong slices or silently skipping work. Nothing outside thi
 * ``tensors.py``: fake tensors for the planner's passes (``fake_mode``, ``storage_id``, ``LiveBytes``), oneDNN's
   bf16 probe (``cpu_has_fast_bf16``), a DTensor's own local tensor (``dtensor_local``), and a module's
   parameter shadowed by a copy in the compute dtype (``shadow_parameter``: parallel/compute_dtype.py).
-* ``nf4.py``: torchao's NF4 tensor module and fields (``nf4_tensor_module``), and two of its methods
-  routed through shardtune's bit-exact replacements (``route_nf4_method``: model/nf4_torchao.py).
+* ``nf4.py``: torchao's NF4 tensor module and fields (``nf4_tensor_module``), and two of its methods and
+  its ``F.linear`` routed through shardtune's bit-exact replacements (``route_nf4_method``,
+  ``route_nf4_torch_function``: model/nf4_torchao.py).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from shardtune.runtime.compat.fsdp import (
     set_fsdp2_all_gather,
     set_fsdp2_reduce_scatter,
 )
-from shardtune.runtime.compat.nf4 import nf4_tensor_module, route_nf4_method
+from shardtune.runtime.compat.nf4 import nf4_tensor_module, route_nf4_method, route_nf4_torch_function
 from shardtune.runtime.compat.peft_layers import adapters_disabled, record_lora_init
 from shardtune.runtime.compat.tensors import (
     LiveBytes,
@@ -56,6 +57,6 @@ __all__ = [
     "check_fsdp2_comm_interface", "check_load_target_protocol", "check_parameter_shadowing", "cpu_has_fast_bf16",
     "dtensor_local", "fake_mode", "fsdp1_flat_param", "fsdp1_layout", "fsdp2_forward_hooks_paused",
     "fsdp2_frozen_shards_released", "fsdp2_held_until_resharded", "nf4_tensor_module", "piece_boxes",
-    "record_lora_init", "route_nf4_method", "set_fsdp2_all_gather", "set_fsdp2_reduce_scatter",
-    "shadow_parameter", "storage_id", "unshadow_parameter",
+    "record_lora_init", "route_nf4_method", "route_nf4_torch_function", "set_fsdp2_all_gather",
+    "set_fsdp2_reduce_scatter", "shadow_parameter", "storage_id", "unshadow_parameter",
 ]

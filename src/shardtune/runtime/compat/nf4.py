@@ -14,7 +14,7 @@ from shardtune.runtime.compat.changed import PrivateAPIChanged, need
 
 NF4_MODULE = "torchao.quantization.quantize_.workflows.nf4.nf4_tensor"
 #: what shardtune uses of the module (quantize.py, nf4_fill.py) and of an NF4Tensor (nf4_torchao.py, nf4_fill.py)
-MODULE_NAMES = ("NF4Tensor", "SubclassTensorArgs", "to_nf4", "get_block_absmax")
+MODULE_NAMES = ("NF4Tensor", "SubclassTensorArgs", "to_nf4", "get_block_absmax", "NF4_TORCH_FUNCTIONS")
 TENSOR_FIELDS = ("block_size", "n_blocks", "scaler_block_size", "quantized_scalers", "quantization_factor",
                  "scaler_mean", "quantized_data", "nf4", "dequantize_scalers", "get_original_weight",
                  "quantize_tensor_nearest", "convert_to_norm_float_weight")
@@ -54,3 +54,20 @@ def route_nf4_method(module: ModuleType, name: str, replacement: Callable, agree
     setattr(cls, f"_torchao_{name}", original if not static else staticmethod(original))
     setattr(cls, name, staticmethod(replacement) if static else replacement)
     setattr(cls, f"_shardtune_{name}", True)
+
+
+def route_nf4_torch_function(module: ModuleType, func: Callable, replacement: Callable,
+                             agrees: Callable[[Callable], bool]) -> None:
+    """Route what ``func`` (a torch function, e.g. ``F.linear``) does on an NF4Tensor through ``replacement``
+    (once per process), after ``agrees(original)`` shows on a probe that both give the same values, as
+    ``route_nf4_method``. torchao keeps its torch-function overrides in ``NF4_TORCH_FUNCTIONS``."""
+    table = module.NF4_TORCH_FUNCTIONS
+    original = table.get(func)
+    if original is replacement:
+        return
+    what = f"torchao's NF4Tensor {getattr(func, '__name__', func)}"
+    if original is None:
+        raise PrivateAPIChanged(what, "NF4_TORCH_FUNCTIONS has no entry for it")
+    if not agrees(original):
+        raise PrivateAPIChanged(what, "it gives other values than shardtune's replacement of it")
+    table[func] = replacement
