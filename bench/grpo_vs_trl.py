@@ -501,10 +501,12 @@ def main() -> None:
             row = run_trl(model, data, args) if name == "trl" else run_shardtune(name, ROWS[name], model, data, args)
             done.append(row)
             print(json.dumps({k: v for k, v in row.items() if k not in ("command", "generation")})[:800], flush=True)
-    rows = [merged(done) for done in runs.values()]
+    rows = [{**merged(done), "commit": git_commit()} for done in runs.values()]
     if args.add and out.is_file():  # the file's other rows kept, in their order; a row run again replaced
         new = {row_key(r): r for r in rows}
-        kept = json.loads(out.read_text())["rows"]
+        earlier = json.loads(out.read_text())
+        # each kept row says the commit it ran at (rows from before rows said it: the file's then)
+        kept = [{**r, "commit": r.get("commit", earlier.get("commit"))} for r in earlier["rows"]]
         rows = [new.pop(row_key(r), r) for r in kept] + list(new.values())
     text, lines = table(rows), verdicts(rows, args)
     print(text + "\n\n" + "\n".join(lines))

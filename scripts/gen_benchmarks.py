@@ -351,10 +351,11 @@ def grpo_vs_trl(name: str, data: Result) -> list[str]:
              r.get("generation_seconds_mean"), r.get("generation_tokens_per_second"),
              r.get("train_tokens_per_second"), (r.get("plan") or {}).get("peak_mb"),
              _signed_pct((r.get("plan") or {}).get("error")),
-             " ".join((r.get("loadavg_before") or [])[:1]) or NOT_RECORDED] for r in data["rows"]]
+             " ".join((r.get("loadavg_before") or [])[:1]) or NOT_RECORDED,
+             r.get("commit") or data.get("commit") or NOT_RECORDED] for r in data["rows"]]
     lines += table(["row", "layers while generating", "peak MB per rank", "s per step", "generation s per step",
                     "generation tokens/s",
-                    "training tokens/s", "planner MB", "planner error", "load average before"], rows)
+                    "training tokens/s", "planner MB", "planner error", "load average before", "run at"], rows)
     return lines + ["", "Targets, as the bench judged them:", ""] + [f"- {t}" for t in data.get("targets", [])]
 
 
