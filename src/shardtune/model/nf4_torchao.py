@@ -94,25 +94,37 @@ class NF4Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx: torch.autograd.function.FunctionCtx, input: torch.Tensor, weight: torch.Tensor
                 ) -> torch.Tensor:
-        values = weight.to(input.dtype)
+        values = values_in(weight, input.dtype)
         ctx.save_for_backward(values if _saving_values else weight)
         return F.linear(input, values)
 
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, grad_output: torch.Tensor) -> tuple:
         (weight,) = ctx.saved_tensors
-        return grad_output @ weight.to(grad_output.dtype), None
+        return grad_output @ values_in(weight, grad_output.dtype), None
+
+
+def values_in(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An NF4 weight's values in ``dtype`` (a plain tensor's, converted), as torchao's ``weight.to(dtype)`` gives
+    them: dequantized in the weight's own dtype, then converted; without the tensor subclass's dispatch of
+    ``to``, which a token's forward pays for every weight."""
+    values = dequantize(weight) if type(weight) is not torch.Tensor else weight
+    return values if values.dtype == dtype else values.to(dtype)
 
 
 def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` on an NF4 weight, as torchao's (the bias added after the product)."""
-    out = NF4Linear.apply(input, weight)
+    """``F.linear`` on an NF4 weight, as torchao's (the bias added after the product). Where no gradient can
+    flow (generation's forwards, no_grad), the product alone, without an autograd function to apply."""
+    if torch.is_grad_enabled() and input.requires_grad:
+        out = NF4Linear.apply(input, weight)
+    else:
+        out = F.linear(input, values_in(weight, input.dtype))
     return out if bias is None else out + bias
 
 
 def _same_linear(module):
     """Whether ``linear`` gives exactly torchao's ``F.linear`` output and input gradient on a probe, saving
-    the NF4 weight and saving its values, with a bias and without."""
+    the NF4 weight and saving its values, and its output without gradients, with a bias and without."""
 
     def agrees(original) -> bool:
         weight = module.NF4Tensor.from_tensor(torch.linspace(-3, 5, 4 * 2 * BLOCK).reshape(4, 2 * BLOCK), BLOCK, 2)
@@ -132,6 +144,9 @@ def _same_linear(module):
                 kept = run(linear, *extra)
             if not all(torch.equal(a, b) for a, b in zip((*run(linear, *extra), *kept), expected * 2)):
                 return False
+            with torch.no_grad():  # the product alone
+                if not torch.equal(linear(x, weight, *extra), original(x, weight, *extra)):
+                    return False
         return True
 
     return agrees
