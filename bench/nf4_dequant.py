@@ -17,11 +17,19 @@ by huge pages; the process restarts itself with glibc's tunable for them):
 All three give the same values bit for bit (checked here). Shapes: the MLP and attention projections of a
 1.1B Llama (TinyLlama's) and of SmolLM2-135M. Prints a table with each row's ratio to torchao and writes
 bench/results/nf4-dequant.json.
+
+A second table times one ``F.linear`` call for one token on SmolLM2-135M's q_proj (576 x 576), fp32: what a
+generated token's forward pays per weight beyond the product. Rows: a plain weight; the NF4 weight through
+torchao's ``linear_nf4`` and through shardtune's ``linear`` (what ``F.linear`` on an NF4 weight runs now), each
+inside ``dequantized_once`` (GRPO's generation: the values made once, looked up) and dequantizing in every
+call, without gradients and with the input requiring one (the forward of a training step); each the fastest of
+15 rounds of calls, the recipes taking turns within each round.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -65,6 +73,40 @@ def seconds(fn, t: torch.Tensor, repeat: int, device: torch.device) -> float:
     return (time.perf_counter() - started) / repeat
 
 
+def call_rows(module, device: torch.device, calls: int = 200, rounds: int = 15) -> list[dict]:
+    """Microseconds per ``F.linear`` call for one token (module doc), the same outputs checked first: each
+    recipe's fastest round of ``calls`` calls, the recipes taking turns within every round (a shared machine only
+    ever adds time to a call, and it changes from second to second)."""
+    import torch.nn.functional as F
+
+    weight = quantize_whole(torch.randn(576, 576, device=device))
+    plain = weight.get_original_weight()
+    x = torch.randn(1, 576, device=device)
+    recipes = {"plain weight": lambda i: F.linear(i, plain),
+               "torchao linear_nf4": lambda i: module.linear_nf4(i, weight),
+               "shardtune linear": lambda i: nf4_torchao.linear(i, weight)}
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    runs = [(f"{name}{', dequantized once' if once else ''}", fn, once)
+            for once in (True, False) for name, fn in recipes.items() if not (once and name == "plain weight")]
+    best = {(label, grad): float("inf") for label, _, _ in runs for grad in (False, True)}
+    for _ in range(rounds):
+        for label, fn, once in runs:
+            with nf4_torchao.dequantized_once() if once else contextlib.nullcontext():
+                assert torch.equal(fn(x), recipes["plain weight"](x)), label
+                for grad in (False, True):
+                    i = x.clone().requires_grad_(grad)
+                    with torch.set_grad_enabled(grad):
+                        fn(i)
+                        sync()
+                        started = time.perf_counter()
+                        for _ in range(calls):
+                            fn(i)
+                        sync()
+                    best[label, grad] = min(best[label, grad], (time.perf_counter() - started) / calls * 1e6)
+    return [{"recipe": label, "no_grad_us": round(best[label, False], 2), "grad_us": round(best[label, True], 2)}
+            for label, _, _ in runs]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
@@ -97,9 +139,13 @@ def main() -> None:
     for r in rows:
         print(f"{r['shape']:<12} {r['dtype']:<9}" + "".join(f" {r['ms'][n]:>13.2f}" for n in recipes) +
               "".join(f" {r['ratio_to_torchao'][n]:>18.3f}" for n in list(recipes)[1:]))
+    calls = call_rows(module, device)
+    print(f"\n{'one F.linear call, 1 token':<44} {'no grad us':>10} {'grad us':>8}")
+    for r in calls:
+        print(f"{r['recipe']:<44} {r['no_grad_us']:>10.1f} {r['grad_us']:>8.1f}")
     result = {"bench": "nf4-dequant", "device": str(device), "malloc": malloc,
               "glibc_tunables": os.environ.get("GLIBC_TUNABLES"), "repeat": args.repeat, "threads": 1,
-              "rows": rows, **run_record()}
+              "rows": rows, "calls": calls, **run_record()}
     suffix = "" if device.type == "cpu" else f"-{device.type}"
     (HERE / "results" / f"nf4-dequant{suffix}.json").write_text(json.dumps(result, indent=2))
 

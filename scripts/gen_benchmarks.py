@@ -225,8 +225,14 @@ def nf4_dequant(name: str, data: Result) -> list[str]:
     recipes = list((data.get("rows") or [{}])[0].get("ms", {}))
     rows = [[r["shape"], f"{r['rows']} x {r['cols']}", r["dtype"], *(r["ms"][k] for k in recipes),
              *(r["ratio_to_torchao"][k] for k in recipes[1:])] for r in data.get("rows") or []]
-    return lines + table(["weight", "shape", "dtype", *(f"{k} ms" for k in recipes),
-                          *(f"{k} / torchao" for k in recipes[1:])], rows)
+    lines += table(["weight", "shape", "dtype", *(f"{k} ms" for k in recipes),
+                    *(f"{k} / torchao" for k in recipes[1:])], rows)
+    if data.get("calls"):  # one F.linear call for one token, each recipe's fastest round
+        lines += ["", "One `F.linear` call for one token on a 576 x 576 weight, fp32 (each recipe's fastest of 15 "
+                  "rounds, the recipes taking turns):", ""]
+        lines += table(["recipe", "no grad, us", "grad, us"],
+                       [[r["recipe"], r["no_grad_us"], r["grad_us"]] for r in data["calls"]])
+    return lines
 
 
 def qlora_quality(name: str, data: Result) -> list[str]:
