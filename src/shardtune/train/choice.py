@@ -334,15 +334,21 @@ def generation_gathered(search: Search, setting: Setting, budget: int | None) ->
     return chosen, prediction
 
 
+def recomputes_4bit(search: Search, setting: Setting) -> bool:
+    """Whether ``setting`` has a recompute that could keep a 4-bit base's dequantized weights for the backward:
+    4-bit weights in the decoder layers, activation checkpointing, and training with whole weights (not
+    ``layers_exchanged``, whose backward dequantizes the rank's rows itself)."""
+    return bool(search.facts.nf4_layer_dequantized_bytes) and setting.activation_checkpointing \
+        and not setting.layers_exchanged
+
+
 def recompute_dequantized(search: Search, setting: Setting, budget: int | None) -> tuple[Setting, Prediction]:
     """``setting`` with whether a 4-bit base's recompute keeps each layer's dequantized weights for its backward
     (``recompute_dequantized``: one dequantization of each weight fewer a micro-batch), and the prediction it runs
-    by: under activation checkpointing, where the training computes with whole weights (not
-    ``layers_exchanged``, whose backward dequantizes the rank's rows itself), when the predicted peak with them
-    fits ``budget`` (None: nothing to judge by, not kept)."""
+    by: where it ``recomputes_4bit``, when the predicted peak with them fits ``budget`` (None: nothing to judge
+    by, not kept)."""
     prediction = search.predict(setting)
-    if not (search.facts.nf4_layer_dequantized_bytes and setting.activation_checkpointing) \
-            or setting.layers_exchanged or budget is None:
+    if budget is None or not recomputes_4bit(search, setting):
         return setting, prediction
     kept = dataclasses.replace(setting, recompute_dequantized=True)
     predicted = search.predict(kept)

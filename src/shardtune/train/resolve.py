@@ -31,6 +31,7 @@ from shardtune.train.choice import (
     gathers_to_generate,
     generation_gathered,
     recompute_dequantized,
+    recomputes_4bit,
     untiled,
 )
 from shardtune.train.longest import too_long
@@ -94,8 +95,7 @@ def _settled(cfg: Config, plan: RunPlan, search: Search) -> RunPlan:
             log.info("%s", _generation_said(search, setting, generated, budget, where))
         setting = generated
     chosen = recompute_dequantized(search, setting, budget)[0]
-    if budget is not None and cfg.model.quantize == "nf4" and plan.activation_checkpointing \
-            and not chosen.layers_exchanged:
+    if budget is not None and recomputes_4bit(search, chosen):
         log.info("%s", _recompute_said(search, chosen, budget, where))
     return dataclasses.replace(plan, generation_gathered=chosen.generation_gathered,
                                generation_dequantized=chosen.generation_dequantized,
