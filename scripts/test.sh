@@ -6,5 +6,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
+# Two pytest processes share the cores, each starting workers of its own: one compute thread per process
+# (shardtune's workers keep a thread count given, cpu_tuning.worker_env), so OpenMP threads never spin
+# against each other. Tests of the worker thread count clear it.
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 ruff check src tests bench examples scripts
 pytest -q -n 2 --dist loadfile --durations=25 "$@"

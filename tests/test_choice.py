@@ -163,8 +163,9 @@ def test_a_default_micro_batch_that_does_not_fit_gives_way_to_a_smaller_one(root
 def test_a_sequence_too_long_for_every_rank_names_context_parallelism(root, capsys):
     """A --seq-len that no micro-batch fits on one rank, under ddp: the refusal names the flags that cut each
     sequence over the ranks, which `plan` then runs."""
+    # bf16 given: --dtype auto is fp32 on CPUs without native bf16, where not even 2 ranks' split fits 4GiB
     argv = ["plan", "--model", str(root / "model"), "--nproc", "2", "--seq-len", "5000000", "--memory-per-rank",
-            "4GiB", "--micro-batch-size", "1"]
+            "4GiB", "--micro-batch-size", "1", "--dtype", "bf16"]
     assert cli.main([*argv, "--strategy", "ddp"]) == 2
     err = capsys.readouterr().err
     fix = err.split("It fits with ")[1].split(".")[0]

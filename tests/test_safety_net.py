@@ -52,10 +52,10 @@ def test_an_unexpected_exception_at_each_stage_is_one_paragraph_and_exit_3(root,
 
 
 def test_a_rank_that_stops_responding_is_named_after_the_collective_timeout(root, tmp_path):
-    """Rank 1 stops itself (SIGSTOP) when training starts: rank 0 gives up after --collective-timeout."""
+    """Rank 1 stops responding when training starts: rank 0 gives up after --collective-timeout."""
     started = time.monotonic()
     done = _finetune(root, tmp_path / "out", "--nproc", "2", "--strategy", "ddp", "--collective-timeout", "10",
-                     env={"SHARDTUNE_TEST_FAIL_AT": "stop@train", "SHARDTUNE_STOP_TIMEOUT": "3"})
+                     env={"SHARDTUNE_TEST_FAIL_AT": "hang@train", "SHARDTUNE_STOP_TIMEOUT": "3"})
     assert done.returncode == 2, done.stderr
     assert "rank 1 stopped responding" in done.stderr and "newest checkpoint: none" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr

@@ -4,7 +4,8 @@ What failed, in which stage of the run, the exception's own message, and where i
 was written; a user never has to read a stack trace to know what happened. ``stage`` marks the
 stages (an exception leaving one carries its name as a note, which survives into the traceback a
 worker's error file holds), and lets a test inject a failure at any of them
-(``SHARDTUNE_TEST_FAIL_AT=STAGE``; ``stop@STAGE`` makes the last rank stop responding there;
+(``SHARDTUNE_TEST_FAIL_AT=STAGE``; ``stop@STAGE`` makes the last rank stop itself there (SIGSTOP),
+``hang@STAGE`` stop responding;
 ``full@NAME:STEP`` makes the writes of NAME, a run's file or tracker, find the disk full from that
 step on: see ``injected_full_disk``).
 """
@@ -38,8 +39,15 @@ def stage(name: str) -> Iterator[None]:
     """Mark a stage of the run: a test may inject a failure here, and an unexpected exception leaving
     it is noted with the stage's name (our own errors need none: their messages say what to do)."""
     injected = os.environ.get(FAIL_AT, "")
-    if injected == f"stop@{name}" and int(os.environ.get("RANK", "0")) == int(os.environ.get("WORLD_SIZE", "1")) - 1:
-        os.kill(os.getpid(), signal.SIGSTOP)  # a hung rank: the others must not wait for ever
+    last = int(os.environ.get("RANK", "0")) == int(os.environ.get("WORLD_SIZE", "1")) - 1
+    if injected == f"stop@{name}" and last:
+        os.kill(os.getpid(), signal.SIGSTOP)  # stopped mid-stage: a test sends it a signal, or a second writer
+    if injected == f"hang@{name}" and last:
+        # a hung rank: the others must not wait for ever. It answers nothing but dies of the launcher's SIGTERM
+        # at once (a stopped one would cost every such test the elastic agent's 30 s wait before SIGKILL)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        while True:
+            signal.pause()
     try:
         if injected == name:
             raise RuntimeError(f"injected failure at stage '{name}' ({FAIL_AT})")
