@@ -38,12 +38,14 @@ def lines(text: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) -> tuple[Path, subprocess.CompletedProcess]:
-    """A 2-rank fine-tune with validation whose records are cut by --seq-len (a warning every rank reaches)."""
+    """A 2-rank fine-tune with validation whose records are cut by --seq-len (a warning every rank reaches), with
+    activation checkpointing (which transformers 5.25 renamed, warning under the old name)."""
     root = tmp_path_factory.mktemp("newcomer")
     data = write_jsonl(root / "train.jsonl", instruction_records(16))
     result = shardtune("finetune", "--model", str(tiny_llama), "--data", str(data), "--val-data", str(data),
                        "--out", str(root / "out"), "--steps", "3", "--batch-size", "4", "--nproc", "2",
-                       "--seq-len", "60", "--dtype", "fp32", env={"SHARDTUNE_CACHE": str(root / "cache")})
+                       "--seq-len", "60", "--dtype", "fp32", "--activation-checkpointing",
+                       env={"SHARDTUNE_CACHE": str(root / "cache")})
     assert result.returncode == 0, result.stderr
     return root, result
 

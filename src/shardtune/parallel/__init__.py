@@ -75,7 +75,11 @@ def parallelize(
             from shardtune.model.nf4_torchao import checkpoint_contexts
 
             how["context_fn"] = checkpoint_contexts
-        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=how)
+        enable = getattr(base, "activation_checkpointing_enable", None)  # transformers 5.25's name
+        if enable is not None:
+            enable(activation_checkpointing_kwargs=how)
+        else:  # its old name, a FutureWarning from 5.25 on
+            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=how)
     model = strategy.shard(model)
     load(model)  # into the places the strategy made (Strategy.load_targets, host_params)
     return strategy.wrap(model)
