@@ -80,12 +80,6 @@ def recompute_keeps_values() -> Iterator[None]:
         _saving_values -= 1
 
 
-def keeps_values() -> bool:
-    """Whether a matmul of a 4-bit weight saves its dequantized values for its backward here
-    (``recompute_keeps_values``): for the other autograd functions of 4-bit weights (exchange.py's)."""
-    return _saving_values > 0
-
-
 def checkpoint_contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
     """``torch.utils.checkpoint``'s ``context_fn``: its forward and its recompute, each ``recompute_keeps_values``."""
     return recompute_keeps_values(), recompute_keeps_values()

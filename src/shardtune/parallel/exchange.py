@@ -19,7 +19,6 @@ import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
-from shardtune.model import nf4_torchao
 from shardtune.runtime import distributed
 
 
@@ -52,15 +51,14 @@ def exchanged_linear(everyone: torch.Tensor, tokens: int, weight: torch.Tensor, 
 
 def exchanged_linears(everyone: torch.Tensor, tokens: int, weights: list[torch.Tensor],
                       biases: list[torch.Tensor | None], rows: list[list[int]],
-                      group: dist.ProcessGroup, values: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+                      group: dist.ProcessGroup) -> list[torch.Tensor]:
     """``exchanged_linear`` for several layers of the same inputs (q, k and v; gate and up) in one all-to-all:
     ``weights``, ``biases`` this rank's rows of each, ``rows`` each one's row counts per rank. Each rank sends
-    every rank, token by token, its rows' outputs of all the layers side by side. ``values``, if a list: each
-    weight's values (a 4-bit one's dequantized, in its own dtype) are appended to it, for a backward."""
+    every rank, token by token, its rows' outputs of all the layers side by side."""
     n, padded, me = everyone.size(0), everyone.size(1), group.rank()
     flat = everyone.reshape(n * padded, -1)  # rank r's tokens at rows r·padded …
     owned = [sum(r[s] for r in rows) for s in range(n)]  # rows of all the layers each rank holds
-    send = _rows_outputs(flat.new_empty(n * padded, owned[me]), flat, weights, biases, rows, me, values)
+    send = _rows_outputs(flat.new_empty(n * padded, owned[me]), flat, weights, biases, rows, me)
     received = send.new_empty(padded * sum(owned))
     dist.all_to_all_single(received, send.reshape(-1), [padded * k for k in owned], [padded * owned[me]] * n,
                            group=group)
@@ -87,17 +85,11 @@ def replicated_linears(x: torch.Tensor, weights: list[torch.Tensor], biases: lis
 
 
 def _rows_outputs(send: torch.Tensor, x: torch.Tensor, weights: list[torch.Tensor],
-                  biases: list[torch.Tensor | None], rows: list[list[int]], me: int,
-                  values: list[torch.Tensor] | None = None) -> torch.Tensor:
+                  biases: list[torch.Tensor | None], rows: list[list[int]], me: int) -> torch.Tensor:
     """``send`` with each layer's outputs of ``x`` on rank ``me``'s rows written straight into their columns,
-    side by side in the layers' order (columns beyond them left as they are). ``values``: see
-    ``exchanged_linears``; a 4-bit weight is then dequantized once for both (converted to ``x``'s dtype for the
-    product, as ``F.linear`` on it converts)."""
+    side by side in the layers' order (columns beyond them left as they are)."""
     col = 0
     for w, b, r in zip(weights, biases, rows):
-        if values is not None:
-            values.append(nf4_torchao.values_in(w, w.dtype))
-            w = nf4_torchao.values_in(values[-1], x.dtype)
         _linear_into(send[:, col:col + r[me]], x, w, b)
         col += r[me]
     return send
@@ -165,35 +157,23 @@ class ExchangedLinear(torch.autograd.Function):
     serve several calls); returns each layer's outputs (..., its out features). ``backward_starts``, if not
     None, is called when the backward begins: activation checkpointing's recompute stops as soon as it has
     what backward needs, before the end of the layer's forward, so what the caller keeps for the forward's
-    later calls is let go there.
-
-    Inside ``nf4_torchao.recompute_keeps_values`` (a checkpointed layer's forward and recompute, where
-    ``RunPlan.recompute_dequantized``) the weights' values are saved for backward, a 4-bit weight's rows
-    dequantized once for the product and kept: the backward then dequantizes none. The checkpoint drops the
-    forward's saved values; the recompute's live until this call's backward."""
+    later calls is let go there."""
 
     @staticmethod
     def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor, everyone: torch.Tensor,
                 weights: list[torch.Tensor], biases: list[torch.Tensor | None], rows: list[list[int]],
                 group: dist.ProcessGroup, backward_starts: Callable[[], None] | None = None
                 ) -> tuple[torch.Tensor, ...]:
-        ctx.rows, ctx.group, ctx.padded, ctx.shape = rows, group, everyone.size(1), x.shape
+        ctx.weights, ctx.rows, ctx.group, ctx.padded, ctx.shape = weights, rows, group, everyone.size(1), x.shape
         ctx.backward_starts = backward_starts
-        ctx.kept = nf4_torchao.keeps_values() and any(type(w) is not torch.Tensor for w in weights)
-        values: list[torch.Tensor] | None = [] if ctx.kept else None
-        outs = exchanged_linears(everyone, x.numel() // x.size(-1), weights, biases, rows, group, values)
-        if values is not None:  # saved, not held by ctx: a checkpoint drops them until its recompute
-            ctx.save_for_backward(*values)
-        else:
-            ctx.weights = weights
+        outs = exchanged_linears(everyone, x.numel() // x.size(-1), weights, biases, rows, group)
         return tuple(out.view(*x.shape[:-1], sum(r)) for out, r in zip(outs, rows))
 
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, *grads: torch.Tensor) -> tuple:
         if ctx.backward_starts is not None:
             ctx.backward_starts()
-        weights = list(ctx.saved_tensors) if ctx.kept else ctx.weights
         # a layer whose outputs were not used gets zeros (autograd materializes them)
-        flat = [g.reshape(-1, g.size(-1)).to(weights[0].dtype) for g in grads]
-        x_grad = exchanged_linears_input_grad(flat, weights, ctx.rows, ctx.padded, ctx.group)
+        flat = [g.reshape(-1, g.size(-1)).to(ctx.weights[0].dtype) for g in grads]
+        x_grad = exchanged_linears_input_grad(flat, ctx.weights, ctx.rows, ctx.padded, ctx.group)
         return x_grad.view(ctx.shape), None, None, None, None, None, None

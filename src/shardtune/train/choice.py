@@ -336,9 +336,11 @@ def generation_gathered(search: Search, setting: Setting, budget: int | None) ->
 
 def recomputes_4bit(search: Search, setting: Setting) -> bool:
     """Whether ``setting`` has a recompute that could keep a 4-bit base's dequantized weights for the backward:
-    4-bit weights in the decoder layers and activation checkpointing (with ``layers_exchanged``, each rank's rows
-    of them)."""
-    return bool(search.facts.nf4_layer_dequantized_bytes) and setting.activation_checkpointing
+    4-bit weights in the decoder layers, activation checkpointing, and training with whole weights (not
+    ``layers_exchanged``, whose backward dequantizes the rank's rows itself: each rank dequantizes only its rows,
+    so keeping them saved too little to measure, for a layer's rows held at once)."""
+    return bool(search.facts.nf4_layer_dequantized_bytes) and setting.activation_checkpointing \
+        and not setting.layers_exchanged
 
 
 def recompute_dequantized(search: Search, setting: Setting, budget: int | None) -> tuple[Setting, Prediction]:
