@@ -336,9 +336,9 @@ def generation_gathered(search: Search, setting: Setting, budget: int | None) ->
 
 def recomputes_4bit(search: Search, setting: Setting) -> bool:
     """Whether ``setting`` has a recompute that could keep a 4-bit base's dequantized weights for the backward:
-    4-bit weights in the decoder layers, activation checkpointing, and training with whole weights (not
-    ``layers_exchanged``, whose backward dequantizes the rank's rows itself: each rank dequantizes only its rows,
-    so keeping them saved too little to measure, for a layer's rows held at once)."""
+    4-bit weights in the decoder layers, activation checkpointing, and training with whole weights. Not
+    ``layers_exchanged``: its backward dequantizes only the rank's rows of each weight, and keeping those from the
+    recompute measured no faster, while holding a layer's rows at once."""
     return bool(search.facts.nf4_layer_dequantized_bytes) and setting.activation_checkpointing \
         and not setting.layers_exchanged
 
