@@ -111,3 +111,21 @@ def finetune_on_ranks(options: dict, nproc: int = 1) -> dict:
     out = Path(options["out"])
     run_ranks(finetune_rank, nproc, {k: v for k, v in options.items() if k != "nproc"})
     return json.loads((out / "summary.json").read_text())
+
+
+def rank_processes(launcher: int, module: str) -> dict[int, object]:
+    """The rank processes (psutil) under ``launcher`` that run ``module``, by rank: forked from a warm starter
+    (named ``shardtune rN``, runtime/warm_start.py) or, started fresh, ``python -m module`` itself."""
+    import psutil
+
+    found = {}
+    for child in psutil.Process(launcher).children(recursive=True):
+        try:
+            name = child.name()
+            if name.startswith("shardtune r"):
+                found[int(name.removeprefix("shardtune r"))] = child
+            elif module in child.cmdline() and child.cmdline()[:2] != [sys.executable, "-c"]:
+                found[int(child.environ()["RANK"])] = child
+        except (psutil.Error, KeyError, ValueError):
+            continue
+    return found

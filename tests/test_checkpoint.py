@@ -22,7 +22,7 @@ import torch
 
 from shardtune.runtime.distributed import COLLECTIVE_TIMEOUT
 
-from dist_utils import finetune_on_ranks
+from dist_utils import finetune_on_ranks, rank_processes
 
 STEPS = 6
 EXACT = ("step", "loss", "lr", "grad_norm", "tokens")
@@ -244,8 +244,7 @@ def test_sigint_to_the_launcher_stops_workers_cleanly(root):
     out = root / "sigint"
     proc = _cli(root, "sigint")
     _wait_for_steps(out, 1, proc)
-    workers = [c for c in psutil.Process(proc.pid).children(recursive=True)
-               if "shardtune.train" in " ".join(c.cmdline())]
+    workers = list(rank_processes(proc.pid, "shardtune.train").values())
     assert len(workers) == 2
     proc.send_signal(signal.SIGINT)
     output = proc.communicate(timeout=150)[0]
@@ -265,13 +264,7 @@ def test_a_rank_killed_with_sigkill_ends_the_run_naming_it(root):
     out = root / "sigkill"
     proc = _cli(root, "sigkill", "--save-every", "2")
     _wait_for_steps(out, 3, proc)  # checkpoint step-2 is complete
-    workers = {}
-    for child in psutil.Process(proc.pid).children(recursive=True):
-        try:
-            if "shardtune.train" in " ".join(child.cmdline()):
-                workers[int(child.environ()["RANK"])] = child
-        except psutil.Error:
-            continue
+    workers = rank_processes(proc.pid, "shardtune.train")
     assert sorted(workers) == [0, 1]
     workers[1].kill()
     killed = time.monotonic()

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from dist_utils import rank_processes
+
 TESTS = Path(__file__).parent
 BOUND = 30  # seconds: generous, the kernel's parent-death signal acts at once
 
@@ -20,20 +22,13 @@ OUR_LAUNCHER = ("from shardtune.config import ParallelConfig; from shardtune.run
 
 
 def _workers(launcher: int, timeout: float = 120) -> list:
-    """The launcher's worker processes, once both have joined their group and said so."""
-    import psutil
-
+    """The launcher's two rank processes, once both have started."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        found = []
-        for child in psutil.Process(launcher).children(recursive=True):
-            try:
-                if "sleeping_worker" in " ".join(child.cmdline()):
-                    found.append(child)
-            except psutil.Error:
-                continue
+        found = rank_processes(launcher, str(TESTS / "sleeping_worker.py")) or rank_processes(launcher,
+                                                                                              "sleeping_worker")
         if len(found) == 2:
-            return found
+            return list(found.values())
         time.sleep(0.2)
     pytest.fail("the two workers did not start")
 
@@ -62,11 +57,16 @@ def test_workers_exit_when_the_launcher_is_killed(launcher, tmp_path):
             time.sleep(0.2)  # both past init_worker: the parent-death signal is set
         # Each worker has a process group of its own: a signal to the launcher's group does not reach them.
         assert all(os.getpgid(w.pid) != os.getpgid(proc.pid) for w in workers) or launcher == "torchrun"
+        # every process the launcher started: the workers, and under ours the warm starter they were forked
+        # from and the agent's client processes
+        started = psutil.Process(proc.pid).children(recursive=True)
+        assert {w.pid for w in workers} <= {p.pid for p in started}
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         killed = time.monotonic()
-        gone, alive = psutil.wait_procs(workers, timeout=BOUND)
-        assert not alive, f"workers still alive {time.monotonic() - killed:.0f} s after the launcher died"
+        gone, alive = psutil.wait_procs(started, timeout=BOUND)
+        assert not alive, (f"{[p.pid for p in alive]} still alive {time.monotonic() - killed:.0f} s after the "
+                           "launcher died")
     finally:
         for worker in workers:  # the test failed: leave nothing behind ourselves
             if worker.is_running():

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from shardtune.config import ConfigError
 from shardtune.errors import ShardtuneError
 from shardtune.runtime.device import backend, device_type, local_device, local_world_size
+from shardtune.runtime.warm_start import LAUNCHER_PID
 
 # A rank that dies or hangs must not leave the others waiting for the default 30 minutes: collectives give
 # up after this long and the launcher then names the rank that went silent. A run's --collective-timeout
@@ -40,8 +41,6 @@ class Worker:
         return self.rank == 0
 
 
-# Set by our launcher for its workers, as "PID:RUN_ID": the process whose death must end them.
-LAUNCHER_PID = "SHARDTUNE_LAUNCHER_PID"
 
 
 def die_with_parent() -> None:

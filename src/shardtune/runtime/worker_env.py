@@ -1,9 +1,10 @@
 """The environment of worker processes, set in their environment only; the caller's, kept as it was.
 
 The launching process (a notebook kernel, a script calling ``shardtune.finetune``) keeps its own
-``os.environ`` as it was: what the workers need is added by each worker's first statement, which then
-``exec``s the worker (``worker_command``), so the new interpreter reads it when it starts, as glibc's
-tunables, Python's unbuffered output and OpenMP's thread count must be read.
+``os.environ`` as it was. What the workers need is read when an interpreter starts (glibc's tunables,
+Python's unbuffered output, OpenMP's thread count), so it is in the environment of the warm starter
+the workers are forked from (warm_start.py), or, started fresh, added by each worker's first statement,
+which then ``exec``s the worker.
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ import sys
 from collections.abc import Iterator
 
 from shardtune.config import ParallelConfig
-from shardtune.runtime import cpu_tuning
+from shardtune.runtime import cpu_tuning, warm_start
 from shardtune.runtime.device import device_type
-from shardtune.runtime.distributed import LAUNCHER_PID
+from shardtune.runtime.warm_start import LAUNCHER_PID
 
 
 def worker_env(parallel: ParallelConfig, run_id: str) -> dict[str, str]:
@@ -39,7 +40,12 @@ _BOOT = ("import json, os, sys; os.environ.update(json.loads(sys.argv[1])); "
 
 
 def worker_command(env: dict[str, str], module: str, args: list[str]) -> tuple[str, list[str]]:
-    """(entrypoint, arguments) that run ``python -m module *args`` with ``env`` added to its environment."""
+    """(entrypoint, arguments) that run ``python -m module *args`` with ``env`` added to its environment:
+    forked from a warm starter started with this process's environment and ``env`` (less the launcher's
+    own id, which differs each run), or, under ``SHARDTUNE_WORKER_START=fresh``, a fresh interpreter."""
+    if warm_start.warm():
+        starter_env = {**os.environ, **{k: v for k, v in env.items() if k != LAUNCHER_PID}}
+        return warm_start.client_command(warm_start.starter_address(starter_env), env, module, args)
     return sys.executable, ["-c", _BOOT, json.dumps(env), "-m", module, *args]
 
 

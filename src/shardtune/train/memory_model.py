@@ -35,11 +35,14 @@ RUNTIME_CPU_MB = 295
 #: What a CPU worker adds once it loads and trains, whatever the model: the model's and optimizer's
 #: Python objects, autograd's and the memory sampler's threads, glibc's per-thread arenas. The limit of
 #: the measured peak minus RUNTIME_CPU_MB as the model shrinks to nothing (tests/test_equivalence.py).
-STEP_OVERHEAD_CPU_MB = 8
+#: Workers forked from the warm starter (runtime/warm_start.py) have imported before loading what a fresh
+#: one imports while it trains: about 1 MB less here than for a fresh worker.
+STEP_OVERHEAD_CPU_MB = 7
 #: What a sharded strategy (FSDP1, FSDP2) adds to that on a CPU worker, whatever the model: FSDP's state
 #: per unit, its hooks and DTensor metadata, gloo's work objects. Fitted to tests/test_equivalence.py's
-#: runs, where it was 7–9 MB for fsdp1 and fsdp2 (part and layer units) and nothing for ddp.
-SHARDED_OVERHEAD_CPU_MB = 8
+#: runs with warm-started workers (fsdp1, and fsdp2 with part and layer units; nothing for ddp); fresh
+#: workers, which import DTensor's and FSDP's modules while they train, add 1–3 MB more.
+SHARDED_OVERHEAD_CPU_MB = 6
 #: transformers before 5.2x imports scikit-learn (and with it pandas) whenever it is installed, from
 #: ``generation/candidate_generator.py``: that much more in every worker (bench/memory.py measures it).
 EAGER_SKLEARN_MB = 51
