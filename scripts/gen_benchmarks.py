@@ -216,6 +216,18 @@ def page_faults(name: str, data: Result) -> list[str]:
     return lines + table(["allocator", "fresh buffer GB/s", "reused buffer GB/s"], rows)
 
 
+def startup(name: str, data: Result) -> list[str]:
+    lines = header(name, data, "fp32 (" + " ".join(data.get("flags") or []) + ")", "python bench/startup.py")
+    lines += [f"{data.get('nproc')} ranks, {cell(data.get('model'))}; {data.get('runs')} runs from one Python process, "
+              "after one `shardtune finetune` command; seconds per run, from the call to its summary.", ""]
+    rows = [[start, r.get("one_command_s"), (r.get("runs_s") or [None])[0], r.get("later_runs_median_s"),
+             (r.get("peaks_mb") or [None])[-1]] for start, r in (data.get("rows") or {}).items()]
+    ratios = data.get("ratios") or {}
+    rows.append(["warm / fresh", ratios.get("one_command"), None, ratios.get("later_runs"), None])
+    return lines + table(["workers", "one command s", "first of the runs s", "later runs s (median)",
+                          "train peak MiB a rank"], rows)
+
+
 def nf4_dequant(name: str, data: Result) -> list[str]:
     lines = header(name, data, "the weight's own dtype (each row)", "python bench/nf4_dequant.py")
     lines += [f"Mean of {data.get('repeat')} dequantizations of one NF4 weight on {cell(data.get('device'))}, "
@@ -575,6 +587,7 @@ KINDS: list[tuple[str, str, Callable[[str, Any], list[str]]]] = [
     ("profile-", "Where a step's time goes: bench/step_profile.py", profile),
     ("big-data", "A million records: bench/big_data.py", big_data),
     ("page-faults", "Fresh against reused buffers: bench/page_faults.py", page_faults),
+    ("startup", "Start-up: bench/startup.py", startup),
     ("nf4-dequant", "Dequantizing an NF4 weight: bench/nf4_dequant.py", nf4_dequant),
     ("qlora-quality", "How far 4-bit weights move the logits: bench/qlora_quality.py", qlora_quality),
     ("preference-demo", "Preference tuning: the DPO demo", preference_demo),
