@@ -340,11 +340,14 @@ for dtype in (torch.float32, torch.bfloat16):
     for rows in (1024, 8192):  # 1024 x 1024 / 2 packed bytes: half a chunk; 8192 x 1024 / 2: four chunks
         t = module.NF4Tensor.from_tensor(torch.randn(rows, 1024, dtype=dtype), 64, 256)
         nf4_torchao.dequantize(t)  # the code table, made once
-        open("/proc/self/clear_refs", "w").write("5")  # the peak starts again from what is resident now
-        before = status("VmRSS")
-        out = nf4_torchao.dequantize(t)
-        got.append([str(dtype), t.numel(), status("VmHWM") - before])
-        del out
+        held = []
+        for _ in range(3):  # the kernel's count lags by a few pages now and then (below): the largest of three
+            open("/proc/self/clear_refs", "w").write("5")  # the peak starts again from what is resident now
+            before = status("VmRSS")
+            out = nf4_torchao.dequantize(t)
+            held.append(status("VmHWM") - before)
+            del out
+        got.append([str(dtype), t.numel(), max(held)])
 print(json.dumps(got))
 """
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
