@@ -6,7 +6,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -17,6 +16,7 @@ from shardtune.model.footprint import checkpoint_bytes
 from shardtune.model.hub import HubModelError, parse_hub_id
 from shardtune.runtime.safetensors_header import read_header
 
+import cli_process
 from tiny import instruction_records, make_model, write_jsonl
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -215,8 +215,8 @@ def test_cli_finetune_plan_eval_on_a_cached_id_offline(source: Path, tmp_path: P
     env.pop("HF_HUB_CACHE", None)
 
     def shardtune(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "shardtune", *args], env=env, capture_output=True,
-                              text=True, timeout=300)
+        return subprocess.run(cli_process.command(list(args), env), env=env, capture_output=True, text=True,
+                              timeout=300)
 
     plan = shardtune("plan", "--model", "org/tiny", "--batch-size", "2", "--seq-len", "32", "--json")
     assert plan.returncode == 0, plan.stderr

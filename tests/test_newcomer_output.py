@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+import cli_process
 from tiny import instruction_records, make_model, write_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
@@ -23,11 +24,15 @@ NOISE = ("Enum subclass", "Failed to load", "IProgress not found", "Loading weig
 LOG_PREFIX = re.compile(r"^\d\d:\d\d:\d\d \[rank \d+\] [A-Z]+ ")
 
 
-def shardtune(*args: str, cwd: Path | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
+def shardtune(*args: str, cwd: Path | None = None, env: dict | None = None,
+              fresh: bool = False) -> subprocess.CompletedProcess:
+    """The command run as typed; forked from a starter that imported the libraries already (tests/cli_process.py)
+    unless ``fresh``: what the libraries print when they are imported shows in a fresh process only."""
     environ = {k: v for k, v in os.environ.items() if k != "SHARDTUNE_VERBOSE"}
     environ["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])
     environ.update(env or {})
-    return subprocess.run([sys.executable, "-m", "shardtune", *args], capture_output=True, text=True, cwd=cwd,
+    argv = [sys.executable, "-m", "shardtune", *args] if fresh else cli_process.command(list(args), environ)
+    return subprocess.run(argv, capture_output=True, text=True, cwd=cwd,
                           env=environ, timeout=600)
 
 
@@ -117,8 +122,8 @@ def test_merge_counts_tensors_says_mib_and_what_dtype_it_writes(run, tiny_llama:
 def test_verbose_keeps_the_library_warnings(run, tiny_llama: Path, tmp_path: Path) -> None:
     root, _ = run
     args = ("merge", "--model", str(tiny_llama), "--adapter", str(root / "out" / "adapter"))
-    quiet = shardtune(*args, "--out", str(tmp_path / "a"))
-    loud = shardtune(*args, "--out", str(tmp_path / "b"), "--verbose")
+    quiet = shardtune(*args, "--out", str(tmp_path / "a"), fresh=True)
+    loud = shardtune(*args, "--out", str(tmp_path / "b"), "--verbose", fresh=True)
     assert quiet.returncode == loud.returncode == 0
     assert not any(n in quiet.stderr for n in NOISE)
     assert any(n in loud.stderr for n in NOISE[:2])  # torchao's and torch's import-time lines
