@@ -3,9 +3,10 @@
 A fresh ``python -m shardtune`` spends seconds importing torch, transformers and peft before it reads its
 arguments, even to print one error line; the suite starts dozens. ``command`` returns the command line of
 the warm starter's client (runtime/warm_start.py): the process it starts is forked from a starter that
-imported those once under exactly the environment the command is given (one starter per environment, the
-few most recent kept), then runs ``python -m shardtune ARGS`` in its working directory. Its exit code,
-output and signals are the command's, as for the workers the product starts the same way. What a process
+imported those once under the environment the command is given (as ``warm_start.same_start`` compares
+them: one starter per environment, the few most recent kept), then runs ``python -m shardtune ARGS`` in
+its working directory. Its exit code, output and signals are the command's, as for the workers the product
+starts the same way. What a process
 group or a terminal does (a Ctrl-C to the whole group, the agent's own children) is still tested on fresh
 processes (test_checkpoint.py, test_launch.py).
 """
@@ -28,7 +29,7 @@ _starters: OrderedDict[frozenset, warm_start._Starter] = OrderedDict()
 def command(args: list[str], env: dict[str, str] | None = None) -> list[str]:
     """The command line that runs ``python -m shardtune *args``; run it with ``env`` (default: this process's)."""
     environ = dict(os.environ if env is None else env)
-    key = frozenset(environ.items())
+    key = frozenset(warm_start.same_start(environ).items())
     starter = _starters.pop(key, None)
     if starter is None or not starter.alive():
         starter = warm_start._Starter(environ, preload=PRELOAD)

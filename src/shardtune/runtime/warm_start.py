@@ -358,19 +358,25 @@ _starter: _Starter | None = None
 _LOCK = threading.Lock()
 
 
-#: Set in a process's os.environ by a library the first time it needs them (torch's compiler, to the default
-#: it would use anyway), so a launcher's environment gains them during its first run; they are read when
-#: used, never at start or import, so a starter with or without them serves alike.
-_SET_WHEN_USED = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+#: Variables a starter's environment is not compared on: read when used, never at start or import, so a
+#: starter with or without them (or with other values) serves alike; each worker gets the launcher's own
+#: values with the rest of its environment. Libraries set the first two in a process's os.environ the first
+#: time they need them (torch's compiler, to the default it would use anyway), so a launcher gains them during
+#: its first run; pytest sets the last for each test it runs (a suite that runs fine-tunes, shardtune's own).
+NOT_READ_AT_START = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "PYTEST_CURRENT_TEST")
+
+
+def same_start(env: dict[str, str]) -> dict[str, str]:
+    """``env`` as starters are compared on: two environments equal here start the same process."""
+    return {k: v for k, v in env.items() if k not in NOT_READ_AT_START}
 
 
 def starter_address(env: dict[str, str]) -> str:
     """The socket of a starter whose environment is ``env`` (the launcher's, with what workers add): the
     running one, or a new one in its place."""
     global _starter
-    env = {k: v for k, v in env.items() if k not in _SET_WHEN_USED}
     with _LOCK:
-        if _starter is not None and (_starter.env != env or not _starter.alive()):
+        if _starter is not None and (same_start(_starter.env) != same_start(env) or not _starter.alive()):
             _starter.stop()
             _starter = None
         if _starter is None:
