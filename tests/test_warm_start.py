@@ -158,3 +158,28 @@ def test_an_unknown_start_mode_is_named(monkeypatch):
     monkeypatch.setenv(warm_start.START_ENV, "cold")
     with pytest.raises(ConfigError, match="SHARDTUNE_WORKER_START='cold' is not one of warm, fresh"):
         warm_start.warm()
+
+
+def test_a_finetune_starts_its_starter_during_its_checks_and_forks_its_workers_from_it(run_root, monkeypatch):
+    """The starter starts once the launcher's cheap checks have passed (its imports overlap the data's reading
+    and the planning); nothing from then to the launch may change what it was started with, or the launch
+    would start a second one."""
+    import inspect
+
+    import shardtune
+
+    started = []
+
+    class Counting(warm_start._Starter):
+        def __init__(self, *args, **kwargs) -> None:
+            started.append(any(frame.function == "preflight" for frame in inspect.stack()))
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(warm_start, "_Starter", Counting)
+    monkeypatch.delenv(warm_start.START_ENV, raising=False)
+    monkeypatch.setenv("SHARDTUNE_TEST_MARK", "prestart")  # not the environment of any starter running now
+    summary = shardtune.finetune({"model": str(run_root / "model"), "data": str(run_root / "train.jsonl"),
+                                  "out": str(run_root / "prestart"), "dtype": "fp32", "steps": 1, "batch-size": 4,
+                                  "seq-len": 64}, nproc=2)
+    assert summary["world_size"] == 2
+    assert started == [True]

@@ -14,7 +14,7 @@ quiet_by_default()  # before torch or torchao is imported in this process (see r
 
 def finetune(config: str | Path | dict[str, Any] | None = None, nproc: int | None = None,
              verbose: bool | None = None, **options: Any) -> dict:
-    """Run a fine-tune in fresh worker processes and return its summary (the summary.json fields).
+    """Run a fine-tune in worker processes of its own and return its summary (the summary.json fields).
 
     ``config`` is a YAML path or a dict of options named like the CLI flags (``lora-r`` or
     ``lora_r``); keyword ``options`` override it. Works from scripts and notebooks alike.

@@ -21,6 +21,7 @@ from shardtune.runplan import RunPlan
 from shardtune.runtime.device import check_local_ranks, decide_dtype, device_type, warn_oversubscribed
 from shardtune.runtime.files import OutputError, check_writable
 from shardtune.runtime.versions import check_apis
+from shardtune.runtime.workers import prestart
 from shardtune.train.data.checks import pair_warnings, warn_about_data
 from shardtune.train.data.pack import check_packing
 from shardtune.train.data.pairs import PAIRS, split_pair
@@ -68,6 +69,8 @@ def preflight(cfg: Config) -> tuple[Config, RunPlan]:
         resume_point(cfg, model_dir)
     if cfg.lora.init_adapter:  # the one adapter check, and that it was made from this base (model/adapter_dir.py)
         check_adapter_dir(cfg.lora.init_adapter, "option 'init-adapter': adapter directory", base=model_dir)
+    # Accepted so far: the workers' starter imports the libraries from now on, alongside the checks below.
+    prestart(cfg.parallel)
     tokenizer = load_tokenizer(model_dir)
     if (warning := context_warning(model_dir, cfg.data.seq_len)) is not None:
         log.warning("%s", warning)

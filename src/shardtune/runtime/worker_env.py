@@ -39,13 +39,18 @@ _BOOT = ("import json, os, sys; os.environ.update(json.loads(sys.argv[1])); "
          "os.execv(sys.executable, [sys.executable, *sys.argv[2:]])")
 
 
+def starter_env(env: dict[str, str]) -> dict[str, str]:
+    """The environment of the starter workers with ``env`` added are forked from: this process's and
+    ``env``, less the launcher's own id (a different one each run: the starter rewrites it per worker)."""
+    return {**os.environ, **{k: v for k, v in env.items() if k != LAUNCHER_PID}}
+
+
 def worker_command(env: dict[str, str], module: str, args: list[str]) -> tuple[str, list[str]]:
     """(entrypoint, arguments) that run ``python -m module *args`` with ``env`` added to its environment:
     forked from a warm starter started with this process's environment and ``env`` (less the launcher's
     own id, which differs each run), or, under ``SHARDTUNE_WORKER_START=fresh``, a fresh interpreter."""
     if warm_start.warm():
-        starter_env = {**os.environ, **{k: v for k, v in env.items() if k != LAUNCHER_PID}}
-        return warm_start.client_command(warm_start.starter_address(starter_env), env, module, args)
+        return warm_start.client_command(warm_start.starter_address(starter_env(env)), env, module, args)
     return sys.executable, ["-c", _BOOT, json.dumps(env), "-m", module, *args]
 
 

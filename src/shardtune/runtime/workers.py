@@ -1,6 +1,7 @@
 """Starting worker processes with torch's elastic launcher, as torchrun does.
 
-Workers are fresh ``python -m MODULE ARGS`` processes (nothing of the caller is forked or pickled),
+Workers run ``python -m MODULE ARGS`` in processes of their own, forked from a warm starter that
+imported the libraries once (warm_start.py), never from the caller (nothing of it is forked or pickled),
 so the same path serves the command line, scripts and notebooks, for training and eval workers alike.
 Their environment is worker_env.py's (nothing is set in the caller's), their output is relayed as it
 is written (output_relay.py), and a failure names the rank that caused it (worker_failures.py).
@@ -19,8 +20,9 @@ import uuid
 from pathlib import Path
 
 from shardtune.config import ParallelConfig
+from shardtune.runtime import warm_start
 from shardtune.runtime.output_relay import OutputRelay
-from shardtune.runtime.worker_env import kept_environ, worker_command, worker_env
+from shardtune.runtime.worker_env import kept_environ, starter_env, worker_command, worker_env
 from shardtune.runtime.worker_failures import TIMED_OUT, Stopped, WorkerError, describe
 
 # On SIGTERM/SIGINT the elastic agent forwards the signal and waits this long before SIGKILL: time for
@@ -30,6 +32,14 @@ STOP_TIMEOUT = int(os.environ.get("SHARDTUNE_STOP_TIMEOUT", "120"))
 
 def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+
+
+def prestart(parallel: ParallelConfig) -> None:
+    """Start the warm starter that ``launch_workers(parallel, ...)`` will fork the workers from, now: its
+    imports then overlap the launcher's own checks (reading and tokenizing the data, planning) instead of
+    following them. The launch reuses it while this process's environment stays as it is now."""
+    if warm_start.warm() and not under_torchrun():
+        warm_start.starter_address(starter_env(worker_env(parallel, "")))
 
 
 def free_port() -> int:
