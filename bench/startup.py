@@ -9,7 +9,10 @@ process of its own, twice over:
 
 - ``shardtune finetune`` typed once (one command, one run: its starter is started for that run);
 - ``--runs`` fine-tunes from one Python process (``shardtune.finetune``, as a notebook or a script runs
-  several): the first starts the starter, the later ones fork from it.
+  several): the first starts the starter, the later ones fork from it;
+- one fine-tune on ``--records`` records (a cold token cache: the launcher's checks read and tokenize them),
+  warm, with the starter started once the cheap checks pass (preflight's ``prestart``) and, for comparison,
+  only at the launch: the starter's imports overlap the reading, or follow it.
 
 Prints seconds per run and writes bench/results/startup.json. Every run's final loss and peak must be
 the same under both: the bench fails otherwise.
@@ -50,6 +53,28 @@ print("RESULT " + json.dumps(results))
 """
 
 
+PRESTART = """
+import sys, time
+import shardtune.preflight
+if sys.argv[1] == "off":  # the starter starts at the launch, after every check
+    shardtune.preflight.prestart = lambda parallel: None
+from shardtune.cli import main
+started = time.perf_counter()
+code = main(sys.argv[2:])
+print(f"RESULT {time.perf_counter() - started}")
+raise SystemExit(code)
+"""
+
+
+def prestart_run(mode: str, model: Path, data: Path, out: Path, nproc: int, env: dict[str, str]) -> float:
+    """Seconds from ``finetune``'s call to its end, the starter started at preflight (``on``) or at the launch."""
+    done = subprocess.run([sys.executable, "-c", PRESTART, mode, "finetune", "--model", str(model), "--data",
+                           str(data), "--out", str(out), "--nproc", str(nproc), *FLAGS],
+                          env={**env, "SHARDTUNE_CACHE": str(out) + "-cache"}, check=True, capture_output=True,
+                          text=True)
+    return float(next(ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")).split()[1])
+
+
 def one_command(model: Path, data: Path, out: Path, nproc: int, env: dict[str, str]) -> float:
     started = time.perf_counter()
     subprocess.run([sys.executable, "-m", "shardtune", "finetune", "--model", str(model), "--data", str(data),
@@ -68,6 +93,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--records", type=int, default=40000)
     parser.add_argument("--out", type=Path, default=HERE / "results" / "startup.json")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="startup-bench-"))
@@ -81,6 +107,10 @@ def main() -> None:
         rows[start] = {"one_command_s": command, "runs_s": [r["seconds"] for r in runs],
                        "later_runs_median_s": statistics.median(r["seconds"] for r in runs[1:]) if len(runs) > 1
                        else None, "losses": [r["loss"] for r in runs], "peaks_mb": [r["peak_mb"] for r in runs]}
+    big = write_jsonl(work / "big.jsonl", instruction_records(args.records))
+    warm_env = {**os.environ, "SHARDTUNE_WORKER_START": "warm"}
+    prestart = {mode: prestart_run(mode, model, big, work / f"prestart-{mode}", args.nproc, warm_env)
+                for mode in ("off", "on")}
     fresh, warm = rows["fresh"], rows["warm"]
     if fresh["losses"] != warm["losses"]:
         raise SystemExit(f"the runs differ: losses {fresh['losses']} (fresh) against {warm['losses']} (warm)")
@@ -92,8 +122,13 @@ def main() -> None:
               "later_runs": (warm["later_runs_median_s"] / fresh["later_runs_median_s"]
                              if fresh["later_runs_median_s"] else None)}
     print("warm / fresh: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items() if v is not None))
+    ratios["prestart"] = prestart["on"] / prestart["off"]
+    print(f"{args.records} records, cold token cache: starter started at the launch {prestart['off']:.1f} s, "
+          f"at preflight {prestart['on']:.1f} s ({ratios['prestart']:.2f})")
     result = {**run_record(), "nproc": args.nproc, "runs": args.runs, "model": "tests/tiny.py llama, 2 layers",
-              "flags": FLAGS, "rows": rows, "ratios": ratios}
+              "flags": FLAGS, "rows": rows,
+              "prestart": {"records": args.records, "at_launch_s": prestart["off"], "at_preflight_s": prestart["on"]},
+              "ratios": ratios}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")

@@ -224,8 +224,18 @@ def startup(name: str, data: Result) -> list[str]:
              (r.get("peaks_mb") or [None])[-1]] for start, r in (data.get("rows") or {}).items()]
     ratios = data.get("ratios") or {}
     rows.append(["warm / fresh", ratios.get("one_command"), None, ratios.get("later_runs"), None])
-    return lines + table(["workers", "one command s", "first of the runs s", "later runs s (median)",
-                          "train peak MiB a rank"], rows)
+    lines += table(["workers", "one command s", "first of the runs s", "later runs s (median)",
+                    "train peak MiB a rank"], rows)
+    prestart = data.get("prestart")
+    if prestart:
+        lines += ["", f"Warm workers, one fine-tune on {prestart.get('records')} records with a cold token cache (the "
+                  "launcher reads and tokenizes them before the launch), seconds from the call to its summary: the "
+                  "starter started only at the launch, or at preflight once the cheap checks pass (what `finetune` "
+                  "does).", ""]
+        lines += table(["starter started", "s"], [["at the launch", prestart.get("at_launch_s")],
+                                                   ["at preflight", prestart.get("at_preflight_s")],
+                                                   ["preflight / launch", ratios.get("prestart")]])
+    return lines
 
 
 def nf4_dequant(name: str, data: Result) -> list[str]:
