@@ -147,3 +147,33 @@ def test_results_go_to_the_runs_tracker_and_report(setup, capsys):
     md = (run / "report.md").read_text()
     base, tuned = saved["base"]["tiny_choice"]["acc,none"], saved["adapter"]["tiny_choice"]["acc,none"]
     assert f"| tiny_choice | acc | {base:.4f} | {tuned:.4f} | {tuned - base:+.4f} |" in md
+
+
+def test_own_tasks_are_indexed_alone_and_one_built_on_lm_evals_own_with_them(setup, tmp_path, monkeypatch):
+    """lm-eval's thousands of task files take seconds to index: tasks all in --include-path are looked up
+    there alone, and a group of the user's that names one of lm-eval's own tasks is looked up with them."""
+    import lm_eval.tasks
+
+    from shardtune.tools import harness
+
+    root, model, adapter, tasks, records = setup
+    indexed = []
+    real = lm_eval.tasks.TaskManager
+
+    def counting(*args, **kwargs):
+        indexed.append(kwargs.get("include_defaults", True))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", counting)
+    _, found = harness._tasks(["tiny_choice"], str(tasks))
+    assert any("tiny_choice" in str(key) for key in found) and indexed == [False]
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    (mixed / "tiny_choice.yaml").write_text((tasks / "tiny_choice.yaml").read_text())
+    (mixed / "mix.yaml").write_text("group: mix\ntask:\n  - tiny_choice\n  - arc_easy\n")
+    indexed.clear()
+    try:
+        harness._tasks(["mix"], str(mixed))
+    except harness.HarnessError as err:  # arc_easy's data is not cached on a machine without network
+        assert "could not be loaded" in str(err), err
+    assert indexed == [False, True]
