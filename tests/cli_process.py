@@ -6,9 +6,8 @@ the warm starter's client (runtime/warm_start.py): the process it starts is fork
 imported those once under the environment the command is given (as ``warm_start.same_start`` compares
 them: one starter per environment, the few most recent kept), then runs ``python -m shardtune ARGS`` in
 its working directory. Its exit code, output and signals are the command's, as for the workers the product
-starts the same way. What a process
-group or a terminal does (a Ctrl-C to the whole group, the agent's own children) is still tested on fresh
-processes (test_checkpoint.py, test_launch.py).
+starts the same way. What a process group or a terminal does (a Ctrl-C to the whole group, the agent's own
+children) is still tested on fresh processes (test_checkpoint.py, test_launch.py).
 """
 
 from __future__ import annotations

@@ -41,8 +41,6 @@ class Worker:
         return self.rank == 0
 
 
-
-
 def die_with_parent() -> None:
     """Make the kernel SIGKILL this worker when the process that started it dies (Linux).
 

@@ -117,9 +117,9 @@ def serve(name: str, alive_fd: int, ready_fd: int, output_dir: str, preload: tup
     listener.listen(64)
     os.write(ready_fd, b"1")
     os.close(ready_fd)
-    for name in preload:
+    for module in preload:
         try:
-            importlib.import_module(name)
+            importlib.import_module(module)
         except Exception:  # noqa: BLE001 - see PRELOAD
             pass
     sys.stdout.flush()
@@ -143,7 +143,7 @@ def serve(name: str, alive_fd: int, ready_fd: int, output_dir: str, preload: tup
                 for pid in workers:
                     _kill(pid)
                 os._exit(0)
-            if key.data == "child":
+            elif key.data == "child":
                 os.read(wakeup_r, 4096)
                 _reap(workers, sel)
             elif key.data == "listen":
@@ -232,11 +232,11 @@ def _fork_worker(conn: socket.socket, printed: dict[int, bytes], fresh: bool, cl
         return pid
     try:
         _become_worker(request, fds, printed, fresh, closing + [conn.fileno()])
-    except SystemExit as stop:
-        code = stop.code if isinstance(stop.code, int) or stop.code is None else 1
-        if not isinstance(stop.code, int) and stop.code is not None:
-            print(stop.code, file=sys.stderr)
-        _leave(code or 0)
+    except SystemExit as stop:  # as the interpreter ends on it: a number is the code, anything else is printed
+        if stop.code is None or isinstance(stop.code, int):
+            _leave(stop.code or 0)
+        print(stop.code, file=sys.stderr)
+        _leave(1)
     except BaseException:  # noqa: BLE001 - what ``python -m`` does with an uncaught exception
         import traceback
 
@@ -382,14 +382,6 @@ def starter_address(env: dict[str, str]) -> str:
         if _starter is None:
             _starter = _Starter(env)
         return _starter.address
-
-
-def stop_starter() -> None:
-    """End the starter this process holds, if any (a new run starts another)."""
-    global _starter
-    if _starter is not None:
-        _starter.stop()
-        _starter = None
 
 
 def client_command(address: str, env: dict[str, str], module: str, args: list[str]) -> tuple[str, list[str]]:

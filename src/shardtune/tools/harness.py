@@ -43,7 +43,7 @@ def _tasks(names: list[str], include_path: str | None):
                            "(or pip install lm-eval)") from None
     if include_path:
         check_path(include_path, "--include-path", "dir", error=HarnessError)
-    if include_path:  # tasks of the user's own: indexed alone, where lm-eval's thousands of task files take seconds
+        # tasks of the user's own: indexed alone, where lm-eval's thousands of task files take seconds
         own = TaskManager(include_path=include_path, include_defaults=False)
         if all(n in own.all_tasks for n in names):
             try:
