@@ -21,6 +21,7 @@ if __name__ == "__main__":
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     report = {"pid": os.getpid(), "ppid": os.getppid(), "cwd": os.getcwd(), "path0": sys.path[0],
               "argv": sys.argv[1:], "mark": os.environ.get("SHARDTUNE_TEST_MARK"),
+              "fail_at": os.environ.get("SHARDTUNE_TEST_FAIL_AT"),
               "imported_at_start": IMPORTED_AT_START}
     (out / f"rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps(report))
     print(f"rank {os.environ.get('RANK')} reporting", flush=True)

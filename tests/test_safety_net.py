@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import pytest
 
 from shardtune.runtime.workers import free_port
 
+import cli_process
 from tiny import make_run_dir
 
 
@@ -28,10 +28,12 @@ def root(tmp_path_factory) -> Path:
 
 def _finetune(root: Path, out: Path, *extra: str, env: dict | None = None,
               timeout: float = 300) -> subprocess.CompletedProcess:
-    argv = [sys.executable, "-m", "shardtune", "finetune", "--model", str(root / "model"), "--data",
-            str(root / "train.jsonl"), "--out", str(out), "--dtype", "fp32", "--steps", "2", "--batch-size", "4",
-            "--seq-len", "64", *extra]
-    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
+    """``shardtune finetune`` as a process of its own (forked from a starter: tests/cli_process.py)."""
+    args = ["finetune", "--model", str(root / "model"), "--data", str(root / "train.jsonl"), "--out", str(out),
+            "--dtype", "fp32", "--steps", "2", "--batch-size", "4", "--seq-len", "64", *extra]
+    environ = {**os.environ, **(env or {})}
+    return subprocess.run(cli_process.command(args, environ), capture_output=True, text=True, timeout=timeout,
+                          env=environ)
 
 
 @pytest.mark.parametrize("stage", ["preflight", "launch", "load", "train", "save"])

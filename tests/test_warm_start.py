@@ -53,6 +53,13 @@ def test_runs_from_one_process_share_a_starter_until_the_environment_changes(tmp
     assert [r["cwd"] for r in second.values()] == [str(tmp_path)] * 2 == [r["path0"] for r in second.values()]
     assert all(r["argv"] == [str(tmp_path / "second")] for r in second.values())
     assert all(r["cwd"] != str(tmp_path) for r in first.values())
+    # A variable read only while running (a test's injected fault) does not ask for another starter: each
+    # run's workers see that run's value.
+    monkeypatch.setenv("SHARDTUNE_TEST_FAIL_AT", "nowhere")
+    injected = _launch(tmp_path / "injected")
+    assert {r["ppid"] for r in injected.values()} == {starter}
+    assert {r["fail_at"] for r in (*injected.values(), *second.values())} == {"nowhere", None}
+    assert {r["fail_at"] for r in injected.values()} == {"nowhere"}
 
     monkeypatch.setenv("SHARDTUNE_TEST_MARK", "changed")  # read at import by some library: a new starter
     third = _launch(tmp_path / "third")

@@ -34,6 +34,8 @@ import socket
 import sys
 import threading
 
+from shardtune.runtime.failure import FAIL_AT
+
 START_ENV = "SHARDTUNE_WORKER_START"
 #: Set by our launcher for its workers, as "PID:RUN_ID": the process whose death must end them (the launcher,
 #: or the starter a worker was forked from, which ends with the launcher). distributed.die_with_parent reads it.
@@ -362,8 +364,9 @@ _LOCK = threading.Lock()
 #: starter with or without them (or with other values) serves alike; each worker gets the launcher's own
 #: values with the rest of its environment. Libraries set the first two in a process's os.environ the first
 #: time they need them (torch's compiler, to the default it would use anyway), so a launcher gains them during
-#: its first run; pytest sets the last for each test it runs (a suite that runs fine-tunes, shardtune's own).
-NOT_READ_AT_START = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "PYTEST_CURRENT_TEST")
+#: its first run; pytest sets the third for each test it runs (a suite that runs fine-tunes, shardtune's own);
+#: the last is read only where a stage of the run begins (runtime/failure.py), for the tests that inject faults.
+NOT_READ_AT_START = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "PYTEST_CURRENT_TEST", FAIL_AT)
 
 
 def same_start(env: dict[str, str]) -> dict[str, str]:
