@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 
 from shardtune.cli import main
 
+import cli_process
 from tiny import make_model, write_jsonl
 
 G = 4
@@ -666,24 +667,22 @@ def test_sigterm_while_generating_stops_at_once_keeping_the_last_step(grpo_root,
     the stop message names it, exit 128 + SIGTERM; once (DDP's run saves every step: not again)."""
     import signal
     import subprocess
-    import sys
     import time
 
     from shardtune.train.checkpoint_files import find_latest
 
     out = grpo_root / f"sigterm-{strategy}"
     args = argv(grpo_root, out.name, "--strategy", "fsdp2" if strategy == "fsdp2" else "ddp", "--nproc", "2",
-                "--steps", "1000", "--num-iterations", "1", "--max-completion-length", "600",
+                "--steps", "1000", "--num-iterations", "1", "--max-completion-length", "300",
                 "--save-every", "1" if strategy == "ddp" else "1000")
-    proc = subprocess.Popen([sys.executable, "-m", "shardtune", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(cli_process.command(args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     metrics_file, deadline = out / "metrics.jsonl", time.monotonic() + 300
     while not (metrics_file.is_file() and metrics_file.read_text().strip()):
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
             pytest.fail(f"the run ended or stalled before step 1:\n{proc.communicate()[0][-3000:]}")
         time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)  # step 2 is generating its 600 tokens a row
+    proc.send_signal(signal.SIGTERM)  # step 2 is generating its 300 tokens a row
     output = proc.communicate(timeout=120)[0]
     assert proc.returncode == 128 + signal.SIGTERM, output[-3000:]
     assert [m["step"] for m in metrics(out)] == [1], output[-3000:]
