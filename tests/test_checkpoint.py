@@ -22,6 +22,7 @@ import torch
 
 from shardtune.runtime.distributed import COLLECTIVE_TIMEOUT
 
+import cli_process
 from dist_utils import finetune_on_ranks, rank_processes
 
 STEPS = 6
@@ -193,11 +194,14 @@ def test_incomplete_or_corrupt_checkpoints_are_skipped_with_a_warning(root, refe
     assert find_latest(root / "no-such-run") is None
 
 
-def _cli(root: Path, out: str, *extra: str) -> subprocess.Popen:
+def _cli(root: Path, out: str, *extra: str, forked: bool = False) -> subprocess.Popen:
+    """``shardtune finetune`` started as a fresh process: its workers are its descendants, as the tests that
+    look for them need; ``forked``: forked from a starter that imported already (tests/cli_process.py), the
+    launcher alone is this process's (it forwards signals)."""
     options = _options(root, out, 2, steps=100_000, **{"save-every": 1000})
-    flags = [part for k, v in options.items() for part in (f"--{k}", str(v))]
-    return subprocess.Popen([sys.executable, "-m", "shardtune", "finetune", *flags, *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    args = ["finetune", *[part for k, v in options.items() for part in (f"--{k}", str(v))], *extra]
+    command = cli_process.command(args) if forked else [sys.executable, "-m", "shardtune", *args]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def _wait_for_steps(out: Path, n: int, proc: subprocess.Popen, timeout: float = 180) -> None:
@@ -214,7 +218,7 @@ def test_sigterm_saves_a_checkpoint_and_says_how_to_resume(root):
     from shardtune.train.checkpoint_files import find_latest
 
     out = root / "sigterm"
-    proc = _cli(root, "sigterm")
+    proc = _cli(root, "sigterm", forked=True)
     _wait_for_steps(out, 1, proc)
     proc.send_signal(signal.SIGTERM)  # to the launcher, as a scheduler or `kill` would
     output = proc.communicate(timeout=150)[0]
@@ -228,7 +232,7 @@ def test_sigterm_saves_a_checkpoint_and_says_how_to_resume(root):
     assert command[:2] == ["shardtune", "finetune"] and "--resume" in command
 
     # The printed command continues the run (here only two more steps: flags override the config file).
-    done = subprocess.run([sys.executable, "-m", *command, "--steps", str(step + 2)], capture_output=True,
+    done = subprocess.run(cli_process.command([*command[1:], "--steps", str(step + 2)]), capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert [m["step"] for m in _metrics(out)] == list(range(1, step + 3))
