@@ -46,8 +46,7 @@ def preflight(cfg: Config) -> tuple[Config, RunPlan]:
     options decided and the run plan every worker runs (train/resolve.py)."""
     from shardtune.runtime.logs import quiet_libraries
 
-    quiet_libraries()
-    check_apis()  # a too-old torch/transformers fails here, by name, not later on a silent fallback
+    quiet_libraries(imports=False)
     validate(cfg)
     # Before any worker starts: a missing GPU, or more ranks than GPUs, is a config error, not an NCCL hang.
     check_local_ranks(device_type(cfg.parallel.device), cfg.parallel.nproc)
@@ -69,8 +68,11 @@ def preflight(cfg: Config) -> tuple[Config, RunPlan]:
         resume_point(cfg, model_dir)
     if cfg.lora.init_adapter:  # the one adapter check, and that it was made from this base (model/adapter_dir.py)
         check_adapter_dir(cfg.lora.init_adapter, "option 'init-adapter': adapter directory", base=model_dir)
-    # Accepted so far: the workers' starter imports the libraries from now on, alongside the checks below.
+    # Accepted so far: the workers' starter imports the libraries from now on, alongside the checks below
+    # (the libraries' import here among them: before it, nothing of torch's beyond the device was needed).
     prestart(cfg.parallel)
+    quiet_libraries()
+    check_apis()  # a too-old torch/transformers fails here, by name, not later on a silent fallback
     tokenizer = load_tokenizer(model_dir)
     if (warning := context_warning(model_dir, cfg.data.seq_len)) is not None:
         log.warning("%s", warning)

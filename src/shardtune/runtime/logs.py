@@ -113,14 +113,18 @@ def import_quietly(module: str):
             lg.setLevel(level)
 
 
-def quiet_libraries() -> None:
-    """Silence what libraries print that says nothing to a user; ``--verbose`` keeps all of it."""
+def quiet_libraries(imports: bool = True) -> None:
+    """Silence what libraries print that says nothing to a user; ``--verbose`` keeps all of it.
+    ``imports=False``: all but importing torchao and transformers (seconds), for a caller that has not
+    imported them yet; the environment is set in full either way (a worker's starter is started by it)."""
     if verbose():
         return
     quiet_by_default()
     for pattern in _HARMLESS:
         warnings.filterwarnings("ignore", message=pattern)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if not imports:
+        return
     try:
         import_quietly("torchao")  # transformers and peft import it when installed: take the noise here
     except ImportError:
