@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +11,7 @@ import torch
 
 from test_equivalence import grads_and_training
 
+import cli_process
 from dist_utils import finetune_on_ranks, free_port, run_ranks
 from tiny import make_run_dir, run_options
 
@@ -113,8 +113,8 @@ def test_two_loopback_nodes_hsdp_give_the_one_rank_adapter_and_resume_as_plain_f
     """2 "nodes" x 2 processes, one replica group per node, one --out shared by both nodes."""
     options = _options(root, "nodes", strategy="fsdp2", **{"micro-batch-size": 1, "save-every": 2})
     endpoint = f"127.0.0.1:{free_port()}"
-    runs = [[sys.executable, "-m", "shardtune", "finetune", *_flags(options), "--nproc", "2", "--nnodes", "2",
-             "--node-rank", str(i), "--rdzv-endpoint", endpoint, "--replicate-groups", "2"] for i in (0, 1)]
+    runs = [cli_process.command(["finetune", *_flags(options), "--nproc", "2", "--nnodes", "2", "--node-rank", str(i),
+                                 "--rdzv-endpoint", endpoint, "--replicate-groups", "2"]) for i in (0, 1)]
     procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for cmd in runs]
     logs = [p.communicate(timeout=600)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], logs

@@ -13,6 +13,8 @@ import pytest
 from shardtune.runtime.distributed import COLLECTIVE_TIMEOUT
 from shardtune.runtime.workers import free_port
 
+import cli_process
+
 TESTS = Path(__file__).parent
 REPO = TESTS.parent
 
@@ -80,8 +82,8 @@ def test_two_nodes_on_loopback_and_torchrun_give_the_single_node_adapter(tiny, m
     endpoint = f"127.0.0.1:{free_port()}"
     runs = [
         # Both nodes share one --out, as on a shared file system: the run folder's lock belongs to the run.
-        [sys.executable, "-m", "shardtune", "finetune", *_flags(tiny, "node0"), "--nproc", "1",
-         "--nnodes", "2", "--node-rank", str(i), "--rdzv-endpoint", endpoint]
+        cli_process.command(["finetune", *_flags(tiny, "node0"), "--nproc", "1", "--nnodes", "2", "--node-rank", str(i),
+                             "--rdzv-endpoint", endpoint])
         for i in (0, 1)
     ]
     # Plain torchrun starting `shardtune finetune` on every rank: the command trains in place.
