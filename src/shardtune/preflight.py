@@ -54,10 +54,6 @@ def preflight(cfg: Config) -> tuple[Config, RunPlan]:
     warn_oversubscribed(device_type(cfg.parallel.device), cfg.parallel.nproc)
     cfg = decide_dtype(cfg)  # --dtype auto: for this machine's device, the same for every rank
     check_installed(cfg.output.report_to)
-    if cfg.train.objective == "grpo":  # every --reward imported now: a missing file or name stops here, named
-        load_rewards(cfg.grpo.reward or [], reward_weights(cfg.grpo.reward_weights))
-        if cfg.grpo.vllm_url:  # the generator answers and takes adapters, before any model loads
-            check_server(cfg.grpo.vllm_url)
     out = Path(cfg.output.out)
     if out.exists() and not out.is_dir():
         raise OutputError(f"option 'out': {out} is an existing file, not a directory")
@@ -73,6 +69,11 @@ def preflight(cfg: Config) -> tuple[Config, RunPlan]:
     prestart(cfg.parallel)
     quiet_libraries()
     check_apis()  # a too-old torch/transformers fails here, by name, not later on a silent fallback
+    if cfg.train.objective == "grpo":  # every --reward imported now (after the libraries: a reward module that
+        # imports them is as quiet as ours): a missing file or name stops here, named
+        load_rewards(cfg.grpo.reward or [], reward_weights(cfg.grpo.reward_weights))
+        if cfg.grpo.vllm_url:  # the generator answers and takes adapters, before any model loads
+            check_server(cfg.grpo.vllm_url)
     tokenizer = load_tokenizer(model_dir)
     if (warning := context_warning(model_dir, cfg.data.seq_len)) is not None:
         log.warning("%s", warning)
