@@ -112,6 +112,17 @@ def test_unknown_task_missing_data_and_broken_task_files_are_named(setup, tmp_pa
     root, model, adapter, tasks, records = setup
     assert main(["eval", "--model", str(model), "--tasks", "no_such_task", "--include-path", str(tasks)]) == 2
     assert "no_such_task is not a task lm-eval knows" in capsys.readouterr().err
+    # Causes in the user's own files are named without indexing lm-eval's own thousands of tasks (seconds).
+    import lm_eval.tasks
+
+    indexed = []
+    real = lm_eval.tasks.TaskManager
+
+    def counting(*args, **kwargs):
+        indexed.append(kwargs.get("include_defaults", True))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", counting)
     missing = tmp_path / "tasks"
     missing.mkdir()
     (missing / "gone.yaml").write_text(TASK.replace("tiny_choice", "gone").format(data=tmp_path / "absent.jsonl"))
@@ -124,6 +135,7 @@ def test_unknown_task_missing_data_and_broken_task_files_are_named(setup, tmp_pa
     assert main(["eval", "--model", str(model), "--tasks", "mine", "--include-path", str(broken)]) == 2
     err = capsys.readouterr().err  # lm-eval skipped the file: its parse error, not "unknown task", is the cause
     assert f"{broken / 'mine.yaml'}:3 is not valid YAML" in err, err
+    assert indexed == [False, False]
 
 
 def test_results_go_to_the_runs_tracker_and_report(setup, capsys):
@@ -177,3 +189,16 @@ def test_own_tasks_are_indexed_alone_and_one_built_on_lm_evals_own_with_them(set
     except harness.HarnessError as err:  # arc_easy's data is not cached on a machine without network
         assert "could not be loaded" in str(err), err
     assert indexed == [False, True]
+
+
+def test_a_broken_task_file_is_named_early_only_when_it_names_a_task_asked_for(tmp_path):
+    """Before lm-eval's own tasks are indexed, a broken file of --include-path is the cause of a task not found
+    there only when its text names that task; another may be a task of lm-eval's own, looked up after."""
+    from shardtune.tools.harness import HarnessError, check_task_files
+
+    (tmp_path / "mine.yaml").write_text("task: mine\ndataset_path: json\n  oops: [\n")
+    check_task_files(tmp_path, ["arc_easy"], ["arc_easy"], own_only=True)  # not its cause: no error yet
+    with pytest.raises(HarnessError, match=r"mine is not a task in --include-path .*mine.yaml:3 is not valid YAML"):
+        check_task_files(tmp_path, ["mine"], ["mine"], own_only=True)
+    with pytest.raises(HarnessError, match="arc_easy is not a task lm-eval knows, and .*mine.yaml:3"):
+        check_task_files(tmp_path, ["arc_easy"], ["arc_easy"])  # unknown after the full index: any broken file

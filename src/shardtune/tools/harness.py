@@ -45,6 +45,9 @@ def _tasks(names: list[str], include_path: str | None):
         check_path(include_path, "--include-path", "dir", error=HarnessError)
         # tasks of the user's own: indexed alone, where lm-eval's thousands of task files take seconds
         own = TaskManager(include_path=include_path, include_defaults=False)
+        # a cause in the user's own files is named before lm-eval's own tasks are indexed too: a missing local
+        # data file of a task asked for, or a broken file that names a task not found there
+        check_task_files(include_path, names, [n for n in names if n not in own.all_tasks], own_only=True)
         if all(n in own.all_tasks for n in names):
             try:
                 return own, get_task_dict(names, own)
@@ -74,19 +77,24 @@ class _TaskLoader(yaml.SafeLoader):
 _TaskLoader.add_multi_constructor("!", lambda loader, suffix, node: None)
 
 
-def check_task_files(include_path: str | Path, names: list[str], unknown: list[str]) -> None:
+def check_task_files(include_path: str | Path, names: list[str], unknown: list[str], own_only: bool = False) -> None:
     """The task files under ``include_path``: while a task asked for is ``unknown``, one that is not valid YAML
     is named (lm-eval skipped it: most likely the task's own); the local ``data_files`` of the tasks asked
-    for must exist (datasets' error for a missing local file reads as one about the network)."""
+    for must exist (datasets' error for a missing local file reads as one about the network).
+    ``own_only``: ``unknown`` are the tasks not in ``include_path`` (lm-eval's own tasks not indexed yet, where
+    they may be), so only a broken file whose text names one of them is named."""
     for file in sorted(p for p in Path(include_path).rglob("*") if p.suffix in (".yaml", ".yml") and p.is_file()):
+        text = read_text(file, "task file", HarnessError)
         try:
-            task = yaml.load(read_text(file, "task file", HarnessError), Loader=_TaskLoader)
+            task = yaml.load(text, Loader=_TaskLoader)
         except yaml.YAMLError as err:
-            if not unknown:
+            named = [n for n in unknown if not own_only or n in text]
+            if not named:
                 continue
             mark = getattr(err, "problem_mark", None)
             where = f"{file}:{mark.line + 1}" if mark else str(file)
-            raise HarnessError(f"--tasks: {', '.join(unknown)} is not a task lm-eval knows, and {where} is not valid "
+            known = f"in --include-path {include_path}" if own_only else "lm-eval knows"
+            raise HarnessError(f"--tasks: {', '.join(named)} is not a task {known}, and {where} is not valid "
                                f"YAML ({getattr(err, 'problem', None) or err}): lm-eval skipped that file; fix it "
                                "(is the task defined there?)") from None
         if not isinstance(task, dict) or task.get("task") not in names:
