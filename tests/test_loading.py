@@ -124,3 +124,16 @@ def test_tied_lm_head_in_modules_to_save_trains_alike_on_every_strategy(tmp_path
         assert set(tensors) == set(adapters["single"]), strategy
         for key in tensors:
             torch.testing.assert_close(tensors[key], adapters["single"][key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_finiteness_check_finds_nan_and_both_infinities_anywhere(dtype):
+    from shardtune.model.loading import _finite
+
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        for where in (0, 37, -1):
+            t = torch.randn(8, 16).to(dtype)
+            t.view(-1)[where] = bad
+            assert not _finite(t), (bad, where)
+    assert not _finite(torch.full((4,), float("nan"), dtype=dtype))
+    assert _finite(torch.randn(8, 16).to(dtype)) and _finite(torch.tensor([65504.0, -65504.0]).to(dtype))
