@@ -150,11 +150,13 @@ def _check_finite(weights: Path) -> None:
     import torch
     from safetensors import SafetensorError, safe_open
 
+    from shardtune.model.finite import all_finite
+
     try:
         with safe_open(str(weights), framework="pt") as f:
             for name in f.keys():
                 tensor = f.get_tensor(name)
-                if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                if not all_finite(tensor):
                     bad = int((~torch.isfinite(tensor)).sum())
                     raise AdapterDirError(
                         f"{weights}: tensor {name} holds {bad} non-finite value(s) (NaN or inf) of {tensor.numel()}: "

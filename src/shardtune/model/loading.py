@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from shardtune.model import nf4_fill
 from shardtune.model.checkpoint_keys import map_checkpoint_keys, missing_error
 from shardtune.model.directory import ModelDir, ModelDirError
+from shardtune.model.finite import all_finite
 from shardtune.model.structure import base_model
 from shardtune.runtime.compat import ShardView, piece_boxes
 from shardtune.runtime.logs import EVERY_RANK
@@ -227,15 +228,6 @@ def _shard_group(param: DTensor) -> dist.ProcessGroup:
     return param.device_mesh.get_group(dims[0])
 
 
-def _finite(t: torch.Tensor) -> bool:
-    """Whether every value of ``t`` is finite, from its least and greatest (NaN propagates into both): one
-    reading pass, where ``isfinite(t).all()`` also writes a flag per value into a fresh buffer."""
-    try:
-        return bool(torch.isfinite(torch.stack(torch.aminmax(t))).all())
-    except (RuntimeError, NotImplementedError):  # a dtype aminmax lacks (float8 on some builds)
-        return bool(torch.isfinite(t).all())
-
-
 def _check_finite(loaded: dict[str, torch.Tensor], model_dir: ModelDir) -> None:
     """A NaN/inf in a base weight, named here: found later it would read as a divergence blamed on --lr."""
     for key, tensor in loaded.items():
@@ -243,7 +235,7 @@ def _check_finite(loaded: dict[str, torch.Tensor], model_dir: ModelDir) -> None:
             pieces = [piece for _, piece in piece_boxes(tensor)]
         else:
             pieces = [tensor.to_local() if isinstance(tensor, DTensor) else tensor]
-        bad_pieces = [p for p in pieces if p.is_floating_point() and p.numel() and not _finite(p)]
+        bad_pieces = [p for p in pieces if not all_finite(p)]
         if bad_pieces:
             bad = "NaN" if any(bool(torch.isnan(p).any()) for p in bad_pieces) else "inf"
             raise ModelDirError(f"{model_dir.path}: base weight {key} holds {bad} values (a damaged or wrongly "

@@ -31,6 +31,7 @@ from shardtune.errors import ShardtuneError
 from shardtune.model.adapter_dir import check_adapter_dir
 from shardtune.model.checkpoint_keys import checkpoint_key
 from shardtune.model.directory import ModelDir, check_model_dir
+from shardtune.model.finite import all_finite
 from shardtune.model.lora import PEFT_PREFIX
 from shardtune.model.meta import DTYPES
 from shardtune.runtime.cpu_tuning import tune_malloc
@@ -233,7 +234,7 @@ def merged_tensors(f, names: list[tuple[str, str]], changes: dict[str, Change]) 
 
 def check_finite(name: str, tensor: torch.Tensor, why: str) -> None:
     """Refuse a merged tensor holding NaN or inf: ``why`` says how it got there."""
-    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+    if not all_finite(tensor):
         bad = int((~torch.isfinite(tensor)).sum())
         raise MergeError(f"{name}: {bad} of its {tensor.numel()} values are not finite {why}; nothing was written")
 
