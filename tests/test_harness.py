@@ -108,21 +108,29 @@ def test_limit_and_num_fewshot_reach_the_harness(setup, tmp_path, capsys):
     assert report["limit"] == 4 and report["num_fewshot"] == 1 and "adapter" not in report["results"]
 
 
-def test_unknown_task_missing_data_and_broken_task_files_are_named(setup, tmp_path, capsys, monkeypatch):
-    root, model, adapter, tasks, records = setup
-    assert main(["eval", "--model", str(model), "--tasks", "no_such_task", "--include-path", str(tasks)]) == 2
-    assert "no_such_task is not a task lm-eval knows" in capsys.readouterr().err
-    # Causes in the user's own files are named without indexing lm-eval's own thousands of tasks (seconds).
+@pytest.fixture
+def indexed(monkeypatch) -> list[bool]:
+    """Each lm-eval TaskManager built from now on: whether it indexed lm-eval's own tasks too (seconds)."""
     import lm_eval.tasks
 
-    indexed = []
+    built: list[bool] = []
     real = lm_eval.tasks.TaskManager
 
     def counting(*args, **kwargs):
-        indexed.append(kwargs.get("include_defaults", True))
+        built.append(kwargs.get("include_defaults", True))
         return real(*args, **kwargs)
 
     monkeypatch.setattr(lm_eval.tasks, "TaskManager", counting)
+    return built
+
+
+def test_unknown_task_missing_data_and_broken_task_files_are_named(setup, tmp_path, capsys, indexed):
+    root, model, adapter, tasks, records = setup
+    assert main(["eval", "--model", str(model), "--tasks", "no_such_task", "--include-path", str(tasks)]) == 2
+    assert "no_such_task is not a task lm-eval knows" in capsys.readouterr().err
+    assert indexed == [False, True]
+    # Causes in the user's own files are named without indexing lm-eval's own thousands of tasks.
+    indexed.clear()
     missing = tmp_path / "tasks"
     missing.mkdir()
     (missing / "gone.yaml").write_text(TASK.replace("tiny_choice", "gone").format(data=tmp_path / "absent.jsonl"))
@@ -161,22 +169,12 @@ def test_results_go_to_the_runs_tracker_and_report(setup, capsys):
     assert f"| tiny_choice | acc | {base:.4f} | {tuned:.4f} | {tuned - base:+.4f} |" in md
 
 
-def test_own_tasks_are_indexed_alone_and_one_built_on_lm_evals_own_with_them(setup, tmp_path, monkeypatch):
+def test_own_tasks_are_indexed_alone_and_one_built_on_lm_evals_own_with_them(setup, tmp_path, indexed):
     """lm-eval's thousands of task files take seconds to index: tasks all in --include-path are looked up
     there alone, and a group of the user's that names one of lm-eval's own tasks is looked up with them."""
-    import lm_eval.tasks
-
     from shardtune.tools import harness
 
     root, model, adapter, tasks, records = setup
-    indexed = []
-    real = lm_eval.tasks.TaskManager
-
-    def counting(*args, **kwargs):
-        indexed.append(kwargs.get("include_defaults", True))
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(lm_eval.tasks, "TaskManager", counting)
     _, found = harness._tasks(["tiny_choice"], str(tasks))
     assert any("tiny_choice" in str(key) for key in found) and indexed == [False]
     mixed = tmp_path / "mixed"
