@@ -47,16 +47,17 @@ def _tasks(names: list[str], include_path: str | None):
         own = TaskManager(include_path=include_path, include_defaults=False)
         # a cause in the user's own files is named before lm-eval's own tasks are indexed too: a missing local
         # data file of a task asked for, or a broken file that names a task not found there
-        check_task_files(include_path, names, [n for n in names if n not in own.all_tasks], own_only=True)
-        if all(n in own.all_tasks for n in names):
+        missing = [n for n in names if n not in own.all_tasks]
+        check_task_files(include_path, names, missing, own_only=True)
+        if not missing:
             try:
                 return own, get_task_dict(names, own)
             except Exception:  # noqa: BLE001 - one that builds on lm-eval's own tasks: indexed with them, below
                 pass
     manager = TaskManager(include_path=include_path) if include_path else TaskManager()
     unknown = [n for n in names if n not in manager.all_tasks]
-    if include_path:  # lm-eval skips a file it cannot read (its task is then unknown) and a missing data file
-        check_task_files(include_path, names, unknown)  # reads as a network error: named here instead
+    if include_path and unknown:  # lm-eval skips a file it cannot read (its task is then unknown); the data
+        check_task_files(include_path, names, unknown)  # files of the tasks asked for were checked above
     if unknown:
         where = f" (nor in --include-path {include_path})" if include_path else ""
         raise HarnessError(f"--tasks: {', '.join(unknown)} is not a task lm-eval knows{where}; "
