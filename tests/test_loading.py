@@ -128,13 +128,13 @@ def test_tied_lm_head_in_modules_to_save_trains_alike_on_every_strategy(tmp_path
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_the_finiteness_check_finds_nan_and_both_infinities_anywhere(dtype):
-    from shardtune.model.finite import all_finite as _finite
+    from shardtune.model.finite import all_finite
 
     for bad in (float("nan"), float("inf"), -float("inf")):
         for where in (0, 37, -1):
             t = torch.randn(8, 16).to(dtype)
             t.view(-1)[where] = bad
-            assert not _finite(t), (bad, where)
-    assert not _finite(torch.full((4,), float("nan"), dtype=dtype))
-    assert _finite(torch.randn(8, 16).to(dtype)) and _finite(torch.tensor([65504.0, -65504.0]).to(dtype))
-    assert _finite(torch.arange(4)) and _finite(torch.empty(0, dtype=dtype))  # no float values: none to fault
+            assert not all_finite(t), (bad, where)
+    assert not all_finite(torch.full((4,), float("nan"), dtype=dtype))
+    assert all_finite(torch.randn(8, 16).to(dtype)) and all_finite(torch.tensor([65504.0, -65504.0]).to(dtype))
+    assert all_finite(torch.arange(4)) and all_finite(torch.empty(0, dtype=dtype))  # no float values: none to fault
