@@ -18,6 +18,7 @@ def generate_on_ranks(rank: int, world_size: int, model_dir: str, quantize: str)
 
     from shardtune.config import build_config
     from shardtune.parallel.sharded_model import build_model
+    from shardtune.runplan import GenerationWeights
     from shardtune.runtime import compat, distributed
     from shardtune.train.generation import generate
     from shardtune.train.resolve import resolve_on
@@ -46,14 +47,16 @@ def generate_on_ranks(rank: int, world_size: int, model_dir: str, quantize: str)
     def watch(module: nn.Module, args: tuple) -> None:
         seen.append(isinstance(module.weight, DTensor))
 
-    kept = generate(model, strategy, worker, prompts, keys, settings, seed=1, step=0, keep=True)
+    kept = generate(model, strategy, worker, prompts, keys, settings, seed=1, step=0,
+                    weights=GenerationWeights(gathered=True))
     handles = [m.register_forward_pre_hook(watch) for m in model.modules()
                if type(m) is nn.Linear and not m.weight.requires_grad]  # the base weights, LoRA's aside
     reduced = []  # all-reduces while exchanged: the widest prompt's, then one a token (the lockstep's), none a layer
     all_reduce = torch.distributed.all_reduce
     torch.distributed.all_reduce = lambda *a, **k: reduced.append(1) or all_reduce(*a, **k)
     try:
-        exchanged = generate(model, strategy, worker, prompts, keys, settings, seed=1, step=0, exchange=True)
+        exchanged = generate(model, strategy, worker, prompts, keys, settings, seed=1, step=0,
+                             weights=GenerationWeights(exchanged=True))
     finally:
         torch.distributed.all_reduce = all_reduce
     # every rank sampling all three ranks' rows: no all-to-all, no lockstep all-reduce (only the widest prompt's
@@ -66,8 +69,8 @@ def generate_on_ranks(rank: int, world_size: int, model_dir: str, quantize: str)
     for name in calls:
         setattr(torch.distributed, name, counted(name))
     try:
-        replicated = generate(model, strategy, worker, prompts, keys, settings, seed=1, step=0, exchange=True,
-                              replicated=True)
+        replicated = generate(model, strategy, worker, prompts, keys, settings, seed=1, step=0,
+                              weights=GenerationWeights(exchanged=True, replicated=True))
     finally:
         for name, original in originals.items():
             setattr(torch.distributed, name, original)

@@ -66,6 +66,23 @@ class BatchSplit:
 
 
 @dataclass(frozen=True)
+class GenerationWeights:
+    """How GRPO's generation holds the weights, as the run plan decided (``RunPlan``'s ``generation_*`` fields,
+    whose comments say what each means): what ``train/generation.py`` and the strategy's
+    ``gathered_for_generation`` act on. The default: every token's forward gathers what it uses."""
+
+    gathered: bool = False
+    dequantized: bool = False
+    exchanged: bool = False
+    replicated: bool = False
+    carried: bool = False
+
+
+#: every token's forward gathers what it uses (a sharded strategy) or holds the whole model (DDP, one rank)
+GATHERED_PER_TOKEN = GenerationWeights()
+
+
+@dataclass(frozen=True)
 class RunPlan:
     """What every rank runs; nothing in it is 'auto'."""
 
@@ -119,6 +136,12 @@ class RunPlan:
     def world_size(self) -> int:
         """All ranks: the data-parallel ranks times the ranks of a context-parallel group."""
         return self.batch.world_size * self.context_parallel
+
+    @property
+    def generation(self) -> GenerationWeights:
+        """How GRPO's generation holds the weights (the ``generation_*`` fields)."""
+        return GenerationWeights(self.generation_gathered, self.generation_dequantized, self.generation_exchanged,
+                                 self.generation_replicated, self.generation_carried)
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardtune.parallel.mesh import ContextGroup
+from shardtune.runplan import GenerationWeights
 from shardtune.runtime.distributed import Worker
 
 
@@ -51,20 +52,18 @@ class Strategy:
         accumulate on this rank; the micro-batch run with it True reduces the sum once per step."""
         return contextlib.nullcontext()
 
-    def gathered_for_generation(self, model: nn.Module, keep: bool, exchange: bool = False,
-                                replicated: bool = False, carry: bool = False
+    def gathered_for_generation(self, model: nn.Module, weights: GenerationWeights
                                 ) -> ContextManager[dist.ProcessGroup | None]:
-        """Around a generation's token-by-token no_grad forwards: with ``keep``, a sharded strategy gathers
-        the weights once and keeps them for all of them (the planner decided that they fit:
-        ``RunPlan.generation_gathered``), sharding them again when the block ends, even on an error; with
-        ``exchange``, FSDP2 gathers none and computes each projection from its row shards instead
-        (``RunPlan.generation_exchanged``: parallel/exchanged_layers.py), and with ``replicated`` too, every
-        rank of a shard group runs all of the group's rows (``RunPlan.generation_replicated``): the block
-        gives that group, whose rows the caller must gather (None: each rank runs its own). With ``keep`` and
-        ``carry`` (``RunPlan.generation_carried``), when the block ends without an error the weights stay
-        gathered for the training that follows, until its backward shards them (the LoRA weights the block
-        generated with are the ones that training starts from): the caller must not ``after_inference``
-        before it. Here every rank holds the whole model already: nothing to do."""
+        """Around a generation's token-by-token no_grad forwards, holding the weights as ``weights`` says (the
+        planner decided what fits: ``RunPlan.generation``). ``gathered``: a sharded strategy gathers the weights
+        once and keeps them for all of them, sharding them again when the block ends, even on an error; with
+        ``exchanged``, FSDP2 gathers none and computes each projection from its row shards instead
+        (parallel/exchanged_layers.py), and with ``replicated`` too, every rank of a shard group runs all of the
+        group's rows: the block gives that group, whose rows the caller must gather (None: each rank runs its
+        own). With ``gathered`` and ``carried``, when the block ends without an error the weights stay gathered
+        for the training that follows, until its backward shards them (the LoRA weights the block generated
+        with are the ones that training starts from): the caller must not ``after_inference`` before it. Here
+        every rank holds the whole model already: nothing to do."""
         return contextlib.nullcontext()
 
     def after_inference(self, model: nn.Module) -> None:

@@ -19,6 +19,7 @@ from shardtune.parallel import gloo_comms, host_gather, sharded_embeddings
 from shardtune.parallel.base import Strategy
 from shardtune.parallel.exchanged_layers import exchange_in_place, exchanged_layers
 from shardtune.parallel.mesh import data_parallel_mesh, shard_mesh
+from shardtune.runplan import GenerationWeights
 from shardtune.runtime import compat
 from shardtune.runtime.distributed import Worker
 
@@ -135,25 +136,26 @@ class FSDP2(Strategy):
         return self._reduced(model)
 
     @contextlib.contextmanager
-    def gathered_for_generation(self, model: nn.Module, keep: bool, exchange: bool = False,
-                                replicated: bool = False, carry: bool = False) -> Iterator[dist.ProcessGroup | None]:
+    def gathered_for_generation(self, model: nn.Module, weights: GenerationWeights
+                                ) -> Iterator[dist.ProcessGroup | None]:
         # The row-sharded tables are used vocabulary-parallel, never gathered (sharded_embeddings.exchanged).
-        # ``exchange``: neither are the layers (exchanged_layers.py), on a shard group of several ranks;
+        # ``exchanged``: neither are the layers (exchanged_layers.py), on a shard group of several ranks;
         # ``replicated``: whose ranks each run all of the group's rows (given to the caller, who gathers them).
-        # ``keep``: every unit is gathered once and its forwards run without FSDP2's hooks (a forward per token
+        # ``gathered``: every unit is gathered once and its forwards run without FSDP2's hooks (a forward per token
         # would otherwise pay every unit's pre- and post-forward hook); meanwhile its frozen shards, rows of
         # what is gathered, are freed (a rank then holds the model once, not once and a shard more), each
         # refilled as the block ends; after, the hooks are back and every unit is sharded again, before any
-        # backward or optimizer step, even when generation failed. ``carry`` (and no error): the units stay
+        # backward or optimizer step, even when generation failed. ``carried`` (and no error): the units stay
         # gathered and their shards freed until the training's backward shards each (refilled just before):
         # its forward and backward then gather none of them, two gathers of the model spared a step.
         group = shard_mesh(self.mesh)
-        if exchange and group.size() > 1:
-            with sharded_embeddings.exchanged(model, replicated), \
-                    exchanged_layers(model, group.get_group(), self.mp.param_dtype or torch.float32, replicated):
-                yield group.get_group() if replicated else None
+        if weights.exchanged and group.size() > 1:
+            with sharded_embeddings.exchanged(model, weights.replicated), \
+                    exchanged_layers(model, group.get_group(), self.mp.param_dtype or torch.float32,
+                                     weights.replicated):
+                yield group.get_group() if weights.replicated else None
             return
-        units = [m for m in model.modules() if isinstance(m, FSDPModule)] if keep else []
+        units = [m for m in model.modules() if isinstance(m, FSDPModule)] if weights.gathered else []
         held = False
         with contextlib.ExitStack() as stack:
             # one unit at a time, each way: its shards go as its gathered copy comes, and come back (refilled
@@ -166,7 +168,7 @@ class FSDP2(Strategy):
                 stack.enter_context(compat.fsdp2_forward_hooks_paused(unit))
             stack.enter_context(sharded_embeddings.exchanged(model))
             yield None
-            held = carry and group.size() > 1
+            held = weights.carried and group.size() > 1
 
     def after_inference(self, model: nn.Module) -> None:
         # Units that keep their parameters gathered after forward (the last layer, the head) reshard in

@@ -8,11 +8,11 @@ nothing). How the weights are spread decides only how a forward runs:
   while any rank has an unfinished row (``keep_going``: an all-reduce per token), feeding padding once its
   own rows are done, its prompts left-padded to the widest of every rank's (``widest_prompt``): every
   forward then carries as many tokens on every rank; when the planner found that they fit
-  (``RunPlan.generation_gathered``: ``keep``), the layers are gathered once and kept for the whole
+  (``RunPlan.generation_gathered``: ``gathered``), the layers are gathered once and kept for the whole
   generation (``Strategy.gathered_for_generation``), the same numbers without a gather per token, and where
-  the training that follows fits with them too (``RunPlan.generation_carried``: ``carry``), they stay gathered
-  until its backward shards them (the adapter is the one generation sampled with); or the
-  layers are never gathered either (``RunPlan.generation_exchanged``: ``exchange``): each projection
+  the training that follows fits with them too (``RunPlan.generation_carried``: ``carried``), they stay
+  gathered until its backward shards them (the adapter is the one generation sampled with); or the
+  layers are never gathered either (``RunPlan.generation_exchanged``: ``exchanged``): each projection
   computes every rank's tokens on the rows here and sends each rank its outputs
   (parallel/exchanged_layers.py), or, where every rank of a shard group samples all of the group's rows
   (``RunPlan.generation_replicated``: ``replicated``, the same completions on each), each rank's outputs are
@@ -33,6 +33,7 @@ logits (it scores only inside ``score``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -42,6 +43,7 @@ from shardtune.config import traits
 from shardtune.model.attention import sdpa_attention
 from shardtune.model.nf4_torchao import dequantized_once
 from shardtune.parallel import Strategy
+from shardtune.runplan import GATHERED_PER_TOKEN, GenerationWeights
 from shardtune.runtime.distributed import Worker, all_reduce_max_each
 from shardtune.train.sampling import Completion, SamplingSettings, hf_cache, hf_next_logits, sample
 from shardtune.train.stop import GenerationStopped
@@ -102,24 +104,24 @@ def lockstep(worker: Worker, strategy: Strategy, stopping: Callable[[], bool] | 
 
 def generate(model: nn.Module, strategy: Strategy, worker: Worker, prompts: Sequence[Sequence[int]],
              keys: Sequence[tuple[int, int]], settings: SamplingSettings, seed: int, step: int,
-             keep: bool = False, dequantized: bool = False, exchange: bool = False,
-             replicated: bool = False, carry: bool = False, stopping: Callable[[], bool] | None = None
+             weights: GenerationWeights = GATHERED_PER_TOKEN, stopping: Callable[[], bool] | None = None
              ) -> list[Completion]:
     """This rank's completions of ``prompts`` (token ids), row i seeded by ``keys[i]`` = (prompt index, completion
-    index) and ``step`` (the generation batch); every rank calls it with as many rows. ``keep``: the weights
-    stay gathered for the whole generation; ``exchange``: none is gathered, each rank computes from its rows,
-    and with ``replicated`` too, every rank of a shard group samples all of the group's rows; with ``keep`` or
-    ``exchange``, ``dequantized``: the NF4 ones are dequantized once (module doc); with ``keep``, ``carry``: they
-    stay gathered for the training that follows (``RunPlan.generation_carried``), whose backward shards them:
-    nothing may step the adapter before it. ``stopping``: whether this rank was asked to stop (``lockstep``); a
-    rank sampling alone then returns its rows unfinished, and the caller must agree with the others on
-    stopping (rows that every rank of a group samples stop only when done)."""
+    index) and ``step`` (the generation batch); every rank calls it with as many rows. ``weights``: how they are
+    held (``RunPlan.generation``, module doc): ``gathered`` for the whole generation; ``exchanged``: none is
+    gathered, each rank computes from its rows, and with ``replicated`` too, every rank of a shard group samples
+    all of the group's rows; gathered or exchanged, ``dequantized``: the NF4 ones are dequantized once;
+    gathered, ``carried``: they stay gathered for the training that follows, whose backward shards them: nothing
+    may step the adapter before it. ``stopping``: whether this rank was asked to stop (``lockstep``); a rank
+    sampling alone then returns its rows unfinished, and the caller must agree with the others on stopping
+    (rows that every rank of a group samples stop only when done)."""
     inner = strategy.unwrap(model)  # the peft model: FSDP2's units are inside it, DDP's wrapper outside
-    once = dequantized_once() if (keep or exchange) and dequantized else contextlib.nullcontext()
-    carry = carry and keep
-    weights = strategy.gathered_for_generation(model, keep, exchange, replicated, carry)
+    once = dequantized_once() if (weights.gathered or weights.exchanged) and weights.dequantized \
+        else contextlib.nullcontext()
+    weights = dataclasses.replace(weights, carried=weights.carried and weights.gathered)
     width = widest_prompt(prompts, worker) if in_lockstep(worker, strategy) else 0
-    with inference(model, strategy, settle=not carry), weights as group, sdpa_attention(inner), once:
+    with inference(model, strategy, settle=not weights.carried), strategy.gathered_for_generation(model, weights) \
+            as group, sdpa_attention(inner), once:
         if group is None:
             return sample(hf_next_logits(inner), prompts, keys, settings, seed, step, hf_cache(inner),
                           worker.device, keep_going=lockstep(worker, strategy, stopping), width=width)

@@ -151,8 +151,7 @@ def setup(cfg: Config, worker: Worker | None = None, memory: MemoryMonitor | Non
         job.rollouts = Rollouts(cfg, job.trainee(None), tokenizer, list(train_data.examples),
                                 read_records(cfg.data.train, cfg.data.fields, objective.records.check), plan.batch,
                                 load_rewards(cfg.grpo.reward or [], reward_weights(cfg.grpo.reward_weights)), impl,
-                                compute_dtype(cfg), plan.generation_gathered, plan.generation_dequantized,
-                                plan.generation_exchanged, plan.generation_replicated, plan.generation_carried,
+                                compute_dtype(cfg), plan.generation,
                                 RemoteGenerator(cfg, worker, built.strategy, built.adapter_keys, model_dir, vocab)
                                 if cfg.grpo.vllm_url else None)
     torch.manual_seed(cfg.train.seed + worker.rank)  # LoRA dropout differs per rank, reproducibly

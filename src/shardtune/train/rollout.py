@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from shardtune.config import Config
-from shardtune.runplan import BatchSplit
+from shardtune.runplan import GATHERED_PER_TOKEN, BatchSplit, GenerationWeights
 from shardtune.runtime import distributed
 from shardtune.runtime.compat import adapters_disabled
 from shardtune.train.data.batch import Batcher, Layout, Sampler, pad_id
@@ -75,8 +75,8 @@ class Rollouts:
 
     def __init__(self, cfg: Config, trainee: Trainee, tokenizer, prompts: list[Example],
                  records: list[tuple[int, dict]], split: BatchSplit, rewards: list[RewardFunction], attention: str,
-                 dtype: torch.dtype, gathered: bool = False, dequantized: bool = False, exchanged: bool = False,
-                 replicated: bool = False, carried: bool = False, remote: RemoteGenerator | None = None) -> None:
+                 dtype: torch.dtype, weights: GenerationWeights = GATHERED_PER_TOKEN,
+                 remote: RemoteGenerator | None = None) -> None:
         assert isinstance(trainee.objective, Grpo)
         self.cfg, self.t, self.tokenizer, self.split, self.rewards = cfg, trainee, tokenizer, split, rewards
         self.objective: Grpo = trainee.objective
@@ -94,11 +94,8 @@ class Rollouts:
         self.initial = ({n: p.detach().clone() for n, p in trainee.strategy.trainable(trainee.model).items()}
                         if g.beta > 0 and cfg.lora.init_adapter else None)
         self.batcher: Batcher | None = None
-        self.gathered = gathered  # the weights stay gathered while generating (RunPlan.generation_gathered)
-        self.exchanged = exchanged  # or never gathered, computed from the rows (RunPlan.generation_exchanged)
-        self.dequantized = dequantized  # and NF4 ones dequantized once (RunPlan.generation_dequantized)
-        self.replicated = replicated  # each rank of a shard group samples all its rows (generation_replicated)
-        self.carried = carried  # kept gathered into the step's training too (RunPlan.generation_carried)
+        self.weights = weights  # how the generation holds the weights (RunPlan.generation)
+        self.carried = weights.carried and weights.gathered  # kept gathered into the step's training too
         self.remote = remote  # --vllm-url: the completions come from a vLLM server instead
 
     # ------------------------------------------------------------------------------------------ a step's items
@@ -131,9 +128,7 @@ class Rollouts:
                 sampled = [c.logps for c in every]
         else:
             done = generate(self.t.model, self.t.strategy, w, [self.prompts[p].input_ids for p, _ in mine], mine,
-                            self.settings, self.cfg.train.seed, index, keep=self.gathered,
-                            dequantized=self.dequantized, exchange=self.exchanged, replicated=self.replicated,
-                            carry=self.carried, stopping=stopping)
+                            self.settings, self.cfg.train.seed, index, self.weights, stopping=stopping)
         try:
             # asked to stop after the generation's last token (or where no token could ask every rank)
             if stopping is not None and distributed.all_reduce_max(int(stopping()), w.device):
