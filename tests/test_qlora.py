@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -355,8 +356,10 @@ print(json.dumps(got))
     for dtype, weights, held in json.loads(proc.stdout.splitlines()[-1]):
         itemsize = 4 if dtype == "torch.float32" else 2
         facts = Facts(0, 0, 0, itemsize, 0, 0, 0, 0, {}, [], 0, 0, 0, dequant_bytes=weights * itemsize)
-        # the kernel's resident-memory count lags by up to 64 pages a thread
-        assert dequantizing(facts) == pytest.approx(held, rel=0.03, abs=256 * 1024), (dtype, weights)
+        # the kernel keeps its resident-memory count per CPU, each lagging by some dozens of pages (a CI run under
+        # load read 71 pages below the planner's count of the small weight: 64 pages in all was too tight)
+        lag = 64 * 4096 * (os.cpu_count() or 1)
+        assert dequantizing(facts) == pytest.approx(held, rel=0.03, abs=lag), (dtype, weights)
 
 
 @pytest.mark.parametrize("tile", [0, 8])
