@@ -130,6 +130,7 @@ def test_plan_with_an_auto_option_computes_the_model_facts_once(root, monkeypatc
 
     built, traced = [], []
     real_build, real_saved = footprint.build_meta_model, footprint._saved_bytes
+    monkeypatch.setattr(footprint, "_TRACES", {})  # none made by an earlier test in this process
     monkeypatch.setattr(footprint, "build_meta_model", lambda *a, **k: built.append(1) or real_build(*a, **k))
     monkeypatch.setattr(footprint, "_saved_bytes",
                         lambda model, batch, seq, dtype, device: traced.append((batch, dtype))

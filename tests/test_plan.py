@@ -236,6 +236,36 @@ def test_what_dora_saves_is_traced_the_same_whenever_garbage_is_collected(tmp_pa
     assert traces[0][1][0] == traces[0][1][1] > 0
 
 
+def test_a_model_planned_again_in_one_process_is_traced_once(model_dir: Path, tmp_path: Path, monkeypatch) -> None:
+    """The fake-tensor pass is made once per process for what decides it: planning the same model again (a
+    second command, its meta model built anew) traces nothing, while anything the trace depends on (the LoRA
+    rank, its targets, DoRA, the dtype, the row width, another architecture's config) traces again, and the
+    answers are those of a fresh trace."""
+    from shardtune.model import footprint
+
+    traced: list[tuple] = []
+    real = footprint._saved_bytes
+    monkeypatch.setattr(footprint, "_TRACES", {})
+    monkeypatch.setattr(footprint, "_saved_bytes",
+                        lambda model, batch, seq, dtype, device: traced.append((batch, seq, dtype))
+                        or real(model, batch, seq, dtype, device))
+    cpu = torch.device("cpu")
+
+    def saved(cfg, micro: int = 1, seq: int = 64) -> footprint.Saved:
+        return model_facts(cfg, cpu).saved_for(micro, torch.float32, seq)
+
+    first = saved(_cfg(model_dir))
+    assert saved(_cfg(model_dir)) == first and len(traced) == 1
+    changed = [_cfg(model_dir, **{"lora-r": 8}), _cfg(model_dir, **{"lora-targets": "all-linear"}),
+               _cfg(model_dir, **{"lora-variant": "dora"}), _cfg(model_dir, dtype="bf16"),
+               _cfg(make_model(tmp_path / "qwen2", "qwen2"))]
+    answers = [saved(cfg) for cfg in changed] + [saved(_cfg(model_dir), seq=32), saved(_cfg(model_dir), micro=2)]
+    assert len(traced) == 1 + len(answers)
+    assert all(a != first for a in answers[:2] + answers[-2:])  # more LoRA, shorter or more rows: other bytes
+    fresh = real(footprint.meta_lora_model(changed[0]), 1, 64, torch.float32, cpu)
+    assert answers[0] == fresh
+
+
 def test_cli_plan_table_and_bad_size(model_dir: Path, capsys) -> None:
     assert cli.main(["plan", "--model", str(model_dir), "--nproc", "2", "--batch-size", "2",
                      "--seq-len", "32", "--activation-checkpointing"]) == 0

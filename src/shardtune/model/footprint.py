@@ -10,6 +10,7 @@ layer. train/memory_model.py turns these facts into per-rank peaks.
 from __future__ import annotations
 
 import functools
+import hashlib
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -301,5 +302,28 @@ def _heads(config) -> dict[str, int]:
     return {"heads": heads, "kv_heads": kv, "head_dim": dim}
 
 
+#: the fake-tensor passes made in this process, by what decides them (``_traced_as``) and the micro-batch size,
+#: LoRA weight dtype and row width: the same model is planned again by each command of a notebook or a test
+#: session (``plan`` then ``finetune``, a budget tried after another), and each pass takes about a second
+_TRACES: dict[tuple[str, int, torch.dtype, int], Saved] = {}
+
+
+def _traced_as(model: nn.Module, device: torch.device) -> str:
+    """What a fake-tensor pass of ``model`` on ``device`` depends on, as a digest: the model's class, its whole
+    configuration (the attention implementation included), its modules (their kinds and settings: LoRA's rank,
+    dropout, DoRA's magnitude, …) and every parameter's and buffer's shape, dtype and whether it trains."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = getattr(base, "config", None)
+    parts = [type(base).__module__, type(base).__qualname__, str(device), repr(model),
+             config.to_json_string(use_diff=False) if config is not None else "",
+             str(getattr(config, "_attn_implementation", None))]
+    parts += [f"{n}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad}" for n, p in model.named_parameters()]
+    parts += [f"{n}:{tuple(b.shape)}:{b.dtype}" for n, b in model.named_buffers()]
+    return hashlib.blake2b("\n".join(parts).encode(), digest_size=16).hexdigest()
+
+
 def _trace(model: nn.Module, device: torch.device, micro_batch: int, lora_dtype: torch.dtype, seq_len: int) -> Saved:
-    return _saved_bytes(model, micro_batch, seq_len, lora_dtype, device)
+    key = (_traced_as(model, device), micro_batch, lora_dtype, seq_len)
+    if key not in _TRACES:
+        _TRACES[key] = _saved_bytes(model, micro_batch, seq_len, lora_dtype, device)
+    return _TRACES[key]
