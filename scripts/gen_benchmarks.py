@@ -216,6 +216,21 @@ def page_faults(name: str, data: Result) -> list[str]:
     return lines + table(["allocator", "fresh buffer GB/s", "reused buffer GB/s"], rows)
 
 
+def gloo_gather(name: str, data: Result) -> list[str]:
+    lines = header(name, data, f"fp32 (each median of {data.get('repeat')})", "python bench/gloo_gather.py")
+    lines += [f"transparent huge pages: {cell(data.get('transparent_hugepage') or NOT_RECORDED)}", ""]
+    rows = data.get("rows") or []
+    pairs: dict[tuple[str, float], dict[str, dict]] = {}
+    for r in rows:
+        pairs.setdefault((r["allocator"], r["mb_per_rank"]), {})[r["way"]] = r
+    table_rows = [[allocator, mb, ways["all_gather"]["median_ms"], ways["broadcasts"]["median_ms"],
+                   ways["all_gather"]["median_ms"] / ways["broadcasts"]["median_ms"],
+                   ways["all_gather"]["first_ms"], ways["broadcasts"]["first_ms"]]
+                  for (allocator, mb), ways in pairs.items()]
+    return lines + table(["allocator", "MB per rank", "all-gather ms", "broadcasts ms", "all-gather / broadcasts",
+                          "first all-gather ms", "first broadcasts ms"], table_rows)
+
+
 def startup(name: str, data: Result) -> list[str]:
     lines = header(name, data, "fp32 (" + " ".join(data.get("flags") or []) + ")", "python bench/startup.py")
     lines += [f"{data.get('nproc')} ranks, {cell(data.get('model'))}; {data.get('runs')} runs from one Python process, "
@@ -597,6 +612,7 @@ KINDS: list[tuple[str, str, Callable[[str, Any], list[str]]]] = [
     ("profile-", "Where a step's time goes: bench/step_profile.py", profile),
     ("big-data", "A million records: bench/big_data.py", big_data),
     ("page-faults", "Fresh against reused buffers: bench/page_faults.py", page_faults),
+    ("gloo-gather", "Gloo's all-gather against broadcasts: bench/gloo_gather.py", gloo_gather),
     ("startup", "Start-up: bench/startup.py", startup),
     ("nf4-dequant", "Dequantizing an NF4 weight: bench/nf4_dequant.py", nf4_dequant),
     ("qlora-quality", "How far 4-bit weights move the logits: bench/qlora_quality.py", qlora_quality),
