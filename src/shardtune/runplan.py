@@ -77,6 +77,12 @@ class GenerationWeights:
     replicated: bool = False
     carried: bool = False
 
+    @property
+    def carries(self) -> bool:
+        """Whether the weights stay gathered from the generation into the training that follows: carried, and
+        only what was kept gathered can be."""
+        return self.carried and self.gathered
+
 
 #: every token's forward gathers what it uses (a sharded strategy) or holds the whole model (DDP, one rank)
 GATHERED_PER_TOKEN = GenerationWeights()

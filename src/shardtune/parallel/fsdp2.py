@@ -168,7 +168,7 @@ class FSDP2(Strategy):
                 stack.enter_context(compat.fsdp2_forward_hooks_paused(unit))
             stack.enter_context(sharded_embeddings.exchanged(model))
             yield None
-            held = weights.carried and group.size() > 1
+            held = weights.carries and group.size() > 1
 
     def after_inference(self, model: nn.Module) -> None:
         # Units that keep their parameters gathered after forward (the last layer, the head) reshard in

@@ -33,7 +33,6 @@ logits (it scores only inside ``score``).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -118,9 +117,8 @@ def generate(model: nn.Module, strategy: Strategy, worker: Worker, prompts: Sequ
     inner = strategy.unwrap(model)  # the peft model: FSDP2's units are inside it, DDP's wrapper outside
     once = dequantized_once() if (weights.gathered or weights.exchanged) and weights.dequantized \
         else contextlib.nullcontext()
-    weights = dataclasses.replace(weights, carried=weights.carried and weights.gathered)
     width = widest_prompt(prompts, worker) if in_lockstep(worker, strategy) else 0
-    with inference(model, strategy, settle=not weights.carried), strategy.gathered_for_generation(model, weights) \
+    with inference(model, strategy, settle=not weights.carries), strategy.gathered_for_generation(model, weights) \
             as group, sdpa_attention(inner), once:
         if group is None:
             return sample(hf_next_logits(inner), prompts, keys, settings, seed, step, hf_cache(inner),

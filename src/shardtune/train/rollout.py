@@ -95,7 +95,7 @@ class Rollouts:
                         if g.beta > 0 and cfg.lora.init_adapter else None)
         self.batcher: Batcher | None = None
         self.weights = weights  # how the generation holds the weights (RunPlan.generation)
-        self.carried = weights.carried and weights.gathered  # kept gathered into the step's training too
+        self.carried = weights.carries  # kept gathered into the step's training too
         self.remote = remote  # --vllm-url: the completions come from a vLLM server instead
 
     # ------------------------------------------------------------------------------------------ a step's items
