@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 from record import run_record
 from shardtune.runtime.cpu_tuning import MMAP_THRESHOLD, worker_malloc_env
+from shardtune.runtime.workers import free_port
 
 HERE = Path(__file__).resolve().parent
 SIZES_MB = (0.5, 2, 8, 56)
@@ -58,12 +58,6 @@ if rank == 0:
     print(json.dumps(out))
 dist.destroy_process_group()
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(extra: dict[str, str]) -> dict[str, list[float]]:
