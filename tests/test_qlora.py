@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -356,10 +355,9 @@ print(json.dumps(got))
     for dtype, weights, held in json.loads(proc.stdout.splitlines()[-1]):
         itemsize = 4 if dtype == "torch.float32" else 2
         facts = Facts(0, 0, 0, itemsize, 0, 0, 0, 0, {}, [], 0, 0, 0, dequant_bytes=weights * itemsize)
-        # the kernel keeps its resident-memory count per CPU, each lagging by some dozens of pages (a CI run under
-        # load read 71 pages below the planner's count of the small weight: 64 pages in all was too tight)
-        lag = 64 * 4096 * (os.cpu_count() or 1)
-        assert dequantizing(facts) == pytest.approx(held, rel=0.03, abs=lag), (dtype, weights)
+        # the kernel's resident-memory count is approximate (kept per CPU): runs here read the small weight's peak
+        # 0-44 pages below the planner's count by hand and 71 in one CI run, past the 64 pages this allowed first
+        assert dequantizing(facts) == pytest.approx(held, rel=0.03, abs=128 * 4096), (dtype, weights)
 
 
 @pytest.mark.parametrize("tile", [0, 8])
