@@ -304,7 +304,7 @@ def _heads(config) -> dict[str, int]:
 
 #: the fake-tensor passes made in this process, by what decides them (``_traced_as``) and the micro-batch size,
 #: LoRA weight dtype and row width: the same model is planned again by each command of a notebook or a test
-#: session (``plan`` then ``finetune``, a budget tried after another), and each pass takes about a second
+#: session (``plan`` then ``finetune``, a budget tried after another), and each pass runs the model's whole forward
 _TRACES: dict[tuple[str, int, torch.dtype, int], Saved] = {}
 
 
