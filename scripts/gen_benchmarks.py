@@ -231,6 +231,19 @@ def gloo_gather(name: str, data: Result) -> list[str]:
                           "first all-gather ms", "first broadcasts ms"], table_rows)
 
 
+def lora_forward(name: str, data: Result) -> list[str]:
+    lines = header(name, data, f"{data.get('dtype')} (each median of {data.get('repeat')})",
+                   "python bench/lora_forward.py")
+    gen = data.get("generate") or {}
+    lines += [f"{cell(data.get('model'))}, LoRA r{(data.get('lora') or {}).get('r')} on every linear layer, "
+              f"{cell(data.get('allocator'))}. train: forward and backward of "
+              f"{' × '.join(map(str, data.get('train_tokens') or []))} tokens with activation checkpointing; generate: {gen.get('rows')} rows, a {gen.get('prompt')}-token "
+              f"prompt and {gen.get('new')} new tokens with a KV cache. Faults: minor page faults.", ""]
+    rows = [[row, r.get("train_s"), r.get("train_faults"), r.get("generate_s"), r.get("generate_faults")]
+            for row, r in [*(data.get("rows") or {}).items(), ("fused / peft", data.get("ratios") or {})]]
+    return lines + table(["forward", "train s", "train faults", "generate s", "generate faults"], rows)
+
+
 def startup(name: str, data: Result) -> list[str]:
     lines = header(name, data, "fp32 (" + " ".join(data.get("flags") or []) + ")", "python bench/startup.py")
     lines += [f"{data.get('nproc')} ranks, {cell(data.get('model'))}; {data.get('runs')} runs from one Python process, "
@@ -613,6 +626,7 @@ KINDS: list[tuple[str, str, Callable[[str, Any], list[str]]]] = [
     ("big-data", "A million records: bench/big_data.py", big_data),
     ("page-faults", "Fresh against reused buffers: bench/page_faults.py", page_faults),
     ("gloo-gather", "Gloo's all-gather against broadcasts: bench/gloo_gather.py", gloo_gather),
+    ("lora-forward", "LoRA's fused forward against peft's: bench/lora_forward.py", lora_forward),
     ("startup", "Start-up: bench/startup.py", startup),
     ("nf4-dequant", "Dequantizing an NF4 weight: bench/nf4_dequant.py", nf4_dequant),
     ("qlora-quality", "How far 4-bit weights move the logits: bench/qlora_quality.py", qlora_quality),

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from shardtune.config import ConfigError, LoraConfig, validate_lora_init
+from shardtune.model.lora_forward import fuse_lora_forward
 from shardtune.runtime.compat import record_lora_init
 
 #: What peft puts before a base model's parameter names (``PeftModel.base_model.model``).
@@ -69,6 +70,7 @@ def inject_lora(model: nn.Module, lora: LoraConfig, seed: int) -> tuple[nn.Modul
     torch.manual_seed(seed)
     with record_lora_init(record):
         peft_model = get_peft_model(model, peft_config)
+    fuse_lora_forward(peft_model)
     values = {}
     for module_name, module in peft_model.named_modules():
         for name, tensor in initial.get(id(module), {}).items():

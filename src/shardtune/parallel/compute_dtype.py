@@ -23,13 +23,26 @@ from shardtune.runtime.compat import shadow_parameter, unshadow_parameter
 
 
 def compute_trainable_in(model: nn.Module, dtype: torch.dtype) -> list[RemovableHandle]:
-    """Make every trainable parameter of ``model`` compute in ``dtype``; returns the hooks' handles."""
-    handles = []
+    """Make every trainable parameter of ``model`` compute in ``dtype``; returns the hooks' handles.
+
+    The hooks go on the module whose forward reads the parameter: its owner, except under a peft tuner layer,
+    whose own forward reads its adapters' weights without calling them (the fused LoRA forward,
+    model/lora_forward.py; DoRA's norm): there the layer casts all of them for the duration of its forward."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    handles, covered = [], set()
     for module in model.modules():
-        names = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad and p.dtype != dtype]
-        if names:
-            handles.append(module.register_forward_pre_hook(_CastIn(names, dtype), with_kwargs=True))
-            handles.append(module.register_forward_hook(_Restore(names), always_call=True))
+        if id(module) in covered:
+            continue
+        reader = isinstance(module, BaseTunerLayer)
+        owners = list(module.modules()) if reader else [module]
+        pairs = [(owner, n) for owner in owners for n, p in owner.named_parameters(recurse=False)
+                 if p.requires_grad and p.dtype != dtype]
+        if reader:
+            covered.update(id(m) for m in owners)
+        if pairs:
+            handles.append(module.register_forward_pre_hook(_CastIn(pairs, dtype), with_kwargs=True))
+            handles.append(module.register_forward_hook(_Restore(pairs), always_call=True))
     return handles
 
 
@@ -40,19 +53,19 @@ def _cast(value: Any, dtype: torch.dtype) -> Any:
 
 
 class _CastIn:
-    def __init__(self, names: list[str], dtype: torch.dtype) -> None:
-        self.names, self.dtype = names, dtype
+    def __init__(self, pairs: list[tuple[nn.Module, str]], dtype: torch.dtype) -> None:
+        self.pairs, self.dtype = pairs, dtype
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        for name in self.names:
-            shadow_parameter(module, name, self.dtype)
+        for owner, name in self.pairs:
+            shadow_parameter(owner, name, self.dtype)
         return tuple(_cast(a, self.dtype) for a in args), {k: _cast(v, self.dtype) for k, v in kwargs.items()}
 
 
 class _Restore:
-    def __init__(self, names: list[str]) -> None:
-        self.names = names
+    def __init__(self, pairs: list[tuple[nn.Module, str]]) -> None:
+        self.pairs = pairs
 
     def __call__(self, module: nn.Module, args: tuple, output: Any) -> None:
-        for name in self.names:
-            unshadow_parameter(module, name)
+        for owner, name in self.pairs:
+            unshadow_parameter(owner, name)

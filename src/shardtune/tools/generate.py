@@ -96,11 +96,14 @@ def load_model(model_dir: str | Path, adapter: str | Path | None = None, dtype: 
     if adapter is not None:
         from peft import PeftModel
 
+        from shardtune.model.lora_forward import fuse_lora_forward
+
         try:
             model = PeftModel.from_pretrained(model, str(adapter))
         except (ValueError, KeyError, RuntimeError) as err:  # e.g. made for another model: shapes, names
             reason = _first_misfit(err)
             raise AdapterDirError(f"adapter {adapter} does not fit the model {path}: {reason}") from None
+        fuse_lora_forward(model)  # as the fine-tune ran it
     return model.to(device).eval(), tokenizer
 
 
