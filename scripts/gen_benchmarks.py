@@ -234,11 +234,11 @@ def gloo_gather(name: str, data: Result) -> list[str]:
 def lora_forward(name: str, data: Result) -> list[str]:
     lines = header(name, data, f"{data.get('dtype')} (each median of {data.get('repeat')})",
                    "python bench/lora_forward.py")
-    gen = data.get("generate") or {}
+    gen, tokens = data.get("generate") or {}, " × ".join(map(str, data.get("train_tokens") or []))
     lines += [f"{cell(data.get('model'))}, LoRA r{(data.get('lora') or {}).get('r')} on every linear layer, "
-              f"{cell(data.get('allocator'))}. train: forward and backward of "
-              f"{' × '.join(map(str, data.get('train_tokens') or []))} tokens with activation checkpointing; generate: {gen.get('rows')} rows, a {gen.get('prompt')}-token "
-              f"prompt and {gen.get('new')} new tokens with a KV cache. Faults: minor page faults.", ""]
+              f"{cell(data.get('allocator'))}. train: forward and backward of {tokens} tokens with activation "
+              f"checkpointing; generate: {gen.get('rows')} rows, a {gen.get('prompt')}-token prompt and "
+              f"{gen.get('new')} new tokens with a KV cache. Faults: minor page faults.", ""]
     rows = [[row, r.get("train_s"), r.get("train_faults"), r.get("generate_s"), r.get("generate_faults")]
             for row, r in [*(data.get("rows") or {}).items(), ("fused / peft", data.get("ratios") or {})]]
     return lines + table(["forward", "train s", "train faults", "generate s", "generate faults"], rows)

@@ -137,3 +137,19 @@ def test_inject_lora_fuses_every_lora_layer() -> None:
     assert len(layers) == 2 * 7
     assert all(type(m) is not Linear and type(m).__name__ == "Linear" for m in layers)
     assert fuse_lora_forward(peft_model) == 0  # once only
+
+
+def test_adapter_modules_wrapped_after_a_forward_run_peft_forward(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FSDP1 wraps lora_A and lora_B in units of their own, which gather only when called: a layer whose
+    adapter modules changed after its first forward reads them no more (the check is redone)."""
+    peft_model, fused = _models()
+    ids = torch.randint(0, 256, (1, 6))
+    with torch.no_grad():
+        fused(input_ids=ids)
+        for layer in fused.modules():
+            if hasattr(layer, "lora_B") and hasattr(layer, "base_layer"):
+                layer.lora_B["default"] = nn.Sequential(layer.lora_B["default"])  # a wrapper, as FSDP1's
+        calls = _addmm_calls(monkeypatch)
+        got = fused(input_ids=ids).logits
+    assert not calls  # no layer read B's weight around its wrapper
+    torch.testing.assert_close(got, peft_model(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
