@@ -141,7 +141,7 @@ def test_inject_lora_fuses_every_lora_layer() -> None:
 
 def test_adapter_modules_wrapped_after_a_forward_run_peft_forward(monkeypatch: pytest.MonkeyPatch) -> None:
     """FSDP1 wraps lora_A and lora_B in units of their own, which gather only when called: a layer whose
-    adapter modules changed after its first forward reads them no more (the check is redone)."""
+    adapter modules changed after its first forward reads them no more (the check is made at each call)."""
     peft_model, fused = _models()
     ids = torch.randint(0, 256, (1, 6))
     with torch.no_grad():

@@ -9,8 +9,8 @@ The values are the same up to the rounding of the sum.
 
 Only plain LoRA layers take it: one active adapter, unmerged, enabled, no DoRA or other variant, no bias
 on ``lora_B``, called with the input alone (peft's ``adapter_names`` and the like are peft's to read), and
-``lora_A`` / ``lora_B`` plain ``nn.Linear`` modules of one dtype whose weights are tensors here (under FSDP1
-each is a unit of its own, gathered only by calling it). Everything else runs peft's own forward unchanged.
+``lora_A`` / ``lora_B`` plain ``nn.Linear`` modules (under FSDP1 each is a unit of its own, gathered only by
+calling it). Everything else runs peft's own forward unchanged.
 """
 
 from __future__ import annotations
@@ -48,11 +48,7 @@ def fused_class(cls: type) -> type:
         active = self.active_adapter
         name = active if isinstance(active, str) else active[0] if len(active) == 1 else None
         a, b = self.lora_A._modules.get(name), self.lora_B._modules.get(name)
-        # decided again only when the adapter or its modules change (FSDP1 wraps them in units of their own)
-        seen = self.__dict__.get("_fused_with")
-        if seen is None or seen[0] != name or seen[1] is not a or seen[2] is not b:
-            seen = self.__dict__["_fused_with"] = (name, a, b, _fusable(self, name, a, b))
-        if not seen[3]:
+        if not _fusable(self, name, a, b):  # asked at each call: FSDP1 wraps them in units after injection
             return peft_forward(self, x, *args, **kwargs)
         result = self.base_layer(x)
         xa = a(self.lora_dropout[name](self._cast_input_dtype(x, a.weight.dtype)))
