@@ -95,7 +95,6 @@ class Rollouts:
                         if g.beta > 0 and cfg.lora.init_adapter else None)
         self.batcher: Batcher | None = None
         self.weights = weights  # how the generation holds the weights (RunPlan.generation)
-        self.carried = weights.carries  # kept gathered into the step's training too
         self.remote = remote  # --vllm-url: the completions come from a vLLM server instead
 
     # ------------------------------------------------------------------------------------------ a step's items
@@ -246,7 +245,7 @@ class Rollouts:
         forwards = self.batcher.step(list(range(self.split.batch_size)), self.split, w.rank, self.cfg.data.packing)
         # right after a carried generation: the weights it left gathered serve these forwards too, and stay for
         # the training (the adapter is the same until its backward)
-        with inference(t.model, t.strategy, settle=not self.carried), context():
+        with inference(t.model, t.strategy, settle=not self.weights.carries), context():
             for fwd in forwards:
                 scores = score(t.model, fwd.inputs, fwd.targets, self.objective.temperature, fwd.scored)
                 seq = per_sequence(scores.logps, fwd, width).cpu()
