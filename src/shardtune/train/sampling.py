@@ -76,7 +76,9 @@ def completion_generator(seed: int, step: int, prompt_index: int, completion_ind
 
 def warp(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
     """fp32 logits / temperature, −inf outside the top-k and the top-p nucleus (``generate``'s warpers)."""
-    scores = logits.float() / temperature
+    scores = logits.float()
+    if temperature != 1.0:  # x / 1 is x: a vocabulary-sized tensor a token fewer at the usual temperature
+        scores = scores / temperature
     if 0 < top_k < scores.size(-1):
         kth = torch.topk(scores, top_k, dim=-1).values[..., -1:]
         scores = scores.masked_fill(scores < kth, -math.inf)
@@ -92,8 +94,9 @@ def pick(logits: torch.Tensor, settings: SamplingSettings, generators: Sequence[
     """One token per row: greedy at temperature 0, else drawn with the row's own generator."""
     if settings.temperature == 0:
         return logits.argmax(-1)
-    probs = warp(logits, settings.temperature, settings.top_k, settings.top_p).double().softmax(-1)
-    cdf = probs.cumsum(-1)
+    # converted inside softmax and summed in place: one vocabulary-sized fp64 tensor a token, not three
+    cdf = warp(logits, settings.temperature, settings.top_k, settings.top_p).softmax(-1, dtype=torch.float64)
+    cdf.cumsum_(-1)
     u = torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in generators]).to(cdf.device)
     tokens = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
     return tokens.clamp(max=logits.size(-1) - 1)
