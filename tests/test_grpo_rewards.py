@@ -171,6 +171,8 @@ def test_specs_that_do_not_load_are_refused_naming_them(tmp_path, monkeypatch):
     write(tmp_path / "broken.py", "def f(:\n    pass\n")
     write(tmp_path / "failing.py", "import math\nx = 1 / 0\n")
     write(tmp_path / "needs.py", "import not_a_real_package_xyz\n")
+    write(tmp_path / "exits.py", "import sys\nsys.exit(0)\n")  # exit 0, or its own code, with no word: no
+    write(tmp_path / "exits_mod.py", "import sys\nsys.exit(4)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     cases = {
         f"{tmp_path}/nope.py:f": f"reward file \\(--reward .*\\) {tmp_path}/nope.py does not exist",
@@ -178,6 +180,8 @@ def test_specs_that_do_not_load_are_refused_naming_them(tmp_path, monkeypatch):
         f"{good}:LIMIT": "good.py:LIMIT is a int, not a function",
         f"{tmp_path}/broken.py:f": r"broken.py:1: syntax error",
         f"{tmp_path}/failing.py:f": r"running .*failing.py failed: .*failing.py:2: ZeroDivisionError",
+        f"{tmp_path}/exits.py:f": r"running .*exits.py failed: .*exits.py:2: SystemExit: 0",
+        "exits_mod:f": r"importing exits_mod failed: .*exits_mod.py:2: SystemExit: 4",
         "needs:f": "importing 'needs' needs the module 'not_a_real_package_xyz', which is not installed$",
         "no_such_module_abc:f": "no module named 'no_such_module_abc' on the Python path",
         "good:ok(": "'ok\\(' is not a Python name",

@@ -172,7 +172,7 @@ def _load_file(path_text: str, attr: str, spec: str) -> Any:
         except SyntaxError as err:
             del sys.modules[module_name]
             raise RewardError(f"--reward {spec}: {err.filename}:{err.lineno}: syntax error: {err.msg}") from None
-        except Exception as err:  # noqa: BLE001 - the user's file: say where it failed, whatever it was
+        except (Exception, SystemExit) as err:  # noqa: BLE001 - the user's file (sys.exit too): say where it failed
             del sys.modules[module_name]
             raise RewardError(f"--reward {spec}: running {path} failed: {_where(err, path)}") from None
     return _attribute(module, attr, spec, str(path))
@@ -189,7 +189,7 @@ def _load_module(module_name: str, attr: str, spec: str) -> Any:
                 f"{builtin})" if missing == module_name else
                 f"importing {module_name!r} needs the module {missing!r}, which is not installed")
         raise RewardError(f"--reward {spec}: {hint}") from None
-    except Exception as err:  # noqa: BLE001 - the user's module: say where it failed
+    except (Exception, SystemExit) as err:  # noqa: BLE001 - the user's module (sys.exit too): say where it failed
         raise RewardError(f"--reward {spec}: importing {module_name} failed: {_where(err, None)}") from None
     return _attribute(module, attr, spec, module_name)
 
