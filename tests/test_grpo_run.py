@@ -255,6 +255,31 @@ def test_a_run_stopped_mid_generation_batch_resumes_on_the_same_completions(grpo
     same_training(one_rank, part, 4)
 
 
+def test_a_resume_with_other_groups_samples_its_batch_anew_and_drops_a_torn_sample_line(grpo_root, one_rank,
+                                                                                      capfd):
+    """Resumed mid generation batch with another --num-generations: the saved batch (groups of 4) cannot be
+    trained on, so the step samples its own (said), not an IndexError; completions.jsonl's last line, cut by an
+    interrupted write, is dropped with a note as metrics.jsonl's is, not a JSONDecodeError."""
+    part = grpo_root / "regroup"
+    shutil.copytree(one_rank, part)
+    shutil.rmtree(part / "checkpoints" / "step-4")
+    (part / "summary.json").unlink()
+    shutil.rmtree(part / "adapter")
+    with open(part / "completions.jsonl", "a") as f:
+        f.write('{"step": 4, "prompt": "Quest')
+    capfd.readouterr()
+    code = main(argv(grpo_root, "regroup", "--strategy", "single", "--steps", "4", "--num-generations", "2",
+                     "--resume"))
+    err = capfd.readouterr().err
+    assert code == 0, err
+    assert "the checkpoint's generation batch (step 3 on) was made of 8 completions, 4 per prompt (now --batch-size " \
+           "8, --num-generations 2); it is sampled anew" in err
+    assert "completions.jsonl: its last line (28 bytes) was cut off by an interrupted write" in err
+    kept = completions(part)
+    assert [c["step"] for c in kept] == [c["step"] for c in completions(one_rank) if c["step"] <= 3] + [4] * 4
+    assert kept[:-4] == completions(one_rank)
+
+
 def test_off_policy_masking_drops_completions_the_policy_moved_away_from(grpo_root, one_rank):
     """--off-policy-mask-threshold on the module's 1-rank run (num_iterations 2): the first step of a generation
     batch trains on it as sampled, so nothing is masked and the step is the one without; on the second, the

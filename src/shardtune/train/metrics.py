@@ -109,10 +109,12 @@ class MetricsError(ShardtuneError, ValueError):
     """A metrics.jsonl line that is no record (and not the torn last line of an interrupted write)."""
 
 
-def read_metrics(path: Path, error: type[ShardtuneError] = MetricsError) -> tuple[list[dict[str, Any]], str | None]:
+def read_metrics(path: Path, error: type[ShardtuneError] = MetricsError, what: str = "metrics record"
+                 ) -> tuple[list[dict[str, Any]], str | None]:
     """The records of a metrics.jsonl, in file order, and a note when its last line was dropped.
 
-    The one reader for --resume and ``shardtune report``. Each record is written as one line ending in
+    The one reader for --resume and ``shardtune report``, and of the other files of a line per step
+    (GRPO's completions.jsonl: ``what`` its lines are). Each record is written as one line ending in
     a newline, so a last line without its newline (or only NUL bytes, which a power loss can leave) is
     a write that SIGKILL, an OOM kill or a power loss cut off: normal after a crash, and dropped with a
     note. Any other line that is no JSON object with a ``step`` is ``error`` naming the file and line.
@@ -134,7 +136,7 @@ def read_metrics(path: Path, error: type[ShardtuneError] = MetricsError) -> tupl
             byte = f"byte 0x{line[err.start]:02x} at column {err.start + 1}"
             raise error(f"{path}:{n}: not valid UTF-8 ({byte})") from None
         except ValueError:
-            raise error(f"{path}:{n}: not a metrics record (a JSON object with 'step')") from None
+            raise error(f"{path}:{n}: not a {what} (a JSON object with 'step')") from None
         records.append(record)
     note = None
     if torn.strip(b" \t\r\n"):  # NUL bytes count: a power loss leaves them

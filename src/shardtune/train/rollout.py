@@ -40,6 +40,7 @@ from shardtune.config import Config
 from shardtune.runplan import GATHERED_PER_TOKEN, BatchSplit, GenerationWeights
 from shardtune.runtime import distributed
 from shardtune.runtime.compat import adapters_disabled
+from shardtune.runtime.files import write_text_atomic
 from shardtune.train.data.batch import Batcher, Layout, Sampler, pad_id
 from shardtune.train.data.prompts import fields_of, prompt_of
 from shardtune.train.data.records import IGNORE, Example
@@ -47,6 +48,7 @@ from shardtune.train.data.sources import location
 from shardtune.train.generation import generate, inference
 from shardtune.train.grpo_advantages import completion_metrics, group_advantages
 from shardtune.train.loss_head import score
+from shardtune.train.metrics import read_metrics
 from shardtune.train.objectives.grpo import Grpo, Rollout, make_mask, per_sequence
 from shardtune.train.remote_generation import RemoteGenerator
 from shardtune.train.rewards import (
@@ -284,11 +286,12 @@ class Rollouts:
         if not self.t.worker.is_main:
             return
         file = self.out / COMPLETIONS
-        if not self.trimmed:
+        if not self.trimmed:  # whole lines only (a torn last line dropped, said), replaced at once
             self.trimmed = True
-            kept = [line for line in (file.read_text().splitlines() if file.is_file() else [])
-                    if line.strip() and json.loads(line).get("step", 0) <= step]
-            file.write_text("".join(line + "\n" for line in kept))
+            records, note = read_metrics(file, what="completions record") if file.is_file() else ([], None)
+            if note:
+                log.warning("%s", note)
+            write_text_atomic(file, "".join(json.dumps(r) + "\n" for r in records if r["step"] <= step))
         texts = self.tokenizer.batch_decode(rollout.completions[:SAMPLES], skip_special_tokens=True)
         with open(file, "a") as f:
             for r, text in enumerate(texts):
@@ -304,8 +307,31 @@ class Rollouts:
         return self.objective.rollout.state() if self.objective.rollout is not None else None
 
     def load_state_dict(self, state: dict | None) -> None:
-        if state is not None:
-            self._install(Rollout(**state))
+        """The checkpoint's generation batch as the current one, unless options changed on resume (a warning
+        said which) make it a batch this run cannot train on: then the step samples its batch anew (said)."""
+        if state is None:
+            return
+        rollout = Rollout(**state)
+        misfit = self._misfit(rollout)
+        if misfit is None:
+            self._install(rollout)
+        elif self.t.worker.is_main:
+            log.warning("the checkpoint's generation batch (step %d on) was made %s; it is sampled anew",
+                        rollout.index * self.mu + 1, misfit)
+
+    def _misfit(self, rollout: Rollout) -> str | None:
+        """Why a saved generation batch does not fit this run's batch and loss, or None."""
+        rows, groups = len(rollout.completions), len(rollout.prompts)
+        if rows != self.split.batch_size or groups * self.G != rows:
+            return (f"of {rows} completions, {rows // max(1, groups)} per prompt (now --batch-size "
+                    f"{self.split.batch_size}, --num-generations {self.G})")
+        if rollout.micro_batches != self._micro_batches():
+            return f"for {rollout.micro_batches} forwards a step over all ranks (now {self._micro_batches()})"
+        if self.mu > 1 and rollout.old is None:
+            return "without the log-probs at sampling that --num-iterations above 1 needs"
+        if self.cfg.grpo.beta > 0 and rollout.ref is None:
+            return "without the reference's log-probs that --grpo-beta above 0 needs"
+        return None
 
 
 def _number(x: torch.Tensor) -> float | None:
