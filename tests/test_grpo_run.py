@@ -808,3 +808,24 @@ def test_eval_reward_scores_base_and_adapter_completions(grpo_root, one_rank, ca
                          "--reward", f"{grpo_root / 'rewards.py'}:never", "--max-new-tokens", "2"]),
            "no completion of the held-out prompts got a reward", "prompts.jsonl:1: 'Question 0: what is 0+0?'")
 
+
+
+def test_eval_reward_refuses_what_finetune_refuses(grpo_root, capsys):
+    """`shardtune eval --reward` takes the rules finetune's rewards and numbers follow, exit 2 naming the option:
+    no reward of Infinity printed with exit 0, no prompt cut by a negative --seq-len, no range() of step 0."""
+    def eval_(*extra: str) -> int:
+        return main(["eval", "--model", str(grpo_root / "model"), "--data", str(grpo_root / "prompts.jsonl"),
+                     "--reward", f"{grpo_root / 'rewards.py'}:digits", "--max-new-tokens", "2", *extra])
+
+    _fails(capsys, eval_("--reward-weights", "1e39"), "the rewards of the held-out prompts overflow float32",
+           "weights 1e+39")
+    _fails(capsys, eval_("--reward-weights", "0"), "option 'reward-weights' (0) weighs every --reward 0")
+    _fails(capsys, eval_("--reward-weights", "1,1"), "option 'reward-weights' has 2 weights for 1 --reward")
+    _fails(capsys, eval_("--max-new-tokens", "0"), "option 'max-new-tokens' (0) must be at least 1 with --reward")
+    for flag, value, said in (("--seq-len", "-5", "must be at least 1, got -5"),
+                              ("--batch-size", "0", "must be at least 1, got 0"),
+                              ("--temperature", "nan", "must be a finite number at least 0, got nan")):
+        with pytest.raises(SystemExit) as exit_:
+            eval_(flag, value)
+        assert exit_.value.code == 2
+        assert f"argument {flag}: {said}" in capsys.readouterr().err

@@ -9,12 +9,43 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
 from shardtune.config import DataConfig
 
 SEQ_LEN = DataConfig().seq_len
+
+
+def _at_least(low: int):
+    """argparse's ``type`` of a whole-number option of at least ``low``: anything else is refused (exit 2) naming
+    the option, before a model is loaded, not taken as a slice bound or a range step deep inside."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+    return parse
+
+
+def _number_in(low: float, high: float, low_open: bool = False):
+    """argparse's ``type`` of a finite number between ``low`` and ``high`` (``low`` itself excluded with
+    ``low_open``)."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not math.isfinite(value) or not (low < value if low_open else low <= value) or not value <= high:
+            bound = f"above {low:g}" if low_open else f"at least {low:g}"
+            raise argparse.ArgumentTypeError(f"must be a finite number {bound}" + (
+                f" and at most {high:g}" if high != float("inf") else "") + f", got {text}")
+        return value
+    return parse
 
 
 def _model_flags(p: argparse.ArgumentParser) -> None:
@@ -194,11 +225,12 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--prompt", help="one prompt (the user message)")
     src.add_argument("--prompts", metavar="FILE", help="a text file of prompts, one per line, or a .jsonl file of "
                      "records: instruction (+ input) or messages (everything before the last assistant turn)")
-    p.add_argument("--temperature", type=float, default=0.0,
+    p.add_argument("--temperature", type=_number_in(0, float("inf")), default=0.0,
                    help="0: greedy, deterministic; above 0: sampling at this temperature [default: 0]")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the smallest set of tokens "
+    p.add_argument("--top-p", type=_number_in(0, 1, low_open=True), default=1.0,
+                   help="nucleus sampling: keep the smallest set of tokens "
                    "whose probability reaches P (only when sampling) [default: 1.0]")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="longest answer in tokens [default: 256]")
+    p.add_argument("--max-new-tokens", type=_at_least(1), default=256, help="longest answer in tokens [default: 256]")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (prompt i uses seed + i) [default: 0]")
     p.set_defaults(func=cmd_generate)
 
@@ -222,28 +254,32 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    "target_tokens, questions, exact_match, contains_match (fractions 0..1, null without questions)")
     p.add_argument("--answers", action="store_true",
                    help="also show every question with its expected and generated answer (key 'answers' in --json)")
-    p.add_argument("--nproc", type=int, default=1, help="worker processes, one per GPU on GPU machines [default: 1]")
-    p.add_argument("--context-parallel", type=int, default=1, metavar="N", help="cut each sequence of the loss "
+    p.add_argument("--nproc", type=_at_least(1), default=1,
+                   help="worker processes, one per GPU on GPU machines [default: 1]")
+    p.add_argument("--context-parallel", type=_at_least(1), default=1, metavar="N",
+                   help="cut each sequence of the loss "
                    "over N of the --nproc ranks, as finetune's --context-parallel (each rank still loads the "
                    "whole model; the answers are generated whole) [default: 1]")
-    p.add_argument("--seq-len", type=int, default=SEQ_LEN,
+    p.add_argument("--seq-len", type=_at_least(1), default=SEQ_LEN,
                    help=f"tokens per record; longer records are cut [default: {SEQ_LEN}]")
-    p.add_argument("--batch-size", type=int, default=8, help="records per forward pass and per generation batch "
+    p.add_argument("--batch-size", type=_at_least(1), default=8,
+                   help="records per forward pass and per generation batch "
                    "on each process [default: 8]")
-    p.add_argument("--max-new-tokens", type=int, default=64,
+    p.add_argument("--max-new-tokens", type=_at_least(0), default=64,
                    help="longest generated answer; 0 skips generation (loss only) [default: 64]")
     p.add_argument("--reward", action="append", metavar="SPEC", help="prompt data (GRPO's): the mean reward of "
                    "the model's completions, base and base + --adapter, by this reward function (as finetune's "
                    "--reward; repeatable)")
     p.add_argument("--reward-weights", metavar="W,W", help="with --reward: one weight per function [default: 1 each]")
-    p.add_argument("--temperature", type=float, default=0.0, help="with --reward: 0 for greedy completions, above 0 "
+    p.add_argument("--temperature", type=_number_in(0, float("inf")), default=0.0,
+                   help="with --reward: 0 for greedy completions, above 0 "
                    "sampled (seeded per prompt) [default: 0]")
     p.add_argument("--seed", type=int, default=0, help="with --reward and --temperature > 0: the sampling seed "
                    "[default: 0]")
     p.add_argument("--tasks", metavar="NAME[,NAME]", help="instead of --data: lm-evaluation-harness tasks, on the "
                    "base and on base + --adapter side by side (docs/export.md)")
-    p.add_argument("--limit", type=int, help="with --tasks: at most N documents per task [default: all]")
-    p.add_argument("--num-fewshot", type=int, help="with --tasks: K few-shot examples [default: the task's]")
+    p.add_argument("--limit", type=_at_least(1), help="with --tasks: at most N documents per task [default: all]")
+    p.add_argument("--num-fewshot", type=_at_least(0), help="with --tasks: K few-shot examples [default: the task's]")
     p.add_argument("--include-path", metavar="DIR", help="with --tasks: a folder of custom task YAML files")
     p.add_argument("--out", help="the JSON file of the results [default: beside the adapter of a fine-tune, "
                    "OUT_DIR/lm_eval.json with --tasks, OUT_DIR/eval.json with --data; else none]")
@@ -270,7 +306,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--force", action="store_true", help="replace an existing --out (and its Modelfile)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--check", choices=("vllm",), help="check the adapter for a serving engine instead of exporting")
-    p.add_argument("--max-lora-rank", type=int, default=16,
+    p.add_argument("--max-lora-rank", type=_at_least(1), default=16,
                    help="with --check vllm: the --max-lora-rank vLLM will be started with [default: 16, vLLM's]")
     p.set_defaults(func=cmd_export)
 

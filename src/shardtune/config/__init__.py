@@ -43,6 +43,7 @@ from shardtune.config.rules import (
     LORA_INITS,
     REFUSED_INITS,
     check_ranges,
+    checked_reward_weights,
     combination_refusal,
     context_ranks_refusal,
     parse_fields,
@@ -71,6 +72,6 @@ __all__ = [
     "OutputConfig",
     "ParallelConfig", "PreferenceConfig", "Range", "TrainConfig", "build_config", "check_ranges",
     "combination_refusal", "context_ranks_refusal", "field_type", "flatten", "opt", "parse_fields", "parse_size",
-    "reward_weights", "read_yaml",
+    "reward_weights", "checked_reward_weights", "read_yaml",
     "validate", "validate_lora_init", "validate_preference", "write_yaml",
 ]

@@ -113,18 +113,12 @@ def validate_grpo(cfg: Config) -> None:
         raise ConfigError("option 'reward' is required with --objective grpo: give --reward path/to/file.py:name, "
                           "module:name or a built-in (exact_match, contains, format=REGEX, length=TOKENS); repeat "
                           "it for several")
-    weights = reward_weights(g.reward_weights)
-    if weights is not None and len(weights) != len(g.reward):
-        raise ConfigError(f"option 'reward-weights' has {len(weights)} weights for {len(g.reward)} --reward "
-                          "functions: give one weight per function")
+    checked_reward_weights(g.reward_weights, len(g.reward))
     for flag, value, greedy in (("temperature", g.temperature, 0), ("top-k", g.top_k, 1)):
         if value == greedy:
             raise ConfigError(f"option '{flag}': --{flag} {greedy} samples greedily, so the {g.num_generations} "
                               "completions of a prompt come out alike, no group has an advantage and GRPO learns "
                               "nothing: sample (TRL's default --temperature 1, --top-k 0)")
-    if weights is not None and not any(weights):
-        raise ConfigError(f"option 'reward-weights' ({g.reward_weights}) weighs every --reward 0: every completion's "
-                          "reward would be 0 and GRPO would learn nothing; give at least one function a weight")
     if cfg.train.batch_size % g.num_generations:
         raise ConfigError(f"option 'batch-size' ({cfg.train.batch_size}) counts completions under --objective grpo "
                           f"and must hold whole groups of --num-generations {g.num_generations}: use a multiple of "
@@ -174,6 +168,20 @@ def validate_vllm_url(cfg: Config) -> None:
         raise ConfigError(f"option 'vllm-importance-sampling': --grpo-loss vespo weighs whole sequences itself and "
                           f"takes the correction per token only (as TRL): use token_truncate or token_mask, or off, "
                           f"not {g.vllm_importance_sampling}")
+
+
+def checked_reward_weights(text: str | None, functions: int) -> list[float] | None:
+    """--reward-weights for ``functions`` --reward functions (finetune's and eval's): one finite number each, not
+    all 0 (None: 1 each); ConfigError naming the option otherwise."""
+    weights = reward_weights(text)
+    if weights is not None and len(weights) != functions:
+        raise ConfigError(f"option 'reward-weights' has {len(weights)} weights for {functions} --reward "
+                          "functions: give one weight per function")
+    if weights is not None and not any(weights):
+        raise ConfigError(f"option 'reward-weights' ({text}) weighs every --reward 0: every completion's reward "
+                          "would be 0, which measures nothing and teaches GRPO nothing; give at least one function "
+                          "a weight")
+    return weights
 
 
 def reward_weights(text: str | None) -> list[float] | None:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from shardtune.config import reward_weights
+from shardtune.config import ConfigError, checked_reward_weights
 from shardtune.train.rewards import RewardFunction
 
 if TYPE_CHECKING:
@@ -37,7 +37,10 @@ def evaluate_rewards(subject: EvalModel, data: str | Path, rewards: list[str], w
     from shardtune.train.data.tokenize import load_dataset
     from shardtune.train.rewards import load_rewards
 
-    functions = load_rewards(rewards, reward_weights(weights))
+    if max_new_tokens < 1:  # eval's 0 (loss only) leaves nothing to score here
+        raise ConfigError(f"option 'max-new-tokens' ({max_new_tokens}) must be at least 1 with --reward: the "
+                          "completions are what the reward functions score")
+    functions = load_rewards(rewards, checked_reward_weights(weights, len(rewards)))
     check_adapter_dir(subject.adapter)
     model, tokenizer = subject.load()
     model.eval()
@@ -61,7 +64,7 @@ def _figures(model, tokenizer, examples, records, functions: list[RewardFunction
     from shardtune.train.data.batch import pad_id
     from shardtune.train.data.prompts import fields_of, prompt_of
     from shardtune.train.data.sources import location
-    from shardtune.train.rewards import completions_for, prompt_at, score, unscored, weights_of
+    from shardtune.train.rewards import check_in_float32, completions_for, prompt_at, score, unscored, weights_of
     from shardtune.train.sampling import SamplingSettings, hf_cache, hf_next_logits, sample, stop_ids
 
     settings = SamplingSettings(max_new_tokens, tuple(stop_ids(model, tokenizer)), pad_id(tokenizer), temperature)
@@ -83,6 +86,7 @@ def _figures(model, tokenizer, examples, records, functions: list[RewardFunction
     none = unscored(functions, table, lambda i: prompt_at(sources[i], prompts[i]), "the held-out prompts",
                     "A mean reward of nothing measures nothing")
     total = (table * weights_of(functions)).nansum(dim=1)
+    check_in_float32(functions, table, total[~none], "the held-out prompts")
     total[none] = math.nan
     out: dict[str, Any] = {"reward": _mean(total)}
     for j, fn in enumerate(functions):

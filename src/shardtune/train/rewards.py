@@ -524,5 +524,20 @@ def unscored(rewards: Sequence[RewardFunction], table: torch.Tensor, where: Call
     return none
 
 
+def check_in_float32(rewards: Sequence[RewardFunction], table: torch.Tensor, totals: torch.Tensor, what: str,
+                     spread: float | None = None) -> None:
+    """Weighted rewards ``totals`` (of the scored completions of ``table``, ``score``'s) whose sum, or ``spread``
+    when given, overflows float32 (TRL's dtype for them) measure and teach nothing: RewardError naming ``what`` they
+    are, the largest answer, the functions and their weights."""
+    if bool(torch.isfinite(totals).all()) and (spread is None or math.isfinite(spread)):
+        return
+    largest = table.nan_to_num(0.0).abs().max().item()
+    names = ", ".join(repr(r.name) for r in rewards)
+    weights = ",".join(f"{r.weight:g}" for r in rewards)
+    raise RewardError(f"the rewards of {what} overflow float32 (TRL's dtype for them) once weighted, summed or "
+                      f"squared for their spread: the largest answer is {largest:g} (functions {names}, weights "
+                      f"{weights}); scale them down")
+
+
 def weights_of(rewards: Sequence[RewardFunction]) -> torch.Tensor:
     return torch.tensor([r.weight for r in rewards], dtype=torch.float32)

@@ -54,6 +54,7 @@ from shardtune.train.remote_generation import RemoteGenerator
 from shardtune.train.rewards import (
     RewardError,
     RewardFunction,
+    check_in_float32,
     completions_for,
     prompt_at,
     unscored,
@@ -201,11 +202,7 @@ class Rollouts:
                         "teach nothing (advantage 0, as in TRL); the first on %s", step + 1, int(none.sum()),
                         len(none), names, where(int(none.nonzero()[0])))
         scored = totals[~none]
-        if not bool(torch.isfinite(scored).all()) or (scored.numel() > 1 and not math.isfinite(spread)):
-            largest = scores.nan_to_num(0.0).abs().max().item()
-            raise RewardError(f"the rewards of {batch} overflow float32 (TRL's dtype for them) once weighted, summed "
-                              f"or squared for their spread: the largest answer is {largest:g} (functions {names}, "
-                              f"weights {self.cfg.grpo.reward_weights or 'all 1'}); scale them down")
+        check_in_float32(self.rewards, scores, scored, batch, spread if scored.numel() > 1 else None)
 
     def _micro_batches(self) -> int:
         s = self.split
