@@ -829,3 +829,28 @@ def test_eval_reward_refuses_what_finetune_refuses(grpo_root, capsys):
             eval_(flag, value)
         assert exit_.value.code == 2
         assert f"argument {flag}: {said}" in capsys.readouterr().err
+
+
+def test_sequences_past_a_learned_position_table_are_refused_or_cut_not_crashed(grpo_root, capsys, caplog,
+                                                                                  no_workers, tmp_path):
+    """GPT-2 learned a table of 256 positions and has none beyond: a fine-tune or eval whose rows would be longer
+    stops before any worker with exit 2 naming the options (not an IndexError deep in torch); eval --reward, as
+    generate, cuts completions at the context's end."""
+    from tiny import make_model
+
+    gpt2 = make_model(tmp_path / "gpt2", "gpt2")
+    model = ["--model", str(gpt2)]
+    grpo = [*argv(grpo_root, "long")[argv(grpo_root, "long").index("--data"):], "--strategy", "single", "--steps", "1"]
+    grpo[grpo.index("--max-completion-length") + 1] = "300"
+    _fails(capsys, main(["finetune", *model, *grpo]), "--seq-len 48 + --max-completion-length 300 makes sequences "
+           "of up to 348 tokens", "has learned positions for 256 tokens")
+    write_jsonl(tmp_path / "text.jsonl", [{"text": "some words " * 20}] * 4)
+    for command in (["finetune", "--out", str(tmp_path / "sft")], ["eval"]):
+        _fails(capsys, main([*command, *model, "--data", str(tmp_path / "text.jsonl"), "--seq-len", "300"]),
+               "--seq-len 300 makes sequences of up to 300 tokens")
+    code = main(["eval", *model, "--data", str(grpo_root / "prompts.jsonl"), "--reward",
+                 f"{grpo_root / 'rewards.py'}:digits", "--max-new-tokens", "300", "--json"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert "the answer would run past the model's context of 256 tokens" in caplog.text
+    assert json.loads(captured.out)["base"]["completions/clipped_ratio"] > 0

@@ -16,7 +16,14 @@ from shardtune.model.attention import check_context_parallel
 from shardtune.model.checkpoint_keys import check_against_headers
 from shardtune.model.directory import check_model_dir, load_tokenizer
 from shardtune.model.lora import inject_lora
-from shardtune.model.meta import build_meta_model, check_tokenizer_fits, compute_dtype, context_warning, vocab_size
+from shardtune.model.meta import (
+    build_meta_model,
+    check_positions,
+    check_tokenizer_fits,
+    compute_dtype,
+    context_warning,
+    vocab_size,
+)
 from shardtune.runplan import RunPlan
 from shardtune.runtime.device import check_local_ranks, decide_dtype, device_type, warn_oversubscribed
 from shardtune.runtime.files import OutputError, check_writable
@@ -75,8 +82,9 @@ def preflight(cfg: Config) -> tuple[Config, RunPlan]:
         if cfg.grpo.vllm_url:  # the generator answers and takes adapters, before any model loads
             check_server(cfg.grpo.vllm_url)
     tokenizer = load_tokenizer(model_dir)
-    if (warning := context_warning(model_dir, cfg.data.seq_len)) is not None:
-        log.warning("%s", warning)
+    completion = cfg.completion_room()
+    longest = cfg.data.seq_len + completion  # a row: its --seq-len part and GRPO's completion
+    made_by = f"--seq-len {cfg.data.seq_len}" + (f" + --max-completion-length {completion}" if completion else "")
     vocab = vocab_size(model_dir)
     check_tokenizer_fits(tokenizer, vocab, model_dir)
     # Tokenized once, here: the workers map the cache instead of each tokenizing every record again.
@@ -96,6 +104,9 @@ def preflight(cfg: Config) -> tuple[Config, RunPlan]:
         read_split(cfg, cfg.data.val, tokenizer, vocab, show_progress=True)
     model, _ = inject_lora(build_meta_model(model_dir, compute_dtype(cfg)), cfg.lora, cfg.train.seed)
     check_against_headers(model, model_dir)  # every weight there, of its shape and a float dtype
+    check_positions(model, longest, made_by, model_dir.path)  # a learned table: refused; rotary: said
+    if (warning := context_warning(model_dir, longest, made_by)) is not None:
+        log.warning("%s", warning)
     if cfg.data.packing:
         check_packing(model)
     cfg, plan, _ = resolve(cfg, lengths_of(train.examples), model)

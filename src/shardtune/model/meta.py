@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from shardtune.config import Config
+from shardtune.config import Config, ConfigError
 from shardtune.model.directory import ModelDir, ModelDirError, read_config
 from shardtune.runtime.device import decide_dtype
 
@@ -51,18 +51,46 @@ def build_meta_model(model_dir: ModelDir, dtype: torch.dtype) -> nn.Module:
 
 
 
-def context_warning(model_dir: ModelDir, seq_len: int) -> str | None:
-    """A warning when ``seq_len`` exceeds the positions the model was trained for (``max_position_embeddings``)
-    and its config scales no rotary embedding to reach it: users extend a context on purpose, so not an error."""
+def context_warning(model_dir: ModelDir, tokens: int, what: str) -> str | None:
+    """A warning when sequences of ``tokens`` (``what`` makes them, e.g. ``--seq-len 4096``) exceed the positions
+    the model was trained for (``max_position_embeddings``) and its config scales no rotary embedding to reach
+    them: users extend a context on purpose, so not an error (unless the positions are a learned table, which
+    has no row beyond them: ``check_positions``)."""
     config = read_config(model_dir).get_text_config()
     positions = getattr(config, "max_position_embeddings", None)
     scaling = getattr(config, "rope_scaling", None) or {}
     scaled = isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type", "default")) != "default"
-    if not positions or seq_len <= positions or scaled:
+    if not positions or tokens <= positions or scaled:
         return None
-    return (f"--seq-len {seq_len} exceeds the {positions} positions {model_dir.path / 'config.json'} was trained for "
+    return (f"{what} exceeds the {positions} positions {model_dir.path / 'config.json'} was trained for "
             "(max_position_embeddings) and it sets no rope scaling: positions beyond it are extrapolated; set "
             "rope_scaling in the config (e.g. yarn) if you mean to extend the context")
+
+
+def learned_positions(model: nn.Module) -> int | None:
+    """How many positions ``model``'s learned position table holds (GPT-2's ``wpe``, OPT's ``embed_positions``,
+    which keeps 2 rows more): None for a model without one (rotary, ALiBi), whose positions go on."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    positions = getattr(text, "max_position_embeddings", None)
+    if not isinstance(positions, int):
+        return None
+    words = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    for module in model.modules():
+        if isinstance(module, nn.Embedding) and module is not words and \
+                module.num_embeddings in (positions, positions + 2):
+            return positions
+    return None
+
+
+def check_positions(model: nn.Module, tokens: int, what: str, where: object) -> None:
+    """Sequences of ``tokens`` (``what`` makes them) on a model (of ``where``) whose learned position table holds
+    fewer: ConfigError naming both, before any forward would index past the table deep inside torch."""
+    limit = learned_positions(model)
+    if limit is not None and tokens > limit:
+        raise ConfigError(f"{what} makes sequences of up to {tokens} tokens, but the model of {where} has learned "
+                          f"positions for {limit} tokens (max_position_embeddings) and none beyond: keep "
+                          f"sequences to {limit} tokens at most")
 
 
 def vocab_size(model_dir: ModelDir) -> int | None:

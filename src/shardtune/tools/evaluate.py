@@ -193,6 +193,7 @@ def evaluate(model_dir: str | Path, data: str | Path, adapter: str | Path | None
     """
     from shardtune.config import ConfigError
     from shardtune.model.directory import check_model_dir
+    from shardtune.model.meta import build_meta_model, check_positions
     from shardtune.tools.generate import check_adapter_dir, resolve_quantize
 
     for name, value in (("nproc", nproc), ("seq-len", seq_len), ("batch-size", batch_size),
@@ -201,8 +202,10 @@ def evaluate(model_dir: str | Path, data: str | Path, adapter: str | Path | None
             raise ConfigError(f"option '{name}' must be at least 1, got {value}")
     if max_new_tokens < 0:
         raise ConfigError(f"option 'max-new-tokens' must be at least 0, got {max_new_tokens}")
+    meta = build_meta_model(check_model_dir(model_dir, trust_remote_code), torch.float32)  # no weight read
+    check_positions(meta, seq_len, f"--seq-len {seq_len}", model_dir)
     if context_parallel > 1:
-        _check_context_parallel(model_dir, context_parallel, nproc, trust_remote_code)
+        _check_context_parallel(meta, context_parallel, nproc)
     # before any worker starts: the adapter whole, and made from this base (the workers do not check again)
     check_adapter_dir(adapter, check_model_dir(model_dir, trust_remote_code) if adapter is not None else None)
     spec = EvalSpec(str(model_dir), str(data), str(adapter) if adapter is not None else None, seq_len, batch_size,
@@ -213,18 +216,17 @@ def evaluate(model_dir: str | Path, data: str | Path, adapter: str | Path | None
     return _run_workers(spec, nproc)
 
 
-def _check_context_parallel(model_dir: str | Path, size: int, nproc: int, trust_remote_code: bool) -> None:
+def _check_context_parallel(meta: torch.nn.Module, size: int, nproc: int) -> None:
     """Fine-tuning's refusals of ``--context-parallel size``, before any weight is read: the ranks must form
-    CP groups of ``size``, and the model's attention must be one the pieces can meet in (its config alone)."""
+    CP groups of ``size``, and the model's attention (of ``meta``, built from its config alone) must be one the
+    pieces can meet in."""
     from shardtune.config import ConfigError, context_ranks_refusal
     from shardtune.model.attention import check_context_parallel
-    from shardtune.model.directory import check_model_dir
-    from shardtune.model.meta import build_meta_model
 
     refused = context_ranks_refusal(size, nproc, flags="--nproc")
     if refused:
         raise ConfigError(refused)
-    check_context_parallel(build_meta_model(check_model_dir(model_dir, trust_remote_code), torch.float32), size)
+    check_context_parallel(meta, size)
 
 
 def _run_here(spec: EvalSpec) -> dict[str, Any]:

@@ -11,6 +11,7 @@ of the model serves both.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -61,23 +62,28 @@ def evaluate_rewards(subject: EvalModel, data: str | Path, rewards: list[str], w
 @torch.no_grad()
 def _figures(model, tokenizer, examples, records, functions: list[RewardFunction], max_new_tokens: int,
              batch_size: int, temperature: float, seed: int, data: str | Path) -> dict[str, Any]:
+    from shardtune.tools.generate import check_context
     from shardtune.train.data.batch import pad_id
     from shardtune.train.data.prompts import fields_of, prompt_of
     from shardtune.train.data.sources import location
     from shardtune.train.rewards import check_in_float32, completions_for, prompt_at, score, unscored, weights_of
     from shardtune.train.sampling import SamplingSettings, hf_cache, hf_next_logits, sample, stop_ids
 
+    recs = [r for _, r in records]
+    prompts = [prompt_of(r) for r in recs]
+    # as `shardtune generate`: a prompt that fills the model's context is refused, an answer cut at its end
+    context = check_context(model, prompts, [e.input_ids for e in examples], max_new_tokens)
     settings = SamplingSettings(max_new_tokens, tuple(stop_ids(model, tokenizer)), pad_id(tokenizer), temperature)
     device = next(model.parameters()).device
     done = []
     for start in range(0, len(examples), batch_size):
         rows = list(range(start, min(len(examples), start + batch_size)))
+        room = max_new_tokens if context is None else \
+            min(max_new_tokens, context - max(len(examples[i].input_ids) for i in rows))
         done += sample(hf_next_logits(model), [examples[i].input_ids for i in rows], [(i, 0) for i in rows],
-                       settings, seed, 0, hf_cache(model), device)
+                       dataclasses.replace(settings, max_new_tokens=room), seed, 0, hf_cache(model), device)
     ids = [c.ids for c in done]
     texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
-    recs = [r for _, r in records]
-    prompts = [prompt_of(r) for r in recs]
     fields = [fields_of(r) for r in recs]
     keys = sorted({k for f in fields for k in f})
     sources = [location(data, n) for n, _ in records]
