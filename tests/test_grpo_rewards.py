@@ -252,3 +252,21 @@ def test_worker_path_names_the_folder_of_a_module_found_through_sys_path_only(tm
     assert worker_path(["nb_only_pkg.scores:score", "nb_only_module:score"]) == []
     monkeypatch.delitem(sys.modules, "nb_only_pkg.scores")
     monkeypatch.delitem(sys.modules, "nb_only_pkg")
+
+
+def test_what_functions_log_is_merged_as_trl_merges_it_and_a_bad_value_is_blamed_on_its_line(tmp_path):
+    """log_metric's values: the mean of every rank's; log_extra's columns: every rank's rows in order (None where a
+    rank gave none or the wrong count). A non-number given to log_metric names the user's line, not ours."""
+    ranks = [RewardLog(), RewardLog()]
+    ranks[0].metrics["m"] += [1.0, 2.0]
+    ranks[1].metrics["m"] += [6.0]
+    ranks[0].extra["c"] += ["a", "b"]
+    ranks[1].extra["c"] += ["only one"]  # of 2 rows
+    assert RewardLog.merged(ranks, [2, 2]) == ({"m": 3.0}, {"c": ["a", "b", None, None]})
+    path = write(tmp_path / "logs.py", """
+        def f(prompts, completions, log_metric, **kwargs):
+            log_metric("m", "abc")
+            return [0.0] * len(prompts)
+    """)
+    with pytest.raises(RewardError, match=r"logs.py:3: TypeError: log_metric\('m', \.\.\.\): 'abc' is not a number"):
+        scores([f"{path}:f"])

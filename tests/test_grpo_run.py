@@ -26,9 +26,11 @@ from tiny import make_model, write_jsonl
 
 G = 4
 REWARD_FILE = '''
-def digits(prompts, completions, completion_ids, answer, **fields):
-    """Varies within a group: digits in the completion, and the ids' sum."""
+def digits(prompts, completions, completion_ids, answer, log_metric, log_extra, **fields):
+    """Varies within a group: digits in the completion, and the ids' sum. Logs as TRL's functions may."""
     text = [c if isinstance(c, str) else c[0]["content"] for c in completions]
+    log_metric("digits/rows", len(text))
+    log_extra("answer", list(answer))
     return [sum(ch.isdigit() for ch in t) / 4 + (sum(ids) % 7) / 7 for t, ids in zip(text, completion_ids)]
 
 
@@ -141,6 +143,10 @@ def test_a_run_trains_and_logs_trl_metrics(one_rank):
     assert rows[0]["reward"] == rows[1]["reward"] and rows[2]["reward"] == rows[3]["reward"]
     samples = completions(one_rank)
     assert {s["step"] for s in samples} == {1, 3} and all(isinstance(s["completion"], str) for s in samples)
+    # what the functions logged (TRL's log_metric, log_extra): the step's mean, and each sample's own value
+    assert [r["digits/rows"] for r in rows] == [8] * 4
+    answers = {str(r["prompt"]): r["answer"] for r in prompt_records()}
+    assert all(s["extra"] == {"answer": answers[str(s["prompt"])]} for s in samples)
     assert json.loads((one_rank / "summary.json").read_text())["objective"] == "grpo"
 
 

@@ -208,10 +208,15 @@ def _attribute(module: Any, attr: str, spec: str, where: str) -> Any:
     return fn
 
 
+_PACKAGE = str(Path(__file__).resolve().parents[1])  # shardtune's own files
+
+
 def _where(err: BaseException, path: Path | None) -> str:
     """``File:line: Type: message`` of the innermost frame in the user's code (else the innermost one)."""
     frames = traceback.extract_tb(err.__traceback__)
-    mine = [f for f in frames if path is not None and Path(f.filename) == path] or frames
+    # a check of ours the user's code called (log_metric's) is not where it went wrong
+    mine = [f for f in frames if path is not None and Path(f.filename) == path] or \
+        [f for f in frames if not f.filename.startswith(_PACKAGE)] or frames
     place = f"{mine[-1].filename}:{mine[-1].lineno}: " if mine else ""
     return f"{place}{type(err).__name__}: {err}"
 
@@ -351,10 +356,24 @@ def load_rewards(specs: Sequence[str], weights: Sequence[float] | None = None) -
 
 @dataclass
 class RewardLog:
-    """What reward functions logged through ``log_metric`` / ``log_extra`` while scoring one batch."""
+    """What reward functions logged through ``log_metric`` / ``log_extra`` while scoring one batch (TRL's):
+    numbers to average into the step's metrics, and columns of one value per completion for its samples."""
 
     metrics: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
     extra: dict[str, list[Any]] = field(default_factory=lambda: defaultdict(list))
+
+    @staticmethod
+    def merged(logs: Sequence[RewardLog], rows: Sequence[int]) -> tuple[dict[str, float], dict[str, list[Any]]]:
+        """Every rank's logs (in rank order; ``rows``: each rank's completions) as TRL merges them: each metric the
+        mean of every value any rank logged, each column every rank's values in row order (a rank that logged
+        none of a column, or not one value a completion, gives None for each of its rows)."""
+        values = {name: [x for log in logs for x in log.metrics.get(name, [])]
+                  for name in sorted({name for log in logs for name in log.metrics})}
+        metrics = {name: sum(v) / len(v) for name, v in values.items() if v}
+        columns = {column: [x for log, n in zip(logs, rows)
+                            for x in (log.extra[column] if len(log.extra.get(column, [])) == n else [None] * n)]
+                   for column in sorted({column for log in logs for column in log.extra})}
+        return metrics, columns
 
 
 def is_conversational(prompt: str | list[dict]) -> bool:
@@ -473,11 +492,18 @@ def score(rewards: Sequence[RewardFunction], prompts: Sequence[str | list[dict]]
         raise RewardError(f"the records have a field named {clash[0]!r}, which reward functions receive from "
                           f"shardtune itself; rename it (--data-fields)")
     log = log if log is not None else RewardLog()
+
+    def log_metric(name: str, value: float) -> None:
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise TypeError(f"log_metric({name!r}, ...): {value!r} is not a number") from None
+        log.metrics[str(name)].append(number)
+
     kwargs = dict(prompts=list(prompts), completions=list(completions),
                   completion_ids=[list(ids) for ids in completion_ids], **fields,
-                  trainer_state=SimpleNamespace(global_step=step),
-                  log_metric=lambda name, value: log.metrics[name].append(float(value)),
-                  log_extra=lambda column, values: log.extra[column].extend(values))
+                  trainer_state=SimpleNamespace(global_step=step), log_metric=log_metric,
+                  log_extra=lambda column, values: log.extra[str(column)].extend(values))
 
     def where(i: int) -> str:
         return prompt_at(sources[i] if sources is not None else f"prompt #{i}", prompts[i])

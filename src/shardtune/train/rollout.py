@@ -54,6 +54,7 @@ from shardtune.train.remote_generation import RemoteGenerator
 from shardtune.train.rewards import (
     RewardError,
     RewardFunction,
+    RewardLog,
     check_in_float32,
     completions_for,
     prompt_at,
@@ -159,11 +160,13 @@ class Rollouts:
             raise failed
         completions = [c for s in shares for c in s[0]]
         truncated = [t for s in shares for t in s[1]]
-        scores = torch.cat([s[2] for s in shares])  # type: ignore[misc]
+        scores = torch.cat([s[2][0] for s in shares])  # type: ignore[index]
+        logged, columns = RewardLog.merged([s[2][1] for s in shares], [len(s[0]) for s in shares])  # type: ignore[index]
         names = [r.name for r in self.rewards]
         adv = group_advantages(scores, weights_of(self.rewards), self.G, self.cfg.grpo.scale_rewards, names=names)
         self._check_scored(scores, adv.rewards, adv.metrics["reward_std"], prompts, step)
-        metrics = {**adv.metrics, **completion_metrics([len(c) for c in completions], truncated)}
+        # the functions' own (log_metric), beside ours under their names as in TRL; ours win a name both use
+        metrics = {**logged, **adv.metrics, **completion_metrics([len(c) for c in completions], truncated)}
         rollout = Rollout(index, prompts, completions, truncated, scores, adv.advantages,
                           make_mask(completions, truncated, self.cfg.grpo.mask_truncated_completions), metrics,
                           self._micro_batches())
@@ -182,7 +185,7 @@ class Rollouts:
             rollout.sampling = table  # the mask measures against the sampler's own log-probs (else the old ones)
         if self.cfg.grpo.beta > 0:
             rollout.ref = self._logps(self._reference)
-        self._write_samples(rollout, adv.rewards, step)
+        self._write_samples(rollout, adv.rewards, step, columns)
 
     def _check_scored(self, scores: torch.Tensor, totals: torch.Tensor, spread: float, prompts: list[int],
                       step: int) -> None:
@@ -221,16 +224,21 @@ class Rollouts:
 
     # ------------------------------------------------------------------------------------------ scoring
 
-    def _score(self, mine: list[tuple[int, int]], ids: list[list[int]], step: int) -> torch.Tensor:
-        """(rows, functions) rewards of this rank's rows."""
+    def _score(self, mine: list[tuple[int, int]], ids: list[list[int]], step: int) -> tuple[torch.Tensor, RewardLog]:
+        """(rows, functions) rewards of this rank's rows, and what the functions logged (``log_extra``'s values as
+        JSON holds them: they go to completions.jsonl, through every rank)."""
         records = [self.records[p][1] for p, _ in mine]
         prompts = [prompt_of(r) for r in records]
         texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
         fields = [fields_of(r) for r in records]
         keys = sorted({k for f in fields for k in f})
         sources = [location(self.cfg.data.train, self.records[p][0]) for p, _ in mine]
-        return rewards_of(self.rewards, prompts, completions_for(prompts, texts), ids,
-                          {k: [f.get(k) for f in fields] for k in keys}, step=step, sources=sources)
+        log = RewardLog()
+        table = rewards_of(self.rewards, prompts, completions_for(prompts, texts), ids,
+                           {k: [f.get(k) for f in fields] for k in keys}, step=step, log=log, sources=sources)
+        for column, values in log.extra.items():
+            log.extra[column] = json.loads(json.dumps(values, default=str))
+        return table, log
 
     # ------------------------------------------------------------------------------------------ log-probs
 
@@ -277,9 +285,11 @@ class Rollouts:
 
     # ------------------------------------------------------------------------------------------ output, resume
 
-    def _write_samples(self, rollout: Rollout, rewards: torch.Tensor, step: int) -> None:
-        """A few completions with their rewards, to OUT/completions.jsonl (rank 0); lines of steps after ``step``
-        (a run resumed from an earlier checkpoint, or an older run's) are dropped first."""
+    def _write_samples(self, rollout: Rollout, rewards: torch.Tensor, step: int,
+                       columns: dict[str, list] | None = None) -> None:
+        """A few completions with their rewards and the functions' ``log_extra`` ``columns`` (one value per row), to
+        OUT/completions.jsonl (rank 0); lines of steps after ``step`` (a run resumed from an earlier checkpoint, or
+        an older run's) are dropped first."""
         if not self.t.worker.is_main:
             return
         file = self.out / COMPLETIONS
@@ -297,6 +307,8 @@ class Rollouts:
                         "completion": text, "reward": _number(rewards[r]),
                         "rewards": {fn.name: _number(rollout.rewards[r, j]) for j, fn in enumerate(self.rewards)},
                         "advantage": _number(rollout.advantages[r]), "truncated": rollout.truncated[r]}
+                if columns:
+                    line["extra"] = {column: values[r] for column, values in columns.items()}
                 f.write(json.dumps(line) + "\n")
 
     def state_dict(self) -> dict | None:
