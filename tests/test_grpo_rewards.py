@@ -270,3 +270,19 @@ def test_what_functions_log_is_merged_as_trl_merges_it_and_a_bad_value_is_blamed
     """)
     with pytest.raises(RewardError, match=r"logs.py:3: TypeError: log_metric\('m', \.\.\.\): 'abc' is not a number"):
         scores([f"{path}:f"])
+
+
+def test_a_module_of_the_working_directory_is_found_as_the_workers_find_it(tmp_path, monkeypatch):
+    """`shardtune` (a console script) has its own folder on sys.path, not the working directory, where the
+    workers (``python -m``) find a package: ``mypkg.rew:ok`` from there loads, not 'mypkg is not installed'."""
+    import sys
+
+    (tmp_path / "mypkg").mkdir()
+    write(tmp_path / "mypkg" / "__init__.py", "")
+    write(tmp_path / "mypkg" / "rew.py", "def ok(prompts, completions, **kw):\n    return [1.0] * len(prompts)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(tmp_path))])
+    assert load_rewards(["mypkg.rew:ok"])[0].name == "ok"
+    assert sys.path[-1] == str(tmp_path)  # after everything else: nothing installed is shadowed
+    with pytest.raises(RewardError, match="no module named 'elsewhere' on the Python path"):
+        load_rewards(["elsewhere:ok"])

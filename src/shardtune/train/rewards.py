@@ -183,6 +183,12 @@ def _load_module(module_name: str, attr: str, spec: str) -> Any:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as err:
         missing = err.name or module_name
+        top, here = module_name.split(".")[0], Path.cwd()
+        if missing == top and str(here) not in sys.path and ((here / top).is_dir() or (here / f"{top}.py").is_file()):
+            # the workers start as `python -m`, which finds the working directory's modules; the `shardtune`
+            # script's own path has its folder instead: the working directory, after everything else
+            sys.path.append(str(here))
+            return _load_module(module_name, attr, spec)
         close = difflib.get_close_matches(module_name, BUILTINS, n=1, cutoff=0.6)
         builtin = f", or the built-in {close[0]}=..." if close else ""
         hint = (f"no module named {module_name!r} on the Python path (a file is given as path/to/file.py:name"
