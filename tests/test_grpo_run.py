@@ -860,3 +860,33 @@ def test_sequences_past_a_learned_position_table_are_refused_or_cut_not_crashed(
     assert code == 0, captured.err
     assert "the answer would run past the model's context of 256 tokens" in caplog.text
     assert json.loads(captured.out)["base"]["completions/clipped_ratio"] > 0
+
+
+def test_other_objectives_records_as_prompts_are_said_to_be_fields_only(grpo_root, caplog, capsys, monkeypatch,
+                                                                        tmp_path):
+    """An SFT file (instruction, input, output) or preference pairs given as GRPO's prompts run, but say that their
+    responses only reach the reward functions as fields, and that an SFT 'input' is no part of the prompt."""
+    import shardtune.launch
+
+    launched: list = []
+    monkeypatch.setattr(shardtune.launch, "launch", lambda cfg, plan, asked=None: launched.append(cfg) or {})
+    sft = write_jsonl(tmp_path / "sft.jsonl", [{"instruction": f"Add {i} and {i}", "input": f"{i} {i}",
+                                                "output": str(2 * i)} for i in range(4)])
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": f"say {i}", "chosen": str(i), "rejected": "no"}
+                                                   for i in range(4)])
+    for data, said in ((sft, ["4 of 4 records have 'output' (record 1, 2, 3, 4), an SFT record's field",
+                              "4 of 4 records have an 'input' beside their 'instruction'"]),
+                       (pairs, ["4 of 4 records have 'chosen' (record 1, 2, 3, 4), a preference pair's field",
+                                "to train on it: --objective dpo, orpo or simpo"])):
+        caplog.clear()
+        args = argv(grpo_root, f"as-prompts-{data.stem}", "--strategy", "single", "--steps", "1")
+        args[args.index("--data") + 1] = str(data)
+        args[args.index("--reward") + 1] = "exact_match=rejected" if data == pairs else "exact_match=output"
+        assert main(args) == 0, capsys.readouterr().err
+        for text in said:
+            assert text in caplog.text
+    assert len(launched) == 2
+    caplog.clear()
+    assert main(["eval", "--model", str(grpo_root / "model"), "--data", str(sft), "--reward", "exact_match=output",
+                 "--max-new-tokens", "2", "--json"]) == 0
+    assert "an SFT record's field" in caplog.text

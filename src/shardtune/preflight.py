@@ -29,9 +29,10 @@ from shardtune.runtime.device import check_local_ranks, decide_dtype, device_typ
 from shardtune.runtime.files import OutputError, check_writable
 from shardtune.runtime.versions import check_apis
 from shardtune.runtime.workers import prestart
-from shardtune.train.data.checks import pair_warnings, warn_about_data
+from shardtune.train.data.checks import pair_warnings, prompt_warnings, warn_about_data
 from shardtune.train.data.pack import check_packing
 from shardtune.train.data.pairs import PAIRS, split_pair
+from shardtune.train.data.prompts import PROMPTS
 from shardtune.train.data.read import read_records
 from shardtune.train.data.records import DataError, lengths_of
 from shardtune.train.input_paths import check_input_paths
@@ -95,6 +96,9 @@ def preflight(cfg: Config) -> tuple[Config, RunPlan]:
     warn_about_data(cfg.data.train, records, len(train.examples) // fmt.per_record,
                     objective.records_per_batch(cfg.train.batch_size),
                     tokenizer, cfg.model.path)
+    if fmt is PROMPTS:
+        for message in prompt_warnings(cfg.data.train, records):
+            log.warning("%s", message)
     if fmt is PAIRS:
         refuse_identical_pairs(cfg.data.train, records)
         for message in pair_warnings(cfg.data.train, records, train.truncated, cfg.data.seq_len):

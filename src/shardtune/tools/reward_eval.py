@@ -12,6 +12,7 @@ of the model serves both.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
     from shardtune.tools.generate import EvalModel
 
 SAMPLES = 3
+log = logging.getLogger("shardtune")
 
 
 def evaluate_rewards(subject: EvalModel, data: str | Path, rewards: list[str], weights: str | None = None,
@@ -33,6 +35,7 @@ def evaluate_rewards(subject: EvalModel, data: str | Path, rewards: list[str], w
     """The figures of the module docstring, for the base and (with an adapter) base + adapter."""
     from shardtune.runtime.compat import adapters_disabled
     from shardtune.tools.generate import check_adapter_dir
+    from shardtune.train.data.checks import prompt_warnings
     from shardtune.train.data.prompts import PROMPTS
     from shardtune.train.data.read import read_records
     from shardtune.train.data.tokenize import load_dataset
@@ -47,6 +50,8 @@ def evaluate_rewards(subject: EvalModel, data: str | Path, rewards: list[str], w
     model.eval()
     prompts = load_dataset(data, tokenizer, seq_len, fields=data_fields, fmt=PROMPTS)
     records = read_records(data, data_fields, PROMPTS.check)
+    for message in prompt_warnings(data, records):
+        log.warning("%s", message)
     result: dict[str, Any] = {"prompts": len(records), "model": str(subject.model),
                               "adapter": str(subject.adapter) if subject.adapter else None, "data": str(data),
                               "temperature": temperature}

@@ -113,3 +113,28 @@ def pair_warnings(path: str | Path, records: list[tuple[int, dict]], truncated: 
                      "rejected); a file normally holds one form: check that those records were not cut or "
                      "mis-mapped (--data-fields prompt=COLUMN)")
     return found
+
+
+#: fields of other objectives' records: on prompts for GRPO, only fields for the rewards
+_OTHER_FORMS = (("chosen", "a preference pair's", "--objective dpo, orpo or simpo"),
+                ("rejected", "a preference pair's", "--objective dpo, orpo or simpo"),
+                ("output", "an SFT record's", "--objective sft"), ("response", "an SFT record's", "--objective sft"),
+                ("completion", "a prompt-completion record's", "--objective sft"))
+
+
+def prompt_warnings(path: str | Path, records: list[tuple[int, dict]]) -> list[str]:
+    """Warnings for prompts (GRPO's) read from another objective's records: their responses are no target here,
+    only fields handed to the reward functions, and an SFT record's ``input`` is no part of the prompt."""
+    found = []
+    for key, form, objective in _OTHER_FORMS:
+        lines = [line for line, r in records if key in r]
+        if lines:
+            found.append(f"{path}: {len(lines)} of {len(records)} records have {key!r} (record {_lines(lines)}), "
+                         f"{form} field: --objective grpo samples its own completions and hands {key!r} to the reward "
+                         f"functions as a field only (to train on it: {objective})")
+    inputs = [line for line, r in records if "instruction" in r and str(r.get("input") or "").strip()]
+    if inputs:
+        found.append(f"{path}: {len(inputs)} of {len(records)} records have an 'input' beside their 'instruction' "
+                     f"(record {_lines(inputs)}): the prompt is the instruction alone; 'input' reaches the reward "
+                     "functions as a field. Put it in the prompt if the model must see it")
+    return found
