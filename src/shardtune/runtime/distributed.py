@@ -211,12 +211,14 @@ def worker_main(main: Callable[[], None]) -> None:
     except KeyboardInterrupt:
         code = 130
     except ShardtuneError as err:  # written for the user: the launcher shows the message, a traceback would bury it
+        _end_progress_line()
         print(f"error: {err}", file=sys.stderr)
         code = err.exit_code
     except BaseException as err:  # record() has written the error file (with the traceback) for the launcher
         from shardtune.runtime.worker_failures import lost_peer
 
         lost = lost_peer(str(err))
+        _end_progress_line()
         if lost:  # a consequence: the launcher names the rank that failed first, and why
             print(f"error: rank {os.environ.get('RANK', '?')} lost another rank ({lost}): that rank's failure "
                   "is the cause", file=sys.stderr)
@@ -226,6 +228,18 @@ def worker_main(main: Callable[[], None]) -> None:
             traceback.print_exc()
         code = 1
     exit_worker(code)
+
+
+def _end_progress_line() -> None:
+    """A progress bar still drawn (a step's, when the step failed) ends its line: the worker's closing error then
+    starts a line of its own, where the launcher's relay knows it (output_relay.WORKER_ERROR) and leaves it to
+    the launcher's own message, not said twice."""
+    std = sys.modules.get("tqdm.std")
+    for bar in list(getattr(getattr(std, "tqdm", None), "_instances", None) or ()):
+        try:
+            bar.close()
+        except Exception:  # noqa: BLE001 - a bar that cannot close must not hide the error
+            pass
 
 
 def exit_worker(code: int) -> None:
