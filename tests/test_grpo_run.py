@@ -816,6 +816,23 @@ def test_eval_reward_scores_base_and_adapter_completions(grpo_root, one_rank, ca
     assert tuned["reward"] == pytest.approx(tuned["rewards/digits/mean"] + 0.5 * tuned["rewards/format/mean"])
     assert tuned["samples"] != both["base"]["samples"]  # the adapter's completions differ from the base's
     assert json.loads((grpo_root / "eval.json").read_text()) == both
+    # beside a run's adapter: written to its eval.json and sent to its trackers at its last step
+    run = grpo_root / "reported"
+    shutil.copytree(one_rank, run)
+    reported = evaluate("--adapter", str(run / "adapter"), "--report-to", "tensorboard")
+    assert reported["adapter_figures"] == tuned and json.loads((run / "eval.json").read_text()) == reported
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    [event] = events.Scalars("eval/adapter/prompts/reward")
+    assert event.step == 4 and event.value == pytest.approx(tuned["reward"])
+    assert events.Scalars("eval/base/prompts/rewards/digits/mean")[0].value == \
+        pytest.approx(both["base"]["rewards/digits/mean"])
+    assert main(["report", str(run)]) == 0  # shown as what it is, not as preference pairs
+    md = (run / "report.md").read_text()
+    assert "## Reward evaluation on" in md and "(8 prompts, `shardtune eval --reward`)" in md
+    assert "| rewards/digits/mean |" in md and "Preference evaluation" not in md
     # a reward that applies to no held-out prompt measures nothing: exit 2, not a table of dashes
     _fails(capsys, main(["eval", "--model", str(grpo_root / "model"), "--data", str(grpo_root / "prompts.jsonl"),
                          "--reward", f"{grpo_root / 'rewards.py'}:never", "--max-new-tokens", "2"]),

@@ -108,6 +108,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
                                               args.seq_len, args.data_fields)
         if out is not None:
             results.write_json(out, result)
+            results.send(args.report_to, out.parent, results.reward_values(result, args.data))
         print(json.dumps(result, indent=2) if args.json else reward_eval.table(result))
         return 0
     if is_preference_data(args.data, args.data_fields):  # pairs: preference accuracy, base against adapter

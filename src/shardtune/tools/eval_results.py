@@ -100,6 +100,16 @@ def preference_values(result: dict, data: str) -> dict[str, float]:
     return values
 
 
+def reward_values(result: dict, data: str) -> dict[str, float]:
+    """eval/{base,adapter}/{data}/{figure} of a reward evaluation (tools/reward_eval.py): its numbers, those it
+    has (a mean no completion was scored for is None)."""
+    stem, values = Path(data).stem, {}
+    for label, figures in (("base", result["base"]), ("adapter", result.get("adapter_figures") or {})):
+        values.update({_key(f"eval/{label}/{stem}/{k}"): float(v) for k, v in figures.items()
+                       if isinstance(v, (int, float)) and not isinstance(v, bool)})
+    return values
+
+
 def send(report_to: str | None, folder: Path, values: dict[str, float]) -> None:
     """Add ``values`` to the run's trackers, at the fine-tune's last step (0 without summary.json)."""
     from shardtune.train.trackers import Trackers, parse_report_to

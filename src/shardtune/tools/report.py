@@ -205,7 +205,14 @@ def _evaluation(out: Path) -> list[str]:
 
     lines = []
     data = read_summary(out / EVAL_FILE, "evaluation results")
-    if data is not None and isinstance(data.get("base"), dict):  # preference pairs: base against adapter
+    if data is not None and isinstance(data.get("base"), dict) and "prompts" in data:  # rewards: base, adapter
+        tuned = data.get("adapter_figures") or {}
+        lines += [f"## Reward evaluation on `{data.get('data')}` ({_cell(data.get('prompts'))} prompts, "
+                  f"`shardtune eval --reward`)", "", "| figure | base | + adapter |", "|---|---|---|"]
+        lines += [f"| {k} | {_cell(data['base'].get(k))} | {_cell(tuned.get(k))} |"
+                  for k in data["base"] if k != "samples"]
+        lines.append("")
+    elif data is not None and isinstance(data.get("base"), dict):  # preference pairs: base against adapter
         tuned = data.get("adapter_figures") or {}
         lines += [f"## Preference evaluation on `{data.get('data')}` ({_cell(data.get('pairs'))} pairs, "
                   f"`shardtune eval --data`)", "", "| figure | base | + adapter |", "|---|---|---|"]
