@@ -40,6 +40,11 @@ def picky(prompts, completions, answer, **fields):
     return [0.0] * len(completions)
 
 
+def bails(prompts, completions, **fields):
+    import os
+    os._exit(0)
+
+
 def short(prompts, completions, **fields):
     return [0.0]
 
@@ -389,6 +394,14 @@ def test_a_reward_function_that_raises_stops_the_run_naming_it_and_the_prompt(gr
     # said once, by the launcher naming the rank: the worker's own closing line (after a progress bar that was
     # still drawn) is not relayed as well
     assert err.count("ValueError: no sixes") == 1, err
+
+
+def test_a_reward_function_that_ends_its_process_quietly_fails_the_run(grpo_root, capsys):
+    """os._exit(0) in a reward function ends the worker with status 0 mid-run: exit 2 saying the run did not
+    finish and what may have ended it, never a success."""
+    base = _only_reward(argv(grpo_root, "bails", "--strategy", "single", "--steps", "1"), grpo_root, "bails")
+    _fails(capsys, main(base), "the workers exited with status 0 but wrote no new", "os._exit",
+           "the run did not finish")
 
 
 def _only_reward(base: list[str], root: Path, name: str) -> list[str]:

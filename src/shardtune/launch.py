@@ -110,5 +110,7 @@ def _launch(cfg: Config, plan: RunPlan, asked: Config, run_name: str) -> dict:
     if cfg.parallel.node_rank > 0:
         return {}  # rank 0, on node 0, writes the summary (into an --out the nodes may share)
     if _identity(summary_path) in (None, before):  # never report an older run's result as this one's
-        raise WorkerError(f"the workers finished but wrote no new {summary_path}")
+        raise WorkerError(f"the workers exited with status 0 but wrote no new {summary_path}: something in a worker "
+                          "ended it early without an error (code of yours it ran, such as a reward function, that "
+                          "calls os._exit or kills its own process?); the run did not finish")
     return json.loads(summary_path.read_text())
