@@ -355,8 +355,14 @@ def test_reward_problems_found_before_workers_start(grpo_root, capsys, no_worker
 
     _fails(capsys, main(with_reward(f"{root / 'missing.py'}:digits")), "missing.py", "--reward")
     _fails(capsys, main(with_reward(f"{root / 'rewards.py'}:nothing")), "has no 'nothing'",
-           "digits, enormous, first_step_only, never, picky, short, sometimes")
+           "bails, digits, enormous, first_step_only, never, picky, short, sometimes")
     _fails(capsys, main(with_reward("no_such_module_here:fn")), "no_such_module_here")
+    # a record field named as an argument the functions get from shardtune: named by line, before any model loads
+    write_jsonl(root / "reserved.jsonl", [*prompt_records()[:2], {"prompt": "2+2=", "completions": "4"}])
+    bad_data = [*base]
+    bad_data[bad_data.index("--data") + 1] = str(root / "reserved.jsonl")
+    _fails(capsys, main(bad_data), "reserved.jsonl:3: the records have a field named 'completions', which reward "
+           "functions receive from shardtune itself")
     _fails(capsys, main([*base, "--batch-size", "6"]), "option 'batch-size' (6)", "--num-generations 4")
     _fails(capsys, main([*base, "--reward-weights", "1,x"]), "option 'reward-weights'")
     _fails(capsys, main([*base, "--strategy", "fsdp1", "--nproc", "2"]), "fsdp1", "use fsdp2")

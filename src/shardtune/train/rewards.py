@@ -54,9 +54,9 @@ from typing import Any
 import torch
 
 from shardtune.errors import ShardtuneError, check_path
+from shardtune.train.data.prompts import RESERVED, reserved_field_refusal
 
 #: the keyword arguments shardtune passes itself; a record field of one of these names is refused
-RESERVED = ("prompts", "completions", "completion_ids", "trainer_state", "log_metric", "log_extra")
 
 
 class RewardError(ShardtuneError):
@@ -493,10 +493,8 @@ def score(rewards: Sequence[RewardFunction], prompts: Sequence[str | list[dict]]
     if len(prompts) != n or len(completion_ids) != n:
         raise ValueError(f"{len(prompts)} prompts, {n} completions and {len(completion_ids)} id lists")
     fields = {k: list(v) for k, v in (fields or {}).items() if k not in ("prompt", "completion")}
-    clash = sorted(set(fields) & set(RESERVED))
-    if clash:
-        raise RewardError(f"the records have a field named {clash[0]!r}, which reward functions receive from "
-                          f"shardtune itself; rename it (--data-fields)")
+    if (refused := reserved_field_refusal(fields)) is not None:
+        raise RewardError(refused)
     log = log if log is not None else RewardLog()
 
     def log_metric(name: str, value: float) -> None:

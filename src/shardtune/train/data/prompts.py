@@ -16,8 +16,17 @@ from __future__ import annotations
 from shardtune.train.data.chat import check_messages, render_prompt, rendered
 from shardtune.train.data.records import DataError, Example, RecordFormat
 
-#: keyword arguments a reward function receives from shardtune itself (train/rewards.py's RESERVED)
+#: a record's prompt, not one of its fields for the reward functions
 _NOT_FIELDS = ("prompt", "instruction")
+#: keyword arguments a reward function receives from shardtune itself: no record field may take their names
+RESERVED = ("prompts", "completions", "completion_ids", "trainer_state", "log_metric", "log_extra")
+
+
+def reserved_field_refusal(fields: object) -> str | None:
+    """What is wrong with record ``fields`` that take a name reward functions get from shardtune, or None."""
+    clash = sorted(set(fields) & set(RESERVED))  # type: ignore[call-overload]
+    return (f"the records have a field named {clash[0]!r}, which reward functions receive from shardtune itself; "
+            "rename it (--data-fields)") if clash else None
 
 
 def prompt_of(record: dict) -> str | list[dict]:
@@ -40,6 +49,8 @@ def check_prompt(record: object, where: str) -> None:
                 else "")
         raise DataError(f"{where}: no 'prompt' field (found: {', '.join(sorted(record)) or 'none'}); --objective "
                         f"grpo expects {{\"prompt\": text or messages, ...fields for the rewards}}{hint}")
+    if (refused := reserved_field_refusal(record)) is not None:
+        raise DataError(f"{where}: {refused}")
     prompt = prompt_of(record)
     if isinstance(prompt, str):
         if not prompt.strip():
