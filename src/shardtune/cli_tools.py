@@ -307,7 +307,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--force", action="store_true", help="replace an existing --out (and its Modelfile)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--check", choices=("vllm",), help="check the adapter for a serving engine instead of exporting")
-    p.add_argument("--max-lora-rank", type=_at_least(1), default=16,
+    p.add_argument("--max-lora-rank", type=int, default=16,
                    help="with --check vllm: the --max-lora-rank vLLM will be started with [default: 16, vLLM's]")
     p.set_defaults(func=cmd_export)
 
