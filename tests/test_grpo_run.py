@@ -470,6 +470,22 @@ def test_a_run_from_an_init_adapter_that_learned_nothing_writes_no_adapter(grpo_
     assert not (grpo_root / "alike-init" / "adapter").exists()
 
 
+def test_an_init_adapter_is_the_reference_on_fsdp2_ranks_that_carry_the_generation(grpo_root, one_rank):
+    """β > 0 from --init-adapter on 2 FSDP2 ranks whose generation leaves the units gathered for training: the
+    reference swaps the initial LoRA weights into the sharded parameters (once crashed on the gathered copies,
+    exit 3), so step 1's KL is 0 (policy = reference) and it grows as the adapter moves; as on 1 rank."""
+    runs = {}
+    for name, spread in (("init-one", ("--strategy", "single")), ("init-two", ("--strategy", "fsdp2", "--nproc", "2"))):
+        assert main(argv(grpo_root, name, *spread, "--steps", "2", "--num-iterations", "1",
+                         "--init-adapter", str(one_rank / "adapter"))) == 0
+        runs[name] = metrics(grpo_root / name)
+    for rows in runs.values():
+        assert rows[0]["kl"] == 0.0 and rows[1]["kl"] > 0
+    torch.testing.assert_close(torch.tensor([r["loss"] for r in runs["init-two"]], dtype=torch.float64),
+                               torch.tensor([r["loss"] for r in runs["init-one"]], dtype=torch.float64),
+                               rtol=1e-5, atol=1e-6)
+
+
 def test_the_planner_counts_generation(grpo_root, capsys):
     """`shardtune plan` adds generation's moment: a KV cache for every completion a rank samples at once."""
     def kv_cache(batch: int) -> dict:

@@ -269,9 +269,10 @@ class Rollouts:
             with adapters_disabled(self.t.model):
                 yield
             return
+        self.t.strategy.after_inference(self.t.model)  # no unit keeps a gathered copy of the trained weights
+        # asked after: a gathered unit's parameters are its unsharded copies, freed as it is sharded again
         params = self.t.strategy.trainable(self.t.model)
         trained = {n: p.detach().clone() for n, p in params.items()}
-        self.t.strategy.after_inference(self.t.model)  # no unit keeps a gathered copy of the trained weights
         with torch.no_grad():
             for n, p in params.items():
                 p.copy_(self.initial[n])
