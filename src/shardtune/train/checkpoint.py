@@ -119,7 +119,8 @@ class Checkpointer:
             (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
             meta = {"step": state.step, "world_size": self.worker.world_size, "state": asdict(state),
                     "scheduler": self.scheduler.state_dict(), "options": self.cfg.flat(),
-                    "adapter_keys": self.keys, "data": self._data, "model": self._model, "saved_at": time.time()}
+                    "adapter_keys": self.keys, "data": self._data, "model": self._model, "saved_at": time.time(),
+                    "extra": self.extra is not None}
             if self.scaler is not None and self.scaler.is_enabled():  # fp16's loss scale continues too
                 meta["loss_scaler"] = self.scaler.state_dict()
             (tmp / META).write_text(json.dumps(meta, indent=1) + "\n")

@@ -94,7 +94,23 @@ def checkpoint_problem(path: Path, step: int | None) -> str | None:
         metadata = dcp.FileSystemReader(str(path)).read_metadata()
     except (Exception, CheckpointException) as err:  # any damage at all means: do not resume from it
         return f"unreadable ({type(err).__name__}: {err})"
-    return _short_file(path, metadata.storage_data or {})
+    small = [path / "rng" / f"rank-{rank}.pt" for rank in range(int(meta.get("world_size", 0)))]
+    small += [path / EXTRA] if meta.get("extra") else []  # recorded since checkpoints kept the objective's state
+    return _short_file(path, metadata.storage_data or {}) or next(filter(None, map(_unloadable, small)), None)
+
+
+def _unloadable(file: Path) -> str | None:
+    """Why a small state file (a rank's RNG states, the objective's ``extra.pt``) cannot be loaded, or None: read
+    whole now (kilobytes), so that the resume itself never fails on it halfway through."""
+    import torch
+
+    if not file.is_file():
+        return f"its file {file} is missing"
+    try:
+        torch.load(file, weights_only=True)
+    except Exception as err:  # noqa: BLE001 - any damage at all means: do not resume from it
+        return f"its file {file} is unreadable ({type(err).__name__})"
+    return None
 
 
 def _short_file(path: Path, storage: dict) -> str | None:
