@@ -289,6 +289,38 @@ def test_a_resume_with_other_groups_samples_its_batch_anew_and_drops_a_torn_samp
     kept = completions(part)
     assert [c["step"] for c in kept] == [c["step"] for c in completions(one_rank) if c["step"] <= 3] + [4] * 4
     assert kept[:-4] == completions(one_rank)
+    # another temperature: the saved batch's log-probs are the old one's; sampled anew as well
+    shutil.rmtree(part)
+    shutil.copytree(one_rank, part)
+    shutil.rmtree(part / "checkpoints" / "step-4")
+    (part / "summary.json").unlink()
+    shutil.rmtree(part / "adapter")
+    assert main(argv(grpo_root, "regroup", "--strategy", "single", "--steps", "4", "--temperature", "0.5",
+                     "--resume")) == 0
+    assert "was made at --temperature 1, its log-probs too (now 0.5); it is sampled anew" in capfd.readouterr().err
+
+
+def test_a_checkpoint_with_a_damaged_state_file_is_skipped_and_the_run_resumes_exactly(grpo_root, one_rank, capfd):
+    """A checkpoint whose generation batch (extra.pt) is garbage, or whose rank's RNG states are missing, is
+    skipped with a warning naming the file, as one with damaged weights is: resumed from the one before, the
+    run is the uninterrupted one (not a silently different run, not a crash halfway through loading, exit 3)."""
+    part = grpo_root / "damaged"
+    shutil.copytree(one_rank, part)
+    shutil.rmtree(part / "checkpoints" / "step-4")
+    (part / "summary.json").unlink()
+    shutil.rmtree(part / "adapter")
+    (part / "checkpoints" / "step-3" / "extra.pt").write_bytes(b"not a checkpoint")
+    (part / "checkpoints" / "step-2" / "rng" / "rank-0.pt").unlink()
+    capfd.readouterr()
+    code = main(argv(grpo_root, "damaged", "--strategy", "single", "--steps", "4", "--save-every", "1",
+                     "--keep-last", "4", "--resume"))
+    err = capfd.readouterr().err
+    assert code == 0, err
+    assert f"skipping checkpoint {part / 'checkpoints' / 'step-3'}: its file " \
+           f"{part / 'checkpoints' / 'step-3' / 'extra.pt'} is unreadable" in err
+    assert f"its file {part / 'checkpoints' / 'step-2' / 'rng' / 'rank-0.pt'} is missing" in err
+    assert "(step 1)" in err  # resumed from the one before
+    same_training(one_rank, part, 4)
 
 
 def test_off_policy_masking_drops_completions_the_policy_moved_away_from(grpo_root, one_rank):

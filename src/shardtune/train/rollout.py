@@ -169,7 +169,7 @@ class Rollouts:
         metrics = {**logged, **adv.metrics, **completion_metrics([len(c) for c in completions], truncated)}
         rollout = Rollout(index, prompts, completions, truncated, scores, adv.advantages,
                           make_mask(completions, truncated, self.cfg.grpo.mask_truncated_completions), metrics,
-                          self._micro_batches())
+                          self._micro_batches(), temperature=self.settings.temperature)
         self._install(rollout)
         g = self.cfg.grpo
         table = sampler_table(sampled, rollout.width) if sampled is not None else None
@@ -337,6 +337,11 @@ class Rollouts:
                     f"{self.split.batch_size}, --num-generations {self.G})")
         if rollout.micro_batches != self._micro_batches():
             return f"for {rollout.micro_batches} forwards a step over all ranks (now {self._micro_batches()})"
+        if rollout.temperature is not None and rollout.temperature != self.settings.temperature:
+            return f"at --temperature {rollout.temperature:g}, its log-probs too (now {self.settings.temperature:g})"
+        longest, limit = max((len(c) for c in rollout.completions), default=0), self.settings.max_new_tokens
+        if longest > limit:
+            return f"with completions of up to {longest} tokens (now --max-completion-length {limit})"
         if self.mu > 1 and rollout.old is None:
             return "without the log-probs at sampling that --num-iterations above 1 needs"
         if self.cfg.grpo.beta > 0 and rollout.ref is None:

@@ -50,6 +50,7 @@ class Rollout:
     ref: torch.Tensor | None = None  # (rows, width) the reference's (β > 0)
     is_ratio: torch.Tensor | None = None  # a vLLM sampler's importance-sampling ratio: (rows, width) or (rows, 1)
     sampling: torch.Tensor | None = None  # (rows, width) a vLLM sampler's log-probs (--off-policy-mask-threshold)
+    temperature: float | None = None  # sampled at (its log-probs' temperature); None: a checkpoint from before
 
     @property
     def width(self) -> int:
