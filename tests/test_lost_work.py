@@ -54,6 +54,8 @@ def test_a_finished_out_is_refused_without_resume_or_overwrite(root, finished, c
     assert main(_flags(root, finished)) == 2
     err = capsys.readouterr().err
     assert f"option 'out': {finished} holds a finished run" in err and "--overwrite" in err, err
+    # it kept no checkpoint: --resume, which would be refused, is not offered
+    assert "It kept no checkpoint to continue from" in err and "--resume" not in err, err
     assert _snapshot(finished) == before
     assert main(_flags(root, finished, "--resume", "--overwrite")) == 2
     assert "contradict" in capsys.readouterr().err

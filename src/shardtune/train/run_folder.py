@@ -55,10 +55,11 @@ def check_run_folder(cfg: Config) -> None:
     finished = "summary.json" in previous
     if finished or latest is not None:
         what = "a finished run (summary.json, adapter/)" if finished else f"checkpoints of a run ({latest.name})"
-        raise ConfigError(
-            f"option 'out': {out} holds {what}; a new run there would replace it. Pass --resume to continue it"
-            f"{' from its newest checkpoint' if latest else ' (it kept no checkpoint)'}, --overwrite to replace it, "
-            "or choose another --out")
+        # --resume only where a checkpoint is: without one it is refused (above), so it is not offered
+        resume = "Pass --resume to continue it from its newest checkpoint, " if latest else \
+            "It kept no checkpoint to continue from (--save-every N keeps some). Pass "
+        raise ConfigError(f"option 'out': {out} holds {what}; a new run there would replace it. {resume}"
+                          "--overwrite to replace it, or choose another --out")
 
 
 def clear_for_overwrite(cfg: Config) -> None:
