@@ -115,3 +115,25 @@ def _without_logprobs(answer: tuple[int, object]) -> tuple[int, object]:
     for choice in body.get("choices", []) if isinstance(body, dict) else []:
         choice["logprobs"] = None
     return code, body
+
+
+def test_a_web_server_that_is_no_vllm_is_named_in_one_line(tmp_path):
+    """A --vllm-url where an ordinary web server answers (its 404 page, HTML): one line, with the status and a
+    short excerpt of the page, not the page's markup over a dozen lines."""
+    import functools
+    import http.server
+    import threading
+
+    (tmp_path / "index.html").write_text("<html><body>hello</body></html>")
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        client = GeneratorClient(f"http://127.0.0.1:{httpd.server_address[1]}", "policy", timeout=5)
+        with pytest.raises(GeneratorError) as failed:
+            client.served()
+    finally:
+        httpd.shutdown()
+    message = str(failed.value)
+    assert "GET /v1/models answered 404: Error response" in message, message
+    assert "\n" not in message and "<" not in message and len(message) < 300, message

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
@@ -32,6 +33,13 @@ from pathlib import Path
 
 from shardtune.errors import ShardtuneError
 from shardtune.train.sampling import Completion, SamplingSettings
+
+
+def excerpt(text: str, limit: int = 160) -> str:
+    """A server's answer for an error line: its text on one line, HTML tags out (a web server that is no vLLM
+    answers with a page), at most ``limit`` characters."""
+    flat = " ".join(re.sub(r"<[^>]*>", " ", text).split())
+    return flat if len(flat) <= limit else flat[:limit - 1] + "…"
 
 
 class GeneratorError(ShardtuneError, RuntimeError):
@@ -60,7 +68,7 @@ class GeneratorClient:
             with urllib.request.urlopen(request, timeout=self.timeout) as response:  # noqa: S310 - the user's URL
                 text = response.read().decode()
         except urllib.error.HTTPError as err:
-            detail = err.read().decode(errors="replace")[:300]
+            detail = excerpt(err.read().decode(errors="replace"))
             hint = (" (is the server started with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True and --enable-lora?)"
                     if "lora" in path and err.code in (404, 405) else "")
             raise GeneratorError(f"generator {self.url}: {method} {path} answered {err.code}: {detail}{hint}",
@@ -77,7 +85,8 @@ class GeneratorClient:
         """{model or adapter name: its root (an adapter's folder)} as the server lists them."""
         listing = self._request("GET", "/v1/models")
         if not isinstance(listing, dict) or not isinstance(listing.get("data"), list):
-            raise GeneratorError(f"generator {self.url}: GET /v1/models answered no model list: {str(listing)[:200]}")
+            raise GeneratorError(f"generator {self.url}: GET /v1/models answered no model list: "
+                                 f"{excerpt(str(listing))}")
         return {str(m.get("id")): m.get("root") for m in listing["data"] if isinstance(m, dict)}
 
     # ------------------------------------------------------------------------------------------ the protocol
