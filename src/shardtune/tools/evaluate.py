@@ -202,12 +202,13 @@ def evaluate(model_dir: str | Path, data: str | Path, adapter: str | Path | None
             raise ConfigError(f"option '{name}' must be at least 1, got {value}")
     if max_new_tokens < 0:
         raise ConfigError(f"option 'max-new-tokens' must be at least 0, got {max_new_tokens}")
-    meta = build_meta_model(check_model_dir(model_dir, trust_remote_code), torch.float32)  # no weight read
+    base = check_model_dir(model_dir, trust_remote_code)
+    meta = build_meta_model(base, torch.float32)  # from its config: no weight read
     check_positions(meta, seq_len, f"--seq-len {seq_len}", model_dir)
     if context_parallel > 1:
         _check_context_parallel(meta, context_parallel, nproc)
     # before any worker starts: the adapter whole, and made from this base (the workers do not check again)
-    check_adapter_dir(adapter, check_model_dir(model_dir, trust_remote_code) if adapter is not None else None)
+    check_adapter_dir(adapter, base if adapter is not None else None)
     spec = EvalSpec(str(model_dir), str(data), str(adapter) if adapter is not None else None, seq_len, batch_size,
                     max_new_tokens, dtype, resolve_quantize(quantize, adapter), answers, data_fields, trust_remote_code,
                     context_parallel)
