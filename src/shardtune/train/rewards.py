@@ -56,8 +56,6 @@ import torch
 from shardtune.errors import ShardtuneError, check_path
 from shardtune.train.data.prompts import RESERVED, reserved_field_refusal
 
-#: the keyword arguments shardtune passes itself; a record field of one of these names is refused
-
 
 class RewardError(ShardtuneError):
     """A reward function that cannot be loaded, or that failed or answered wrongly; names it and the prompt."""
