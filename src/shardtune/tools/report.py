@@ -198,6 +198,14 @@ def _markdown(out: Path, metrics: list[dict], summary: dict | None, plots: dict[
     return "\n".join(lines + _evaluation(out))
 
 
+def _base_and_adapter(title: str, data: dict, figures: dict[str, str]) -> list[str]:
+    """A section of an evaluation's ``figures`` ({key: label}), base and + adapter side by side."""
+    tuned = data.get("adapter_figures") or {}
+    return [f"## {title}", "", "| figure | base | + adapter |", "|---|---|---|",
+            *(f"| {label} | {_cell(data['base'].get(k))} | {_cell(tuned.get(k))} |" for k, label in figures.items()),
+            ""]
+
+
 def _evaluation(out: Path) -> list[str]:
     """The ``shardtune eval`` results saved in the run folder, if any."""
     from shardtune.tools.eval_results import DATA_METRICS, EVAL_FILE, HARNESS_FILE, PAIR_METRICS
@@ -206,19 +214,14 @@ def _evaluation(out: Path) -> list[str]:
     lines = []
     data = read_summary(out / EVAL_FILE, "evaluation results")
     if data is not None and isinstance(data.get("base"), dict) and "prompts" in data:  # rewards: base, adapter
-        tuned = data.get("adapter_figures") or {}
-        lines += [f"## Reward evaluation on `{data.get('data')}` ({_cell(data.get('prompts'))} prompts, "
-                  f"`shardtune eval --reward`)", "", "| figure | base | + adapter |", "|---|---|---|"]
-        lines += [f"| {k} | {_cell(data['base'].get(k))} | {_cell(tuned.get(k))} |"
-                  for k in data["base"] if k != "samples"]
-        lines.append("")
+        lines += _base_and_adapter(f"Reward evaluation on `{data.get('data')}` ({_cell(data.get('prompts'))} "
+                                   "prompts, `shardtune eval --reward`)", data,
+                                   {k: k for k in data["base"] if k != "samples"})
     elif data is not None and isinstance(data.get("base"), dict):  # preference pairs: base against adapter
         tuned = data.get("adapter_figures") or {}
-        lines += [f"## Preference evaluation on `{data.get('data')}` ({_cell(data.get('pairs'))} pairs, "
-                  f"`shardtune eval --data`)", "", "| figure | base | + adapter |", "|---|---|---|"]
-        lines += [f"| {k.replace('_', ' ')} | {_cell(data['base'].get(k))} | {_cell(tuned.get(k))} |"
-                  for k in PAIR_METRICS if k in data["base"] or k in tuned]
-        lines.append("")
+        lines += _base_and_adapter(f"Preference evaluation on `{data.get('data')}` ({_cell(data.get('pairs'))} "
+                                   "pairs, `shardtune eval --data`)", data,
+                                   {k: k.replace("_", " ") for k in PAIR_METRICS if k in data["base"] or k in tuned})
     elif data is not None:
         which = "base + adapter" if data.get("adapter") else "base model"
         lines += [f"## Evaluation on `{data.get('data')}` ({which}, `shardtune eval --data`)", "",
